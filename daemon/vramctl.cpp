@@ -1,0 +1,44 @@
+// vramctl: the client, and offline tools that need no daemon.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <exception>
+#include <iostream>
+
+#include "cli/inspect.hpp"
+
+namespace {
+
+// Errors leave as one line on stderr.
+int report(const char* command, const std::exception& error) {
+  std::string message = error.what();
+  std::replace(message.begin(), message.end(), '\n', ' ');
+  std::cerr << "vramctl " << command << ": " << message << '\n';
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"vramctl: talk to vramd, and inspect checkpoints offline"};
+  app.set_version_flag("--version", std::string("vramctl ") + VRAMD_VERSION);
+  app.require_subcommand(1);
+
+  vramd::cli::InspectOptions inspect;
+  auto* inspect_cmd = app.add_subcommand(
+      "inspect", "Print a checkpoint's tensors (name, dtype, shape, file, size), totals and metadata");
+  inspect_cmd->add_option("path", inspect.sources,
+                          "safetensors file, folder, *.index.json, glob or PyTorch .bin/.pt (several allowed)")
+      ->required();
+  inspect_cmd->add_option("--prefix", inspect.prefix, "Only keys starting with this prefix (one model of several)");
+  inspect_cmd->add_flag("--keep-prefix", inspect.keep_prefix, "Keep the prefix in the names shown");
+  inspect_cmd->add_flag("--json", inspect.json, "Print one JSON object");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (inspect_cmd->parsed()) vramd::cli::inspect(inspect, std::cout, std::cerr);
+  } catch (const std::exception& error) {
+    return report(app.get_subcommands().front()->get_name().c_str(), error);
+  }
+  return 0;
+}

@@ -1,0 +1,102 @@
+#include "cli/inspect.hpp"
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <ostream>
+
+#include "storage/disk_map.hpp"
+#include "util/format.hpp"
+
+namespace vramd::cli {
+namespace {
+
+using storage::DiskMap;
+using storage::FileFormat;
+
+const char* format_name(FileFormat format) {
+  return format == FileFormat::Safetensors ? "safetensors" : "pytorch-pickle";
+}
+
+struct Total {
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+};
+
+std::map<std::string, Total> totals_by_dtype(const DiskMap& map) {
+  std::map<std::string, Total> totals;
+  for (const auto& t : map.tensors()) {
+    auto& total = totals[std::string(storage::dtype_name(t.dtype))];
+    ++total.tensors;
+    total.bytes += t.nbytes;
+  }
+  return totals;
+}
+
+void print_json(const DiskMap& map, std::ostream& out) {
+  nlohmann::ordered_json doc;
+  doc["checkpoint"] = map.description();
+  auto& files = doc["files"] = nlohmann::ordered_json::array();
+  for (const auto& file : map.files()) {
+    nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
+    for (const auto& [key, value] : file.metadata) metadata[key] = value;
+    files.push_back({{"path", file.path}, {"format", format_name(file.format)}, {"size", file.size},
+                     {"metadata", std::move(metadata)}});
+  }
+  auto& tensors = doc["tensors"] = nlohmann::ordered_json::object();
+  for (const auto& t : map.tensors())
+    tensors[t.name] = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.shape},
+                       {"file", map.files()[t.file].path}, {"key", t.key},
+                       {"offset", t.offset}, {"nbytes", t.nbytes}};
+  auto& totals = doc["totals"] = nlohmann::ordered_json::object();
+  for (const auto& [dtype, total] : totals_by_dtype(map))
+    totals[dtype] = {{"tensors", total.tensors}, {"bytes", total.bytes}};
+  doc["total_bytes"] = map.total_bytes();
+  doc["warnings"] = std::vector<std::string>(map.warnings().begin(), map.warnings().end());
+  out << doc.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+}
+
+void print_text(const DiskMap& map, std::ostream& out) {
+  out << "checkpoint: " << map.description() << "\n\nfiles:\n";
+  for (const auto& file : map.files()) {
+    out << "  " << file.path << "  " << format_name(file.format) << "  " << format_bytes(file.size) << '\n';
+    for (const auto& [key, value] : file.metadata) out << "    " << key << " = " << value << '\n';
+  }
+  size_t name_width = 4, shape_width = 5;
+  for (const auto& t : map.tensors()) {
+    name_width = std::max(name_width, t.name.size());
+    shape_width = std::max(shape_width, format_shape(t.shape).size());
+  }
+  auto pad = [](std::string text, size_t width) {
+    text.resize(std::max(width, text.size()), ' ');
+    return text;
+  };
+  const bool several_files = map.files().size() > 1;
+  out << "\ntensors: " << map.tensors().size() << "\n  " << pad("NAME", name_width) << "  "
+      << pad("DTYPE", 7) << "  " << pad("SHAPE", shape_width) << "  " << pad("SIZE", 11)
+      << (several_files ? "  FILE" : "") << '\n';
+  for (const auto& t : map.tensors()) {
+    out << "  " << pad(t.name, name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7)
+        << "  " << pad(format_shape(t.shape), shape_width) << "  " << pad(format_bytes(t.nbytes), 11);
+    if (several_files) out << "  " << map.files()[t.file].path;
+    out << '\n';
+  }
+  out << "\ntotals:\n";
+  for (const auto& [dtype, total] : totals_by_dtype(map))
+    out << "  " << pad(dtype, 7) << "  " << total.tensors << " tensors  " << format_bytes(total.bytes) << '\n';
+  out << "  " << pad("all", 7) << "  " << map.tensors().size() << " tensors  "
+      << format_bytes(map.total_bytes()) << '\n';
+}
+
+}  // namespace
+
+void inspect(const InspectOptions& options, std::ostream& out, std::ostream& err) {
+  auto map = DiskMap::open(options.sources, {options.prefix, !options.keep_prefix});
+  for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
+  if (options.json)
+    print_json(map, out);
+  else
+    print_text(map, out);
+}
+
+}  // namespace vramd::cli

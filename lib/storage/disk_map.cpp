@@ -1,0 +1,304 @@
+#include "storage/disk_map.hpp"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "storage/file.hpp"
+#include "storage/safetensors_header.hpp"
+#include "storage/torch_pickle.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::storage {
+namespace fs = std::filesystem;
+
+uint64_t TensorInfo::elements() const {
+  uint64_t count = 1;
+  for (int64_t dim : shape) count *= static_cast<uint64_t>(dim);
+  return count;
+}
+
+struct DiskMap::Impl {
+  std::string description;
+  std::vector<CheckpointFile> files;
+  std::vector<std::unique_ptr<File>> handles;        // per file; null for eager files
+  std::vector<std::shared_ptr<std::byte[]>> memory;  // per file; set for eager files
+  std::vector<TensorInfo> tensors;                   // sorted by name
+  std::vector<std::string> warnings;
+  uint64_t total_bytes = 0;
+};
+
+namespace {
+
+bool ends_with(std::string_view text, std::string_view suffix) {
+  return text.size() >= suffix.size() && text.substr(text.size() - suffix.size()) == suffix;
+}
+
+bool is_glob(std::string_view source) { return source.find_first_of("*?[") != std::string_view::npos; }
+
+bool is_pickle_name(std::string_view name) {
+  return ends_with(name, ".bin") || ends_with(name, ".pt") || ends_with(name, ".pth") ||
+         ends_with(name, ".ckpt");
+}
+
+// One checkpoint file to index; `only` restricts it to the keys an index.json assigns to it.
+struct Part {
+  std::string path;
+  std::string index;  // the index.json that named this shard, if any
+  std::optional<std::set<std::string>> only;
+};
+
+std::vector<std::string> sorted_matches(const fs::path& folder, std::string_view suffix) {
+  std::vector<std::string> found;
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    std::string name = entry.path().filename().string();
+    if (entry.is_regular_file() && ends_with(name, suffix)) found.push_back(entry.path().string());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+void add_index(const std::string& index_path, std::vector<Part>& parts) {
+  std::ifstream stream(index_path);
+  if (!stream) fail(index_path, "cannot open");
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(stream);
+  } catch (const nlohmann::json::exception& e) {
+    fail(index_path, std::string("not valid JSON: ") + e.what());
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    fail(index_path, "has no \"weight_map\" object");
+  std::map<std::string, std::set<std::string>> by_shard;
+  std::vector<std::string> order;
+  for (const auto& [key, value] : index["weight_map"].items()) {
+    if (!value.is_string()) fail(index_path, "weight_map entry " + quote(key) + " is not a file name");
+    std::string shard = value.get<std::string>();
+    fs::path relative(shard);
+    if (relative.is_absolute() || shard.empty() ||
+        std::any_of(relative.begin(), relative.end(), [](const fs::path& p) { return p == ".."; }))
+      fail(index_path, "weight_map entry " + quote(key) + " names " + quote(shard) +
+                           ", which is not a file beside the index");
+    if (!by_shard.count(shard)) order.push_back(shard);
+    by_shard[shard].insert(key);
+  }
+  const fs::path folder = fs::path(index_path).parent_path();
+  for (const auto& shard : order) {
+    std::string path = (folder / shard).string();
+    if (!fs::exists(path))
+      fail(index_path, "names the shard " + quote(shard) + " (for " +
+                           std::to_string(by_shard[shard].size()) + " keys), which does not exist");
+    parts.push_back(Part{path, index_path, std::move(by_shard[shard])});
+  }
+}
+
+void add_source(const std::string& source, std::vector<Part>& parts) {
+  if (is_glob(source)) {
+    glob_t matches{};
+    int status = ::glob(source.c_str(), 0, nullptr, &matches);
+    std::vector<std::string> paths(matches.gl_pathv, matches.gl_pathv + matches.gl_pathc);
+    ::globfree(&matches);
+    if (status != 0 || paths.empty()) fail(source, "no file matches this pattern");
+    for (const auto& path : paths) add_source(path, parts);
+    return;
+  }
+  std::error_code ec;
+  auto status = fs::status(source, ec);
+  if (ec || !fs::exists(status)) fail(source, "no such file or folder");
+  if (fs::is_directory(status)) {
+    for (const char* index_suffix : {".safetensors.index.json", ".bin.index.json"}) {
+      auto indexes = sorted_matches(source, index_suffix);
+      if (indexes.size() > 1)
+        fail(source, "holds several index files (" + indexes[0] + ", " + indexes[1] +
+                         "); name the one to load");
+      if (indexes.size() == 1) return add_index(indexes[0], parts);
+      if (std::string_view(index_suffix) == ".safetensors.index.json") {
+        auto shards = sorted_matches(source, ".safetensors");
+        if (!shards.empty()) {
+          for (auto& shard : shards) parts.push_back(Part{std::move(shard), {}, std::nullopt});
+          return;
+        }
+      }
+    }
+    std::vector<std::string> pickles;
+    for (const char* suffix : {".bin", ".pt", ".pth", ".ckpt"})
+      for (auto& path : sorted_matches(source, suffix)) pickles.push_back(std::move(path));
+    if (pickles.empty())
+      fail(source, "holds no checkpoint (looked for *.safetensors.index.json, *.safetensors, "
+                   "*.bin.index.json, *.bin, *.pt, *.pth, *.ckpt)");
+    for (auto& path : pickles) parts.push_back(Part{std::move(path), {}, std::nullopt});
+    return;
+  }
+  if (ends_with(source, ".index.json")) return add_index(source, parts);
+  parts.push_back(Part{source, {}, std::nullopt});
+}
+
+bool looks_like_zip(const File& file) {
+  if (file.size() < 4) return false;
+  std::byte magic[4];
+  file.read(magic, 0);
+  return std::memcmp(magic, "PK\x03\x04", 4) == 0;
+}
+
+struct Indexer {
+  DiskMap::Impl& map;
+  const DiskMapOptions& options;
+  uint64_t keys_seen = 0;
+  std::vector<std::string> sample_keys;
+
+  void add(const Part& part, std::vector<TensorRecord> records, uint64_t data_offset) {
+    const auto file = static_cast<uint32_t>(map.files.size() - 1);
+    const std::string& path = map.files.back().path;
+    std::set<std::string> missing = part.only.value_or(std::set<std::string>{});
+    uint64_t unlisted = 0;
+    for (auto& record : records) {
+      ++keys_seen;
+      if (sample_keys.size() < 3) sample_keys.push_back(record.name);
+      if (part.only) {
+        if (!part.only->count(record.name)) {
+          ++unlisted;
+          continue;
+        }
+        missing.erase(record.name);
+      }
+      if (!record.name.starts_with(options.prefix)) continue;
+      TensorInfo info;
+      info.name = options.strip_prefix ? record.name.substr(options.prefix.size()) : record.name;
+      if (info.name.empty())
+        fail(path, "key " + quote(record.name) + " equals the prefix, which leaves it no name");
+      info.key = std::move(record.name);
+      info.dtype = record.dtype;
+      info.shape = std::move(record.shape);
+      info.file = file;
+      info.offset = data_offset + record.begin;
+      info.nbytes = record.end - record.begin;
+      map.total_bytes += info.nbytes;
+      map.tensors.push_back(std::move(info));
+    }
+    if (!missing.empty()) {
+      std::string names;
+      size_t shown = 0;
+      for (const auto& key : missing) {
+        if (shown++ == 5) break;
+        names += (names.empty() ? "" : ", ") + quote(key);
+      }
+      if (missing.size() > 5) names += ", ...";
+      fail(part.index, std::to_string(missing.size()) + " key(s) named in weight_map are not in " +
+                           path + ": " + names);
+    }
+    if (unlisted)
+      map.warnings.push_back(path + ": " + std::to_string(unlisted) + " tensor(s) not named in " +
+                             part.index + " were ignored");
+  }
+};
+
+}  // namespace
+
+DiskMap DiskMap::open(const std::string& source, const DiskMapOptions& options) {
+  return open(std::vector<std::string>{source}, options);
+}
+
+DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOptions& options) {
+  auto impl = std::make_shared<Impl>();
+  for (const auto& source : sources) impl->description += (impl->description.empty() ? "" : ", ") + source;
+  if (sources.empty()) throw Error("no checkpoint given");
+
+  std::vector<Part> parts;
+  for (const auto& source : sources) add_source(source, parts);
+
+  Indexer indexer{*impl, options, 0, {}};
+  for (const auto& part : parts) {
+    auto handle = std::make_unique<File>(part.path);
+    CheckpointFile info{part.path, FileFormat::Safetensors, handle->size(), {}};
+    bool pickle = is_pickle_name(part.path) ||
+                  (!ends_with(part.path, ".safetensors") && looks_like_zip(*handle));
+    if (pickle) {
+      info.format = FileFormat::TorchPickle;
+      impl->warnings.push_back(part.path +
+                               ": PyTorch pickle checkpoints are read eagerly, all tensors at "
+                               "once (slower, not lazy); convert it to safetensors");
+      auto eager = load_torch_pickle(part.path);
+      impl->files.push_back(std::move(info));
+      impl->handles.push_back(nullptr);
+      impl->memory.push_back(eager.data);
+      indexer.add(part, std::move(eager.tensors), 0);
+      continue;
+    }
+    SafetensorsHeader header;
+    try {
+      header = read_safetensors_header(handle->fd(), handle->size());
+    } catch (const Error& e) {
+      fail(part.path, e.what());
+    }
+    info.metadata = std::move(header.metadata);
+    impl->files.push_back(std::move(info));
+    impl->handles.push_back(std::move(handle));
+    impl->memory.push_back(nullptr);
+    indexer.add(part, std::move(header.tensors), header.data_offset);
+  }
+
+  if (impl->tensors.empty() && !options.prefix.empty()) {
+    std::string examples;
+    for (const auto& key : indexer.sample_keys) examples += (examples.empty() ? "" : ", ") + quote(key);
+    fail(impl->description, "no key starts with the prefix " + quote(options.prefix) + " (" +
+                                std::to_string(indexer.keys_seen) + " keys, such as " + examples + ")");
+  }
+  std::sort(impl->tensors.begin(), impl->tensors.end(),
+            [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
+  auto twin = std::adjacent_find(impl->tensors.begin(), impl->tensors.end(),
+                                 [](const TensorInfo& a, const TensorInfo& b) { return a.name == b.name; });
+  if (twin != impl->tensors.end())
+    fail(impl->files[twin[1].file].path, "holds the key " + quote(twin[1].key) + ", which " +
+                                             impl->files[twin[0].file].path + " holds too");
+  return DiskMap(std::move(impl));
+}
+
+std::span<const TensorInfo> DiskMap::tensors() const { return impl_->tensors; }
+std::span<const CheckpointFile> DiskMap::files() const { return impl_->files; }
+std::span<const std::string> DiskMap::warnings() const { return impl_->warnings; }
+const std::string& DiskMap::description() const { return impl_->description; }
+uint64_t DiskMap::total_bytes() const { return impl_->total_bytes; }
+
+const TensorInfo* DiskMap::find(std::string_view name) const {
+  const auto& tensors = impl_->tensors;
+  auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
+                             [](const TensorInfo& t, std::string_view n) { return t.name < n; });
+  return it != tensors.end() && it->name == name ? &*it : nullptr;
+}
+
+const TensorInfo& DiskMap::at(std::string_view name) const {
+  if (const auto* info = find(name)) return *info;
+  fail(impl_->description, "has no tensor " + quote(name));
+}
+
+void DiskMap::read(const TensorInfo& info, std::span<std::byte> dst) const {
+  if (dst.size() != info.nbytes)
+    fail(info.name, "read into a buffer of " + std::to_string(dst.size()) + " bytes, needs " +
+                        std::to_string(info.nbytes));
+  if (const auto& memory = impl_->memory[info.file]) {
+    std::memcpy(dst.data(), memory.get() + info.offset, info.nbytes);
+    return;
+  }
+  impl_->handles[info.file]->read(dst, info.offset);
+}
+
+void DiskMap::read_direct(const TensorInfo& info, std::span<std::byte> dst) const {
+  if (dst.size() != info.nbytes || impl_->memory[info.file]) return read(info, dst);
+  impl_->handles[info.file]->read_direct(dst, info.offset);
+}
+
+std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const TensorInfo& info) const {
+  if (const auto& memory = impl_->memory[info.file])
+    return {{memory.get() + info.offset, info.nbytes}, memory};
+  auto mapping = impl_->handles[info.file]->mapping();
+  return {mapping.subspan(info.offset, info.nbytes), impl_};
+}
+
+}  // namespace vramd::storage

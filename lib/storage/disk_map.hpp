@@ -1,0 +1,84 @@
+// DiskMap: a lazy index  name -> (file, dtype, shape, byte range)  over all of a model's
+// checkpoint files, built from headers alone. Reading a tensor touches only its byte range.
+//
+// Sources: a safetensors file, a folder (its *.safetensors.index.json, else its *.safetensors
+// shards, else PyTorch *.bin / *.pt files), an index.json, a glob, or a list of these.
+// PyTorch pickle files are read eagerly through LibTorch, with a warning.
+//
+// A prefix restricts the map to one model inside files that hold several: only keys that
+// start with it are indexed, and it is stripped from their names unless asked to be kept.
+//
+// The map is immutable once opened; every method may be called from several threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "storage/dtype.hpp"
+
+namespace vramd::storage {
+
+enum class FileFormat { Safetensors, TorchPickle };
+
+struct CheckpointFile {
+  std::string path;
+  FileFormat format;
+  uint64_t size = 0;  // bytes on disk
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+struct TensorInfo {
+  std::string name;  // the name the map serves (the key, less the prefix when stripped)
+  std::string key;   // the key as stored in the file
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint32_t file = 0;    // index into DiskMap::files()
+  uint64_t offset = 0;  // absolute byte offset of the data in that file
+  uint64_t nbytes = 0;
+
+  uint64_t elements() const;
+};
+
+struct DiskMapOptions {
+  std::string prefix;        // empty: every key
+  bool strip_prefix = true;  // serve "model.x" as "x" when prefix is "model."
+};
+
+class DiskMap {
+ public:
+  static DiskMap open(const std::vector<std::string>& sources, const DiskMapOptions& options = {});
+  static DiskMap open(const std::string& source, const DiskMapOptions& options = {});
+
+  std::span<const TensorInfo> tensors() const;  // sorted by name
+  std::span<const CheckpointFile> files() const;
+  std::span<const std::string> warnings() const;  // e.g. "x.bin: read eagerly ..."
+  const std::string& description() const;         // the sources, for messages
+
+  const TensorInfo* find(std::string_view name) const;
+  const TensorInfo& at(std::string_view name) const;  // throws Error naming the key and sources
+
+  uint64_t total_bytes() const;  // of the tensors in the map
+
+  // Copies exactly the tensor's bytes into dst (dst.size() == info.nbytes).
+  void read(const TensorInfo& info, std::span<std::byte> dst) const;
+  // The same, bypassing the page cache where the file system allows it.
+  void read_direct(const TensorInfo& info, std::span<std::byte> dst) const;
+  // The tensor's bytes in place (a private file mapping, or memory for eager files), and an
+  // owner that keeps them valid for as long as it lives.
+  std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;
+
+  struct Impl;
+
+ private:
+  explicit DiskMap(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace vramd::storage

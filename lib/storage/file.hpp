@@ -1,0 +1,45 @@
+// A read-only checkpoint file: positioned reads, O_DIRECT reads for cold data, and a lazy
+// copy-on-write mapping for zero-copy views. Safe to use from several threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+
+namespace vramd::storage {
+
+class File {
+ public:
+  explicit File(std::string path);  // throws Error naming the path
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }
+  int fd() const { return fd_; }
+
+  // Reads exactly dst.size() bytes at `offset` through the page cache.
+  void read(std::span<std::byte> dst, uint64_t offset) const;
+
+  // The same bytes, read with O_DIRECT (bypassing the page cache) where the file system allows
+  // it, else through the page cache.
+  void read_direct(std::span<std::byte> dst, uint64_t offset) const;
+
+  // The whole file, mapped privately on first use; writes to it never reach the file.
+  std::span<std::byte> mapping() const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  mutable std::once_flag map_once_;
+  mutable std::byte* map_ = nullptr;
+  mutable std::once_flag direct_once_;
+  mutable int direct_fd_ = -1;
+};
+
+}  // namespace vramd::storage

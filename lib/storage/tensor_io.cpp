@@ -1,0 +1,110 @@
+#include "storage/tensor_io.hpp"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <cstring>
+
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::storage {
+namespace {
+
+struct Pair {
+  DType dtype;
+  c10::ScalarType type;
+};
+
+constexpr Pair kPairs[] = {
+    {DType::BOOL, c10::kBool},           {DType::U8, c10::kByte},
+    {DType::I8, c10::kChar},             {DType::U16, c10::kUInt16},
+    {DType::I16, c10::kShort},           {DType::U32, c10::kUInt32},
+    {DType::I32, c10::kInt},             {DType::U64, c10::kUInt64},
+    {DType::I64, c10::kLong},            {DType::F16, c10::kHalf},
+    {DType::BF16, c10::kBFloat16},       {DType::F32, c10::kFloat},
+    {DType::F64, c10::kDouble},          {DType::C64, c10::kComplexFloat},
+    {DType::F8_E4M3, c10::ScalarType::Float8_e4m3fn},
+    {DType::F8_E5M2, c10::ScalarType::Float8_e5m2},
+    {DType::F8_E8M0, c10::ScalarType::Float8_e8m0fnu},
+};
+
+// Contiguous CPU tensors, kept alive beside the TensorData that point into them.
+struct Staged {
+  std::vector<at::Tensor> keep;
+  std::vector<TensorData> data;
+};
+
+Staged stage(const NamedTensors& tensors) {
+  Staged staged;
+  staged.keep.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined()) throw Error("tensor " + quote(name) + " is undefined");
+    at::Tensor cpu = tensor.to(c10::kCPU).contiguous();
+    staged.keep.push_back(cpu);
+    staged.data.push_back(TensorData{
+        name, dtype_of(cpu.scalar_type()), std::vector<int64_t>(cpu.sizes().begin(), cpu.sizes().end()),
+        {static_cast<const std::byte*>(cpu.const_data_ptr()), cpu.nbytes()}});
+  }
+  return staged;
+}
+
+}  // namespace
+
+c10::ScalarType scalar_type(DType dtype) {
+  for (const auto& pair : kPairs)
+    if (pair.dtype == dtype) return pair.type;
+  throw Error("dtype " + std::string(dtype_name(dtype)) + " has no LibTorch equivalent");
+}
+
+DType dtype_of(c10::ScalarType type) {
+  for (const auto& pair : kPairs)
+    if (pair.type == type) return pair.dtype;
+  throw Error(std::string("LibTorch dtype ") + c10::toString(type) + " cannot be stored in safetensors");
+}
+
+at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options) {
+  c10::ScalarType type;
+  try {
+    type = scalar_type(info.dtype);
+  } catch (const Error& e) {
+    fail(map.files()[info.file].path, "tensor " + quote(info.key) + ": " + e.what());
+  }
+  const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
+  at::Tensor tensor;
+  if (options.mode == ReadMode::Auto) {
+    auto [bytes, owner] = map.bytes(info);
+    const size_t item = c10::elementSize(type);
+    if (reinterpret_cast<uintptr_t>(bytes.data()) % item == 0) {
+      tensor = at::from_blob(bytes.data(), info.shape, [owner](void*) {}, cpu);
+    } else {
+      tensor = at::empty(info.shape, cpu);
+      std::memcpy(tensor.mutable_data_ptr(), bytes.data(), bytes.size());
+    }
+  } else {
+    tensor = at::empty(info.shape, cpu);
+    std::span<std::byte> dst(static_cast<std::byte*>(tensor.mutable_data_ptr()), info.nbytes);
+    if (options.mode == ReadMode::Direct)
+      map.read_direct(info, dst);
+    else
+      map.read(info, dst);
+  }
+  if (options.dtype && *options.dtype != type) tensor = tensor.to(*options.dtype);
+  return tensor;
+}
+
+at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOptions& options) {
+  return load_tensor(map, map.at(name), options);
+}
+
+std::string serialize_tensors(const NamedTensors& tensors, const Metadata& metadata) {
+  auto staged = stage(tensors);
+  return serialize_safetensors(staged.data, metadata);
+}
+
+void save_tensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
+  auto staged = stage(tensors);
+  write_safetensors(path, staged.data, metadata);
+}
+
+}  // namespace vramd::storage

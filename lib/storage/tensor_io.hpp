@@ -1,0 +1,43 @@
+// LibTorch tensors from a DiskMap, and safetensors from LibTorch tensors. The only storage
+// header that pulls in ATen: include it only where tensors are really needed.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "storage/disk_map.hpp"
+#include "storage/safetensors_writer.hpp"
+
+namespace vramd::storage {
+
+// Throws Error for the packed sub-byte types (F4, F6_*) that LibTorch cannot hold as such.
+c10::ScalarType scalar_type(DType dtype);
+DType dtype_of(c10::ScalarType type);  // throws Error for types safetensors lacks
+
+enum class ReadMode {
+  Auto,    // a zero-copy view into the file mapping when the data is aligned, else a copy
+  Copy,    // positioned reads into fresh memory
+  Direct,  // like Copy, bypassing the page cache (O_DIRECT) where the file system allows
+};
+
+struct ReadOptions {
+  std::optional<c10::ScalarType> dtype;  // convert at read time
+  ReadMode mode = ReadMode::Auto;
+};
+
+// The tensor on the CPU. Views keep the file mapping alive for as long as they live; writes
+// to a view stay private to this process.
+at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options = {});
+at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOptions& options = {});
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Safetensors bytes of the tensors (any device or layout; copied to contiguous CPU memory).
+std::string serialize_tensors(const NamedTensors& tensors, const Metadata& metadata = {});
+void save_tensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata = {});
+
+}  // namespace vramd::storage

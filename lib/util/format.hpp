@@ -1,0 +1,20 @@
+// Small text helpers shared by error messages and CLI output.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace vramd {
+
+// "1.50 GiB", "512 B": binary units, two decimals above bytes.
+std::string format_bytes(uint64_t bytes);
+
+// "[2, 3, 4]"
+std::string format_shape(std::span<const int64_t> shape);
+
+// Quotes a key for an error message: 'h.0.w', with control characters escaped.
+std::string quote(std::string_view text);
+
+}  // namespace vramd

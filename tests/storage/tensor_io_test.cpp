@@ -1,0 +1,128 @@
+#include <catch2/catch.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+
+#include "storage/tensor_io.hpp"
+#include "support/temp_dir.hpp"
+#include "util/error.hpp"
+
+using namespace vramd::storage;
+using vramd::test::TempDir;
+
+namespace {
+
+std::string file_bytes(const std::string& json, const std::string& data) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
+  return out + json + data;
+}
+
+bool inside(const at::Tensor& tensor, std::span<std::byte> bytes) {
+  auto* p = static_cast<const std::byte*>(tensor.const_data_ptr());
+  return p >= bytes.data() && p < bytes.data() + bytes.size();
+}
+
+}  // namespace
+
+TEST_CASE("aligned tensors load as zero-copy views that keep the file mapped") {
+  TempDir dir;
+  auto path = dir / "m.safetensors";
+  save_tensors(path, {{"w", at::arange(12, at::kFloat).reshape({3, 4})}});
+  at::Tensor view;
+  {
+    auto map = DiskMap::open(path);
+    view = load_tensor(map, "w");
+    CHECK(inside(view, map.bytes(map.at("w")).first));
+  }
+  CHECK(view.sizes() == at::IntArrayRef({3, 4}));
+  CHECK(at::equal(view, at::arange(12, at::kFloat).reshape({3, 4})));  // the map is gone, the view lives
+
+  view.fill_(7);  // private: the file keeps its bytes
+  auto again = DiskMap::open(path);
+  CHECK(at::equal(load_tensor(again, "w"), at::arange(12, at::kFloat).reshape({3, 4})));
+}
+
+TEST_CASE("misaligned tensors are copied, and every read mode returns the same values") {
+  TempDir dir;
+  float values[2] = {1.5f, -2.25f};
+  std::string data = "\x07" + std::string(reinterpret_cast<char*>(values), 8);
+  auto path = dir.write("odd.safetensors",
+                        file_bytes(R"({"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                                   R"("w":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})", data));
+  auto map = DiskMap::open(path);
+  const auto expected = at::tensor({1.5f, -2.25f});
+  for (auto mode : {ReadMode::Auto, ReadMode::Copy, ReadMode::Direct}) {
+    auto w = load_tensor(map, "w", {std::nullopt, mode});
+    CHECK(reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 4 == 0);
+    CHECK(!inside(w, map.bytes(map.at("w")).first));
+    CHECK(at::equal(w, expected));
+  }
+  CHECK(load_tensor(map, "b").item<uint8_t>() == 7);
+}
+
+TEST_CASE("a requested dtype converts at read time") {
+  TempDir dir;
+  auto path = dir / "bf16.safetensors";
+  auto source = at::randn({64, 32}).to(at::kBFloat16);
+  save_tensors(path, {{"w", source}});
+  auto map = DiskMap::open(path);
+  for (auto mode : {ReadMode::Auto, ReadMode::Copy}) {
+    auto w = load_tensor(map, "w", {at::kFloat, mode});
+    CHECK(w.scalar_type() == at::kFloat);
+    CHECK(at::equal(w, source.to(at::kFloat)));
+  }
+}
+
+TEST_CASE("every dtype LibTorch has round-trips through the writer and the reader") {
+  TempDir dir;
+  NamedTensors tensors;
+  for (auto type : {at::kBool, at::kByte, at::kChar, at::kShort, at::kUInt16, at::kInt, at::kUInt32, at::kLong,
+                    at::kUInt64, at::kHalf, at::kBFloat16, at::kFloat, at::kDouble, at::kComplexFloat,
+                    at::ScalarType::Float8_e4m3fn, at::ScalarType::Float8_e5m2, at::ScalarType::Float8_e8m0fnu})
+    tensors.emplace_back(c10::toString(type), at::arange(6, at::kFloat).reshape({2, 3}).to(type));
+  tensors.emplace_back("strided", at::arange(12, at::kFloat).reshape({3, 4}).t());
+  save_tensors(dir / "all.safetensors", tensors);
+  auto map = DiskMap::open(dir / "all.safetensors");
+  for (const auto& [name, tensor] : tensors) {
+    INFO(name);
+    auto loaded = load_tensor(map, name);
+    CHECK(loaded.scalar_type() == tensor.scalar_type());
+    CHECK(at::equal(loaded.to(at::kDouble), tensor.to(at::kDouble)));
+  }
+}
+
+TEST_CASE("a dtype LibTorch lacks is indexed but refused at read time, naming file and tensor") {
+  TempDir dir;
+  auto path = dir.write("f4.safetensors", file_bytes(R"({"w":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}})", "ab"));
+  auto map = DiskMap::open(path);
+  CHECK(map.at("w").nbytes == 2);
+  CHECK_THROWS_WITH(load_tensor(map, "w"), path + ": tensor 'w': dtype F4 has no LibTorch equivalent");
+}
+
+TEST_CASE("files written here read back in the reference safetensors package, and vice versa") {
+  const std::string python = VRAMD_PYTHON;
+  if (python.empty()) {
+    WARN("skipped: no Python with safetensors configured (VRAMD_PYTHON)");
+    return;
+  }
+  TempDir dir;
+  const std::string script = std::string(VRAMD_SOURCE_DIR) + "/tests/storage/reference_files.py";
+
+  NamedTensors ours;
+  for (auto type : {at::kFloat, at::kBFloat16, at::kHalf, at::kLong, at::ScalarType::Float8_e4m3fn})
+    ours.emplace_back(c10::toString(type), at::arange(24, at::kFloat).reshape({2, 3, 4}).to(type));
+  save_tensors(dir / "ours.safetensors", ours, {{"made_by", "vramd"}});
+  CHECK(std::system((python + " " + script + " check " + dir / "ours.safetensors").c_str()) == 0);
+
+  REQUIRE(std::system((python + " " + script + " write " + dir / "theirs.safetensors").c_str()) == 0);
+  auto map = DiskMap::open(dir / "theirs.safetensors");
+  CHECK(map.tensors().size() >= 10);
+  for (const auto& info : map.tensors()) {
+    INFO(info.name);
+    auto loaded = load_tensor(map, info);
+    auto expected = at::arange(static_cast<int64_t>(info.elements()), at::kFloat).reshape(info.shape);
+    CHECK(at::equal(loaded.to(at::kFloat), expected.to(loaded.scalar_type()).to(at::kFloat)));
+  }
+}
