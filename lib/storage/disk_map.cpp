@@ -28,8 +28,7 @@ uint64_t TensorInfo::elements() const {
 struct DiskMap::Impl {
   std::string description;
   std::vector<CheckpointFile> files;
-  std::vector<std::unique_ptr<File>> handles;        // per file; null for eager files
-  std::vector<std::shared_ptr<std::byte[]>> memory;  // per file; set for eager files
+  std::vector<std::unique_ptr<File>> handles;  // per file
   std::vector<TensorInfo> tensors;                   // sorted by name
   std::vector<std::string> warnings;
   uint64_t total_bytes = 0;
@@ -217,18 +216,22 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
   for (const auto& part : parts) {
     auto handle = std::make_unique<File>(part.path);
     CheckpointFile info{part.path, FileFormat::Safetensors, handle->size(), {}};
-    bool pickle = is_pickle_name(part.path) ||
-                  (!ends_with(part.path, ".safetensors") && looks_like_zip(*handle));
+    const bool pickle = is_pickle_name(part.path) ||
+                        (!ends_with(part.path, ".safetensors") && looks_like_zip(*handle));
     if (pickle) {
       info.format = FileFormat::TorchPickle;
-      impl->warnings.push_back(part.path +
-                               ": PyTorch pickle checkpoints are read eagerly, all tensors at "
-                               "once (slower, not lazy); convert it to safetensors");
-      auto eager = load_torch_pickle(part.path);
+      PickleIndex index;
+      try {
+        index = index_torch_pickle(part.path, handle->size());
+      } catch (const Error& e) {
+        fail(part.path, e.what());
+      }
+      if (index.skipped)
+        impl->warnings.push_back(part.path + ": " + std::to_string(index.skipped) +
+                                 " entries that are not tensors were left out");
       impl->files.push_back(std::move(info));
-      impl->handles.push_back(nullptr);
-      impl->memory.push_back(eager.data);
-      indexer.add(part, std::move(eager.tensors), 0);
+      impl->handles.push_back(std::move(handle));
+      indexer.add(part, std::move(index.tensors), 0);
       continue;
     }
     SafetensorsHeader header;
@@ -240,7 +243,6 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
     info.metadata = std::move(header.metadata);
     impl->files.push_back(std::move(info));
     impl->handles.push_back(std::move(handle));
-    impl->memory.push_back(nullptr);
     indexer.add(part, std::move(header.tensors), header.data_offset);
   }
 
@@ -282,21 +284,15 @@ void DiskMap::read(const TensorInfo& info, std::span<std::byte> dst) const {
   if (dst.size() != info.nbytes)
     fail(info.name, "read into a buffer of " + std::to_string(dst.size()) + " bytes, needs " +
                         std::to_string(info.nbytes));
-  if (const auto& memory = impl_->memory[info.file]) {
-    std::memcpy(dst.data(), memory.get() + info.offset, info.nbytes);
-    return;
-  }
   impl_->handles[info.file]->read(dst, info.offset);
 }
 
 void DiskMap::read_direct(const TensorInfo& info, std::span<std::byte> dst) const {
-  if (dst.size() != info.nbytes || impl_->memory[info.file]) return read(info, dst);
+  if (dst.size() != info.nbytes) return read(info, dst);
   impl_->handles[info.file]->read_direct(dst, info.offset);
 }
 
 std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const TensorInfo& info) const {
-  if (const auto& memory = impl_->memory[info.file])
-    return {{memory.get() + info.offset, info.nbytes}, memory};
   auto mapping = impl_->handles[info.file]->mapping();
   return {mapping.subspan(info.offset, info.nbytes), impl_};
 }

@@ -2,8 +2,8 @@
 // checkpoint files, built from headers alone. Reading a tensor touches only its byte range.
 //
 // Sources: a safetensors file, a folder (its *.safetensors.index.json, else its *.safetensors
-// shards, else PyTorch *.bin / *.pt files), an index.json, a glob, or a list of these.
-// PyTorch pickle files are read eagerly through LibTorch, with a warning.
+// shards, else its *.bin.index.json, else PyTorch *.bin / *.pt files), an index.json, a glob,
+// or a list of these. PyTorch zip checkpoints are indexed lazily too (storage/torch_pickle.hpp).
 //
 // A prefix restricts the map to one model inside files that hold several: only keys that
 // start with it are indexed, and it is stripped from their names unless asked to be kept.
@@ -58,7 +58,7 @@ class DiskMap {
 
   std::span<const TensorInfo> tensors() const;  // sorted by name
   std::span<const CheckpointFile> files() const;
-  std::span<const std::string> warnings() const;  // e.g. "x.bin: read eagerly ..."
+  std::span<const std::string> warnings() const;  // e.g. shard tensors an index leaves out
   const std::string& description() const;         // the sources, for messages
 
   const TensorInfo* find(std::string_view name) const;
@@ -70,8 +70,8 @@ class DiskMap {
   void read(const TensorInfo& info, std::span<std::byte> dst) const;
   // The same, bypassing the page cache where the file system allows it.
   void read_direct(const TensorInfo& info, std::span<std::byte> dst) const;
-  // The tensor's bytes in place (a private file mapping, or memory for eager files), and an
-  // owner that keeps them valid for as long as it lives.
+  // The tensor's bytes in place, in a private mapping of its file, and an owner that keeps
+  // them valid for as long as it lives.
   std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;
 
   struct Impl;

@@ -1,9 +1,12 @@
-// PyTorch pickle checkpoints (.bin, .pt, .pth: torch.save of a state dict), read eagerly
-// through LibTorch's own unpickler. They cannot be indexed lazily; safetensors can.
+// PyTorch checkpoints (.bin, .pt, .pth: torch.save of a state dict, zip format), indexed lazily.
+//
+// LibTorch's zip reader finds the records; a restricted unpickler reads data.pkl, allowing only
+// the globals a state dict needs (OrderedDict, tensor and parameter rebuilds, typed storages),
+// as torch.load(weights_only=True) does, so a checkpoint cannot run code. Each tensor becomes a
+// byte range of its storage record: nothing is read until a tensor is asked for.
 #pragma once
 
-#include <cstddef>
-#include <memory>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -11,14 +14,13 @@
 
 namespace vramd::storage {
 
-struct EagerCheckpoint {
-  std::vector<TensorRecord> tensors;  // begin/end are offsets into data
-  std::shared_ptr<std::byte[]> data;  // every tensor's bytes, each 64-byte aligned
-  uint64_t size = 0;
+struct PickleIndex {
+  std::vector<TensorRecord> tensors;  // begin/end: absolute byte offsets in the file
+  uint64_t skipped = 0;               // non-tensor entries (ints, strings) left out
 };
 
-// Loads the state dict in `path` (nested "state_dict"/"model" dicts are not unwrapped).
-// Throws Error naming the file when it holds no dict of tensors.
-EagerCheckpoint load_torch_pickle(const std::string& path);
+// Nested dicts are flattened with '.', so {"model": {"w": ...}} serves "model.w".
+// Throws Error (without the path) when the file is not such a checkpoint.
+PickleIndex index_torch_pickle(const std::string& path, uint64_t file_size);
 
 }  // namespace vramd::storage

@@ -2,6 +2,7 @@
 
   reference_files.py write PATH   writes arange-valued tensors of many dtypes and layouts
   reference_files.py check PATH   checks a file vramd wrote: arange values, metadata kept
+  reference_files.py write-pickle PATH   torch.save of a module's state dict, arange values
 """
 import sys
 
@@ -41,5 +42,17 @@ def check(path):
             assert torch.equal(tensor.float(), expected.float()), key
 
 
+def write_pickle(path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Embedding(5, 2))
+    model[2].to(torch.bfloat16)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.arange(parameter.numel(), dtype=torch.float32).reshape(parameter.shape))
+    state = model.state_dict()
+    state["tied"] = state["0.weight"]  # two names, one storage
+    state["row"] = model[0].weight[1]  # a view that starts inside its storage
+    torch.save(state, path)
+
+
 if __name__ == "__main__":
-    {"write": write, "check": check}[sys.argv[1]](sys.argv[2])
+    {"write": write, "check": check, "write-pickle": write_pickle}[sys.argv[1]](sys.argv[2])

@@ -126,3 +126,26 @@ TEST_CASE("files written here read back in the reference safetensors package, an
     CHECK(at::equal(loaded.to(at::kFloat), expected.to(loaded.scalar_type()).to(at::kFloat)));
   }
 }
+
+TEST_CASE("a torch.save state dict is read lazily, views and tied names included") {
+  const std::string python = VRAMD_PYTHON;
+  if (python.empty()) {
+    WARN("skipped: no Python with torch configured (VRAMD_PYTHON)");
+    return;
+  }
+  TempDir dir;
+  const std::string script = std::string(VRAMD_SOURCE_DIR) + "/tests/storage/reference_files.py";
+  REQUIRE(std::system((python + " " + script + " write-pickle " + dir / "model.bin").c_str()) == 0);
+  auto map = DiskMap::open(dir / "model.bin");
+  CHECK(map.files()[0].format == FileFormat::TorchPickle);
+  CHECK(map.tensors().size() == 7);
+  for (const char* name : {"0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "tied"}) {
+    INFO(name);
+    auto tensor = load_tensor(map, name);
+    auto expected = at::arange(tensor.numel(), at::kFloat).reshape(tensor.sizes());
+    CHECK(at::equal(tensor.to(at::kFloat), expected));
+  }
+  CHECK(load_tensor(map, "2.weight").scalar_type() == at::kBFloat16);
+  CHECK(at::equal(load_tensor(map, "row"), at::tensor({4.0f, 5.0f, 6.0f, 7.0f})));
+  CHECK(map.at("tied").offset == map.at("0.weight").offset);
+}
