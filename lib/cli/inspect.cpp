@@ -45,7 +45,7 @@ void print_json(const DiskMap& map, std::ostream& out) {
   }
   auto& tensors = doc["tensors"] = nlohmann::ordered_json::object();
   for (const auto& t : map.tensors())
-    tensors[t.name] = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.shape},
+    tensors[std::string(t.name())] = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.shape},
                        {"file", map.files()[t.file].path}, {"key", t.key},
                        {"offset", t.offset}, {"nbytes", t.nbytes}};
   auto& totals = doc["totals"] = nlohmann::ordered_json::object();
@@ -64,7 +64,7 @@ void print_text(const DiskMap& map, std::ostream& out) {
   }
   size_t name_width = 4, shape_width = 5;
   for (const auto& t : map.tensors()) {
-    name_width = std::max(name_width, t.name.size());
+    name_width = std::max(name_width, t.name().size());
     shape_width = std::max(shape_width, format_shape(t.shape).size());
   }
   auto pad = [](std::string text, size_t width) {
@@ -76,7 +76,7 @@ void print_text(const DiskMap& map, std::ostream& out) {
       << pad("DTYPE", 7) << "  " << pad("SHAPE", shape_width) << "  " << pad("SIZE", 11)
       << (several_files ? "  FILE" : "") << '\n';
   for (const auto& t : map.tensors()) {
-    out << "  " << pad(t.name, name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7)
+    out << "  " << pad(std::string(t.name()), name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7)
         << "  " << pad(format_shape(t.shape), shape_width) << "  " << pad(format_bytes(t.nbytes), 11);
     if (several_files) out << "  " << map.files()[t.file].path;
     out << '\n';

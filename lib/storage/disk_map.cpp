@@ -169,8 +169,8 @@ struct Indexer {
       }
       if (!record.name.starts_with(options.prefix)) continue;
       TensorInfo info;
-      info.name = options.strip_prefix ? record.name.substr(options.prefix.size()) : record.name;
-      if (info.name.empty())
+      info.prefix_length = options.strip_prefix ? static_cast<uint32_t>(options.prefix.size()) : 0;
+      if (record.name.size() == info.prefix_length)
         fail(path, "key " + quote(record.name) + " equals the prefix, which leaves it no name");
       info.key = std::move(record.name);
       info.dtype = record.dtype;
@@ -197,6 +197,22 @@ struct Indexer {
                              part.index + " were ignored");
   }
 };
+
+// Sorts through a permutation: each TensorInfo moves once, not at every swap. A single
+// safetensors file arrives sorted already (a prefix stripped from every name keeps the order).
+void sort_by_name(std::vector<TensorInfo>& tensors) {
+  if (std::is_sorted(tensors.begin(), tensors.end(),
+                     [](const TensorInfo& a, const TensorInfo& b) { return a.name() < b.name(); }))
+    return;
+  std::vector<uint32_t> order(tensors.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](uint32_t a, uint32_t b) { return tensors[a].name() < tensors[b].name(); });
+  std::vector<TensorInfo> sorted;
+  sorted.reserve(tensors.size());
+  for (uint32_t i : order) sorted.push_back(std::move(tensors[i]));
+  tensors = std::move(sorted);
+}
 
 }  // namespace
 
@@ -252,10 +268,9 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
     fail(impl->description, "no key starts with the prefix " + quote(options.prefix) + " (" +
                                 std::to_string(indexer.keys_seen) + " keys, such as " + examples + ")");
   }
-  std::sort(impl->tensors.begin(), impl->tensors.end(),
-            [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
+  sort_by_name(impl->tensors);
   auto twin = std::adjacent_find(impl->tensors.begin(), impl->tensors.end(),
-                                 [](const TensorInfo& a, const TensorInfo& b) { return a.name == b.name; });
+                                 [](const TensorInfo& a, const TensorInfo& b) { return a.name() == b.name(); });
   if (twin != impl->tensors.end())
     fail(impl->files[twin[1].file].path, "holds the key " + quote(twin[1].key) + ", which " +
                                              impl->files[twin[0].file].path + " holds too");
@@ -271,8 +286,8 @@ uint64_t DiskMap::total_bytes() const { return impl_->total_bytes; }
 const TensorInfo* DiskMap::find(std::string_view name) const {
   const auto& tensors = impl_->tensors;
   auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
-                             [](const TensorInfo& t, std::string_view n) { return t.name < n; });
-  return it != tensors.end() && it->name == name ? &*it : nullptr;
+                             [](const TensorInfo& t, std::string_view n) { return t.name() < n; });
+  return it != tensors.end() && it->name() == name ? &*it : nullptr;
 }
 
 const TensorInfo& DiskMap::at(std::string_view name) const {
@@ -282,7 +297,7 @@ const TensorInfo& DiskMap::at(std::string_view name) const {
 
 void DiskMap::read(const TensorInfo& info, std::span<std::byte> dst) const {
   if (dst.size() != info.nbytes)
-    fail(info.name, "read into a buffer of " + std::to_string(dst.size()) + " bytes, needs " +
+    fail(std::string(info.name()), "read into a buffer of " + std::to_string(dst.size()) + " bytes, needs " +
                         std::to_string(info.nbytes));
   impl_->handles[info.file]->read(dst, info.offset);
 }
@@ -290,6 +305,14 @@ void DiskMap::read(const TensorInfo& info, std::span<std::byte> dst) const {
 void DiskMap::read_direct(const TensorInfo& info, std::span<std::byte> dst) const {
   if (dst.size() != info.nbytes) return read(info, dst);
   impl_->handles[info.file]->read_direct(dst, info.offset);
+}
+
+void DiskMap::read_file(uint32_t file, std::span<std::byte> dst, uint64_t offset, bool direct) const {
+  const auto& handle = *impl_->handles.at(file);
+  if (direct)
+    handle.read_direct(dst, offset);
+  else
+    handle.read(dst, offset);
 }
 
 std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const TensorInfo& info) const {

@@ -35,14 +35,16 @@ struct CheckpointFile {
 };
 
 struct TensorInfo {
-  std::string name;  // the name the map serves (the key, less the prefix when stripped)
-  std::string key;   // the key as stored in the file
+  std::string key;  // the key as stored in the file
+  uint32_t prefix_length = 0;  // of the prefix stripped from the key to make its name
   DType dtype;
   std::vector<int64_t> shape;
   uint32_t file = 0;    // index into DiskMap::files()
   uint64_t offset = 0;  // absolute byte offset of the data in that file
   uint64_t nbytes = 0;
 
+  // The name the map serves: the key, less the prefix when it is stripped.
+  std::string_view name() const { return std::string_view(key).substr(prefix_length); }
   uint64_t elements() const;
 };
 
@@ -70,6 +72,8 @@ class DiskMap {
   void read(const TensorInfo& info, std::span<std::byte> dst) const;
   // The same, bypassing the page cache where the file system allows it.
   void read_direct(const TensorInfo& info, std::span<std::byte> dst) const;
+  // Bytes [offset, offset + dst.size()) of one of files(), as File::read or File::read_direct.
+  void read_file(uint32_t file, std::span<std::byte> dst, uint64_t offset, bool direct) const;
   // The tensor's bytes in place, in a private mapping of its file, and an owner that keeps
   // them valid for as long as it lives.
   std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;

@@ -15,7 +15,7 @@
 namespace vramd::storage {
 namespace {
 
-constexpr size_t kDirectAlignment = 4096;
+constexpr size_t kDirectAlignment = File::kDirectAlignment;
 constexpr size_t kDirectChunk = 8u << 20;
 
 std::string errno_text() { return std::strerror(errno); }
@@ -71,6 +71,24 @@ void File::read_direct(std::span<std::byte> dst, uint64_t offset) const {
   });
   if (direct_fd_ < 0) return read(dst, offset);  // e.g. tmpfs has no O_DIRECT
 
+  const bool aligned = (reinterpret_cast<uintptr_t>(dst.data()) | offset | dst.size()) % kDirectAlignment == 0;
+  if (aligned) {
+    // Straight into the caller's buffer; the last block may end past the end of the file.
+    uint64_t position = offset;
+    std::byte* out = dst.data();
+    const uint64_t last = offset + dst.size();
+    while (position < last && position < size_) {
+      ssize_t got = ::pread(direct_fd_, out, last - position, static_cast<off_t>(position));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 && errno == EINVAL) return read(dst.first(std::min<uint64_t>(dst.size(), size_ - offset)), offset);
+      if (got < 0) fail(path_, "direct read at offset " + std::to_string(position) + " failed: " + errno_text());
+      if (got == 0) fail(path_, "unexpected end of file at offset " + std::to_string(position));
+      out += got;
+      position += static_cast<uint64_t>(got);
+    }
+    return;
+  }
+
   const uint64_t first = offset & ~static_cast<uint64_t>(kDirectAlignment - 1);
   const uint64_t last = offset + dst.size();
   const size_t chunk = static_cast<size_t>(std::min<uint64_t>(
@@ -84,6 +102,7 @@ void File::read_direct(std::span<std::byte> dst, uint64_t offset) const {
   while (position < last) {
     ssize_t got = ::pread(direct_fd_, bounce.get(), chunk, static_cast<off_t>(position));
     if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && errno == EINVAL) return read(dst, offset);
     if (got < 0) fail(path_, "direct read at offset " + std::to_string(position) + " failed: " + errno_text());
     if (got == 0) fail(path_, "unexpected end of file at offset " + std::to_string(position));
     const uint64_t got_end = position + static_cast<uint64_t>(got);

@@ -13,6 +13,8 @@ namespace vramd::storage {
 
 class File {
  public:
+  static constexpr size_t kDirectAlignment = 4096;  // of offsets, sizes and buffers for O_DIRECT
+
   explicit File(std::string path);  // throws Error naming the path
   ~File();
   File(const File&) = delete;
@@ -26,7 +28,9 @@ class File {
   void read(std::span<std::byte> dst, uint64_t offset) const;
 
   // The same bytes, read with O_DIRECT (bypassing the page cache) where the file system allows
-  // it, else through the page cache.
+  // it, else through the page cache. When dst's address and size and the offset are all
+  // multiples of 4096 the data goes straight into dst, and dst may reach past the end of the
+  // file (the bytes there are left as they are); otherwise through a bounce buffer.
   void read_direct(std::span<std::byte> dst, uint64_t offset) const;
 
   // The whole file, mapped privately on first use; writes to it never reach the file.

@@ -147,13 +147,20 @@ void check_size(const TensorRecord& t, uint64_t data_size) {
 }
 
 // The tensors must tile [0, data_size) exactly: no holes, no overlaps, no trailing bytes.
-void check_tiling(std::vector<TensorRecord>& tensors, uint64_t data_size) {
-  std::sort(tensors.begin(), tensors.end(), [](const TensorRecord& a, const TensorRecord& b) {
+void check_tiling(const std::vector<TensorRecord>& tensors, uint64_t data_size) {
+  struct Span {
+    uint64_t begin, end;
+    uint32_t index;
+  };
+  std::vector<Span> spans(tensors.size());
+  for (uint32_t i = 0; i < spans.size(); ++i) spans[i] = {tensors[i].begin, tensors[i].end, i};
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   uint64_t position = 0;
   const TensorRecord* previous = nullptr;
-  for (const auto& t : tensors) {
+  for (const auto& span : spans) {
+    const auto& t = tensors[span.index];
     if (t.begin < position)
       fail_tensor(t.name, "has data_offsets " + offsets_text(t.begin, t.end) +
                               " overlapping tensor " + quote(previous->name) + " at " +
@@ -169,6 +176,21 @@ void check_tiling(std::vector<TensorRecord>& tensors, uint64_t data_size) {
     throw Error("the data region has " + std::to_string(data_size - position) +
                 " trailing bytes after the last tensor (" + std::to_string(data_size) +
                 " bytes, tensors cover " + std::to_string(position) + ")");
+}
+
+// Sorts through a permutation (each record moves once) and refuses a name given twice.
+void sort_by_name(std::vector<TensorRecord>& tensors) {
+  std::vector<uint32_t> order(tensors.size());
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return tensors[a].name < tensors[b].name; });
+  std::vector<TensorRecord> sorted;
+  sorted.reserve(tensors.size());
+  for (uint32_t i : order) {
+    if (!sorted.empty() && sorted.back().name == tensors[i].name)
+      throw Error("header has the tensor " + quote(tensors[i].name) + " twice");
+    sorted.push_back(std::move(tensors[i]));
+  }
+  tensors = std::move(sorted);
 }
 
 uint64_t read_le64(const std::byte* bytes) {
@@ -206,8 +228,6 @@ SafetensorsHeader parse_header(std::string_view json, bool padded, uint64_t data
 
   SafetensorsHeader header;
   header.tensors.reserve(object.size());
-  std::unordered_set<std::string_view> names;
-  names.reserve(object.size());
   bool has_metadata = false;
   for (auto field : object) {
     if (field.key == "__metadata__") {
@@ -216,11 +236,10 @@ SafetensorsHeader parse_header(std::string_view json, bool padded, uint64_t data
       header.metadata = parse_metadata(field.value);
       continue;
     }
-    if (!names.insert(field.key).second)
-      throw Error("header has the tensor " + quote(field.key) + " twice");
     header.tensors.push_back(parse_tensor(field.key, field.value));
     check_size(header.tensors.back(), data_size);
   }
+  sort_by_name(header.tensors);
   check_tiling(header.tensors, data_size);
   return header;
 }

@@ -30,7 +30,7 @@ struct TensorRecord {
 
 struct SafetensorsHeader {
   uint64_t data_offset = 0;  // 8 + N: where the data region starts in the file
-  std::vector<TensorRecord> tensors;  // in the order of their data, first byte first
+  std::vector<TensorRecord> tensors;  // sorted by name
   std::vector<std::pair<std::string, std::string>> metadata;  // "__metadata__", in file order
 };
 

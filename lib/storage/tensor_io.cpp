@@ -63,13 +63,16 @@ DType dtype_of(c10::ScalarType type) {
   throw Error(std::string("LibTorch dtype ") + c10::toString(type) + " cannot be stored in safetensors");
 }
 
-at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options) {
-  c10::ScalarType type;
+c10::ScalarType scalar_type(const DiskMap& map, const TensorInfo& info) {
   try {
-    type = scalar_type(info.dtype);
+    return scalar_type(info.dtype);
   } catch (const Error& e) {
     fail(map.files()[info.file].path, "tensor " + quote(info.key) + ": " + e.what());
   }
+}
+
+at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options) {
+  const c10::ScalarType type = scalar_type(map, info);
   const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
   at::Tensor tensor;
   if (options.mode == ReadMode::Auto) {

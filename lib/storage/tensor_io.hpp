@@ -17,6 +17,8 @@ namespace vramd::storage {
 // Throws Error for the packed sub-byte types (F4, F6_*) that LibTorch cannot hold as such.
 c10::ScalarType scalar_type(DType dtype);
 DType dtype_of(c10::ScalarType type);  // throws Error for types safetensors lacks
+// The tensor's LibTorch type; throws Error naming its file and key.
+c10::ScalarType scalar_type(const DiskMap& map, const TensorInfo& info);
 
 enum class ReadMode {
   Auto,    // a zero-copy view into the file mapping when the data is aligned, else a copy
@@ -33,6 +35,19 @@ struct ReadOptions {
 // to a view stay private to this process.
 at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options = {});
 at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOptions& options = {});
+
+struct LoadOptions {
+  std::optional<c10::ScalarType> dtype;  // convert after reading
+  bool direct = false;                   // O_DIRECT: for cold data, keeps the page cache clean
+  unsigned threads = 0;                  // readers; 0: one per core (four for direct reads)
+};
+
+// Reads many tensors at once: one host allocation laid out as the files are, filled by large
+// positioned reads on several threads, so that neighbouring tensors cost one read. Returns
+// the tensors in the order given; they share the allocation, which lives while any of them
+// does. The fastest way to bring a whole model into host memory.
+std::vector<at::Tensor> load_tensors(const DiskMap& map, std::span<const TensorInfo* const> infos,
+                                     const LoadOptions& options = {});
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 

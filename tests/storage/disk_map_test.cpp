@@ -68,7 +68,7 @@ TEST_CASE("a single file is indexed by name, and reads return each tensor's own 
   write_safetensors(dir / "model.safetensors", t.data, {{"format", "pt"}});
   auto map = DiskMap::open(dir / "model.safetensors");
   REQUIRE(map.tensors().size() == 2);
-  CHECK(map.tensors()[0].name == "layers.0.weight");
+  CHECK(map.tensors()[0].name() == "layers.0.weight");
   CHECK(map.files()[0].metadata.at(0).second == "pt");
   CHECK(map.total_bytes() == 24 * 4);
   CHECK(read_floats(map, "layers.1.weight") == t.of("layers.1.weight"));
@@ -178,7 +178,7 @@ TEST_CASE("a prefix takes one model out of a file that holds several") {
 
   auto unet = DiskMap::open(path, {"unet.", true});
   REQUIRE(unet.tensors().size() == 2);
-  CHECK(unet.tensors()[0].name == "b");
+  CHECK(unet.tensors()[0].name() == "b");
   CHECK(unet.at("w").key == "unet.w");
   CHECK(read_floats(unet, "w") == t.of("unet.w"));
   CHECK(unet.total_bytes() == 40);

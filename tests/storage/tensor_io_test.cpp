@@ -120,7 +120,7 @@ TEST_CASE("files written here read back in the reference safetensors package, an
   auto map = DiskMap::open(dir / "theirs.safetensors");
   CHECK(map.tensors().size() >= 10);
   for (const auto& info : map.tensors()) {
-    INFO(info.name);
+    INFO(info.key);
     auto loaded = load_tensor(map, info);
     auto expected = at::arange(static_cast<int64_t>(info.elements()), at::kFloat).reshape(info.shape);
     CHECK(at::equal(loaded.to(at::kFloat), expected.to(loaded.scalar_type()).to(at::kFloat)));

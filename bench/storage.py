@@ -1,0 +1,166 @@
+"""Storage benchmark: vramd's DiskMap against the Python safetensors package, same files, same run.
+
+    .venv/bin/python bench/storage.py [--workdir /tmp/vramd-bench] [--repeat 5]
+
+Prints each figure and its ratio. Timings are taken inside each process (Python's perf_counter,
+vramd's steady_clock), best of --repeat, page cache warm unless the row says cold. Cold rows
+evict the file from the page cache with posix_fadvise(DONTNEED) first, and are compared with
+`dd iflag=direct` on the same file. See docs/benchmarks.md.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "build" / "bin" / "vramd_bench_storage"
+
+
+def make_many(path, count):
+    if path.exists():
+        return
+    tensors = {}
+    for i in range(count):
+        shape = [(64,), (16, 64), (32, 32), (8, 8, 4)][i % 4]
+        tensors[f"model.layers.{i // 16}.block.{i % 16}.weight"] = torch.full(shape, float(i % 7), dtype=torch.bfloat16)
+    save_file(tensors, path)
+
+
+def make_model(path, layers, hidden, intermediate):
+    if path.exists():
+        return
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(32000, hidden, generator=generator).to(torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[p + f"self_attn.{name}.weight"] = torch.randn(hidden, hidden, generator=generator).to(torch.bfloat16)
+        for name, shape in (("gate_proj", (intermediate, hidden)), ("up_proj", (intermediate, hidden)),
+                            ("down_proj", (hidden, intermediate))):
+            tensors[p + f"mlp.{name}.weight"] = torch.randn(*shape, generator=generator).to(torch.bfloat16)
+        tensors[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    save_file(tensors, path)
+
+
+def best(function, repeat):
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def ours(*args):
+    out = subprocess.run([str(BENCH), *map(str, args)], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def evict(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm(path):
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def dd_direct_seconds(path):
+    evict(path)
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def touch_pages(tensors):
+    total = 0
+    for t in tensors.values():
+        flat = t.reshape(-1).view(torch.uint8)
+        total += int(flat[::4096].sum()) if flat.numel() else 0
+    return total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/tmp/vramd-bench")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tensors", type=int, default=50_000)
+    args = parser.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    many, model = work / f"many-{args.tensors}.safetensors", work / "model-1g.safetensors"
+    print(f"generating checkpoints in {work} (once) ...", file=sys.stderr)
+    make_many(many, args.tensors)
+    make_model(model, layers=10, hidden=2048, intermediate=5632)
+    size = model.stat().st_size
+    rows = []
+
+    def row(name, theirs, vramd, note=""):
+        rows.append((name, theirs, vramd, theirs / vramd, note))
+        print(f"{name:58s} safetensors {theirs * 1e3:9.1f} ms   vramd {vramd * 1e3:9.1f} ms   "
+              f"ratio {theirs / vramd:5.2f}x  {note}", flush=True)
+
+    # Open + index.
+    def open_keys():
+        with safe_open(many, framework="pt") as f:
+            return len(f.keys())
+
+    def open_shapes():
+        with safe_open(many, framework="pt") as f:
+            return [(f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]
+
+    warm(many)
+    ours_index = min(ours("index", many, args.repeat)["seconds"])
+    row(f"open + index, {args.tensors} tensors (their keys only)", best(open_keys, args.repeat), ours_index)
+    row(f"open + index, {args.tensors} tensors (with dtypes, shapes)", best(open_shapes, args.repeat), ours_index)
+
+    # Warm reads of a 1 GiB bf16 model.
+    warm(model)
+    copies = best(lambda: [t.clone() for t in load_file(model).values()], args.repeat)
+    row("read all, bf16, owned copies (load_file + clone)", copies,
+        min(ours("read", model, args.repeat, "copy")["seconds"]), "warm")
+    mapped = best(lambda: touch_pages(load_file(model)), args.repeat)
+    row("read all, bf16, mapped and faulted in (load_file + touch)", mapped,
+        min(ours("read", model, args.repeat, "view")["seconds"]), "warm")
+    converted = best(lambda: [t.float() for t in load_file(model).values()], args.repeat)
+    row("read all, bf16 -> float32 (load_file + .float())", converted,
+        min(ours("read", model, args.repeat, "view", "f32")["seconds"]), "warm")
+
+    # Cold reads, against the device's own O_DIRECT throughput.
+    dd = min(dd_direct_seconds(model) for _ in range(3))
+    cold = []
+    for mode in ("direct", "copy"):
+        times = []
+        for _ in range(3):
+            evict(model)
+            times.append(ours("read", model, 1, mode)["seconds"][0])
+        cold.append((mode, min(times)))
+    theirs_cold = []
+    for _ in range(3):
+        evict(model)
+        start = time.perf_counter()
+        [t.clone() for t in load_file(model).values()]
+        theirs_cold.append(time.perf_counter() - start)
+    gib = size / 2**30
+    print(f"\ncold read of {size / 2**20:.0f} MiB: dd iflag=direct {gib / dd:.2f} GiB/s", flush=True)
+    for mode, seconds in cold:
+        print(f"  vramd {mode:6s} {gib / seconds:.2f} GiB/s = {dd / seconds:.2f} of dd", flush=True)
+    print(f"  safetensors load_file + clone {gib / min(theirs_cold):.2f} GiB/s = {dd / min(theirs_cold):.2f} of dd")
+
+
+if __name__ == "__main__":
+    main()
