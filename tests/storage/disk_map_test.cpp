@@ -60,7 +60,7 @@ uint64_t bytes_read_by_process() {
 
 }  // namespace
 
-TEST_CASE("a single file is indexed by name, and reads return each tensor's own bytes") {
+TEST_CASE("a single file is indexed by name and reads return each tensor's own bytes") {
   TempDir dir;
   Tensors t;
   t.add("layers.0.weight", 16);
@@ -83,7 +83,7 @@ TEST_CASE("a single file is indexed by name, and reads return each tensor's own 
   CHECK(std::memcmp(bytes.data(), t.of("layers.0.weight").data(), info.nbytes) == 0);
 }
 
-TEST_CASE("a sharded checkpoint opens from its index, its folder, or the index file") {
+TEST_CASE("a sharded checkpoint opens from its folder or its index file") {
   TempDir dir;
   Tensors a, b;
   a.add("x", 4);
@@ -140,7 +140,7 @@ TEST_CASE("an index that names keys or shards that are not there is refused with
   }
 }
 
-TEST_CASE("a folder of shards, a glob and a list are merged; a key in two files is refused") {
+TEST_CASE("a folder of shards or a glob or a list are merged and a key in two files is refused") {
   TempDir dir;
   Tensors a, b;
   a.add("x", 4);

@@ -76,7 +76,7 @@ TEST_CASE("every safetensors dtype is accepted with its own element size") {
   }
 }
 
-TEST_CASE("empty files, empty tensors and trailing spaces are accepted") {
+TEST_CASE("empty files and empty tensors and trailing spaces are accepted") {
   CHECK(parse(file_bytes("{}")).tensors.empty());
   CHECK(parse(file_bytes("{}        ")).tensors.empty());
   auto header = parse(file_bytes("{" + tensor("e", "F32", "[0, 5]", "[0,0]") + "," +
@@ -188,7 +188,7 @@ TEST_CASE("each kind of malformed file is rejected with its own message") {
   }
 }
 
-TEST_CASE("the writer's output parses back, aligned and padded") {
+TEST_CASE("the writer's output parses back aligned and padded") {
   const float weights[3] = {1, 2, 3};
   const uint8_t flags[1] = {1};
   std::vector<TensorData> tensors = {
@@ -205,7 +205,7 @@ TEST_CASE("the writer's output parses back, aligned and padded") {
   CHECK(header.metadata.at(0).second == "pt");
 }
 
-TEST_CASE("the writer refuses bytes that do not match the shape, and repeated names") {
+TEST_CASE("the writer refuses bytes that do not match the shape and repeated names") {
   const float weights[3] = {1, 2, 3};
   std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(weights), 12);
   std::vector<TensorData> wrong = {{"w", DType::F32, {4}, bytes}};

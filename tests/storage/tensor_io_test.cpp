@@ -44,7 +44,7 @@ TEST_CASE("aligned tensors load as zero-copy views that keep the file mapped") {
   CHECK(at::equal(load_tensor(again, "w"), at::arange(12, at::kFloat).reshape({3, 4})));
 }
 
-TEST_CASE("misaligned tensors are copied, and every read mode returns the same values") {
+TEST_CASE("misaligned tensors are copied and every read mode returns the same values") {
   TempDir dir;
   float values[2] = {1.5f, -2.25f};
   std::string data = "\x07" + std::string(reinterpret_cast<char*>(values), 8);
@@ -93,7 +93,7 @@ TEST_CASE("every dtype LibTorch has round-trips through the writer and the reade
   }
 }
 
-TEST_CASE("a dtype LibTorch lacks is indexed but refused at read time, naming file and tensor") {
+TEST_CASE("a dtype LibTorch lacks is indexed but refused at read time with the file and tensor named") {
   TempDir dir;
   auto path = dir.write("f4.safetensors", file_bytes(R"({"w":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}})", "ab"));
   auto map = DiskMap::open(path);
@@ -101,7 +101,7 @@ TEST_CASE("a dtype LibTorch lacks is indexed but refused at read time, naming fi
   CHECK_THROWS_WITH(load_tensor(map, "w"), path + ": tensor 'w': dtype F4 has no LibTorch equivalent");
 }
 
-TEST_CASE("files written here read back in the reference safetensors package, and vice versa") {
+TEST_CASE("files written here read back in the reference safetensors package and the other way round") {
   const std::string python = VRAMD_PYTHON;
   if (python.empty()) {
     WARN("skipped: no Python with safetensors configured (VRAMD_PYTHON)");
@@ -127,7 +127,7 @@ TEST_CASE("files written here read back in the reference safetensors package, an
   }
 }
 
-TEST_CASE("a torch.save state dict is read lazily, views and tied names included") {
+TEST_CASE("a torch.save state dict is read lazily with views and tied names") {
   const std::string python = VRAMD_PYTHON;
   if (python.empty()) {
     WARN("skipped: no Python with torch configured (VRAMD_PYTHON)");
@@ -148,4 +148,39 @@ TEST_CASE("a torch.save state dict is read lazily, views and tied names included
   CHECK(load_tensor(map, "2.weight").scalar_type() == at::kBFloat16);
   CHECK(at::equal(load_tensor(map, "row"), at::tensor({4.0f, 5.0f, 6.0f, 7.0f})));
   CHECK(map.at("tied").offset == map.at("0.weight").offset);
+}
+
+TEST_CASE("load_tensors reads many tensors at once from several files and skips what is not asked for") {
+  TempDir dir;
+  NamedTensors first, second;
+  for (int i = 0; i < 6; ++i)
+    first.emplace_back("a." + std::to_string(i), at::arange(1000 * (i + 1), at::kFloat).to(at::kBFloat16));
+  first.emplace_back("big", at::arange(3 << 20, at::kFloat));  // a gap of 12 MiB between runs
+  for (int i = 0; i < 3; ++i) second.emplace_back("b." + std::to_string(i), at::full({7, 3}, i, at::kInt));
+  save_tensors(dir / "one.safetensors", first);
+  save_tensors(dir / "two.safetensors", second);
+  auto map = DiskMap::open(std::vector<std::string>{dir / "one.safetensors", dir / "two.safetensors"});
+
+  std::vector<const TensorInfo*> wanted = {&map.at("b.2"), &map.at("a.3"), &map.at("a.0"), &map.at("b.0"), &map.at("a.5")};
+  for (bool direct : {false, true}) {
+    for (unsigned threads : {1u, 3u}) {
+      INFO("direct " << direct << ", threads " << threads);
+      auto tensors = load_tensors(map, wanted, {std::nullopt, direct, threads});
+      REQUIRE(tensors.size() == wanted.size());
+      for (size_t i = 0; i < wanted.size(); ++i) CHECK(at::equal(tensors[i], load_tensor(map, *wanted[i])));
+      auto converted = load_tensors(map, wanted, {at::kFloat, direct, threads});
+      for (size_t i = 0; i < wanted.size(); ++i) {
+        CHECK(converted[i].scalar_type() == at::kFloat);
+        CHECK(at::equal(converted[i], load_tensor(map, *wanted[i]).to(at::kFloat)));
+      }
+    }
+  }
+}
+
+TEST_CASE("load_tensors refuses a dtype LibTorch lacks before reading anything") {
+  TempDir dir;
+  auto path = dir.write("f4.safetensors", file_bytes(R"({"w":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}})", "ab"));
+  auto map = DiskMap::open(path);
+  std::vector<const TensorInfo*> wanted = {&map.at("w")};
+  CHECK_THROWS_WITH(load_tensors(map, wanted), path + ": tensor 'w': dtype F4 has no LibTorch equivalent");
 }
