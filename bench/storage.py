@@ -64,6 +64,11 @@ def ours(*args):
     return json.loads(out)
 
 
+def ours_fresh(repeat, *args):
+    """Best of `repeat` fresh processes, each timing its first load: no allocator warmed for us."""
+    return min(ours(args[0], args[1], 1, *args[2:])["seconds"][0] for _ in range(repeat))
+
+
 def evict(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -80,7 +85,6 @@ def warm(path):
 
 
 def dd_direct_seconds(path):
-    evict(path)
     start = time.perf_counter()
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True, capture_output=True)
     return time.perf_counter() - start
@@ -131,35 +135,38 @@ def main():
     # Warm reads of a 1 GiB bf16 model.
     warm(model)
     copies = best(lambda: [t.clone() for t in load_file(model).values()], args.repeat)
-    row("read all, bf16, owned copies (load_file + clone)", copies,
-        min(ours("read", model, args.repeat, "copy")["seconds"]), "warm")
+    row("read all, bf16, into owned memory (load_file + clone)", copies, ours_fresh(args.repeat, "read", model, "bulk"), "warm")
+    row("  the same, one tensor at a time (load_tensor, pread)", copies, ours_fresh(args.repeat, "read", model, "copy"), "warm")
     mapped = best(lambda: touch_pages(load_file(model)), args.repeat)
     row("read all, bf16, mapped and faulted in (load_file + touch)", mapped,
-        min(ours("read", model, args.repeat, "view")["seconds"]), "warm")
+        ours_fresh(args.repeat, "read", model, "view"), "warm")
     converted = best(lambda: [t.float() for t in load_file(model).values()], args.repeat)
     row("read all, bf16 -> float32 (load_file + .float())", converted,
-        min(ours("read", model, args.repeat, "view", "f32")["seconds"]), "warm")
+        ours_fresh(args.repeat, "read", model, "bulk", "f32"), "warm")
 
     # Cold reads, against the device's own O_DIRECT throughput.
-    dd = min(dd_direct_seconds(model) for _ in range(3))
-    cold = []
-    for mode in ("direct", "copy"):
+    def cold(function):
         times = []
         for _ in range(3):
             evict(model)
-            times.append(ours("read", model, 1, mode)["seconds"][0])
-        cold.append((mode, min(times)))
-    theirs_cold = []
-    for _ in range(3):
-        evict(model)
+            times.append(function())
+        return min(times)
+
+    def theirs_cold():
         start = time.perf_counter()
         [t.clone() for t in load_file(model).values()]
-        theirs_cold.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    dd = cold(lambda: dd_direct_seconds(model))
     gib = size / 2**30
-    print(f"\ncold read of {size / 2**20:.0f} MiB: dd iflag=direct {gib / dd:.2f} GiB/s", flush=True)
-    for mode, seconds in cold:
-        print(f"  vramd {mode:6s} {gib / seconds:.2f} GiB/s = {dd / seconds:.2f} of dd", flush=True)
-    print(f"  safetensors load_file + clone {gib / min(theirs_cold):.2f} GiB/s = {dd / min(theirs_cold):.2f} of dd")
+    print(f"\ncold read of {size / 2**20:.0f} MiB (page cache evicted before each run; best of 3)", flush=True)
+    print(f"  dd bs=16M iflag=direct                 {gib / dd:5.2f} GiB/s", flush=True)
+    for label, seconds in (
+        ("vramd load_tensors, O_DIRECT", cold(lambda: ours("read", model, 1, "bulk-direct")["seconds"][0])),
+        ("vramd load_tensors, page cache", cold(lambda: ours("read", model, 1, "bulk")["seconds"][0])),
+        ("safetensors load_file + clone", cold(theirs_cold)),
+    ):
+        print(f"  {label:38s} {gib / seconds:5.2f} GiB/s = {dd / seconds:.2f}x dd", flush=True)
 
 
 if __name__ == "__main__":

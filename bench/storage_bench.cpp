@@ -7,8 +7,6 @@
 //           bulk | bulk-direct   (all at once, load_tensors)
 #include <sys/resource.h>
 
-#include <ATen/ATen.h>
-
 #include <chrono>
 #include <cstdio>
 #include <cstring>
