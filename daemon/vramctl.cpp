@@ -5,6 +5,7 @@
 #include <exception>
 #include <iostream>
 
+#include "cli/check.hpp"
 #include "cli/inspect.hpp"
 
 namespace {
@@ -34,9 +35,18 @@ int main(int argc, char** argv) {
   inspect_cmd->add_flag("--keep-prefix", inspect.keep_prefix, "Keep the prefix in the names shown");
   inspect_cmd->add_flag("--json", inspect.json, "Print one JSON object");
 
+  vramd::cli::CheckOptions check;
+  auto* check_cmd = app.add_subcommand(
+      "check", "Validate model configs offline: schema, daemon budgets, converter and checkpoint index");
+  check_cmd->add_option("config", check.configs, "Model config files (configs/models/NAME.toml)")->required();
+  check_cmd->add_option("--daemon-config", check.daemon_config,
+                        "Daemon config for budgets and converter folders (default: configs/vramd.toml if present)");
+  check_cmd->add_flag("--json", check.json, "Print one JSON object");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (inspect_cmd->parsed()) vramd::cli::inspect(inspect, std::cout, std::cerr);
+    if (check_cmd->parsed()) return vramd::cli::check(check, std::cout, std::cerr) ? 1 : 0;
   } catch (const std::exception& error) {
     return report(app.get_subcommands().front()->get_name().c_str(), error);
   }

@@ -1,9 +1,18 @@
-// vramd: the daemon. Until its event loop lands (issue #6) it validates that its config file
-// parses and prints what it would serve with.
+// vramd: the daemon. Until its event loop and socket land (issue #6) it reads its config,
+// validates the model configs in its folder, prints what it would serve, and exits.
 #include <CLI/CLI.hpp>
-#include <toml++/toml.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <iostream>
+
+#include "config/daemon_config.hpp"
+#include "config/model_config.hpp"
+#include "config/units.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace fs = std::filesystem;
 
 int main(int argc, char** argv) {
   CLI::App app{"vramd: keeps PyTorch models ready to run"};
@@ -12,15 +21,38 @@ int main(int argc, char** argv) {
   app.add_option("-c,--config", config_path, "Daemon config file")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
+  vramd::config::DaemonConfig config;
   try {
-    toml::table config = toml::parse_file(config_path);
-    std::cout << "vramd " << VRAMD_VERSION << "\nconfig " << config_path << ":\n" << config << "\n\n"
-              << "The daemon's event loop and socket are not built yet (issue #6); nothing is served.\n";
-  } catch (const toml::parse_error& error) {
-    const auto& where = error.source().begin;
-    std::cerr << "vramd: " << config_path << ":" << where.line << ":" << where.column << ": "
-              << error.description() << '\n';
+    config = vramd::config::load_daemon_config(config_path);
+  } catch (const vramd::Error& error) {
+    std::cerr << "vramd: " << error.what() << '\n';
     return 1;
   }
+  std::cout << "vramd " << VRAMD_VERSION << "\nconfig     " << config.path << "\nsocket     " << config.socket
+            << "\nmodels     " << config.models << "\nkeep_alive " << vramd::config::format_duration(config.keep_alive)
+            << "\nbudgets   ";
+  for (const auto& [device, bytes] : config.budgets) std::cout << " " << device << "=" << vramd::format_bytes(bytes);
+  std::cout << "\n\n";
+
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(config.models, ec))
+    if (entry.path().extension() == ".toml") files.push_back(entry.path());
+  std::sort(files.begin(), files.end());
+  if (ec) std::cout << "cannot read the model folder " << config.models << ": " << ec.message() << '\n';
+  for (const auto& file : files) {
+    try {
+      auto model = vramd::config::load_model_config(file.string(), config);
+      std::cout << "valid    " << model.name << "  (" << file.string() << ")\n";
+    } catch (const vramd::Error& error) {
+      std::cout << "invalid  " << file.string() << "\n";
+      std::string text = error.what();
+      for (size_t start = 0, end; start < text.size(); start = end + 1) {
+        end = std::min(text.find('\n', start), text.size());
+        std::cout << "         " << text.substr(start, end - start) << '\n';
+      }
+    }
+  }
+  std::cout << "\nThe event loop and socket are not built yet (issue #6): nothing is served.\n";
   return 0;
 }

@@ -73,12 +73,15 @@ void print_text(const DiskMap& map, std::ostream& out) {
   };
   const bool several_files = map.files().size() > 1;
   out << "\ntensors: " << map.tensors().size() << "\n  " << pad("NAME", name_width) << "  "
-      << pad("DTYPE", 7) << "  " << pad("SHAPE", shape_width) << "  " << pad("SIZE", 11)
-      << (several_files ? "  FILE" : "") << '\n';
+      << pad("DTYPE", 7) << "  " << pad("SHAPE", shape_width) << "  "
+      << (several_files ? pad("SIZE", 11) + "  FILE" : "SIZE") << '\n';
   for (const auto& t : map.tensors()) {
     out << "  " << pad(std::string(t.name()), name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7)
-        << "  " << pad(format_shape(t.shape), shape_width) << "  " << pad(format_bytes(t.nbytes), 11);
-    if (several_files) out << "  " << map.files()[t.file].path;
+        << "  " << pad(format_shape(t.shape), shape_width) << "  ";
+    if (several_files)
+      out << pad(format_bytes(t.nbytes), 11) << "  " << map.files()[t.file].path;
+    else
+      out << format_bytes(t.nbytes);
     out << '\n';
   }
   out << "\ntotals:\n";

@@ -28,8 +28,8 @@ uint64_t TensorInfo::elements() const {
 struct DiskMap::Impl {
   std::string description;
   std::vector<CheckpointFile> files;
-  std::vector<std::unique_ptr<File>> handles;  // per file
-  std::vector<TensorInfo> tensors;                   // sorted by name
+  std::vector<std::unique_ptr<File>> handles;  // one per file
+  std::vector<TensorInfo> tensors;             // sorted by name
   std::vector<std::string> warnings;
   uint64_t total_bytes = 0;
 };
@@ -170,7 +170,7 @@ struct Indexer {
       if (!record.name.starts_with(options.prefix)) continue;
       TensorInfo info;
       info.prefix_length = options.strip_prefix ? static_cast<uint32_t>(options.prefix.size()) : 0;
-      if (record.name.size() == info.prefix_length)
+      if (info.prefix_length > 0 && record.name.size() == info.prefix_length)
         fail(path, "key " + quote(record.name) + " equals the prefix, which leaves it no name");
       info.key = std::move(record.name);
       info.dtype = record.dtype;

@@ -52,11 +52,12 @@ std::string safetensors_header(std::span<const TensorData> tensors, const Metada
     if (t.name == "__metadata__") throw Error("a tensor cannot be named '__metadata__'");
     if (!names.insert(t.name).second) throw Error("tensor " + quote(t.name) + " is given twice");
     uint64_t elements = 1;
+    bool overflow = false;
     for (int64_t dim : t.shape) {
       if (dim < 0) throw Error("tensor " + quote(t.name) + " has a negative dimension");
-      elements *= static_cast<uint64_t>(dim);
+      overflow |= __builtin_mul_overflow(elements, static_cast<uint64_t>(dim), &elements);
     }
-    auto expected = dtype_bytes(t.dtype, elements);
+    auto expected = overflow ? std::nullopt : dtype_bytes(t.dtype, elements);
     if (!expected || *expected != t.bytes.size())
       throw Error("tensor " + quote(t.name) + " of shape " + format_shape(t.shape) + " and dtype " +
                   std::string(dtype_name(t.dtype)) + " is given " + std::to_string(t.bytes.size()) +

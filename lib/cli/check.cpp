@@ -1,0 +1,91 @@
+#include "cli/check.hpp"
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <ostream>
+
+#include "config/daemon_config.hpp"
+#include "config/model_config.hpp"
+#include "storage/disk_map.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::cli {
+namespace {
+
+constexpr const char* kDefaultDaemonConfig = "configs/vramd.toml";
+
+struct Verdict {
+  std::string path;
+  std::string name;
+  std::vector<std::string> problems;
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+  std::vector<std::string> warnings;
+};
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
+  Verdict verdict{path, {}, {}, 0, 0, {}};
+  try {
+    auto model = config::load_model_config(path, daemon);
+    verdict.name = model.name;
+    try {
+      auto map = storage::DiskMap::open(model.checkpoint, {model.prefix, !model.keep_prefix});
+      verdict.tensors = map.tensors().size();
+      verdict.bytes = map.total_bytes();
+      verdict.warnings.assign(map.warnings().begin(), map.warnings().end());
+    } catch (const Error& e) {
+      verdict.problems.push_back(path + ": checkpoint: " + e.what());
+    }
+  } catch (const Error& e) {
+    verdict.problems = lines(e.what());
+  }
+  return verdict;
+}
+
+}  // namespace
+
+int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
+  config::DaemonConfig daemon = config::default_daemon_config();
+  std::string daemon_path = options.daemon_config;
+  if (daemon_path.empty() && std::filesystem::exists(kDefaultDaemonConfig)) daemon_path = kDefaultDaemonConfig;
+  if (!daemon_path.empty()) daemon = config::load_daemon_config(daemon_path);
+
+  int failed = 0;
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  for (const auto& path : options.configs) {
+    Verdict verdict = check_one(path, daemon);
+    failed += !verdict.problems.empty();
+    if (options.json) {
+      results.push_back({{"path", verdict.path}, {"ok", verdict.problems.empty()}, {"name", verdict.name},
+                         {"tensors", verdict.tensors}, {"bytes", verdict.bytes},
+                         {"problems", verdict.problems}, {"warnings", verdict.warnings}});
+      continue;
+    }
+    for (const auto& warning : verdict.warnings) err << "warning: " << warning << '\n';
+    if (verdict.problems.empty()) {
+      out << "ok    " << path << ": model " << quote(verdict.name) << ", " << verdict.tensors << " tensors, "
+          << format_bytes(verdict.bytes) << '\n';
+    } else {
+      out << "FAIL  " << path << '\n';
+      for (const auto& problem : verdict.problems) out << "      " << problem << '\n';
+    }
+  }
+  if (options.json)
+    out << nlohmann::ordered_json{{"daemon_config", daemon_path}, {"configs", results}}.dump(2) << '\n';
+  return failed;
+}
+
+}  // namespace vramd::cli

@@ -1,0 +1,166 @@
+#include "config/model_config.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <sstream>
+
+#include "config/toml_schema.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::config {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kDtypes[] = {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"};
+constexpr const char* kComputeDtypes[] = {"float32", "bfloat16", "float16"};
+
+bool one_of(const std::string& value, const auto& list) {
+  return std::find(std::begin(list), std::end(list), value) != std::end(list);
+}
+
+bool valid_name(const std::string& name) {
+  return !name.empty() && name.size() <= 128 &&
+         std::all_of(name.begin(), name.end(), [](unsigned char c) {
+           return std::isalnum(c) || c == '-' || c == '_' || c == '.';
+         });
+}
+
+bool valid_device(const std::string& device, bool disk_allowed) {
+  if (device == "cpu" || (disk_allowed && device == "disk")) return true;
+  if (device.rfind("cuda:", 0) != 0 || device.size() == 5) return false;
+  return device.find_first_not_of("0123456789", 5) == std::string::npos;
+}
+
+// Reads `[vram].<key>` = { device, dtype }; what it leaves out, or gets wrong, comes from
+// `state` (the state it defaults to).
+DeviceState read_state(TableReader& vram, std::string_view key, DeviceState state, bool disk_allowed) {
+  auto table = vram.table(key);
+  if (!table) return state;
+  if (auto device = table->string("device")) {
+    if (valid_device(canonical_device(*device), disk_allowed))
+      state.device = canonical_device(*device);
+    else if (*device == "disk")
+      table->bad_value("device", "only offload and onload can be on disk; " + std::string(key) +
+                                     " needs \"cpu\", \"cuda\" or \"cuda:N\"");
+    else
+      table->bad_value("device", std::string("expected ") + (disk_allowed ? "\"disk\", " : "") +
+                                     "\"cpu\", \"cuda\" or \"cuda:N\"");
+  }
+  if (auto dtype = table->string("dtype")) {
+    if (is_known_dtype(*dtype))
+      state.dtype = *dtype;
+    else
+      table->bad_value("dtype", "expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
+  }
+  table->finish();
+  return state;
+}
+
+std::string budgets_text(const DaemonConfig& daemon) {
+  std::string text;
+  for (const auto& [device, bytes] : daemon.budgets) text += (text.empty() ? "" : ", ") + device + " " + format_bytes(bytes);
+  return text.empty() ? "none" : text;
+}
+
+void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string& base_dtype, VramConfig& vram) {
+  vram.computation = {"cpu", one_of(base_dtype, kComputeDtypes) ? base_dtype : "bfloat16"};
+  auto table = root.table("vram");
+  if (!table) {
+    vram.preparing = vram.onload = vram.offload = vram.computation;
+    return;
+  }
+  vram.computation = read_state(*table, "computation", vram.computation, false);
+  vram.preparing = read_state(*table, "preparing", vram.computation, false);
+  vram.onload = read_state(*table, "onload", vram.preparing, true);
+  vram.offload = read_state(*table, "offload", vram.onload, true);
+  if (!one_of(vram.computation.dtype, kComputeDtypes))
+    table->bad_value("computation", "weights can rest in float8 (offload, onload, preparing) but are computed "
+                                    "in float32, bfloat16 or float16");
+  vram.limit = table->size("limit");
+  if (vram.limit) {
+    auto budget = daemon.budgets.find(vram.computation.device);
+    std::string source = daemon.path.empty() ? "the daemon's defaults" : daemon.path;
+    if (budget == daemon.budgets.end())
+      table->bad_value("limit", "a limit on " + vram.computation.device + ", for which " + source +
+                                    " sets no budget (budgets: " + budgets_text(daemon) + ")");
+    else if (*vram.limit > budget->second)
+      table->bad_value("limit", "more than the daemon's whole budget for " + vram.computation.device + " (" +
+                                    format_bytes(budget->second) + ")");
+  }
+  table->finish();
+}
+
+}  // namespace
+
+bool is_known_dtype(const std::string& dtype) { return one_of(dtype, kDtypes); }
+
+ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon) {
+  Problems problems(path);
+  auto document = parse_toml_file(path, problems);
+  problems.throw_if_any();
+
+  ModelConfig config;
+  config.path = path;
+  const fs::path folder = fs::absolute(path).parent_path();
+  TableReader root(*document, "", problems);
+
+  config.name = root.string("name").value_or(fs::path(path).stem().string());
+  if (!valid_name(config.name))
+    root.bad_value("name", "a name is 1-128 letters, digits, '-', '_' or '.'");
+  config.architecture = root.string("architecture").value_or("");
+
+  if (auto checkpoint = root.strings("checkpoint")) {
+    if (checkpoint->empty()) root.bad_value("checkpoint", "names no checkpoint");
+    for (const auto& source : *checkpoint) config.checkpoint.push_back((folder / source).lexically_normal().string());
+  } else if (!root.raw().contains("checkpoint")) {
+    root.problem("missing key 'checkpoint' (a file, folder, index.json, glob or list of them)");
+  }
+  config.prefix = root.string("prefix").value_or("");
+  config.keep_prefix = root.boolean("keep_prefix").value_or(false);
+  config.strict = root.boolean("strict").value_or(true);
+
+  if (auto converter = root.string("converter")) {
+    std::vector<fs::path> candidates = {folder / *converter};
+    if (fs::path(*converter).is_relative())
+      for (const auto& scripts : daemon.converters) candidates.push_back(fs::path(scripts) / *converter);
+    auto found = std::find_if(candidates.begin(), candidates.end(), [](const fs::path& p) { return fs::is_regular_file(p); });
+    if (found == candidates.end()) {
+      std::string searched;
+      for (const auto& candidate : candidates) searched += (searched.empty() ? "" : ", ") + candidate.lexically_normal().string();
+      root.bad_value("converter", "no such script (looked for " + searched + ")");
+    } else {
+      config.converter = fs::absolute(*found).lexically_normal().string();
+    }
+  }
+
+  config.dtype = root.string("dtype").value_or("auto");
+  if (config.dtype != "auto" && !is_known_dtype(config.dtype))
+    root.bad_value("dtype", "expected auto, float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
+  const std::string base_dtype = config.dtype == "auto" ? "bfloat16" : config.dtype;
+
+  read_vram(root, daemon, base_dtype, config.vram);
+
+  config.residency.keep_alive = daemon.keep_alive;
+  if (auto residency = root.table("residency")) {
+    if (auto keep_alive = residency->duration("keep_alive")) config.residency.keep_alive = *keep_alive;
+    config.residency.pinned = residency->boolean("pinned").value_or(false);
+    config.residency.preload = residency->boolean("preload").value_or(false);
+    residency->finish();
+  }
+
+  config.arch_json = "{}";
+  if (auto arch = root.table("arch")) {
+    for (auto key : arch->keys()) arch->node(key);  // any hyperparameter may be overridden
+    std::ostringstream json;
+    json << toml::json_formatter(arch->raw());
+    config.arch_json = json.str();
+  }
+  root.finish();
+  problems.throw_if_any();
+  return config;
+}
+
+}  // namespace vramd::config

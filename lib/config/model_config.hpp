@@ -1,0 +1,53 @@
+// One model's config file (configs/models/NAME.toml). Schema: docs/config.md.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config/daemon_config.hpp"
+
+namespace vramd::config {
+
+// Where a layer's weights are in one of its four states, and in which dtype.
+struct DeviceState {
+  std::string device;  // "disk", "cpu", "cuda:N"
+  std::string dtype;   // "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"
+};
+
+struct VramConfig {
+  DeviceState offload, onload, preparing, computation;
+  std::optional<uint64_t> limit;  // bytes of weights on the computation device
+};
+
+struct ResidencyConfig {
+  std::optional<std::chrono::milliseconds> keep_alive;  // nullopt: forever
+  bool pinned = false;
+  bool preload = false;
+};
+
+struct ModelConfig {
+  std::string path;  // the file read
+  std::string name;
+  std::string architecture;             // empty until given
+  std::vector<std::string> checkpoint;  // absolute paths or globs
+  std::string prefix;
+  bool keep_prefix = false;
+  std::string converter;  // absolute path of the Lua script, or empty
+  std::string dtype;      // the weights' dtype once loaded; "auto": as stored
+  bool strict = true;     // missing or unexpected keys fail the load
+  VramConfig vram;
+  ResidencyConfig residency;
+  std::string arch_json;  // the [arch] overrides as a JSON object ("{}" when none)
+};
+
+// Relative paths are resolved against the file's folder (a converter also against the daemon's
+// converter folders). Throws Error listing every problem, each with file, line and column.
+ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon);
+
+// The dtypes configs may name, in LibTorch's spelling.
+bool is_known_dtype(const std::string& dtype);
+
+}  // namespace vramd::config

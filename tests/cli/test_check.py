@@ -1,0 +1,71 @@
+"""vramctl check, driven as a user would: real files, the real executable."""
+import json
+import os
+import subprocess
+
+import torch
+from safetensors.torch import save_file
+
+VRAMCTL = os.environ["VRAMCTL"]
+
+
+def vramctl(*args, cwd=None):
+    return subprocess.run([VRAMCTL, *map(str, args)], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def setup(tmp_path):
+    save_file({"model.w": torch.zeros(4, 4, dtype=torch.bfloat16), "vae.w": torch.zeros(2)}, tmp_path / "ck.safetensors")
+    (tmp_path / "vramd.toml").write_text('models = "models"\n[budgets]\ncpu = "1GiB"\n')
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "good.toml").write_text(
+        'checkpoint = "../ck.safetensors"\nprefix = "model."\n[vram]\noffload = { device = "disk" }\nlimit = "512MiB"\n')
+    (models / "typo.toml").write_text('checkpoint = "../ck.safetensors"\n[vram]\nofload = { device = "disk" }\n')
+    (models / "missing.toml").write_text('checkpoint = "../gone.safetensors"\n')
+    (models / "wrong-prefix.toml").write_text('checkpoint = "../ck.safetensors"\nprefix = "unet."\n')
+    return models
+
+
+def test_check_passes_a_good_config_and_reports_its_checkpoint(tmp_path):
+    models = setup(tmp_path)
+    result = vramctl("check", models / "good.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == f"ok    {models / 'good.toml'}: model 'good', 1 tensors, 32 B\n"
+
+
+def test_check_reports_every_bad_config_and_still_checks_the_others(tmp_path):
+    models = setup(tmp_path)
+    files = sorted(models.glob("*.toml"))
+    result = vramctl("check", *files, "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 1
+    out = result.stdout
+    assert f"ok    {models / 'good.toml'}" in out
+    assert f"FAIL  {models / 'typo.toml'}\n      {models / 'typo.toml'}:3:1: unknown key 'ofload' in [vram]; did you mean 'offload'?" in out
+    assert f"{models / 'missing.toml'}: checkpoint: {tmp_path / 'gone.safetensors'}: no such file or folder" in out
+    assert "no key starts with the prefix 'unet.'" in out
+
+
+def test_check_json_has_one_entry_per_config(tmp_path):
+    models = setup(tmp_path)
+    result = vramctl("check", models / "good.toml", models / "typo.toml", "--json", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 1
+    doc = json.loads(result.stdout)
+    assert [entry["ok"] for entry in doc["configs"]] == [True, False]
+    assert doc["configs"][0]["tensors"] == 1
+    assert "did you mean 'offload'?" in doc["configs"][1]["problems"][0]
+
+
+def test_a_limit_without_a_budget_is_refused_with_the_daemon_config_named(tmp_path):
+    models = setup(tmp_path)
+    (models / "gpu.toml").write_text('checkpoint = "../ck.safetensors"\n[vram]\ncomputation = { device = "cuda:0" }\nlimit = "1GiB"\n')
+    result = vramctl("check", models / "gpu.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 1
+    assert f"a limit on cuda:0, for which {tmp_path / 'vramd.toml'} sets no budget (budgets: cpu 1.00 GiB)" in result.stdout
+
+
+def test_a_broken_daemon_config_is_one_clear_error(tmp_path):
+    setup(tmp_path)
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "lots"\n')
+    result = vramctl("check", tmp_path / "models" / "good.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 1
+    assert f"{tmp_path / 'vramd.toml'}:2:7: budgets.cpu = 'lots': 'lots' is not a size" in result.stderr

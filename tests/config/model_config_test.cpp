@@ -1,0 +1,174 @@
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "config/daemon_config.hpp"
+#include "config/model_config.hpp"
+#include "support/temp_dir.hpp"
+#include "util/error.hpp"
+
+using namespace vramd::config;
+using vramd::test::TempDir;
+
+namespace {
+
+std::string problems_of(const std::string& path, const DaemonConfig& daemon) {
+  try {
+    load_model_config(path, daemon);
+  } catch (const vramd::Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+DaemonConfig daemon_with(std::map<std::string, uint64_t> budgets) {
+  DaemonConfig daemon = default_daemon_config();
+  daemon.path = "vramd.toml";
+  daemon.budgets = std::move(budgets);
+  return daemon;
+}
+
+}  // namespace
+
+TEST_CASE("a full model config is read with paths resolved against its folder") {
+  TempDir dir;
+  std::filesystem::create_directories(dir.path() / "models");
+  std::filesystem::create_directories(dir.path() / "scripts");
+  dir.write("scripts/hf_llama.lua", "return {}");
+  auto path = dir.write("models/tiny.toml", R"(
+name = "tiny-llama"
+architecture = "llama"
+checkpoint = ["../weights/a.safetensors", "../weights/b.safetensors"]
+prefix = "model."
+converter = "hf_llama.lua"
+dtype = "bfloat16"
+strict = false
+
+[vram]
+offload     = { device = "disk", dtype = "bfloat16" }
+onload      = { device = "cpu",  dtype = "bfloat16" }
+preparing   = { device = "cuda", dtype = "float8_e4m3fn" }
+computation = { device = "cuda:0", dtype = "bfloat16" }
+limit = "6GiB"
+
+[residency]
+keep_alive = "-1"
+pinned = true
+preload = true
+
+[arch]
+rope_theta = 500000.0
+num_key_value_heads = 8
+)");
+  auto daemon = daemon_with({{"cuda:0", 70ull << 30}});
+  daemon.converters = {(dir.path() / "scripts").string()};
+  auto config = load_model_config(path, daemon);
+  CHECK(config.name == "tiny-llama");
+  CHECK(config.architecture == "llama");
+  CHECK(config.checkpoint == std::vector<std::string>{dir / "weights/a.safetensors", dir / "weights/b.safetensors"});
+  CHECK(config.prefix == "model.");
+  CHECK(config.converter == dir / "scripts/hf_llama.lua");
+  CHECK_FALSE(config.strict);
+  CHECK(config.vram.offload.device == "disk");
+  CHECK(config.vram.preparing.device == "cuda:0");
+  CHECK(config.vram.preparing.dtype == "float8_e4m3fn");
+  CHECK(config.vram.limit == 6ull << 30);
+  CHECK(config.residency.keep_alive == std::nullopt);
+  CHECK(config.residency.pinned);
+  CHECK(config.residency.preload);
+  auto arch = nlohmann::json::parse(config.arch_json);
+  CHECK(arch["rope_theta"] == 500000.0);
+  CHECK(arch["num_key_value_heads"] == 8);
+}
+
+TEST_CASE("a minimal model config takes its name from the file and fills every state from the next") {
+  TempDir dir;
+  auto path = dir.write("minilm.toml", "checkpoint = \"weights\"\n[vram]\ncomputation = { dtype = \"float16\" }\n");
+  auto config = load_model_config(path, default_daemon_config());
+  CHECK(config.name == "minilm");
+  CHECK(config.dtype == "auto");
+  CHECK(config.strict);
+  CHECK(config.arch_json == "{}");
+  for (const auto* state : {&config.vram.offload, &config.vram.onload, &config.vram.preparing, &config.vram.computation}) {
+    CHECK(state->device == "cpu");
+    CHECK(state->dtype == "float16");
+  }
+  CHECK(config.residency.keep_alive == std::chrono::minutes(10));
+}
+
+TEST_CASE("every mistake in a model config is reported with its line and column") {
+  TempDir dir;
+  auto path = dir.write("bad.toml", R"(name = "bad model"
+checkpoint = 42
+dtype = "bfloat17"
+[vram]
+ofload = { device = "disk" }
+preparing = { device = "disk" }
+computation = { device = "cuda:0", dtype = "float8_e4m3fn" }
+limit = "6GB?"
+[residency]
+keep_alive = "10 minutes"
+pined = true
+)");
+  const std::string expected =
+      path + ":1:8: name = 'bad model': a name is 1-128 letters, digits, '-', '_' or '.'\n" +
+      path + ":2:14: checkpoint = 42: expected a string or an array of strings, found an integer\n" +
+      path + ":3:9: dtype = 'bfloat17': expected auto, float32, bfloat16, float16, float8_e4m3fn or float8_e5m2\n" +
+      path + ":5:1: unknown key 'ofload' in [vram]; did you mean 'offload'?\n" +
+      path + ":6:24: vram.preparing.device = 'disk': only offload and onload can be on disk; preparing needs \"cpu\", \"cuda\" or \"cuda:N\"\n" +
+      path + ":7:15: vram.computation = {...}: weights can rest in float8 (offload, onload, preparing) but are computed in float32, bfloat16 or float16\n" +
+      path + ":8:9: vram.limit = '6GB?': '6GB?' is not a size; expected a number and a unit such as \"512MiB\", \"2GiB\" or \"1.5GB\"\n" +
+      path + ":10:14: residency.keep_alive = '10 minutes': '10 minutes' is not a duration; expected e.g. \"30s\", \"10m\", \"1h30m\", \"250ms\", \"0\", or \"-1\" for forever\n" +
+      path + ":11:1: unknown key 'pined' in [residency]; did you mean 'pinned'?";
+  CHECK(problems_of(path, daemon_with({{"cpu", 1ull << 30}})) == expected);
+}
+
+TEST_CASE("a limit needs a budget for the computation device and must fit in it") {
+  TempDir dir;
+  auto path = dir.write("m.toml", "checkpoint = \"w\"\n[vram]\ncomputation = { device = \"cuda\" }\nlimit = \"6GiB\"\n");
+  CHECK(problems_of(path, daemon_with({{"cpu", 8ull << 30}})) ==
+        path + ":4:9: vram.limit = '6GiB': a limit on cuda:0, for which vramd.toml sets no budget (budgets: cpu 8.00 GiB)");
+  CHECK(problems_of(path, daemon_with({{"cuda:0", 4ull << 30}})) ==
+        path + ":4:9: vram.limit = '6GiB': more than the daemon's whole budget for cuda:0 (4.00 GiB)");
+  CHECK(problems_of(path, daemon_with({{"cuda:0", 8ull << 30}})) == "(accepted)");
+}
+
+TEST_CASE("a missing checkpoint or converter and a syntax error are reported") {
+  TempDir dir;
+  auto no_checkpoint = dir.write("a.toml", "name = \"a\"\n");
+  CHECK(problems_of(no_checkpoint, default_daemon_config()) ==
+        no_checkpoint + ":1:1: missing key 'checkpoint' (a file, folder, index.json, glob or list of them)");
+  auto no_script = dir.write("b.toml", "checkpoint = \"w\"\nconverter = \"gone.lua\"\n");
+  CHECK(problems_of(no_script, default_daemon_config()) ==
+        no_script + ":2:13: converter = 'gone.lua': no such script (looked for " + dir / "gone.lua" + ")");
+  auto syntax = dir.write("c.toml", "name = \"unterminated\n");
+  CHECK_THAT(problems_of(syntax, default_daemon_config()), Catch::StartsWith(syntax + ":1:"));
+}
+
+TEST_CASE("the daemon config reads budgets and defaults and refuses unknown devices and keys") {
+  TempDir dir;
+  auto good = dir.write("vramd.toml", R"(socket = "run/vramd.sock"
+models = "models"
+converters = ["scripts", "/opt/converters"]
+log_level = "debug"
+[budgets]
+cpu = "16GiB"
+cuda = "70GiB"
+"cuda:1" = 1073741824
+[defaults]
+keep_alive = "30s"
+)");
+  auto daemon = load_daemon_config(good);
+  CHECK(daemon.socket == dir / "run/vramd.sock");
+  CHECK(daemon.models == dir / "models");
+  CHECK(daemon.converters == std::vector<std::string>{dir / "scripts", "/opt/converters"});
+  CHECK(daemon.log_level == "debug");
+  CHECK(daemon.budgets == std::map<std::string, uint64_t>{{"cpu", 16ull << 30}, {"cuda:0", 70ull << 30}, {"cuda:1", 1ull << 30}});
+  CHECK(daemon.keep_alive == std::chrono::seconds(30));
+
+  auto bad = dir.write("bad.toml", "log_level = \"loud\"\nsokcet = \"x\"\n[budgets]\ngpu = \"1GiB\"\n");
+  CHECK_THROWS_WITH(load_daemon_config(bad),
+                    bad + ":1:13: log_level = 'loud': expected one of error, warn, info, debug\n" +
+                    bad + ":2:1: unknown key 'sokcet'; did you mean 'socket'?\n" +
+                    bad + ":4:7: budgets.gpu = '1GiB': not a device; expected \"cpu\", \"cuda\" or \"cuda:N\"");
+}
