@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "cli/check.hpp"
+#include "cli/convert.hpp"
 #include "cli/inspect.hpp"
 
 namespace {
@@ -43,10 +44,19 @@ int main(int argc, char** argv) {
                         "Daemon config for budgets and converter folders (default: configs/vramd.toml if present)");
   check_cmd->add_flag("--json", check.json, "Print one JSON object");
 
+  vramd::cli::ConvertOptions convert;
+  auto* convert_cmd = app.add_subcommand(
+      "convert", "Run a model's converter over its checkpoint index, printing target keys, dtypes, shapes, expressions");
+  convert_cmd->add_option("config", convert.config, "Model config file")->required();
+  convert_cmd->add_option("--daemon-config", convert.daemon_config,
+                          "Daemon config for converter folders (default: configs/vramd.toml if present)");
+  convert_cmd->add_flag("--json", convert.json, "Print one JSON object");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (inspect_cmd->parsed()) vramd::cli::inspect(inspect, std::cout, std::cerr);
     if (check_cmd->parsed()) return vramd::cli::check(check, std::cout, std::cerr) ? 1 : 0;
+    if (convert_cmd->parsed()) vramd::cli::convert(convert, std::cout, std::cerr);
   } catch (const std::exception& error) {
     return report(app.get_subcommands().front()->get_name().c_str(), error);
   }

@@ -1,6 +1,7 @@
-#include <catch2/catch.hpp>
-
+// ATen first: c10's logging defines a CHECK macro that Catch's must replace.
 #include <ATen/ATen.h>
+
+#include <catch2/catch.hpp>
 
 #include <cstdlib>
 

@@ -1,0 +1,56 @@
+#include "cli/convert.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <ostream>
+
+#include "config/daemon_config.hpp"
+#include "config/model_config.hpp"
+#include "convert/converter.hpp"
+#include "storage/disk_map.hpp"
+#include "util/format.hpp"
+
+namespace vramd::cli {
+
+void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err) {
+  config::DaemonConfig daemon = config::default_daemon_config();
+  std::string daemon_path = options.daemon_config;
+  if (daemon_path.empty() && std::filesystem::exists("configs/vramd.toml")) daemon_path = "configs/vramd.toml";
+  if (!daemon_path.empty()) daemon = config::load_daemon_config(daemon_path);
+  auto model = config::load_model_config(options.config, daemon);
+  auto map = storage::DiskMap::open(model.checkpoint, {model.prefix, !model.keep_prefix});
+  for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
+  auto plan = model.converter.empty() ? convert::identity_plan(map) : convert::run_converter(model.converter, map);
+  for (const auto& line : plan.printed) err << "print: " << line << '\n';
+
+  if (options.json) {
+    nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
+    for (const auto& [target, expr] : plan.tensors)
+      tensors[target] = {{"dtype", storage::dtype_name(expr->dtype)}, {"shape", expr->shape},
+                         {"expression", expr->describe()}};
+    out << nlohmann::ordered_json{{"model", model.name}, {"converter", model.converter}, {"tensors", tensors},
+                                  {"unused", plan.unused}}
+               .dump(2)
+        << '\n';
+    return;
+  }
+  out << "model " << model.name << ", converter " << (model.converter.empty() ? "(none)" : model.converter) << ": "
+      << plan.tensors.size() << " tensors\n";
+  size_t width = 0;
+  for (const auto& conversion : plan.tensors) width = std::max(width, conversion.target.size());
+  for (const auto& [target, expr] : plan.tensors) {
+    std::string name = target;
+    name.resize(width, ' ');
+    std::string dtype(storage::dtype_name(expr->dtype));
+    dtype.resize(7, ' ');
+    out << "  " << name << "  " << dtype << "  " << format_shape(expr->shape) << "  = " << expr->describe() << '\n';
+  }
+  if (!plan.unused.empty()) {
+    out << plan.unused.size() << " source tensors are not used:";
+    for (const auto& key : plan.unused) out << ' ' << key;
+    out << '\n';
+  }
+}
+
+}  // namespace vramd::cli

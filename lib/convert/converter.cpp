@@ -1,0 +1,388 @@
+#include "convert/converter.hpp"
+
+#include <lua.hpp>
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::convert {
+namespace {
+
+constexpr const char* kTensorType = "vramd.Tensor";
+constexpr const char* kSourceType = "vramd.Source";
+
+// Helpers every script may use, defined before the globals are locked.
+constexpr const char* kPrelude = R"lua(
+local gsub = string.gsub
+-- rename(name, rules): applies the first rule { pattern, replacement } that matches name
+-- (string.gsub semantics); nil when none does.
+rawset(_G, "rename", function(name, rules)
+  for _, rule in ipairs(rules) do
+    local renamed, count = gsub(name, rule[1], rule[2])
+    if count > 0 then return renamed end
+  end
+  return nil
+end)
+)lua";
+
+// Runs `body`; a C++ error becomes a Lua error at the caller's line.
+template <typename Body>
+int guarded(lua_State* L, Body&& body) {
+  std::string message;
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  luaL_where(L, 1);
+  lua_pushstring(L, message.c_str());
+  lua_concat(L, 2);
+  return lua_error(L);
+}
+
+void push_tensor(lua_State* L, ExprPtr expr) {
+  void* memory = lua_newuserdata(L, sizeof(ExprPtr));
+  new (memory) ExprPtr(std::move(expr));
+  luaL_getmetatable(L, kTensorType);
+  lua_setmetatable(L, -2);
+}
+
+const ExprPtr& check_tensor(lua_State* L, int index) {
+  return *static_cast<ExprPtr*>(luaL_checkudata(L, index, kTensorType));
+}
+
+int64_t check_int(lua_State* L, int index) {
+  lua_Number value = luaL_checknumber(L, index);
+  auto integer = static_cast<int64_t>(value);
+  if (static_cast<lua_Number>(integer) != value) luaL_argerror(L, index, "expected a whole number");
+  return integer;
+}
+
+// A list of integers given as a table {a, b, c} or as separate arguments from `index` on.
+std::vector<int64_t> check_ints(lua_State* L, int index) {
+  std::vector<int64_t> values;
+  if (lua_istable(L, index)) {
+    for (int i = 1, n = static_cast<int>(lua_objlen(L, index)); i <= n; ++i) {
+      lua_rawgeti(L, index, i);
+      values.push_back(check_int(L, -1));
+      lua_pop(L, 1);
+    }
+    return values;
+  }
+  for (int i = index, top = lua_gettop(L); i <= top; ++i) values.push_back(check_int(L, i));
+  return values;
+}
+
+std::vector<ExprPtr> check_tensor_list(lua_State* L, int index) {
+  luaL_checktype(L, index, LUA_TTABLE);
+  std::vector<ExprPtr> tensors;
+  for (int i = 1, n = static_cast<int>(lua_objlen(L, index)); i <= n; ++i) {
+    lua_rawgeti(L, index, i);
+    tensors.push_back(check_tensor(L, -1));
+    lua_pop(L, 1);
+  }
+  return tensors;
+}
+
+int push_all(lua_State* L, const std::vector<ExprPtr>& parts) {
+  luaL_checkstack(L, static_cast<int>(parts.size()), "too many parts");
+  for (const auto& part : parts) push_tensor(L, part);
+  return static_cast<int>(parts.size());
+}
+
+// Tensor methods: each returns new lazy tensors.
+int tensor_t(lua_State* L) {
+  return guarded(L, [&] {
+    const auto& input = check_tensor(L, 1);
+    if (input->shape.size() != 2)
+      throw Error("t() of " + input->describe() + ": needs 2 dimensions, has " + std::to_string(input->shape.size()));
+    push_tensor(L, transpose(input, 0, 1));
+    return 1;
+  });
+}
+int tensor_transpose(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, transpose(check_tensor(L, 1), check_int(L, 2), check_int(L, 3))); return 1; });
+}
+int tensor_permute(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, permute(check_tensor(L, 1), check_ints(L, 2))); return 1; });
+}
+int tensor_reshape(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, reshape(check_tensor(L, 1), check_ints(L, 2))); return 1; });
+}
+int tensor_narrow(lua_State* L) {
+  return guarded(L, [&] {
+    push_tensor(L, narrow(check_tensor(L, 1), check_int(L, 2), check_int(L, 3), check_int(L, 4)));
+    return 1;
+  });
+}
+int tensor_chunk(lua_State* L) {
+  return guarded(L, [&] {
+    return push_all(L, chunk(check_tensor(L, 1), check_int(L, 2), lua_isnoneornil(L, 3) ? 0 : check_int(L, 3)));
+  });
+}
+int tensor_split(lua_State* L) {
+  return guarded(L, [&] {
+    luaL_checktype(L, 2, LUA_TTABLE);
+    auto sizes = check_ints(L, 2);
+    return push_all(L, split(check_tensor(L, 1), sizes, lua_isnoneornil(L, 3) ? 0 : check_int(L, 3)));
+  });
+}
+int tensor_cast(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, cast(check_tensor(L, 1), parse_dtype_name(luaL_checkstring(L, 2)))); return 1; });
+}
+int tensor_scale(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, scale(check_tensor(L, 1), luaL_checknumber(L, 2))); return 1; });
+}
+int tensor_tostring(lua_State* L) {
+  const auto& expr = check_tensor(L, 1);
+  std::string text = expr->describe() + " " + dtype_torch_name(expr->dtype) + " " + format_shape(expr->shape);
+  lua_pushlstring(L, text.data(), text.size());
+  return 1;
+}
+int tensor_gc(lua_State* L) {
+  static_cast<ExprPtr*>(luaL_checkudata(L, 1, kTensorType))->~ExprPtr();
+  return 0;
+}
+
+int tensor_index(lua_State* L) {
+  // [tensor, key]
+  const auto& expr = check_tensor(L, 1);
+  const std::string key = luaL_checkstring(L, 2);
+  if (key == "shape") {
+    lua_createtable(L, static_cast<int>(expr->shape.size()), 0);
+    for (size_t i = 0; i < expr->shape.size(); ++i) {
+      lua_pushnumber(L, static_cast<lua_Number>(expr->shape[i]));
+      lua_rawseti(L, -2, static_cast<int>(i + 1));
+    }
+    return 1;
+  }
+  if (key == "dtype") {
+    lua_pushstring(L, dtype_torch_name(expr->dtype).c_str());
+    return 1;
+  }
+  if (key == "ndim") {
+    lua_pushnumber(L, static_cast<lua_Number>(expr->shape.size()));
+    return 1;
+  }
+  if (key == "key") {
+    if (expr->op == Expr::Op::Source) lua_pushstring(L, expr->source.c_str()); else lua_pushnil(L);
+    return 1;
+  }
+  luaL_getmetatable(L, kTensorType);  // [tensor, key, metatable]
+  lua_getfield(L, -1, "methods");     // [tensor, key, metatable, methods]
+  lua_getfield(L, -1, key.c_str());   // [tensor, key, metatable, methods, method]
+  if (lua_isnil(L, -1)) return luaL_error(L, "tensors have no field or method '%s'", key.c_str());
+  return 1;
+}
+
+// The source checkpoint, as the script sees it.
+struct Source {
+  const storage::DiskMap* map;
+  std::set<std::string>* read;  // keys the script asked for
+};
+
+Source& check_source(lua_State* L, int index) { return *static_cast<Source*>(luaL_checkudata(L, index, kSourceType)); }
+
+bool push_source_tensor(lua_State* L, Source& source, const std::string& name) {
+  const auto* info = source.map->find(name);
+  if (!info) return false;
+  source.read->insert(name);
+  push_tensor(L, convert::source(name, info->dtype, info->shape));
+  return true;
+}
+
+int source_get(lua_State* L) {
+  auto& source = check_source(L, 1);
+  if (!push_source_tensor(L, source, luaL_checkstring(L, 2))) lua_pushnil(L);
+  return 1;
+}
+int source_has(lua_State* L) {
+  auto& source = check_source(L, 1);
+  lua_pushboolean(L, source.map->find(luaL_checkstring(L, 2)) != nullptr);
+  return 1;
+}
+int source_keys(lua_State* L) {
+  auto& source = check_source(L, 1);
+  const auto tensors = source.map->tensors();
+  lua_createtable(L, static_cast<int>(tensors.size()), 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto name = tensors[i].name();
+    lua_pushlstring(L, name.data(), name.size());
+    lua_rawseti(L, -2, static_cast<int>(i + 1));
+  }
+  return 1;
+}
+int source_next(lua_State* L) {
+  // [source, previous position]; upvalue 1: position counter
+  auto& source = check_source(L, lua_upvalueindex(1));
+  auto position = static_cast<size_t>(lua_tonumber(L, lua_upvalueindex(2)));
+  const auto tensors = source.map->tensors();
+  if (position >= tensors.size()) return 0;
+  lua_pushnumber(L, static_cast<lua_Number>(position + 1));
+  lua_replace(L, lua_upvalueindex(2));
+  const std::string name(tensors[position].name());
+  lua_pushlstring(L, name.data(), name.size());
+  push_source_tensor(L, source, name);
+  return 2;
+}
+int source_items(lua_State* L) {
+  check_source(L, 1);
+  lua_pushvalue(L, 1);
+  lua_pushnumber(L, 0);
+  lua_pushcclosure(L, source_next, 2);
+  return 1;
+}
+int source_index(lua_State* L) {
+  // [source, key]: a method, else the tensor of that name, else nil
+  auto& source = check_source(L, 1);
+  const std::string key = luaL_checkstring(L, 2);
+  luaL_getmetatable(L, kSourceType);
+  lua_getfield(L, -1, "methods");
+  lua_getfield(L, -1, key.c_str());
+  if (!lua_isnil(L, -1)) return 1;
+  lua_pop(L, 3);
+  if (!push_source_tensor(L, source, key)) lua_pushnil(L);
+  return 1;
+}
+int source_len(lua_State* L) {
+  lua_pushnumber(L, static_cast<lua_Number>(check_source(L, 1).map->tensors().size()));
+  return 1;
+}
+
+int global_cat(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, cat(check_tensor_list(L, 1), lua_isnoneornil(L, 2) ? 0 : check_int(L, 2))); return 1; });
+}
+int global_stack(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, stack(check_tensor_list(L, 1), lua_isnoneornil(L, 2) ? 0 : check_int(L, 2))); return 1; });
+}
+
+void register_type(lua_State* L, const char* name, lua_CFunction index, std::initializer_list<luaL_Reg> methods,
+                   std::initializer_list<luaL_Reg> metamethods) {
+  luaL_newmetatable(L, name);  // [metatable]
+  lua_newtable(L);             // [metatable, methods]
+  for (const auto& method : methods) {
+    lua_pushcfunction(L, method.func);
+    lua_setfield(L, -2, method.name);
+  }
+  lua_setfield(L, -2, "methods");
+  lua_pushcfunction(L, index);
+  lua_setfield(L, -2, "__index");
+  for (const auto& method : metamethods) {
+    lua_pushcfunction(L, method.func);
+    lua_setfield(L, -2, method.name);
+  }
+  lua_pushboolean(L, 0);
+  lua_setfield(L, -2, "__metatable");
+  lua_pop(L, 1);
+}
+
+// Pops the top value into the globals; rawset, since the sandbox refuses ordinary assignment.
+void set_global(lua_State* L, const char* name) {
+  lua_pushvalue(L, LUA_GLOBALSINDEX);  // [value, globals]
+  lua_pushstring(L, name);             // [value, globals, name]
+  lua_pushvalue(L, -3);                // [value, globals, name, value]
+  lua_rawset(L, -3);                   // [value, globals]
+  lua_pop(L, 2);
+}
+
+// The tensor at `index`, or null when the value there is something else.
+const ExprPtr* to_tensor(lua_State* L, int index) {
+  void* memory = lua_touserdata(L, index);
+  if (!memory || !lua_getmetatable(L, index)) return nullptr;
+  luaL_getmetatable(L, kTensorType);
+  const bool is_tensor = lua_rawequal(L, -1, -2);
+  lua_pop(L, 2);
+  return is_tensor ? static_cast<const ExprPtr*>(memory) : nullptr;
+}
+
+void install_api(lua_State* L, Source* source) {
+  register_type(L, kTensorType, tensor_index,
+                {{"t", tensor_t}, {"transpose", tensor_transpose}, {"permute", tensor_permute},
+                 {"reshape", tensor_reshape}, {"view", tensor_reshape}, {"narrow", tensor_narrow},
+                 {"chunk", tensor_chunk}, {"split", tensor_split}, {"cast", tensor_cast}, {"to", tensor_cast},
+                 {"scale", tensor_scale}},
+                {{"__tostring", tensor_tostring}, {"__gc", tensor_gc}});
+  register_type(L, kSourceType, source_index,
+                {{"get", source_get}, {"has", source_has}, {"keys", source_keys}, {"items", source_items}},
+                {{"__len", source_len}});
+  auto* memory = static_cast<Source*>(lua_newuserdata(L, sizeof(Source)));
+  *memory = *source;
+  luaL_getmetatable(L, kSourceType);
+  lua_setmetatable(L, -2);
+  set_global(L, "src");
+  lua_pushcfunction(L, global_cat);
+  set_global(L, "cat");
+  lua_pushcfunction(L, global_stack);
+  set_global(L, "stack");
+}
+
+std::string read_script(const std::string& path) {
+  std::ifstream stream(path, std::ios::binary);
+  if (!stream) fail(path, "cannot open the converter script");
+  std::ostringstream text;
+  text << stream.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& map, const SandboxLimits& limits) {
+  const std::string code = read_script(script_path);
+  std::set<std::string> read;
+  Source source{&map, &read};
+  LuaSandbox sandbox(limits);
+  lua_State* L = sandbox.state();
+
+  ConversionPlan plan;
+  try {
+    install_api(L, &source);
+    sandbox.run(kPrelude, "vramd prelude", 0, 0);
+
+    sandbox.run(code, script_path, 0, 1);  // [result]
+  } catch (const Error& e) {
+    std::string message = e.what();
+    if (message.rfind(script_path, 0) != 0) message = script_path + ": " + message;
+    throw Error(message);
+  }
+  plan.printed = sandbox.printed();
+
+  if (!lua_istable(L, -1))
+    fail(script_path, std::string("returned ") + luaL_typename(L, -1) +
+                          ", not a table of target names to tensors");
+  lua_pushnil(L);  // [result, nil]
+  while (lua_next(L, -2) != 0) {  // [result, key, value]
+    if (lua_type(L, -2) != LUA_TSTRING)
+      fail(script_path, std::string("returned a table with a ") + luaL_typename(L, -2) +
+                            " key; target names are strings");
+    std::string target = lua_tostring(L, -2);
+    const ExprPtr* value = to_tensor(L, -1);
+    if (!value)
+      fail(script_path, "target " + quote(target) + " is a " + luaL_typename(L, -1) + ", not a tensor");
+    plan.tensors.push_back({std::move(target), *value});
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 1);
+  std::sort(plan.tensors.begin(), plan.tensors.end(),
+            [](const Conversion& a, const Conversion& b) { return a.target < b.target; });
+
+  std::set<std::string> used;
+  for (const auto& conversion : plan.tensors)
+    for (auto& key : conversion.expr->sources()) used.insert(std::move(key));
+  for (const auto& info : map.tensors())
+    if (!used.count(std::string(info.name()))) plan.unused.emplace_back(info.name());
+  return plan;
+}
+
+ConversionPlan identity_plan(const storage::DiskMap& map) {
+  ConversionPlan plan;
+  for (const auto& info : map.tensors())
+    plan.tensors.push_back({std::string(info.name()), source(std::string(info.name()), info.dtype, info.shape)});
+  return plan;
+}
+
+}  // namespace vramd::convert

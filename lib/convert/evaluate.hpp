@@ -1,0 +1,17 @@
+// Evaluating a converter's lazy expressions on LibTorch: the moment tensor data is read.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "convert/expr.hpp"
+#include "storage/disk_map.hpp"
+
+namespace vramd::convert {
+
+// The expression's value as a contiguous CPU tensor. Sources are read as zero-copy views of
+// the file mapping, so only the pages an expression touches are read: a narrow() of a fused
+// weight reads its slice and no more. Works the same each time it is called, so weights can
+// be re-read from disk on every use.
+at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source);
+
+}  // namespace vramd::convert

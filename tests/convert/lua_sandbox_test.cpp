@@ -1,0 +1,80 @@
+#include <catch2/catch.hpp>
+
+#include <lua.hpp>
+
+#include "convert/lua_sandbox.hpp"
+#include "util/error.hpp"
+
+using namespace vramd::convert;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string error_of(const std::string& code, SandboxLimits limits = {}) {
+  LuaSandbox sandbox(limits);
+  try {
+    sandbox.run(code, "escape.lua", 0, 0);
+  } catch (const vramd::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("a sandboxed script computes with the safe libraries and prints to a log") {
+  LuaSandbox sandbox;
+  sandbox.run("local s = string.format('%d-%s', math.floor(7.9), ('ab'):upper())\n"
+              "print(s, bit.band(6, 3), table.concat({1, 2}, ','))\nreturn #s",
+              "ok.lua", 0, 1);
+  CHECK(lua_tonumber(sandbox.state(), -1) == 4);
+  REQUIRE(sandbox.printed().size() == 1);
+  CHECK(sandbox.printed()[0] == "7-AB\t2\t1,2");
+}
+
+TEST_CASE("every way out of the sandbox is refused with its own error") {
+  CHECK(error_of("io.open('/etc/passwd')") == "escape.lua:1: unknown global 'io'");
+  CHECK(error_of("os.execute('true')") == "escape.lua:1: unknown global 'os'");
+  CHECK(error_of("require('ffi')") == "escape.lua:1: unknown global 'require'");
+  CHECK(error_of("local x = package") == "escape.lua:1: unknown global 'package'");
+  CHECK(error_of("jit.on()") == "escape.lua:1: unknown global 'jit'");
+  CHECK(error_of("debug.getregistry()") == "escape.lua:1: unknown global 'debug'");
+  CHECK(error_of("dofile('/etc/passwd')") == "escape.lua:1: unknown global 'dofile'");
+  CHECK(error_of("loadfile('/etc/passwd')") == "escape.lua:1: unknown global 'loadfile'");
+  CHECK(error_of("load('return 1')") == "escape.lua:1: unknown global 'load'");
+  CHECK(error_of("loadstring('return 1')") == "escape.lua:1: unknown global 'loadstring'");
+  CHECK(error_of("getfenv(1)") == "escape.lua:1: unknown global 'getfenv'");
+  CHECK(error_of("setfenv(1, {})") == "escape.lua:1: unknown global 'setfenv'");
+  CHECK(error_of("newproxy(true)") == "escape.lua:1: unknown global 'newproxy'");
+  CHECK(error_of("collectgarbage('stop')") == "escape.lua:1: unknown global 'collectgarbage'");
+  CHECK(error_of("coroutine.create(print)") == "escape.lua:1: unknown global 'coroutine'");
+  CHECK(error_of("string.dump(print)") == "escape.lua:1: attempt to call field 'dump' (a nil value)");
+  CHECK(error_of("local mt = getmetatable('') ; mt.__index.x = 1") ==
+        "escape.lua:1: attempt to index local 'mt' (a boolean value)");
+  CHECK(error_of("setmetatable(_G, nil)") == "escape.lua:1: cannot change a protected metatable");
+  CHECK(error_of("leaked = 1") == "escape.lua:1: assignment to the global 'leaked'; declare it local");
+  CHECK(error_of("\x1bLJ\x02") == "escape.lua: precompiled Lua bytecode is refused");
+}
+
+TEST_CASE("a runaway loop is stopped at the time limit even in a loop the JIT would compile") {
+  auto start = std::chrono::steady_clock::now();
+  CHECK(error_of("local i = 0 while true do i = i + 1 end", {200ms, 64u << 20}) ==
+        "escape.lua:1: ran past its time limit of 200 ms");
+  CHECK(error_of("for i = 1, 1e15 do local x = i * 2 end", {200ms, 64u << 20}) ==
+        "escape.lua:1: ran past its time limit of 200 ms");
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("the memory cap and stack overflow are errors and the process carries on") {
+  CHECK(error_of("local t = {} for i = 1, 1e8 do t[i] = string.rep('x', 1000) .. i end", {10s, 16u << 20}) ==
+        "escape.lua: not enough memory (exceeded the memory limit of 16.00 MiB)");
+  CHECK_THAT(error_of("local function f() return 1 + f() end return f()"), Catch::Contains("stack overflow"));
+  LuaSandbox after;  // a fresh state still works
+  after.run("return 1 + 1", "after.lua", 0, 1);
+  CHECK(lua_tonumber(after.state(), -1) == 2);
+}
+
+TEST_CASE("syntax errors name the script and line") {
+  CHECK(error_of("local x = = 1") == "escape.lua:1: unexpected symbol near '='");
+  CHECK(error_of("error('custom failure')") == "escape.lua:1: custom failure");
+}
