@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
   convert_cmd->add_option("--daemon-config", convert.daemon_config,
                           "Daemon config for converter folders (default: configs/vramd.toml if present)");
   convert_cmd->add_flag("--json", convert.json, "Print one JSON object");
+  convert_cmd->add_option("--output", convert.output, "Evaluate every target and write them to this safetensors file");
 
   CLI11_PARSE(app, argc, argv);
   try {

@@ -8,6 +8,8 @@
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
+#include "convert/evaluate.hpp"
+#include "storage/tensor_io.hpp"
 #include "storage/disk_map.hpp"
 #include "util/format.hpp"
 
@@ -23,6 +25,11 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
   for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
   auto plan = model.converter.empty() ? convert::identity_plan(map) : convert::run_converter(model.converter, map);
   for (const auto& line : plan.printed) err << "print: " << line << '\n';
+  if (!options.output.empty()) {
+    storage::NamedTensors tensors;
+    for (const auto& [target, expr] : plan.tensors) tensors.emplace_back(target, convert::evaluate(*expr, map));
+    storage::save_tensors(options.output, tensors, {{"converted_by", "vramd"}});
+  }
 
   if (options.json) {
     nlohmann::ordered_json tensors = nlohmann::ordered_json::object();

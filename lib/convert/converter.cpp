@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <fstream>
-#include <set>
 #include <sstream>
+#include <unordered_set>
 
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -18,13 +18,13 @@ constexpr const char* kSourceType = "vramd.Source";
 
 // Helpers every script may use, defined before the globals are locked.
 constexpr const char* kPrelude = R"lua(
-local gsub = string.gsub
+local find, gsub = string.find, string.gsub
 -- rename(name, rules): applies the first rule { pattern, replacement } that matches name
--- (string.gsub semantics); nil when none does.
+-- (string.gsub semantics); nil when none does. find() first: a failed gsub still builds a string.
 rawset(_G, "rename", function(name, rules)
-  for _, rule in ipairs(rules) do
-    local renamed, count = gsub(name, rule[1], rule[2])
-    if count > 0 then return renamed end
+  for i = 1, #rules do
+    local rule = rules[i]
+    if find(name, rule[1]) then return (gsub(name, rule[1], rule[2])) end
   end
   return nil
 end)
@@ -183,17 +183,18 @@ int tensor_index(lua_State* L) {
 // The source checkpoint, as the script sees it.
 struct Source {
   const storage::DiskMap* map;
-  std::set<std::string>* read;  // keys the script asked for
 };
 
 Source& check_source(lua_State* L, int index) { return *static_cast<Source*>(luaL_checkudata(L, index, kSourceType)); }
 
+void push_source_tensor(lua_State* L, const storage::TensorInfo& info) {
+  push_tensor(L, convert::source(std::string(info.name()), info.dtype, info.shape));
+}
+
 bool push_source_tensor(lua_State* L, Source& source, const std::string& name) {
   const auto* info = source.map->find(name);
-  if (!info) return false;
-  source.read->insert(name);
-  push_tensor(L, convert::source(name, info->dtype, info->shape));
-  return true;
+  if (info) push_source_tensor(L, *info);
+  return info != nullptr;
 }
 
 int source_get(lua_State* L) {
@@ -225,9 +226,9 @@ int source_next(lua_State* L) {
   if (position >= tensors.size()) return 0;
   lua_pushnumber(L, static_cast<lua_Number>(position + 1));
   lua_replace(L, lua_upvalueindex(2));
-  const std::string name(tensors[position].name());
+  const auto name = tensors[position].name();
   lua_pushlstring(L, name.data(), name.size());
-  push_source_tensor(L, source, name);
+  push_source_tensor(L, tensors[position]);
   return 2;
 }
 int source_items(lua_State* L) {
@@ -333,8 +334,7 @@ std::string read_script(const std::string& path) {
 
 ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& map, const SandboxLimits& limits) {
   const std::string code = read_script(script_path);
-  std::set<std::string> read;
-  Source source{&map, &read};
+  Source source{&map};
   LuaSandbox sandbox(limits);
   lua_State* L = sandbox.state();
 
@@ -370,11 +370,17 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
   std::sort(plan.tensors.begin(), plan.tensors.end(),
             [](const Conversion& a, const Conversion& b) { return a.target < b.target; });
 
-  std::set<std::string> used;
-  for (const auto& conversion : plan.tensors)
-    for (auto& key : conversion.expr->sources()) used.insert(std::move(key));
+  std::unordered_set<std::string_view> used;
+  std::vector<const Expr*> pending;
+  for (const auto& conversion : plan.tensors) pending.push_back(conversion.expr.get());
+  while (!pending.empty()) {
+    const Expr* expr = pending.back();
+    pending.pop_back();
+    if (expr->op == Expr::Op::Source) used.insert(expr->source);
+    for (const auto& input : expr->inputs) pending.push_back(input.get());
+  }
   for (const auto& info : map.tensors())
-    if (!used.count(std::string(info.name()))) plan.unused.emplace_back(info.name());
+    if (!used.count(info.name())) plan.unused.emplace_back(info.name());
   return plan;
 }
 

@@ -25,6 +25,10 @@ namespace {
 
 constexpr int kHookEvery = 1000;  // instructions between looks at the clock
 
+// Lua cuts chunk names in messages to 60 characters; chunks run under this short name, which
+// call() replaces with the real one.
+constexpr std::string_view kChunkId = "@chunk@";
+
 void* allocate(void* userdata, void* block, size_t old_size, size_t new_size) {
   auto* state = static_cast<LuaSandbox::State*>(userdata);
   if (new_size == 0) {
@@ -116,6 +120,12 @@ std::string first_line(const char* text) {
   return message.substr(0, message.find('\n'));
 }
 
+std::string real_name(std::string message, const std::string& name) {
+  for (size_t at = message.find(kChunkId); at != std::string::npos; at = message.find(kChunkId, at + name.size()))
+    message.replace(at, kChunkId.size(), name);
+  return message;
+}
+
 }  // namespace
 
 LuaSandbox::LuaSandbox(SandboxLimits limits) : state_(std::make_unique<State>()) {
@@ -171,8 +181,8 @@ void LuaSandbox::run(const std::string& code, const std::string& name, int argum
   lua_State* L = state_->lua;
   state_->chunk = name;
   if (!code.empty() && code[0] == LUA_SIGNATURE[0]) throw Error(name + ": precompiled Lua bytecode is refused");
-  if (luaL_loadbuffer(L, code.data(), code.size(), ("@" + name).c_str()) != 0) {
-    std::string message = first_line(lua_tostring(L, -1));
+  if (luaL_loadbuffer(L, code.data(), code.size(), ("=" + std::string(kChunkId)).c_str()) != 0) {
+    std::string message = real_name(first_line(lua_tostring(L, -1)), name);
     lua_pop(L, 1 + arguments);
     throw Error(message);
   }
@@ -192,7 +202,7 @@ void LuaSandbox::call(int arguments, int results) {
   lua_sethook(L, nullptr, 0, 0);
   lua_remove(L, base);  // the traceback handler
   if (status == 0) return;
-  std::string message = first_line(lua_tostring(L, -1));
+  std::string message = real_name(first_line(lua_tostring(L, -1)), state_->chunk);
   lua_pop(L, 1);
   if (state_->out_of_memory || status == LUA_ERRMEM)
     throw Error(state_->chunk + ": " + message + " (exceeded the memory limit of " +
