@@ -19,6 +19,11 @@ int report(const char* command, const std::exception& error) {
   return 1;
 }
 
+void add_daemon_config_option(CLI::App* command, std::string& path) {
+  command->add_option("--daemon-config", path,
+                      "Daemon config, for budgets and converter folders (default: configs/vramd.toml if present)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -40,16 +45,14 @@ int main(int argc, char** argv) {
   auto* check_cmd = app.add_subcommand(
       "check", "Validate model configs offline: schema, daemon budgets, converter and checkpoint index");
   check_cmd->add_option("config", check.configs, "Model config files (configs/models/NAME.toml)")->required();
-  check_cmd->add_option("--daemon-config", check.daemon_config,
-                        "Daemon config for budgets and converter folders (default: configs/vramd.toml if present)");
+  add_daemon_config_option(check_cmd, check.daemon_config);
   check_cmd->add_flag("--json", check.json, "Print one JSON object");
 
   vramd::cli::ConvertOptions convert;
   auto* convert_cmd = app.add_subcommand(
       "convert", "Run a model's converter over its checkpoint index, printing target keys, dtypes, shapes, expressions");
   convert_cmd->add_option("config", convert.config, "Model config file")->required();
-  convert_cmd->add_option("--daemon-config", convert.daemon_config,
-                          "Daemon config for converter folders (default: configs/vramd.toml if present)");
+  add_daemon_config_option(convert_cmd, convert.daemon_config);
   convert_cmd->add_flag("--json", convert.json, "Print one JSON object");
   convert_cmd->add_option("--output", convert.output, "Evaluate every target and write them to this safetensors file");
 

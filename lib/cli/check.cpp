@@ -1,6 +1,5 @@
 #include "cli/check.hpp"
 
-#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
@@ -12,8 +11,6 @@
 
 namespace vramd::cli {
 namespace {
-
-constexpr const char* kDefaultDaemonConfig = "configs/vramd.toml";
 
 struct Verdict {
   std::string path;
@@ -58,10 +55,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
 }  // namespace
 
 int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
-  config::DaemonConfig daemon = config::default_daemon_config();
-  std::string daemon_path = options.daemon_config;
-  if (daemon_path.empty() && std::filesystem::exists(kDefaultDaemonConfig)) daemon_path = kDefaultDaemonConfig;
-  if (!daemon_path.empty()) daemon = config::load_daemon_config(daemon_path);
+  const config::DaemonConfig daemon = config::find_daemon_config(options.daemon_config);
 
   int failed = 0;
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
@@ -84,7 +78,7 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
     }
   }
   if (options.json)
-    out << nlohmann::ordered_json{{"daemon_config", daemon_path}, {"configs", results}}.dump(2) << '\n';
+    out << nlohmann::ordered_json{{"daemon_config", daemon.path}, {"configs", results}}.dump(2) << '\n';
   return failed;
 }
 

@@ -1,7 +1,6 @@
 #include "cli/convert.hpp"
 
 #include <algorithm>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
@@ -16,11 +15,7 @@
 namespace vramd::cli {
 
 void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err) {
-  config::DaemonConfig daemon = config::default_daemon_config();
-  std::string daemon_path = options.daemon_config;
-  if (daemon_path.empty() && std::filesystem::exists("configs/vramd.toml")) daemon_path = "configs/vramd.toml";
-  if (!daemon_path.empty()) daemon = config::load_daemon_config(daemon_path);
-  auto model = config::load_model_config(options.config, daemon);
+  auto model = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   auto map = storage::DiskMap::open(model.checkpoint, {model.prefix, !model.keep_prefix});
   for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
   auto plan = model.converter.empty() ? convert::identity_plan(map) : convert::run_converter(model.converter, map);

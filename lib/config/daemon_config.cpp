@@ -11,15 +11,11 @@
 namespace vramd::config {
 namespace fs = std::filesystem;
 
-namespace {
-
-bool valid_device(const std::string& device) {
+bool is_device_name(const std::string& device) {
   if (device == "cpu") return true;
   if (device.rfind("cuda:", 0) != 0 || device.size() == 5) return false;
   return device.find_first_not_of("0123456789", 5) == std::string::npos;
 }
-
-}  // namespace
 
 std::string canonical_device(const std::string& device) { return device == "cuda" ? "cuda:0" : device; }
 
@@ -30,6 +26,12 @@ DaemonConfig default_daemon_config() {
                                       : "/tmp/vramd-" + std::to_string(::getuid()) + ".sock";
   config.models = "models";
   return config;
+}
+
+DaemonConfig find_daemon_config(const std::string& path) {
+  if (!path.empty()) return load_daemon_config(path);
+  if (fs::exists("configs/vramd.toml")) return load_daemon_config("configs/vramd.toml");
+  return default_daemon_config();
 }
 
 DaemonConfig load_daemon_config(const std::string& path) {
@@ -55,7 +57,7 @@ DaemonConfig load_daemon_config(const std::string& path) {
   }
   if (auto budgets = root.table("budgets")) {
     for (auto device : budgets->keys()) {
-      if (!valid_device(canonical_device(std::string(device)))) {
+      if (!is_device_name(canonical_device(std::string(device)))) {
         budgets->node(device);
         budgets->bad_value(device, "not a device; expected \"cpu\", \"cuda\" or \"cuda:N\"");
         continue;

@@ -27,7 +27,13 @@ DaemonConfig load_daemon_config(const std::string& path);
 // Defaults when there is no config file: socket in $XDG_RUNTIME_DIR (else /tmp), no budgets.
 DaemonConfig default_daemon_config();
 
+// For offline tools: `path` when given, else configs/vramd.toml when it exists, else defaults.
+DaemonConfig find_daemon_config(const std::string& path);
+
 // "cuda" is "cuda:0"; other names are returned as they are.
 std::string canonical_device(const std::string& device);
+
+// "cpu" or "cuda:N" (after canonical_device).
+bool is_device_name(const std::string& device);
 
 }  // namespace vramd::config

@@ -28,19 +28,13 @@ bool valid_name(const std::string& name) {
          });
 }
 
-bool valid_device(const std::string& device, bool disk_allowed) {
-  if (device == "cpu" || (disk_allowed && device == "disk")) return true;
-  if (device.rfind("cuda:", 0) != 0 || device.size() == 5) return false;
-  return device.find_first_not_of("0123456789", 5) == std::string::npos;
-}
-
 // Reads `[vram].<key>` = { device, dtype }; what it leaves out, or gets wrong, comes from
 // `state` (the state it defaults to).
 DeviceState read_state(TableReader& vram, std::string_view key, DeviceState state, bool disk_allowed) {
   auto table = vram.table(key);
   if (!table) return state;
   if (auto device = table->string("device")) {
-    if (valid_device(canonical_device(*device), disk_allowed))
+    if (is_device_name(canonical_device(*device)) || (disk_allowed && *device == "disk"))
       state.device = canonical_device(*device);
     else if (*device == "disk")
       table->bad_value("device", "only offload and onload can be on disk; " + std::string(key) +
