@@ -39,15 +39,18 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
   }
   out << "model " << model.name << ", converter " << (model.converter.empty() ? "(none)" : model.converter) << ": "
       << plan.tensors.size() << " tensors\n";
-  size_t width = 0;
-  for (const auto& conversion : plan.tensors) width = std::max(width, conversion.target.size());
+  size_t name_width = 0, shape_width = 0;
   for (const auto& [target, expr] : plan.tensors) {
-    std::string name = target;
-    name.resize(width, ' ');
-    std::string dtype(storage::dtype_name(expr->dtype));
-    dtype.resize(7, ' ');
-    out << "  " << name << "  " << dtype << "  " << format_shape(expr->shape) << "  = " << expr->describe() << '\n';
+    name_width = std::max(name_width, target.size());
+    shape_width = std::max(shape_width, format_shape(expr->shape).size());
   }
+  auto pad = [](std::string text, size_t width) {
+    text.resize(std::max(width, text.size()), ' ');
+    return text;
+  };
+  for (const auto& [target, expr] : plan.tensors)
+    out << "  " << pad(target, name_width) << "  " << pad(std::string(storage::dtype_name(expr->dtype)), 7) << "  "
+        << pad(format_shape(expr->shape), shape_width) << "  = " << expr->describe() << '\n';
   if (!plan.unused.empty()) {
     out << plan.unused.size() << " source tensors are not used:";
     for (const auto& key : plan.unused) out << ' ' << key;

@@ -25,7 +25,7 @@ def test_convert_prints_targets_with_dtype_shape_and_expression(tmp_path):
     config = setup(tmp_path, 'print("converting")\nreturn { ["x.weight"] = src["a.weight"]:t() }\n')
     result = vramctl("convert", config)
     assert result.returncode == 0, result.stderr
-    assert "x.weight  F32      [3, 2]  = transpose(src['a.weight'], 0, 1)" in result.stdout
+    assert "  x.weight  F32      [3, 2]  = transpose(src['a.weight'], 0, 1)\n" in result.stdout
     assert "1 source tensors are not used: b.weight" in result.stdout
     assert "print: converting" in result.stderr
 
