@@ -5,6 +5,7 @@
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
+#include "convert/converter.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -33,6 +34,12 @@ std::vector<std::string> lines(const std::string& text) {
   return out;
 }
 
+uint64_t element_count(const std::vector<int64_t>& shape) {
+  uint64_t count = 1;
+  for (int64_t dim : shape) count *= static_cast<uint64_t>(dim);
+  return count;
+}
+
 Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
   Verdict verdict{path, {}, {}, 0, 0, {}};
   try {
@@ -43,6 +50,17 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       verdict.tensors = map.tensors().size();
       verdict.bytes = map.total_bytes();
       verdict.warnings.assign(map.warnings().begin(), map.warnings().end());
+      if (!model.converter.empty()) {
+        try {
+          auto plan = convert::run_converter(model.converter, map, model.arch_json);
+          verdict.tensors = plan.tensors.size();
+          verdict.bytes = 0;
+          for (const auto& conversion : plan.tensors)
+            verdict.bytes += storage::dtype_bytes(conversion.expr->dtype, element_count(conversion.expr->shape)).value_or(0);
+        } catch (const Error& e) {
+          verdict.problems.push_back(path + ": converter: " + e.what());
+        }
+      }
     } catch (const Error& e) {
       verdict.problems.push_back(path + ": checkpoint: " + e.what());
     }

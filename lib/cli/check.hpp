@@ -1,5 +1,6 @@
 // `vramctl check`: validates model configs offline: syntax, schema, consistency with the
-// daemon's config, and that the checkpoint's index can be read.
+// daemon's config, that the checkpoint's index can be read, and a dry run of the converter
+// (which reads no tensor data).
 #pragma once
 
 #include <iosfwd>

@@ -1,6 +1,7 @@
 #include "convert/converter.hpp"
 
 #include <lua.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <fstream>
@@ -322,6 +323,33 @@ void install_api(lua_State* L, Source* source) {
   set_global(L, "stack");
 }
 
+// A JSON value as Lua values: objects and arrays become tables, null becomes nil.
+void push_json(lua_State* L, const nlohmann::json& value) {
+  luaL_checkstack(L, 3, "JSON nested too deeply");
+  switch (value.type()) {
+    case nlohmann::json::value_t::object:
+      lua_createtable(L, 0, static_cast<int>(value.size()));
+      for (const auto& [key, item] : value.items()) {
+        push_json(L, item);
+        lua_setfield(L, -2, key.c_str());
+      }
+      break;
+    case nlohmann::json::value_t::array:
+      lua_createtable(L, static_cast<int>(value.size()), 0);
+      for (size_t i = 0; i < value.size(); ++i) {
+        push_json(L, value[i]);
+        lua_rawseti(L, -2, static_cast<int>(i + 1));
+      }
+      break;
+    case nlohmann::json::value_t::string: lua_pushstring(L, value.get_ref<const std::string&>().c_str()); break;
+    case nlohmann::json::value_t::boolean: lua_pushboolean(L, value.get<bool>()); break;
+    case nlohmann::json::value_t::number_integer:
+    case nlohmann::json::value_t::number_unsigned:
+    case nlohmann::json::value_t::number_float: lua_pushnumber(L, value.get<double>()); break;
+    default: lua_pushnil(L);
+  }
+}
+
 std::string read_script(const std::string& path) {
   std::ifstream stream(path, std::ios::binary);
   if (!stream) fail(path, "cannot open the converter script");
@@ -332,7 +360,8 @@ std::string read_script(const std::string& path) {
 
 }  // namespace
 
-ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& map, const SandboxLimits& limits) {
+ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& map, const std::string& arch_json,
+                             const SandboxLimits& limits) {
   const std::string code = read_script(script_path);
   Source source{&map};
   LuaSandbox sandbox(limits);
@@ -341,6 +370,8 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
   ConversionPlan plan;
   try {
     install_api(L, &source);
+    push_json(L, nlohmann::json::parse(arch_json));
+    set_global(L, "arch");
     sandbox.run(kPrelude, "vramd prelude", 0, 0);
 
     sandbox.run(code, script_path, 0, 1);  // [result]

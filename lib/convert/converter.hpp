@@ -22,9 +22,11 @@ struct ConversionPlan {
   std::vector<std::string> printed;  // what the script print()ed
 };
 
-// Throws Error naming the script (and line, source and target keys where they apply).
+// `arch_json`: the model's hyperparameters (a JSON object), which the script sees as the
+// read-only table `arch`. Throws Error naming the script (and line, source and target keys
+// where they apply).
 ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& source,
-                             const SandboxLimits& limits = {});
+                             const std::string& arch_json = "{}", const SandboxLimits& limits = {});
 
 // The plan without a converter: every source key as itself.
 ConversionPlan identity_plan(const storage::DiskMap& source);

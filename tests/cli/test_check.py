@@ -69,3 +69,16 @@ def test_a_broken_daemon_config_is_one_clear_error(tmp_path):
     result = vramctl("check", tmp_path / "models" / "good.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode == 1
     assert f"{tmp_path / 'vramd.toml'}:2:7: budgets.cpu = 'lots': 'lots' is not a size" in result.stderr
+
+
+def test_check_runs_the_converter_dry_and_reports_its_errors(tmp_path):
+    models = setup(tmp_path)
+    (tmp_path / "good.lua").write_text('return { w = src["w"]:t() }\n')
+    (tmp_path / "bad.lua").write_text('local out = {}\nout.w = src["w"]:chunk(3, 0)\nreturn out\n')
+    (models / "converted.toml").write_text('checkpoint = "../ck.safetensors"\nprefix = "model."\nconverter = "../good.lua"\n')
+    (models / "broken.toml").write_text('checkpoint = "../ck.safetensors"\nprefix = "model."\nconverter = "../bad.lua"\n')
+    result = vramctl("check", models / "converted.toml", models / "broken.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 1
+    assert f"ok    {models / 'converted.toml'}: model 'converted', 1 tensors, 32 B" in result.stdout
+    assert (f"{models / 'broken.toml'}: converter: {(tmp_path / 'bad.lua')}:2: chunk of src['w'] (shape [4, 4]): "
+            "dimension 0 (size 4) does not split into 3 equal parts") in result.stdout

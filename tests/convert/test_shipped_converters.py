@@ -86,3 +86,64 @@ def test_a_gpt2_lm_head_checkpoint_converts_with_its_prefix(tmp_path):
     result = vramctl("convert", model_config(tmp_path / "lm.toml", tmp_path / "lm", "hf_gpt2.lua", prefix), "--json")
     assert result.returncode == 0, result.stderr
     assert "layers.0.attn.k_proj.weight" in json.loads(result.stdout)["tensors"]
+
+
+def meta_rotary(x, theta=10000.0):
+    """Meta's published rotary embedding: consecutive pairs of each head's dimensions as complex
+    numbers, multiplied by e^(i * position * frequency). x: [batch, seq, heads, head_dim]."""
+    head_dim, seq = x.shape[-1], x.shape[1]
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq).float(), freqs)
+    rotation = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rotation).flatten(3)
+
+
+def test_meta_llama_weights_converted_by_vramd_load_into_transformers_and_keep_attention(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    torch.manual_seed(0)
+    dim, heads, kv_heads, layers, hidden, vocab = 64, 4, 2, 2, 96, 50
+    head_dim = dim // heads
+    meta = {"tok_embeddings.weight": torch.randn(vocab, dim), "norm.weight": torch.rand(dim),
+            "output.weight": torch.randn(vocab, dim), "rope.freqs": torch.rand(head_dim // 2)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        meta |= {p + "attention.wq.weight": torch.randn(dim, dim), p + "attention.wk.weight": torch.randn(kv_heads * head_dim, dim),
+                 p + "attention.wv.weight": torch.randn(kv_heads * head_dim, dim), p + "attention.wo.weight": torch.randn(dim, dim),
+                 p + "feed_forward.w1.weight": torch.randn(hidden, dim), p + "feed_forward.w2.weight": torch.randn(dim, hidden),
+                 p + "feed_forward.w3.weight": torch.randn(hidden, dim), p + "attention_norm.weight": torch.rand(dim),
+                 p + "ffn_norm.weight": torch.rand(dim)}
+    (tmp_path / "meta").mkdir()
+    torch.save(meta, tmp_path / "meta" / "consolidated.00.pth")
+    config = tmp_path / "llama.toml"
+    config.write_text(f'checkpoint = "meta"\nconverter = "{CONVERTERS / "meta_llama.lua"}"\n[arch]\nn_heads = {heads}\n')
+    result = vramctl("convert", config, "--output", tmp_path / "hf.safetensors")
+    assert result.returncode == 0, result.stderr
+    converted = load_file(tmp_path / "hf.safetensors")
+
+    # Every name and shape is what transformers' LlamaForCausalLM expects.
+    hf_config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
+                                         num_hidden_layers=layers, num_attention_heads=heads,
+                                         num_key_value_heads=kv_heads, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.load_state_dict(converted, strict=True)
+
+    # Attention scores after rotary embedding: Meta's formula on Meta's weights equals
+    # transformers' rotary embedding on the converted weights.
+    x = torch.randn(1, 7, dim)
+    position_ids = torch.arange(7)[None]
+    cos, sin = model.model.rotary_emb(x, position_ids)
+    for i in range(layers):
+        wq, wk = meta[f"layers.{i}.attention.wq.weight"], meta[f"layers.{i}.attention.wk.weight"]
+        q_meta = meta_rotary((x @ wq.T).view(1, 7, heads, head_dim))
+        k_meta = meta_rotary((x @ wk.T).view(1, 7, kv_heads, head_dim)).repeat_interleave(heads // kv_heads, dim=2)
+        attention = model.model.layers[i].self_attn
+        q_hf = attention.q_proj(x).view(1, 7, heads, head_dim).transpose(1, 2)
+        k_hf = attention.k_proj(x).view(1, 7, kv_heads, head_dim).transpose(1, 2)
+        q_hf, k_hf = modeling_llama.apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
+        k_hf = modeling_llama.repeat_kv(k_hf, heads // kv_heads)
+        scores_meta = torch.einsum("bshd,bthd->bhst", q_meta, k_meta)
+        scores_hf = q_hf @ k_hf.transpose(-1, -2)
+        assert torch.allclose(scores_meta, scores_hf, atol=1e-4, rtol=1e-5), (scores_meta - scores_hf).abs().max()
