@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 VRAMCTL = os.environ["VRAMCTL"]
 CONVERTERS = Path(__file__).resolve().parents[2] / "scripts" / "converters"
@@ -147,3 +147,33 @@ def test_meta_llama_weights_converted_by_vramd_load_into_transformers_and_keep_a
         scores_meta = torch.einsum("bshd,bthd->bhst", q_meta, k_meta)
         scores_hf = q_hf @ k_hf.transpose(-1, -2)
         assert torch.allclose(scores_meta, scores_hf, atol=1e-4, rtol=1e-5), (scores_meta - scores_hf).abs().max()
+
+
+@pytest.mark.parametrize("variant", ["sd3", "sd3.5"])
+def test_diffusers_sd3_converted_by_vramd_is_what_diffusers_converts_back(tmp_path, variant):
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    torch.manual_seed(0)
+    options = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
+                   num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                   pooled_projection_dim=12, out_channels=4, pos_embed_max_size=16)
+    if variant == "sd3.5":
+        options |= dict(qk_norm="rms_norm", dual_attention_layers=(0, 1))
+    model = diffusers.SD3Transformer2DModel(**options)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_()  # zero-initialised modulations would hide a swap
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, tmp_path / "diffusers.safetensors")
+    config = tmp_path / "sd3.toml"
+    config.write_text(f'checkpoint = "diffusers.safetensors"\nconverter = "{CONVERTERS / "diffusers_sd3.lua"}"\n')
+    result = vramctl("convert", config, "--output", tmp_path / "original.safetensors")
+    assert result.returncode == 0, result.stderr
+    original = dict(load_file(tmp_path / "original.safetensors"))
+    assert any(k.startswith("joint_blocks.0.x_block.attn.qkv") for k in original)
+
+    back = convert_sd3_transformer_checkpoint_to_diffusers(dict(original))
+    assert sorted(back) == sorted(state)
+    for key in state:
+        assert torch.equal(back[key], state[key]), key
