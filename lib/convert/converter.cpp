@@ -10,6 +10,7 @@
 
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/sort.hpp"
 
 namespace vramd::convert {
 namespace {
@@ -398,8 +399,7 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
     lua_pop(L, 1);
   }
   lua_pop(L, 1);
-  std::sort(plan.tensors.begin(), plan.tensors.end(),
-            [](const Conversion& a, const Conversion& b) { return a.target < b.target; });
+  sort_by(plan.tensors, [](const Conversion& c) -> const std::string& { return c.target; });
 
   std::unordered_set<std::string_view> used;
   std::vector<const Expr*> pending;

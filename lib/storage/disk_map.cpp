@@ -15,6 +15,7 @@
 #include "storage/torch_pickle.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/sort.hpp"
 
 namespace vramd::storage {
 namespace fs = std::filesystem;
@@ -198,22 +199,6 @@ struct Indexer {
   }
 };
 
-// Sorts through a permutation: each TensorInfo moves once, not at every swap. A single
-// safetensors file arrives sorted already (a prefix stripped from every name keeps the order).
-void sort_by_name(std::vector<TensorInfo>& tensors) {
-  if (std::is_sorted(tensors.begin(), tensors.end(),
-                     [](const TensorInfo& a, const TensorInfo& b) { return a.name() < b.name(); }))
-    return;
-  std::vector<uint32_t> order(tensors.size());
-  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(),
-            [&](uint32_t a, uint32_t b) { return tensors[a].name() < tensors[b].name(); });
-  std::vector<TensorInfo> sorted;
-  sorted.reserve(tensors.size());
-  for (uint32_t i : order) sorted.push_back(std::move(tensors[i]));
-  tensors = std::move(sorted);
-}
-
 }  // namespace
 
 DiskMap DiskMap::open(const std::string& source, const DiskMapOptions& options) {
@@ -268,7 +253,8 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
     fail(impl->description, "no key starts with the prefix " + quote(options.prefix) + " (" +
                                 std::to_string(indexer.keys_seen) + " keys, such as " + examples + ")");
   }
-  sort_by_name(impl->tensors);
+  // A single safetensors file arrives sorted already: stripping a prefix keeps the order.
+  sort_by(impl->tensors, [](const TensorInfo& t) { return t.name(); });
   auto twin = std::adjacent_find(impl->tensors.begin(), impl->tensors.end(),
                                  [](const TensorInfo& a, const TensorInfo& b) { return a.name() == b.name(); });
   if (twin != impl->tensors.end())

@@ -11,6 +11,7 @@
 
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/sort.hpp"
 
 namespace vramd::storage {
 namespace {
@@ -178,19 +179,12 @@ void check_tiling(const std::vector<TensorRecord>& tensors, uint64_t data_size) 
                 " bytes, tensors cover " + std::to_string(position) + ")");
 }
 
-// Sorts through a permutation (each record moves once) and refuses a name given twice.
+// Sorts by name and refuses a name given twice.
 void sort_by_name(std::vector<TensorRecord>& tensors) {
-  std::vector<uint32_t> order(tensors.size());
-  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return tensors[a].name < tensors[b].name; });
-  std::vector<TensorRecord> sorted;
-  sorted.reserve(tensors.size());
-  for (uint32_t i : order) {
-    if (!sorted.empty() && sorted.back().name == tensors[i].name)
-      throw Error("header has the tensor " + quote(tensors[i].name) + " twice");
-    sorted.push_back(std::move(tensors[i]));
-  }
-  tensors = std::move(sorted);
+  sort_by(tensors, [](const TensorRecord& t) -> const std::string& { return t.name; });
+  auto twin = std::adjacent_find(tensors.begin(), tensors.end(),
+                                 [](const TensorRecord& a, const TensorRecord& b) { return a.name == b.name; });
+  if (twin != tensors.end()) throw Error("header has the tensor " + quote(twin->name) + " twice");
 }
 
 uint64_t read_le64(const std::byte* bytes) {
