@@ -76,7 +76,9 @@ at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOpt
   const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
   at::Tensor tensor;
   if (options.mode == ReadMode::Auto) {
-    auto [bytes, owner] = map.bytes(info);
+    const auto mapped = map.bytes(info);
+    const std::span<std::byte> bytes = mapped.first;
+    const std::shared_ptr<void> owner = mapped.second;
     const size_t item = c10::elementSize(type);
     if (reinterpret_cast<uintptr_t>(bytes.data()) % item == 0) {
       tensor = at::from_blob(bytes.data(), info.shape, [owner](void*) {}, cpu);

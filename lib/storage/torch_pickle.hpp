@@ -1,9 +1,8 @@
 // PyTorch checkpoints (.bin, .pt, .pth: torch.save of a state dict, zip format), indexed lazily.
 //
-// LibTorch's zip reader finds the records; a restricted unpickler reads data.pkl, allowing only
-// the globals a state dict needs (OrderedDict, tensor and parameter rebuilds, typed storages),
-// as torch.load(weights_only=True) does, so a checkpoint cannot run code. Each tensor becomes a
-// byte range of its storage record: nothing is read until a tensor is asked for.
+// LibTorch's zip reader finds the records; a restricted unpickler reads data.pkl
+// (storage/state_dict_pickle.hpp), so a checkpoint cannot run code. Each tensor becomes a byte
+// range of its storage record: nothing is read until a tensor is asked for.
 #pragma once
 
 #include <cstdint>
