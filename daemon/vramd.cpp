@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
     if (entry.path().extension() == ".toml") files.push_back(entry.path());
   std::sort(files.begin(), files.end());
   if (ec) std::cout << "cannot read the model folder " << config.models << ": " << ec.message() << '\n';
+  if (!ec && files.empty()) std::cout << "no model configs (*.toml) in " << config.models << '\n';
   for (const auto& file : files) {
     try {
       auto model = vramd::config::load_model_config(file.string(), config);
