@@ -47,11 +47,7 @@ int main(int argc, char** argv) {
       std::cout << "valid    " << model.name << "  (" << file.string() << ")\n";
     } catch (const vramd::Error& error) {
       std::cout << "invalid  " << file.string() << "\n";
-      std::string text = error.what();
-      for (size_t start = 0, end; start < text.size(); start = end + 1) {
-        end = std::min(text.find('\n', start), text.size());
-        std::cout << "         " << text.substr(start, end - start) << '\n';
-      }
+      for (const auto& line : vramd::split_lines(error.what())) std::cout << "         " << line << '\n';
     }
   }
   std::cout << "\nThe event loop and socket are not built yet (issue #6): nothing is served.\n";

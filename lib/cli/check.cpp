@@ -22,24 +22,6 @@ struct Verdict {
   std::vector<std::string> warnings;
 };
 
-std::vector<std::string> lines(const std::string& text) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(text.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
-
-uint64_t element_count(const std::vector<int64_t>& shape) {
-  uint64_t count = 1;
-  for (int64_t dim : shape) count *= static_cast<uint64_t>(dim);
-  return count;
-}
-
 Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
   Verdict verdict{path, {}, {}, 0, 0, {}};
   try {
@@ -56,7 +38,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
           verdict.tensors = plan.tensors.size();
           verdict.bytes = 0;
           for (const auto& conversion : plan.tensors)
-            verdict.bytes += storage::dtype_bytes(conversion.expr->dtype, element_count(conversion.expr->shape)).value_or(0);
+            verdict.bytes += storage::dtype_bytes(conversion.expr->dtype, storage::element_count(conversion.expr->shape)).value_or(0);
         } catch (const Error& e) {
           verdict.problems.push_back(path + ": converter: " + e.what());
         }
@@ -65,7 +47,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       verdict.problems.push_back(path + ": checkpoint: " + e.what());
     }
   } catch (const Error& e) {
-    verdict.problems = lines(e.what());
+    verdict.problems = split_lines(e.what());
   }
   return verdict;
 }

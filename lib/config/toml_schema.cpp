@@ -102,14 +102,6 @@ std::optional<bool> TableReader::boolean(std::string_view key) {
   return std::nullopt;
 }
 
-std::optional<int64_t> TableReader::integer(std::string_view key) {
-  const toml::node* value = node(key);
-  if (!value) return std::nullopt;
-  if (value->is_integer()) return *value->value<int64_t>();
-  bad_value(key, "expected an integer, found " + type_name(*value));
-  return std::nullopt;
-}
-
 std::optional<std::vector<std::string>> TableReader::strings(std::string_view key) {
   const toml::node* value = node(key);
   if (!value) return std::nullopt;

@@ -20,14 +20,13 @@ class Problems {
   explicit Problems(std::string file) : file_(std::move(file)) {}
   const std::string& file() const { return file_; }
   void add(const toml::source_region& where, const std::string& message);
-  void add(const std::string& message) { lines_.push_back({0, 0, file_ + ": " + message}); }
   bool empty() const { return lines_.empty(); }
   // Throws Error with one line per problem, in the order they stand in the file.
   void throw_if_any() const;
 
  private:
   struct Line {
-    uint32_t line, column;  // 0 when the problem has no place in the file
+    uint32_t line, column;
     std::string text;
   };
   std::string file_;
@@ -41,7 +40,6 @@ class TableReader {
 
   std::optional<std::string> string(std::string_view key);
   std::optional<bool> boolean(std::string_view key);
-  std::optional<int64_t> integer(std::string_view key);
   // A string or an array of strings.
   std::optional<std::vector<std::string>> strings(std::string_view key);
   std::optional<TableReader> table(std::string_view key);

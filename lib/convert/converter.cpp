@@ -402,14 +402,8 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
   sort_by(plan.tensors, [](const Conversion& c) -> const std::string& { return c.target; });
 
   std::unordered_set<std::string_view> used;
-  std::vector<const Expr*> pending;
-  for (const auto& conversion : plan.tensors) pending.push_back(conversion.expr.get());
-  while (!pending.empty()) {
-    const Expr* expr = pending.back();
-    pending.pop_back();
-    if (expr->op == Expr::Op::Source) used.insert(expr->source);
-    for (const auto& input : expr->inputs) pending.push_back(input.get());
-  }
+  for (const auto& conversion : plan.tensors)
+    conversion.expr->for_each_source([&](const std::string& key) { used.insert(key); });
   for (const auto& info : map.tensors())
     if (!used.count(info.name())) plan.unused.emplace_back(info.name());
   return plan;

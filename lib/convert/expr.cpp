@@ -95,14 +95,9 @@ std::string Expr::describe() const {
 
 std::vector<std::string> Expr::sources() const {
   std::vector<std::string> out;
-  std::vector<const Expr*> pending = {this};
-  while (!pending.empty()) {
-    const Expr* expr = pending.back();
-    pending.pop_back();
-    if (expr->op == Op::Source && std::find(out.begin(), out.end(), expr->source) == out.end())
-      out.push_back(expr->source);
-    for (auto it = expr->inputs.rbegin(); it != expr->inputs.rend(); ++it) pending.push_back(it->get());
-  }
+  for_each_source([&](const std::string& key) {
+    if (std::find(out.begin(), out.end(), key) == out.end()) out.push_back(key);
+  });
   return out;
 }
 

@@ -29,6 +29,17 @@ struct Expr {
   std::string describe() const;
   // The source keys it reads, in order, each once.
   std::vector<std::string> sources() const;
+  // Calls `visit` with the key of every source node, depth first (a key read twice, twice).
+  template <typename Visit>
+  void for_each_source(Visit&& visit) const {
+    std::vector<const Expr*> pending = {this};
+    while (!pending.empty()) {
+      const Expr* expr = pending.back();
+      pending.pop_back();
+      if (expr->op == Op::Source) visit(expr->source);
+      for (auto it = expr->inputs.rbegin(); it != expr->inputs.rend(); ++it) pending.push_back(it->get());
+    }
+  }
 };
 
 // Each throws Error naming the operation, its operands' sources and shapes, and what is wrong.

@@ -15,7 +15,6 @@ struct LuaSandbox::State {
   void* inner_state = nullptr;
   size_t used = 0;
   bool out_of_memory = false;
-  bool timed_out = false;
   std::chrono::steady_clock::time_point deadline;
   std::vector<std::string> printed;
   std::string chunk;  // the name of the last chunk run, for errors that have no position
@@ -52,7 +51,6 @@ LuaSandbox::State* state_of(lua_State* L) {
 void watch_clock(lua_State* L, lua_Debug* where) {
   auto* state = state_of(L);
   if (std::chrono::steady_clock::now() <= state->deadline) return;
-  state->timed_out = true;
   lua_getinfo(L, "Sl", where);
   lua_pushfstring(L, "%s:%d: ran past its time limit of %d ms", where->short_src, where->currentline,
                   static_cast<int>(state->limits.timeout.count()));
@@ -197,7 +195,7 @@ void LuaSandbox::call(int arguments, int results) {
   lua_pushcfunction(L, traceback);
   lua_insert(L, base);  // [traceback, function, arguments...]
   state_->deadline = std::chrono::steady_clock::now() + state_->limits.timeout;
-  state_->timed_out = state_->out_of_memory = false;
+  state_->out_of_memory = false;
   lua_sethook(L, watch_clock, LUA_MASKCOUNT, kHookEvery);
   const int status = lua_pcall(L, arguments, results, base);
   lua_sethook(L, nullptr, 0, 0);

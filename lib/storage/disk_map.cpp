@@ -20,11 +20,7 @@
 namespace vramd::storage {
 namespace fs = std::filesystem;
 
-uint64_t TensorInfo::elements() const {
-  uint64_t count = 1;
-  for (int64_t dim : shape) count *= static_cast<uint64_t>(dim);
-  return count;
-}
+uint64_t TensorInfo::elements() const { return element_count(shape); }
 
 struct DiskMap::Impl {
   std::string description;
@@ -285,12 +281,12 @@ void DiskMap::read(const TensorInfo& info, std::span<std::byte> dst) const {
   if (dst.size() != info.nbytes)
     fail(std::string(info.name()), "read into a buffer of " + std::to_string(dst.size()) + " bytes, needs " +
                         std::to_string(info.nbytes));
-  impl_->handles[info.file]->read(dst, info.offset);
+  read_file(info.file, dst, info.offset, false);
 }
 
 void DiskMap::read_direct(const TensorInfo& info, std::span<std::byte> dst) const {
-  if (dst.size() != info.nbytes) return read(info, dst);
-  impl_->handles[info.file]->read_direct(dst, info.offset);
+  if (dst.size() != info.nbytes) return read(info, dst);  // which reports the mismatch
+  read_file(info.file, dst, info.offset, true);
 }
 
 void DiskMap::read_file(uint32_t file, std::span<std::byte> dst, uint64_t offset, bool direct) const {

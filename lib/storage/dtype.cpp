@@ -48,6 +48,12 @@ std::string_view dtype_name(DType dtype) { return info(dtype).name; }
 
 unsigned dtype_bits(DType dtype) { return info(dtype).bits; }
 
+uint64_t element_count(std::span<const int64_t> shape) {
+  uint64_t count = 1;
+  for (int64_t dim : shape) count *= static_cast<uint64_t>(dim);
+  return count;
+}
+
 std::optional<uint64_t> dtype_bytes(DType dtype, uint64_t elements) {
   uint64_t bits = 0;
   if (__builtin_mul_overflow(elements, static_cast<uint64_t>(dtype_bits(dtype)), &bits))

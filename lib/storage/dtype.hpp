@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string_view>
 
 namespace vramd::storage {
@@ -20,6 +21,10 @@ std::string_view dtype_name(DType dtype);
 
 // Bits per element: 4 and 6 for the packed sub-byte float types, else 8 times the byte size.
 unsigned dtype_bits(DType dtype);
+
+// The number of elements of a shape (1 for a scalar); the caller checks for overflow where the
+// shape is untrusted.
+uint64_t element_count(std::span<const int64_t> shape);
 
 // Bytes of `elements` elements; nullopt when the count is not a whole number of bytes.
 std::optional<uint64_t> dtype_bytes(DType dtype, uint64_t elements);

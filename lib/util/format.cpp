@@ -1,5 +1,6 @@
 #include "util/format.hpp"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace vramd {
@@ -25,6 +26,16 @@ std::string format_shape(std::span<const int64_t> shape) {
     text += std::to_string(shape[i]);
   }
   return text + "]";
+}
+
+std::vector<std::string> split_lines(std::string_view text) {
+  std::vector<std::string> lines;
+  for (size_t start = 0; start <= text.size();) {
+    const size_t end = std::min(text.find('\n', start), text.size());
+    lines.emplace_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return lines;
 }
 
 std::string quote(std::string_view text) {

@@ -5,6 +5,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace vramd {
 
@@ -13,6 +14,9 @@ std::string format_bytes(uint64_t bytes);
 
 // "[2, 3, 4]"
 std::string format_shape(std::span<const int64_t> shape);
+
+// The lines of a multi-line message, without their newlines.
+std::vector<std::string> split_lines(std::string_view text);
 
 // Quotes a key for an error message: 'h.0.w', with control characters escaped.
 std::string quote(std::string_view text);
