@@ -8,6 +8,7 @@
 #include "cli/check.hpp"
 #include "cli/convert.hpp"
 #include "cli/inspect.hpp"
+#include "cli/run.hpp"
 
 namespace {
 
@@ -56,11 +57,23 @@ int main(int argc, char** argv) {
   convert_cmd->add_flag("--json", convert.json, "Print one JSON object");
   convert_cmd->add_option("--output", convert.output, "Evaluate every target and write them to this safetensors file");
 
+  vramd::cli::RunOptions run;
+  auto* run_cmd = app.add_subcommand(
+      "run", "Load a model from its config without a daemon, run one forward on named inputs, write the outputs");
+  run_cmd->add_option("config", run.config, "Model config file")->required();
+  add_daemon_config_option(run_cmd, run.daemon_config);
+  run_cmd->add_option("--input,-i", run.input,
+                      "safetensors file of named inputs (input_ids, attention_mask, ...); without it, only load");
+  run_cmd->add_option("--output,-o", run.output, "Write the outputs to this safetensors file (else print their shapes)");
+  run_cmd->add_flag("--stats", run.stats, "Print load and forward times, bytes and peak memory on stderr");
+  run_cmd->add_option("--threads", run.threads, "Intra-op threads (default: LibTorch's)")->check(CLI::NonNegativeNumber);
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (inspect_cmd->parsed()) vramd::cli::inspect(inspect, std::cout, std::cerr);
     if (check_cmd->parsed()) return vramd::cli::check(check, std::cout, std::cerr) ? 1 : 0;
     if (convert_cmd->parsed()) vramd::cli::convert(convert, std::cout, std::cerr);
+    if (run_cmd->parsed()) vramd::cli::run(run, std::cout, std::cerr);
   } catch (const std::exception& error) {
     return report(app.get_subcommands().front()->get_name().c_str(), error);
   }

@@ -60,7 +60,8 @@ std::string budgets_text(const DaemonConfig& daemon) {
 }
 
 void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string& base_dtype, VramConfig& vram) {
-  vram.computation = {"cpu", one_of(base_dtype, kComputeDtypes) ? base_dtype : "bfloat16"};
+  // "auto": the checkpoint's own dtype, settled when the model loads.
+  vram.computation = {"cpu", one_of(base_dtype, kComputeDtypes) || base_dtype == "auto" ? base_dtype : "bfloat16"};
   auto table = root.table("vram");
   if (!table) {
     vram.preparing = vram.onload = vram.offload = vram.computation;
@@ -70,7 +71,7 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
   vram.preparing = read_state(*table, "preparing", vram.computation, false);
   vram.onload = read_state(*table, "onload", vram.preparing, true);
   vram.offload = read_state(*table, "offload", vram.onload, true);
-  if (!one_of(vram.computation.dtype, kComputeDtypes))
+  if (!one_of(vram.computation.dtype, kComputeDtypes) && vram.computation.dtype != "auto")
     table->bad_value("computation", "weights can rest in float8 (offload, onload, preparing) but are computed "
                                     "in float32, bfloat16 or float16");
   vram.limit = table->size("limit");
@@ -133,9 +134,7 @@ ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemo
   config.dtype = root.string("dtype").value_or("auto");
   if (config.dtype != "auto" && !is_known_dtype(config.dtype))
     root.bad_value("dtype", "expected auto, float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
-  const std::string base_dtype = config.dtype == "auto" ? "bfloat16" : config.dtype;
-
-  read_vram(root, daemon, base_dtype, config.vram);
+  read_vram(root, daemon, config.dtype, config.vram);
 
   config.residency.keep_alive = daemon.keep_alive;
   if (auto residency = root.table("residency")) {

@@ -9,15 +9,15 @@
 namespace vramd::convert {
 namespace {
 
-at::Tensor value(const Expr& expr, const storage::DiskMap& map) {
-  auto input = [&](size_t i) { return value(*expr.inputs.at(i), map); };
+at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMode mode) {
+  auto input = [&](size_t i) { return value(*expr.inputs.at(i), map, mode); };
   auto all = [&] {
     std::vector<at::Tensor> tensors;
-    for (const auto& part : expr.inputs) tensors.push_back(value(*part, map));
+    for (const auto& part : expr.inputs) tensors.push_back(value(*part, map, mode));
     return tensors;
   };
   switch (expr.op) {
-    case Expr::Op::Source: return storage::load_tensor(map, expr.source);
+    case Expr::Op::Source: return storage::load_tensor(map, expr.source, {.mode = mode});
     case Expr::Op::Transpose: return input(0).transpose(expr.args[0], expr.args[1]);
     case Expr::Op::Permute: return input(0).permute(expr.args);
     case Expr::Op::Reshape: return input(0).reshape(expr.args);
@@ -32,8 +32,8 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map) {
 
 }  // namespace
 
-at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source) {
-  return value(expr, source).contiguous();
+at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode) {
+  return value(expr, source, mode).contiguous();
 }
 
 }  // namespace vramd::convert

@@ -48,6 +48,8 @@ std::string_view dtype_name(DType dtype) { return info(dtype).name; }
 
 unsigned dtype_bits(DType dtype) { return info(dtype).bits; }
 
+bool is_floating(DType dtype) { return dtype >= DType::F16 && dtype != DType::C64; }
+
 uint64_t element_count(std::span<const int64_t> shape) {
   uint64_t count = 1;
   for (int64_t dim : shape) count *= static_cast<uint64_t>(dim);

@@ -19,6 +19,9 @@ enum class DType : uint8_t {
 std::optional<DType> parse_dtype(std::string_view name);
 std::string_view dtype_name(DType dtype);
 
+// F16, BF16, F32, F64 and the float8/6/4 types.
+bool is_floating(DType dtype);
+
 // Bits per element: 4 and 6 for the packed sub-byte float types, else 8 times the byte size.
 unsigned dtype_bits(DType dtype);
 

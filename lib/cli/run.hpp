@@ -1,0 +1,23 @@
+// `vramctl run`: loads a model from its config without a daemon, runs one forward on named
+// inputs from a safetensors file and writes the outputs to another. How users and tests check
+// a config end to end.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+
+namespace vramd::cli {
+
+struct RunOptions {
+  std::string config;
+  std::string daemon_config;  // as for check
+  std::string input;          // safetensors with the named inputs (input_ids, attention_mask, ...)
+  std::string output;         // safetensors to write the outputs to; empty: print their shapes
+  bool stats = false;         // timings, bytes and peak memory on stderr
+  int threads = 0;            // intra-op threads; 0: LibTorch's default
+};
+
+// Throws vramd::Error naming the config, checkpoint key or input at fault.
+void run(const RunOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace vramd::cli

@@ -1,0 +1,37 @@
+// What loading a model would do, found without reading tensor data or including LibTorch:
+// for `vramctl check` and for the daemon's validation of configs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "config/model_config.hpp"
+
+namespace vramd::model {
+
+struct LoadReport {
+  std::string checkpoint;                    // the sources, as DiskMap describes them
+  std::vector<std::string> missing;          // parameters the checkpoint lacks (strict = false)
+  std::vector<std::string> unexpected;       // checkpoint tensors no parameter takes (strict = false)
+  std::vector<std::string> warnings;         // from the checkpoint index
+  std::vector<std::string> printed;          // by the converter
+  uint64_t bytes = 0;                        // of the loaded weights (tied ones once)
+  size_t tensors = 0;
+  size_t zero_copy = 0;                      // tensors that are views of the checkpoint mapping
+  uint64_t largest = 0;                      // bytes of the largest tensor
+  double plan_seconds = 0, load_seconds = 0;  // index + converter + build; reading
+};
+
+struct DryRun {
+  std::string architecture;
+  std::string dtype;  // of weights and activations once loaded
+  LoadReport report;  // without load_seconds and zero_copy
+};
+
+// Opens the index, runs the converter, builds the model on the meta device and matches names,
+// shapes and dtypes. Throws the Error load_model would.
+DryRun dry_run(const config::ModelConfig& config);
+
+}  // namespace vramd::model

@@ -1,0 +1,42 @@
+// A model's hyperparameters: the config.json beside its checkpoint (Hugging Face field names),
+// what a sentence-transformers folder says about pooling, and the model config's [arch] table
+// over both. Architectures read them through typed getters whose errors say where to fix them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace vramd::model {
+
+class Hyperparams {
+ public:
+  // `json`: an object; `origin`: where it came from, for messages.
+  Hyperparams(const std::string& json, std::string origin);
+
+  // config.json in `folder` (when present), sentence-transformers' modules.json there (sets
+  // "pooling" and "normalize"), then `overrides_json` (the [arch] table) merged over them.
+  static Hyperparams for_checkpoint(const std::string& folder, const std::string& overrides_json,
+                                    const std::string& config_path);
+
+  bool has(std::string_view key) const;  // present and not null
+  int64_t integer(std::string_view key) const;  // throws Error when missing or not an integer
+  int64_t integer(std::string_view key, int64_t fallback) const;
+  double number(std::string_view key) const;
+  double number(std::string_view key, double fallback) const;
+  bool boolean(std::string_view key, bool fallback) const;
+  std::string string(std::string_view key, std::string fallback) const;
+  // A nested object (e.g. "rope_parameters"); empty when absent.
+  Hyperparams object(std::string_view key) const;
+
+  std::string json() const;  // the merged object
+  const std::string& origin() const;
+
+ private:
+  struct Impl;
+  explicit Hyperparams(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+};
+
+}  // namespace vramd::model

@@ -1,0 +1,80 @@
+#include "model/layer.hpp"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/conv2d.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rsqrt.h>
+
+#include <functional>
+#include <numeric>
+
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::model {
+
+const char* kind_name(LayerKind kind) {
+  switch (kind) {
+    case LayerKind::Linear: return "Linear";
+    case LayerKind::Conv1D: return "Conv1D";
+    case LayerKind::Embedding: return "Embedding";
+    case LayerKind::LayerNorm: return "LayerNorm";
+    case LayerKind::RMSNorm: return "RMSNorm";
+    case LayerKind::Conv2d: return "Conv2d";
+  }
+  return "?";
+}
+
+int64_t Parameter::elements() const {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
+Layer::Layer(std::string path, LayerKind kind, std::vector<Parameter> parameters, LayerOptions options)
+    : path_(std::move(path)), kind_(kind), parameters_(std::move(parameters)), options_(options) {}
+
+Parameter& Layer::parameter(std::string_view short_name) {
+  for (auto& parameter : parameters_)
+    if (std::string_view(parameter.name).substr(path_.size() + 1) == short_name) return parameter;
+  throw Error("layer " + quote(path_) + " has no parameter " + quote(short_name));
+}
+
+std::vector<at::Tensor> Layer::weights() const {
+  std::vector<at::Tensor> values;
+  values.reserve(parameters_.size());
+  for (const auto& parameter : parameters_) {
+    const at::Tensor& value = parameter.tied ? parameter.tied->value : parameter.value;
+    if (value.is_meta()) throw Error("layer " + quote(path_) + ": parameter " + quote(parameter.name) + " was never loaded");
+    values.push_back(value);
+  }
+  return values;
+}
+
+at::Tensor Layer::operator()(const at::Tensor& input) {
+  const auto w = weights();
+  const at::Tensor bias = w.size() > 1 ? w[1] : at::Tensor();
+  switch (kind_) {
+    case LayerKind::Linear: return at::linear(input, w[0], bias);
+    case LayerKind::Conv1D: {
+      // GPT-2's Conv1D keeps its weight as [in, out].
+      auto sizes = input.sizes().vec();
+      sizes.back() = w[0].size(1);
+      return at::addmm(bias, input.reshape({-1, input.size(-1)}), w[0]).view(sizes);
+    }
+    case LayerKind::Embedding: return at::embedding(w[0], input);
+    case LayerKind::LayerNorm: return at::layer_norm(input, {w[0].size(0)}, w[0], bias, options_.eps);
+    case LayerKind::RMSNorm: {
+      // In float32, scaled back in the input's dtype (as LLaMA does).
+      const at::Tensor x = input.to(at::kFloat);
+      const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, true) + options_.eps);
+      return w[0] * normed.to(input.scalar_type());
+    }
+    case LayerKind::Conv2d:
+      return at::conv2d(input, w[0], bias, {options_.stride, options_.stride}, {options_.padding, options_.padding});
+  }
+  throw Error("unknown layer kind");
+}
+
+}  // namespace vramd::model

@@ -1,0 +1,60 @@
+// The one abstraction every weight-holding leaf layer goes through (Linear, GPT-2's Conv1D,
+// Embedding, LayerNorm, RMSNorm, Conv2d). A Layer owns its parameters and is the only place an
+// op fetches its weights (Layer::weights), so VRAM management decides where weights live and
+// when they move in one place, without touching the architectures.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace vramd::model {
+
+enum class LayerKind { Linear, Conv1D, Embedding, LayerNorm, RMSNorm, Conv2d };
+const char* kind_name(LayerKind kind);
+
+struct Parameter {
+  std::string name;  // the canonical (Hugging Face) name, e.g. "model.layers.0.mlp.up_proj.weight"
+  std::vector<int64_t> shape;
+  at::Tensor value;              // on the meta device until loaded
+  const Parameter* tied = nullptr;  // when set, shares that parameter's storage and is not loaded itself
+
+  int64_t elements() const;
+};
+
+struct LayerOptions {
+  double eps = 1e-5;        // LayerNorm, RMSNorm
+  int64_t stride = 1;       // Conv2d
+  int64_t padding = 0;      // Conv2d
+};
+
+class Layer {
+ public:
+  Layer(std::string path, LayerKind kind, std::vector<Parameter> parameters, LayerOptions options);
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  const std::string& path() const { return path_; }  // "model.layers.0.mlp.up_proj"
+  LayerKind kind() const { return kind_; }
+  std::span<Parameter> parameters() { return parameters_; }
+  std::span<const Parameter> parameters() const { return parameters_; }
+  Parameter& parameter(std::string_view short_name);  // "weight", "bias"
+
+  // Linear, Conv1D: x -> x W^T + b (Conv1D: x W + b); Embedding: ids -> rows; norms: normalised x;
+  // Conv2d: NCHW convolution.
+  at::Tensor operator()(const at::Tensor& input);
+
+ private:
+  // The weights as the op will use them. Every forward fetches them here.
+  std::vector<at::Tensor> weights() const;
+
+  std::string path_;
+  LayerKind kind_;
+  std::vector<Parameter> parameters_;
+  LayerOptions options_;
+};
+
+}  // namespace vramd::model

@@ -1,0 +1,225 @@
+#include "model/loader.hpp"
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "convert/converter.hpp"
+#include "convert/evaluate.hpp"
+#include "model/registry.hpp"
+#include "storage/tensor_io.hpp"
+#include "util/format.hpp"
+
+namespace vramd::model {
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+c10::ScalarType torch_dtype(const std::string& name) {
+  return storage::scalar_type(convert::parse_dtype_name(name));
+}
+
+// "auto": the floating dtype that holds most of the checkpoint's bytes (bfloat16 for float8).
+c10::ScalarType dominant_dtype(const convert::ConversionPlan& plan) {
+  std::map<storage::DType, uint64_t> bytes;
+  for (const auto& [target, expr] : plan.tensors)
+    if (storage::is_floating(expr->dtype)) bytes[expr->dtype] += storage::element_count(expr->shape) * storage::dtype_bits(expr->dtype);
+  if (bytes.empty()) return c10::kFloat;
+  auto most = std::max_element(bytes.begin(), bytes.end(), [](auto& a, auto& b) { return a.second < b.second; });
+  const c10::ScalarType type = storage::scalar_type(most->first);
+  return type == c10::kFloat || type == c10::kBFloat16 || type == c10::kHalf ? type : c10::kBFloat16;
+}
+
+std::string listed(const std::vector<std::string>& names, size_t limit = 12) {
+  std::string text;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) text += (i ? ", " : "") + quote(names[i]);
+  if (names.size() > limit) text += ", and " + std::to_string(names.size() - limit) + " more";
+  return text;
+}
+
+// A checkpoint of the bare base model lacks the head model's prefix ("model."), and a
+// checkpoint with a head has one the bare model lacks: names are matched either way.
+class NameMatcher {
+ public:
+  NameMatcher(Model& model, const convert::ConversionPlan& plan) : prefix_(model.base_prefix()) {
+    if (prefix_.empty()) return;
+    bool model_has = false, checkpoint_has = false;
+    for (const Parameter* parameter : model.parameters()) model_has |= parameter->name.starts_with(prefix_);
+    for (const auto& tensor : plan.tensors) checkpoint_has |= tensor.target.starts_with(prefix_);
+    add_ = model_has && !checkpoint_has;
+    strip_ = !model_has && checkpoint_has;
+  }
+  std::string canonical(const std::string& target) const {
+    if (add_) return prefix_ + target;
+    if (strip_ && target.starts_with(prefix_)) return target.substr(prefix_.size());
+    return target;
+  }
+
+ private:
+  std::string prefix_;
+  bool add_ = false, strip_ = false;
+};
+
+struct Assignment {
+  Parameter* parameter;
+  convert::ExprPtr expr;
+  uint64_t order;  // where its first source lies in the checkpoint, to read in file order
+};
+
+// Everything up to reading data: the index, the converter's plan, the model on the meta
+// device, and which expression fills which parameter.
+struct Prepared {
+  storage::DiskMap map;
+  std::string architecture;
+  std::unique_ptr<Model> model;
+  std::vector<Assignment> assignments;
+  LoadReport report;
+};
+
+Prepared prepare(const config::ModelConfig& config) {
+  const auto plan_start = Clock::now();
+  const std::string& where = config.path;
+  auto map = storage::DiskMap::open(config.checkpoint, {config.prefix, !config.keep_prefix});
+  LoadReport report;
+  report.checkpoint = map.description();
+  report.warnings.assign(map.warnings().begin(), map.warnings().end());
+  if (map.tensors().empty()) fail(where, "checkpoint " + map.description() + " holds no tensors" +
+                                             (config.prefix.empty() ? "" : " under prefix " + quote(config.prefix)));
+
+  const std::string folder = fs::path(map.files()[0].path).parent_path().string();
+  const Hyperparams hyperparams = Hyperparams::for_checkpoint(folder, config.arch_json, config.path);
+  std::string architecture = config.architecture.empty() ? hyperparams.string("model_type", "") : config.architecture;
+  if (architecture.empty()) {
+    std::string known;
+    for (const auto& name : architectures()) known += (known.empty() ? "" : ", ") + name;
+    fail(where, "no architecture: set architecture = \"...\" (" + known + ") or put a config.json with model_type in " + folder);
+  }
+
+  const auto plan = config.converter.empty() ? convert::identity_plan(map)
+                                             : convert::run_converter(config.converter, map, hyperparams.json());
+  report.printed = plan.printed;
+  const std::string& dtype_name = config.vram.computation.dtype;
+  const c10::ScalarType dtype = dtype_name == "auto" ? dominant_dtype(plan) : torch_dtype(dtype_name);
+  std::unique_ptr<Model> model;
+  try {
+    model = build_model(architecture, hyperparams, dtype);
+  } catch (const Error& e) {
+    fail(where, e.what());
+  }
+
+  // Every checkpoint tensor to its parameter.
+  const NameMatcher names(*model, plan);
+  std::vector<Assignment> assignments;
+  std::vector<std::string> mismatched, unexpected;
+  std::set<const Parameter*> assigned;
+  for (const auto& [target, expr] : plan.tensors) {
+    const std::string name = names.canonical(target);
+    Parameter* parameter = model->find(name);
+    if (!parameter) {
+      if (!model->ignores(name)) unexpected.push_back(target);
+      continue;
+    }
+    if (parameter->tied) continue;  // loaded through the parameter it is tied to
+    assigned.insert(parameter);
+    if (expr->shape != parameter->shape) {
+      mismatched.push_back(quote(target) + " is " + format_shape(expr->shape) + ", the architecture expects " +
+                           format_shape(parameter->shape));
+      continue;
+    }
+    if (!storage::is_floating(expr->dtype)) {
+      mismatched.push_back(quote(target) + " is " + std::string(storage::dtype_name(expr->dtype)) +
+                           ", the architecture expects floating-point weights");
+      continue;
+    }
+    uint64_t order = UINT64_MAX;
+    expr->for_each_source([&](const std::string& key) {
+      const auto& info = map.at(key);
+      order = std::min(order, (uint64_t{info.file} << 48) + info.offset);
+    });
+    assignments.push_back({parameter, expr, order});
+  }
+  std::vector<std::string> missing;
+  for (const Parameter* parameter : model->parameters())
+    if (!parameter->tied && !assigned.count(parameter)) missing.push_back(parameter->name);
+
+  std::string problems;
+  const auto add = [&](const std::string& text) { problems += (problems.empty() ? "" : "; ") + text; };
+  if (!mismatched.empty()) add("mismatched: " + [&] {
+    std::string text;
+    for (const auto& line : mismatched) text += (text.empty() ? "" : ", ") + line;
+    return text;
+  }());
+  if (config.strict && !missing.empty())
+    add(std::to_string(missing.size()) + " missing: " + listed(missing));
+  if (config.strict && !unexpected.empty())
+    add(std::to_string(unexpected.size()) + " unexpected: " + listed(unexpected));
+  if (!problems.empty()) {
+    fail(where, "checkpoint " + map.description() + " does not fit architecture " + architecture + " (" +
+                    std::to_string(plan.tensors.size()) + " tensors" + (config.converter.empty() ? "" : " from " + config.converter) +
+                    "): " + problems + (mismatched.empty() ? " (strict = false loads anyway)" : ""));
+  }
+  report.missing = std::move(missing);
+  report.unexpected = std::move(unexpected);
+  report.plan_seconds = seconds_since(plan_start);
+  std::sort(assignments.begin(), assignments.end(), [](auto& a, auto& b) { return a.order < b.order; });
+  for (const auto& a : assignments) {
+    report.bytes += a.parameter->elements() * c10::elementSize(dtype);
+    report.largest = std::max<uint64_t>(report.largest, a.parameter->elements() * c10::elementSize(dtype));
+  }
+  report.tensors = assignments.size();
+  return {std::move(map), std::move(architecture), std::move(model), std::move(assignments), std::move(report)};
+}
+
+}  // namespace
+
+DryRun dry_run(const config::ModelConfig& config) {
+  Prepared prepared = prepare(config);
+  return {prepared.architecture, c10::toString(prepared.model->dtype()), std::move(prepared.report)};
+}
+
+LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {
+  auto [map, architecture, model, assignments, report] = prepare(config);
+  const std::string& where = config.path;
+  const c10::ScalarType dtype = model->dtype();
+  const c10::Device device(config.vram.computation.device);
+
+  // Materialise, one tensor at a time, in checkpoint order.
+  const auto load_start = Clock::now();
+  Progress progress;
+  progress.tensors_total = assignments.size();
+  progress.bytes_total = report.bytes;
+  const bool views = options.zero_copy && device.is_cpu();
+  for (const auto& a : assignments) {
+    at::Tensor value;
+    if (a.expr->op == convert::Expr::Op::Source) {
+      const auto& info = map.at(a.expr->source);
+      value = storage::load_tensor(map, info, {.dtype = dtype, .mode = views ? storage::ReadMode::Auto : storage::ReadMode::Copy});
+      if (views && value.const_data_ptr() == map.bytes(info).first.data()) report.zero_copy++;
+    } else {
+      value = convert::evaluate(*a.expr, map, views ? storage::ReadMode::Auto : storage::ReadMode::Copy).to(dtype);
+    }
+    if (!device.is_cpu()) value = value.to(device);
+    a.parameter->value = value;
+    progress.bytes_done += value.nbytes();
+    progress.tensors_done++;
+    progress.tensor = a.parameter->name;
+    if (options.progress && !options.progress(progress))
+      throw Cancelled(where + ": load cancelled after " + std::to_string(progress.tensors_done) + " of " +
+                      std::to_string(progress.tensors_total) + " tensors");
+  }
+  model->set_device(device);
+  report.load_seconds = seconds_since(load_start);
+  return {std::move(model), std::move(report)};
+}
+
+}  // namespace vramd::model

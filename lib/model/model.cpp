@@ -1,0 +1,211 @@
+#include "model/model.hpp"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/tanh.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <limits>
+
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::model {
+
+Model::Model(std::string architecture, c10::ScalarType dtype, std::string base_prefix,
+             std::vector<std::string> ignored_suffixes)
+    : architecture_(std::move(architecture)),
+      dtype_(dtype),
+      base_prefix_(std::move(base_prefix)),
+      ignored_suffixes_(std::move(ignored_suffixes)) {}
+
+
+std::vector<Parameter*> Model::parameters() {
+  std::vector<Parameter*> all;
+  for (auto& layer : layers_)
+    for (auto& parameter : layer->parameters()) all.push_back(&parameter);
+  return all;
+}
+
+Parameter* Model::find(std::string_view name) {
+  for (auto& layer : layers_)
+    if (name.starts_with(layer->path()) && name.size() > layer->path().size() && name[layer->path().size()] == '.')
+      for (auto& parameter : layer->parameters())
+        if (parameter.name == name) return &parameter;
+  return nullptr;
+}
+
+bool Model::ignores(std::string_view key) const {
+  for (const auto& suffix : ignored_suffixes_)
+    if (key.ends_with(suffix)) return true;
+  return false;
+}
+
+Layer& Model::add(const std::string& path, LayerKind kind,
+                  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes, LayerOptions options) {
+  std::vector<Parameter> parameters;
+  for (auto& [name, shape] : shapes) {
+    at::Tensor meta = at::empty(shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
+    parameters.push_back(Parameter{path + "." + name, std::move(shape), std::move(meta)});
+  }
+  layers_.push_back(std::make_unique<Layer>(path, kind, std::move(parameters), options));
+  return *layers_.back();
+}
+
+Layer& Model::linear(const std::string& path, int64_t in, int64_t out, bool bias) {
+  if (bias) return add(path, LayerKind::Linear, {{"weight", {out, in}}, {"bias", {out}}}, {});
+  return add(path, LayerKind::Linear, {{"weight", {out, in}}}, {});
+}
+
+Layer& Model::conv1d(const std::string& path, int64_t in, int64_t out) {
+  return add(path, LayerKind::Conv1D, {{"weight", {in, out}}, {"bias", {out}}}, {});
+}
+
+Layer& Model::embedding(const std::string& path, int64_t count, int64_t dim) {
+  return add(path, LayerKind::Embedding, {{"weight", {count, dim}}}, {});
+}
+
+Layer& Model::layer_norm(const std::string& path, int64_t dim, double eps, bool bias) {
+  if (bias) return add(path, LayerKind::LayerNorm, {{"weight", {dim}}, {"bias", {dim}}}, {.eps = eps});
+  return add(path, LayerKind::LayerNorm, {{"weight", {dim}}}, {.eps = eps});
+}
+
+Layer& Model::rms_norm(const std::string& path, int64_t dim, double eps) {
+  return add(path, LayerKind::RMSNorm, {{"weight", {dim}}}, {.eps = eps});
+}
+
+void Model::tie(Layer& follower, const Layer& leader) {
+  Parameter& weight = follower.parameters()[0];
+  const Parameter& source = leader.parameters()[0];
+  if (weight.shape != source.shape)
+    throw Error("cannot tie " + quote(weight.name) + " " + format_shape(weight.shape) + " to " + quote(source.name) +
+                " " + format_shape(source.shape));
+  weight.tied = &source;
+}
+
+// Inputs
+
+Inputs::Inputs(const storage::NamedTensors& tensors, c10::Device device) : tensors_(tensors), device_(device) {}
+
+const at::Tensor* Inputs::find(std::string_view name) const {
+  for (const auto& [key, tensor] : tensors_)
+    if (key == name) return &tensor;
+  return nullptr;
+}
+
+namespace {
+
+std::string describe(const at::Tensor& tensor) {
+  return std::string(c10::toString(tensor.scalar_type())) + " " + format_shape(tensor.sizes().vec());
+}
+
+at::Tensor checked_ids(std::string_view name, const at::Tensor& tensor, int64_t vocabulary) {
+  if (!c10::isIntegralType(tensor.scalar_type(), false) || tensor.dim() != 2 || tensor.numel() == 0)
+    throw Error("input " + quote(name) + ": expected integer token ids [batch, sequence], found " + describe(tensor));
+  const int64_t low = tensor.min().item<int64_t>(), high = tensor.max().item<int64_t>();
+  if (low < 0 || high >= vocabulary)
+    throw Error("input " + quote(name) + " holds id " + std::to_string(low < 0 ? low : high) + ", outside [0, " +
+                std::to_string(vocabulary) + ")");
+  return tensor.to(at::kLong);
+}
+
+}  // namespace
+
+at::Tensor Inputs::token_ids(std::string_view name, int64_t vocabulary) const {
+  const at::Tensor* tensor = find(name);
+  if (!tensor) {
+    std::string given;
+    for (const auto& [key, value] : tensors_) given += (given.empty() ? "" : ", ") + quote(key);
+    throw Error("missing input " + quote(name) + " (given: " + (given.empty() ? "none" : given) + ")");
+  }
+  return checked_ids(name, *tensor, vocabulary).to(device_);
+}
+
+std::optional<at::Tensor> Inputs::optional_ids(std::string_view name, const at::Tensor& like, int64_t vocabulary) const {
+  const at::Tensor* tensor = find(name);
+  if (!tensor) return std::nullopt;
+  at::Tensor ids = checked_ids(name, *tensor, vocabulary);
+  if (ids.sizes() != like.sizes())
+    throw Error("input " + quote(name) + " is " + format_shape(ids.sizes().vec()) + " but input_ids is " +
+                format_shape(like.sizes().vec()));
+  return ids.to(device_);
+}
+
+at::Tensor Inputs::attention_mask(const at::Tensor& ids) const {
+  const at::Tensor* mask = find("attention_mask");
+  if (!mask) return at::ones(ids.sizes(), at::TensorOptions().dtype(at::kBool).device(device_));
+  if (mask->sizes() != ids.sizes())
+    throw Error("input 'attention_mask' is " + format_shape(mask->sizes().vec()) + " but input_ids is " +
+                format_shape(ids.sizes().vec()));
+  if (!((*mask == 0) | (*mask == 1)).all().item<bool>())
+    throw Error("input 'attention_mask' must hold only 0 and 1, found " + describe(*mask) + " with other values");
+  return mask->to(device_).to(at::kBool);
+}
+
+// Masks and attention
+
+namespace {
+
+// 0 where allowed, the dtype's lowest value elsewhere.
+at::Tensor additive(const at::Tensor& allowed, c10::ScalarType dtype) {
+  double lowest = std::numeric_limits<float>::lowest();
+  if (dtype == at::kBFloat16) lowest = static_cast<float>(std::numeric_limits<c10::BFloat16>::lowest());
+  if (dtype == at::kHalf) lowest = static_cast<float>(std::numeric_limits<c10::Half>::lowest());
+  const auto options = allowed.options().dtype(dtype);
+  return at::where(allowed, at::zeros({}, options), at::full({}, lowest, options));
+}
+
+}  // namespace
+
+at::Tensor padding_mask(const at::Tensor& keep, c10::ScalarType dtype) {
+  return additive(keep.view({keep.size(0), 1, 1, keep.size(1)}), dtype);
+}
+
+at::Tensor causal_mask(const at::Tensor& keep, c10::ScalarType dtype, int64_t window) {
+  const int64_t length = keep.size(1);
+  const at::Tensor position = at::arange(length, keep.options().dtype(at::kLong));
+  const at::Tensor query = position.view({length, 1}), key = position.view({1, length});
+  at::Tensor allowed = key <= query;
+  if (window > 0) allowed = allowed & (query - key < window);
+  return additive(allowed.view({1, 1, length, length}) & keep.view({keep.size(0), 1, 1, length}), dtype);
+}
+
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
+                     double scale) {
+  const bool grouped = key.size(1) != query.size(1);
+  return at::scaled_dot_product_attention(query, key, value, mask, 0.0, false, scale, grouped);
+}
+
+// Activations
+
+namespace {
+
+at::Tensor gelu(const at::Tensor& x) { return at::gelu(x); }
+at::Tensor gelu_tanh(const at::Tensor& x) { return at::gelu(x, "tanh"); }
+// GPT-2's "gelu_new", written out as GPT-2 defines it.
+at::Tensor gelu_new(const at::Tensor& x) {
+  return 0.5 * x * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x.pow(3.0))));
+}
+at::Tensor silu(const at::Tensor& x) { return at::silu(x); }
+at::Tensor relu(const at::Tensor& x) { return at::relu(x); }
+
+}  // namespace
+
+Activation activation(const std::string& name, const std::string& origin) {
+  if (name == "gelu") return gelu;
+  if (name == "gelu_new") return gelu_new;
+  if (name == "gelu_pytorch_tanh") return gelu_tanh;
+  if (name == "silu" || name == "swish") return silu;
+  if (name == "relu") return relu;
+  fail(origin, "activation " + quote(name) + " is not supported (gelu, gelu_new, gelu_pytorch_tanh, silu, swish, relu)");
+}
+
+}  // namespace vramd::model

@@ -1,0 +1,204 @@
+"""vramctl run against Hugging Face transformers on the same checkpoints: small randomly
+initialised models of each architecture, saved with save_pretrained, in float32 and bfloat16."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_models  # noqa: E402
+
+VRAMCTL = os.environ["VRAMCTL"]
+# float32 must agree to 1e-5 relative, bfloat16 to its own precision; both are bit-exact today
+# (same LibTorch kernels, same op order), which the margin does not rely on.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1.6e-2}
+
+
+def vramctl(*args):
+    return subprocess.run([VRAMCTL, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def witnesses(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    made = {}
+    for case in hf_models.CASES:
+        for dtype in hf_models.DTYPES:
+            made[case, dtype] = hf_models.make(case, dtype, out)
+    return made
+
+
+def run(folder, tmp_path, extra=""):
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model"}"\n{extra}')
+    output = tmp_path / "out.safetensors"
+    result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
+    assert result.returncode == 0, result.stderr
+    return load_file(output)
+
+
+def relative_error(got, expected):
+    return ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", hf_models.DTYPES)
+@pytest.mark.parametrize("case", hf_models.CASES)
+def test_outputs_match_transformers(witnesses, case, dtype, tmp_path):
+    folder = witnesses[case, dtype]
+    got = run(folder, tmp_path)
+    for name, expected in load_file(folder / "expected.safetensors").items():
+        assert got[name].dtype == expected.dtype and got[name].shape == expected.shape, name
+        assert relative_error(got[name], expected) <= TOLERANCE[dtype], name
+
+
+def test_the_sliding_window_and_rope_scaling_matter(witnesses, tmp_path):
+    # Negative controls: with the window or the scaling switched off the outputs must differ,
+    # or the matches above would prove nothing about them.
+    for case, override in [("mistral", "sliding_window = 1000"),
+                           ("llama3", 'rope_parameters = { rope_type = "default", rope_theta = 500000.0 }')]:
+        folder = witnesses[case, "float32"]
+        got = run(folder, tmp_path, f"[arch]\n{override}\n")
+        expected = load_file(folder / "expected.safetensors")["logits"]
+        assert relative_error(got["logits"], expected) > 1e-3, case
+
+
+def test_a_forced_dtype_converts_the_weights(witnesses, tmp_path):
+    folder = witnesses["gpt2", "float32"]
+    got = run(folder, tmp_path, "dtype = \"bfloat16\"\n")
+    expected = load_file(folder / "expected.safetensors")["logits"]
+    assert got["logits"].dtype == torch.bfloat16
+    assert relative_error(got["logits"], expected) < 5e-2
+
+
+def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(witnesses, tmp_path):
+    # GPT2Model's names lack "transformer."; the LM head is tied to wte, so nothing is missing.
+    folder = witnesses["gpt2", "float32"]
+    tensors = load_file(folder / "model" / "model.safetensors")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, bare / "model.safetensors")
+    (bare / "config.json").write_text((folder / "model" / "config.json").read_text())
+    config = tmp_path / "bare.toml"
+    config.write_text(f'checkpoint = "{bare}"\n')
+    output = tmp_path / "out.safetensors"
+    result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(load_file(output)["logits"], load_file(folder / "expected.safetensors")["logits"])
+
+
+def broken_copy(folder, tmp_path, edit):
+    tensors = load_file(folder / "model" / "model.safetensors")
+    edit(tensors)
+    broken = tmp_path / "broken"
+    broken.mkdir(exist_ok=True)
+    save_file(tensors, broken / "model.safetensors")
+    (broken / "config.json").write_text((folder / "model" / "config.json").read_text())
+    return broken
+
+
+def run_broken(broken, tmp_path, folder, extra=""):
+    config = tmp_path / "broken.toml"
+    config.write_text(f'checkpoint = "{broken}"\n{extra}')
+    return vramctl("run", config, "--input", folder / "inputs.safetensors"), config
+
+
+def test_missing_unexpected_and_mismatched_keys_are_named(witnesses, tmp_path):
+    folder = witnesses["llama", "float32"]
+
+    def edit(tensors):
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        tensors["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
+        tensors["model.norm.weight"] = torch.zeros(63)
+
+    result, config = run_broken(broken_copy(folder, tmp_path, edit), tmp_path, folder)
+    assert result.returncode == 1
+    message = result.stderr
+    assert str(config) in message
+    assert "'model.norm.weight' is [63], the architecture expects [64]" in message
+    assert "1 missing: 'model.layers.1.mlp.up_proj.weight'" in message
+    assert "1 unexpected: 'model.layers.1.mlp.extra.weight'" in message
+    assert message.count("\n") == 1
+
+
+def test_strict_false_lists_missing_and_unexpected_keys_and_goes_on(witnesses, tmp_path):
+    folder = witnesses["gpt2", "float32"]
+
+    def edit(tensors):
+        tensors["transformer.h.0.attn.rotary.weight"] = torch.zeros(3)
+
+    result, _ = run_broken(broken_copy(folder, tmp_path, edit), tmp_path, folder, "strict = false\n")
+    assert result.returncode == 0, result.stderr
+    assert "unexpected checkpoint tensor (not used): transformer.h.0.attn.rotary.weight" in result.stderr
+
+    def drop(tensors):
+        del tensors["transformer.ln_f.bias"]
+
+    result, _ = run_broken(broken_copy(folder, tmp_path, drop), tmp_path, folder, "strict = false\n")
+    # Listed at load; the forward then refuses to run with the hole rather than invent weights.
+    assert "missing from the checkpoint (strict = false; the parameter stays empty): transformer.ln_f.bias" in result.stderr
+    assert result.returncode == 1 and "'transformer.ln_f.bias' was never loaded" in result.stderr
+
+
+def test_integer_weights_are_refused(witnesses, tmp_path):
+    folder = witnesses["bert", "float32"]
+
+    def edit(tensors):
+        tensors["pooler.dense.bias"] = torch.zeros(64, dtype=torch.int32)
+
+    result, _ = run_broken(broken_copy(folder, tmp_path, edit), tmp_path, folder)
+    assert result.returncode == 1
+    assert "'pooler.dense.bias' is I32, the architecture expects floating-point weights" in result.stderr
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"attention_mask": torch.ones(1, 4, dtype=torch.long)}, "missing input 'input_ids' (given: 'attention_mask')"),
+    ({"input_ids": torch.tensor([[1, 2, 5000]])}, "input 'input_ids' holds id 5000, outside [0, 1000)"),
+    ({"input_ids": torch.tensor([[1.0, 2.0]])}, "input 'input_ids': expected integer token ids [batch, sequence], found Float [1, 2]"),
+    ({"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 3)}, "input 'attention_mask' is [1, 3] but input_ids is [1, 2]"),
+    ({"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.tensor([[1, 7]])}, "input 'attention_mask' must hold only 0 and 1"),
+    ({"input_ids": torch.ones(1, 65, dtype=torch.long)}, "input 'input_ids' has 65 tokens; this model takes at most 64"),
+])
+def test_bad_inputs_are_named(witnesses, tmp_path, inputs, message):
+    folder = witnesses["gpt2", "float32"]
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model"}"\n')
+    save_file(inputs, tmp_path / "in.safetensors")
+    result = vramctl("run", config, "--input", tmp_path / "in.safetensors")
+    assert result.returncode == 1
+    assert str(tmp_path / "in.safetensors") in result.stderr and message in result.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    ('architecture = "gpt3"\n', "unknown architecture 'gpt3' (known: llama, mistral, qwen2, gpt2, bert)"),
+    ('[arch]\nn_head = 5\n', "n_embd (64) must be a multiple of n_head (5)"),
+    ('[arch]\nn_layer = "two"\n', "hyperparameter 'n_layer' must be an integer, found \"two\""),
+    ('[arch]\nactivation_function = "swiglu"\n', "activation 'swiglu' is not supported"),
+])
+def test_bad_hyperparameters_are_named(witnesses, tmp_path, extra, message):
+    folder = witnesses["gpt2", "float32"]
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model"}"\n{extra}')
+    result = vramctl("run", config)
+    assert result.returncode == 1
+    assert str(config) in result.stderr and message in result.stderr
+
+
+def test_a_checkpoint_without_config_json_needs_its_hyperparameters(witnesses, tmp_path):
+    folder = witnesses["gpt2", "float32"]
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model" / "model.safetensors"}"\narchitecture = "gpt2"\n')
+    assert vramctl("run", config).returncode == 0  # config.json beside the file is found
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "model.safetensors").write_bytes((folder / "model" / "model.safetensors").read_bytes())
+    config.write_text(f'checkpoint = "{lone}"\narchitecture = "gpt2"\n')
+    result = vramctl("run", config)
+    assert result.returncode == 1 and "missing hyperparameter 'n_embd'" in result.stderr
+    config.write_text(f'checkpoint = "{lone}"\narchitecture = "gpt2"\n[arch]\nn_embd = 64\nn_head = 4\n'
+                      'vocab_size = 1000\nn_positions = 64\nn_layer = 2\n')
+    result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", tmp_path / "o.safetensors")
+    assert result.returncode == 0, result.stderr
