@@ -6,6 +6,7 @@
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
+#include "model/dry_run.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -20,10 +21,11 @@ struct Verdict {
   uint64_t tensors = 0;
   uint64_t bytes = 0;
   std::vector<std::string> warnings;
+  std::string architecture;  // "bert, Float" once the dry run passed
 };
 
 Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
-  Verdict verdict{path, {}, {}, 0, 0, {}};
+  Verdict verdict{path, {}, {}, 0, 0, {}, {}};
   try {
     auto model = config::load_model_config(path, daemon);
     verdict.name = model.name;
@@ -32,16 +34,27 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       verdict.tensors = map.tensors().size();
       verdict.bytes = map.total_bytes();
       verdict.warnings.assign(map.warnings().begin(), map.warnings().end());
-      if (!model.converter.empty()) {
-        try {
-          auto plan = convert::run_converter(model.converter, map, model.arch_json);
-          verdict.tensors = plan.tensors.size();
-          verdict.bytes = 0;
-          for (const auto& conversion : plan.tensors)
-            verdict.bytes += storage::dtype_bytes(conversion.expr->dtype, storage::element_count(conversion.expr->shape)).value_or(0);
-        } catch (const Error& e) {
-          verdict.problems.push_back(path + ": converter: " + e.what());
-        }
+      try {
+        // The whole load short of reading data: converter, architecture, names, shapes, dtypes.
+        auto dry = model::dry_run(model);
+        verdict.tensors = dry.report.tensors;
+        verdict.bytes = dry.report.bytes;
+        verdict.architecture = dry.architecture + ", " + dry.dtype;
+        for (const auto& name : dry.report.missing) verdict.warnings.push_back(path + ": missing (strict = false): " + name);
+        for (const auto& name : dry.report.unexpected) verdict.warnings.push_back(path + ": unexpected (strict = false): " + name);
+      } catch (const model::NoArchitecture&) {
+        verdict.warnings.push_back(path + ": no architecture, so vramd cannot load it; checked the index and converter only");
+        if (!model.converter.empty()) try {
+            auto plan = convert::run_converter(model.converter, map, model.arch_json);
+            verdict.tensors = plan.tensors.size();
+            verdict.bytes = 0;
+            for (const auto& conversion : plan.tensors)
+              verdict.bytes += storage::dtype_bytes(conversion.expr->dtype, storage::element_count(conversion.expr->shape)).value_or(0);
+          } catch (const Error& e) {
+            verdict.problems.push_back(path + ": converter: " + e.what());
+          }
+      } catch (const Error& e) {
+        verdict.problems.push_back(e.what());
       }
     } catch (const Error& e) {
       verdict.problems.push_back(path + ": checkpoint: " + e.what());
@@ -64,14 +77,14 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
     failed += !verdict.problems.empty();
     if (options.json) {
       results.push_back({{"path", verdict.path}, {"ok", verdict.problems.empty()}, {"name", verdict.name},
-                         {"tensors", verdict.tensors}, {"bytes", verdict.bytes},
+                         {"architecture", verdict.architecture}, {"tensors", verdict.tensors}, {"bytes", verdict.bytes},
                          {"problems", verdict.problems}, {"warnings", verdict.warnings}});
       continue;
     }
     for (const auto& warning : verdict.warnings) err << "warning: " << warning << '\n';
     if (verdict.problems.empty()) {
       out << "ok    " << path << ": model " << quote(verdict.name) << ", " << verdict.tensors << " tensors, "
-          << format_bytes(verdict.bytes) << '\n';
+          << format_bytes(verdict.bytes) << (verdict.architecture.empty() ? "" : " (" + verdict.architecture + ")") << '\n';
     } else {
       out << "FAIL  " << path << '\n';
       for (const auto& problem : verdict.problems) out << "      " << problem << '\n';

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "config/model_config.hpp"
+#include "util/error.hpp"
 
 namespace vramd::model {
 
@@ -28,6 +29,12 @@ struct DryRun {
   std::string architecture;
   std::string dtype;  // of weights and activations once loaded
   LoadReport report;  // without load_seconds and zero_copy
+};
+
+// Neither the model config nor a config.json beside the checkpoint names an architecture.
+class NoArchitecture : public Error {
+ public:
+  using Error::Error;
 };
 
 // Opens the index, runs the converter, builds the model on the meta device and matches names,

@@ -102,11 +102,17 @@ Prepared prepare(const config::ModelConfig& config) {
   if (architecture.empty()) {
     std::string known;
     for (const auto& name : architectures()) known += (known.empty() ? "" : ", ") + name;
-    fail(where, "no architecture: set architecture = \"...\" (" + known + ") or put a config.json with model_type in " + folder);
+    throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + known + ") or put a config.json with model_type in " + folder);
   }
 
-  const auto plan = config.converter.empty() ? convert::identity_plan(map)
-                                             : convert::run_converter(config.converter, map, hyperparams.json());
+  const auto plan = [&] {
+    if (config.converter.empty()) return convert::identity_plan(map);
+    try {
+      return convert::run_converter(config.converter, map, hyperparams.json());
+    } catch (const Error& e) {
+      fail(where, std::string("converter: ") + e.what());
+    }
+  }();
   report.printed = plan.printed;
   const std::string& dtype_name = config.vram.computation.dtype;
   const c10::ScalarType dtype = dtype_name == "auto" ? dominant_dtype(plan) : torch_dtype(dtype_name);
@@ -184,7 +190,7 @@ Prepared prepare(const config::ModelConfig& config) {
 
 DryRun dry_run(const config::ModelConfig& config) {
   Prepared prepared = prepare(config);
-  return {prepared.architecture, c10::toString(prepared.model->dtype()), std::move(prepared.report)};
+  return {prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())), std::move(prepared.report)};
 }
 
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {

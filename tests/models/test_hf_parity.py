@@ -202,3 +202,29 @@ def test_a_checkpoint_without_config_json_needs_its_hyperparameters(witnesses, t
                       'vocab_size = 1000\nn_positions = 64\nn_layer = 2\n')
     result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", tmp_path / "o.safetensors")
     assert result.returncode == 0, result.stderr
+
+
+def test_a_nanogpt_checkpoint_loads_through_the_shipped_converter(witnesses, tmp_path):
+    # The GPT-2 witness re-saved the way nanoGPT saves a compiled model: torch.save of a
+    # state dict, nn.Linear projections, an explicit lm_head, keys under "_orig_mod.".
+    folder = witnesses["gpt2", "float32"]
+    tensors = load_file(folder / "model" / "model.safetensors")
+    linear = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+    nano = {k: (v.t().contiguous() if k.endswith(linear) else v) for k, v in tensors.items()}
+    nano["lm_head.weight"] = nano["transformer.wte.weight"]
+    torch.save({"_orig_mod." + k: v for k, v in nano.items()}, tmp_path / "ckpt.pt")
+    converters = Path(__file__).resolve().parents[2] / "scripts" / "converters"
+    config = tmp_path / "nano.toml"
+    config.write_text(f'checkpoint = "ckpt.pt"\nprefix = "_orig_mod."\narchitecture = "gpt2"\n'
+                      f'converter = "{converters / "nanogpt.lua"}"\n'
+                      "[arch]\nn_embd = 64\nn_head = 4\nn_layer = 2\nvocab_size = 1000\nn_positions = 64\n")
+    output = tmp_path / "out.safetensors"
+    result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
+    assert result.returncode == 0, result.stderr
+    expected = load_file(folder / "expected.safetensors")
+    assert relative_error(load_file(output)["logits"], expected["logits"]) <= TOLERANCE["float32"]
+    # Without the converter the layouts clash, and the error says where.
+    config.write_text(config.read_text().replace(f'converter = "{converters / "nanogpt.lua"}"\n', ""))
+    result = vramctl("run", config)
+    assert result.returncode == 1
+    assert "'transformer.h.0.mlp.c_fc.weight' is [256, 64], the architecture expects [64, 256]" in result.stderr
