@@ -66,6 +66,10 @@ int main(int argc, char** argv) {
                       "safetensors file of named inputs (input_ids, attention_mask, ...); without it, only load");
   run_cmd->add_option("--output,-o", run.output, "Write the outputs to this safetensors file (else print their shapes)");
   run_cmd->add_flag("--stats", run.stats, "Print load and forward times, bytes and peak memory on stderr");
+  run_cmd->add_option("--stats-json", run.stats_json, "Write the same figures as one JSON object to this file");
+  run_cmd->add_option("--repeat", run.repeat, "Run the forward this many times (timings: first and median)")
+      ->check(CLI::PositiveNumber);
+  run_cmd->add_flag("--copy", run.copy, "Read weights into owned memory instead of mapping the checkpoint's pages");
   run_cmd->add_option("--threads", run.threads, "Intra-op threads (default: LibTorch's)")->check(CLI::NonNegativeNumber);
 
   CLI11_PARSE(app, argc, argv);

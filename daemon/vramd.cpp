@@ -1,14 +1,17 @@
 // vramd: the daemon. Until its event loop and socket land (issue #6) it reads its config,
-// validates the model configs in its folder, prints what it would serve, and exits.
+// validates the model configs in its folder (the whole load short of reading data), loads the
+// models marked preload, prints what it would serve, and exits.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <filesystem>
+#include <iomanip>
 #include <iostream>
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
 #include "config/units.hpp"
+#include "model/loader.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -44,12 +47,21 @@ int main(int argc, char** argv) {
   for (const auto& file : files) {
     try {
       auto model = vramd::config::load_model_config(file.string(), config);
-      std::cout << "valid    " << model.name << "  (" << file.string() << ")\n";
+      auto dry = vramd::model::dry_run(model);
+      std::cout << "valid    " << model.name << "  " << dry.architecture << ", " << dry.dtype << ", "
+                << vramd::format_bytes(dry.report.bytes) << " in " << dry.report.tensors << " tensors  ("
+                << file.string() << ")\n";
+      if (!model.residency.preload) continue;
+      auto loaded = vramd::model::load_model(model);
+      std::cout << "ready    " << model.name << "  loaded on " << model.vram.computation.device << " in "
+                << std::fixed << std::setprecision(1) << (loaded.report.plan_seconds + loaded.report.load_seconds) * 1e3 << " ms\n"
+                << std::defaultfloat;
     } catch (const vramd::Error& error) {
       std::cout << "invalid  " << file.string() << "\n";
       for (const auto& line : vramd::split_lines(error.what())) std::cout << "         " << line << '\n';
     }
   }
-  std::cout << "\nThe event loop and socket are not built yet (issue #6): nothing is served.\n";
+  std::cout << "\nThe event loop and socket are not built yet (issue #6): nothing is served. Until then,\n"
+               "run a model with: vramctl run CONFIG.toml --input IN.safetensors --output OUT.safetensors\n";
   return 0;
 }

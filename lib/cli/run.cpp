@@ -4,11 +4,16 @@
 #include <c10/core/InferenceMode.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <ostream>
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
+#include "convert/expr.hpp"
 #include "model/loader.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
@@ -31,6 +36,12 @@ storage::NamedTensors read_inputs(const std::string& path) {
   return inputs;
 }
 
+std::string ms(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f ms", seconds * 1e3);
+  return text;
+}
+
 }  // namespace
 
 void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
@@ -39,24 +50,34 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   const storage::NamedTensors inputs = options.input.empty() ? storage::NamedTensors{} : read_inputs(options.input);
 
   const uint64_t rss_before = peak_rss();
-  auto [model, report] = model::load_model(config);
+  auto [model, report] = model::load_model(config, {.zero_copy = !options.copy});
   const uint64_t rss_loaded = peak_rss();
   for (const auto& warning : report.warnings) err << "warning: " << warning << '\n';
   for (const auto& line : report.printed) err << "print: " << line << '\n';
   for (const auto& name : report.missing) err << "warning: missing from the checkpoint (strict = false; the parameter stays empty): " << name << '\n';
   for (const auto& name : report.unexpected) err << "warning: unexpected checkpoint tensor (not used): " << name << '\n';
   if (options.stats)
-    err << "loaded " << config.name << " (" << model->architecture() << ", " << c10::toString(model->dtype()) << ", "
+    err << "loaded " << config.name << " (" << model->architecture() << ", " << convert::dtype_torch_name(storage::dtype_of(model->dtype())) << ", "
         << model->device() << "): " << report.tensors << " tensors, " << format_bytes(report.bytes) << " ("
-        << report.zero_copy << " mapped without a copy); plan " << report.plan_seconds * 1e3 << " ms, load "
-        << report.load_seconds * 1e3 << " ms; peak RSS " << format_bytes(rss_loaded) << " (+"
+        << report.zero_copy << " mapped without a copy); plan " << ms(report.plan_seconds) << ", load "
+        << ms(report.load_seconds) << "; peak RSS " << format_bytes(rss_loaded) << " (+"
         << format_bytes(rss_loaded - rss_before) << " while loading; largest tensor " << format_bytes(report.largest)
         << ")\n";
-  if (options.input.empty()) return;
+  nlohmann::json stats = {{"model", config.name},         {"architecture", model->architecture()},
+                          {"tensors", report.tensors},     {"bytes", report.bytes},
+                          {"zero_copy", report.zero_copy}, {"plan_seconds", report.plan_seconds},
+                          {"load_seconds", report.load_seconds}, {"peak_rss_before_load", rss_before},
+                          {"peak_rss_loaded", rss_loaded}};
+  const auto write_stats = [&] {
+    if (options.stats_json.empty()) return;
+    std::ofstream(options.stats_json) << stats.dump(2) << '\n';
+  };
+  if (options.input.empty()) return write_stats();
 
-  const auto start = std::chrono::steady_clock::now();
   storage::NamedTensors outputs;
-  {
+  std::vector<double> seconds;
+  for (int i = 0; i < std::max(options.repeat, 1); ++i) {
+    const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode inference;
     try {
       outputs = model->forward(inputs);
@@ -65,10 +86,19 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     } catch (const Error& e) {
       fail(options.input, e.what());
     }
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double first = seconds.front();
+  std::sort(seconds.begin(), seconds.end());
+  const double median = seconds[seconds.size() / 2];
+  stats["forward_first_seconds"] = first;
+  stats["forward_median_seconds"] = median;
+  stats["forwards"] = seconds.size();
+  stats["peak_rss"] = peak_rss();
   if (options.stats)
-    err << "forward " << seconds * 1e3 << " ms; peak RSS " << format_bytes(peak_rss()) << '\n';
+    err << "forward " << ms(first) << " (median of " << seconds.size() << ": " << ms(median)
+        << "); peak RSS " << format_bytes(peak_rss()) << '\n';
+  write_stats();
 
   if (!options.output.empty()) {
     storage::save_tensors(options.output, outputs, {{"model", config.name}, {"produced_by", "vramd"}});

@@ -14,6 +14,9 @@ struct RunOptions {
   std::string input;          // safetensors with the named inputs (input_ids, attention_mask, ...)
   std::string output;         // safetensors to write the outputs to; empty: print their shapes
   bool stats = false;         // timings, bytes and peak memory on stderr
+  std::string stats_json;     // the same as one JSON object in this file
+  int repeat = 1;             // forwards to run (timings report the first and the median)
+  bool copy = false;          // read weights into owned memory rather than mapping the checkpoint
   int threads = 0;            // intra-op threads; 0: LibTorch's default
 };
 
