@@ -6,13 +6,12 @@ checkpoint (random weights), vramd against transformers and accelerate, same fil
 Every contender loads in a fresh process with the page cache warm (the file is read once
 first). "ready" is the time of the load call alone (vramd: index + plan + materialise;
 Python: from_pretrained or load_checkpoint_and_dispatch, imports excluded). Peak RSS is the
-process's ru_maxrss; "+load" is its growth over the RSS just before loading. The first forward
+process's VmHWM; "+load" is its growth over the RSS just before loading. The first forward
 is timed separately because a zero-copy load pays its page faults there. See docs/benchmarks.md.
 """
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -46,6 +45,12 @@ def rss_now():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss():
+    """VmHWM: unlike ru_maxrss it starts afresh at exec, so the parent's memory is not counted."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def python_contender(kind, folder, tokens, repeat):
     """Runs in its own process: loads one way, times it, runs forwards."""
     import torch
@@ -65,7 +70,7 @@ def python_contender(kind, folder, tokens, repeat):
         model = accelerate.load_checkpoint_and_dispatch(model, str(folder / "model.safetensors"), device_map={"": "cpu"},
                                                         dtype=torch.bfloat16)
     ready = time.perf_counter() - start
-    loaded_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    loaded_peak = peak_rss()
     model.eval()
     ids = torch.arange(tokens).view(1, tokens) % SHAPE["vocab_size"]
     times = []
@@ -76,7 +81,7 @@ def python_contender(kind, folder, tokens, repeat):
             times.append(time.perf_counter() - start)
     return {"ready": ready, "rss_before": before, "peak_loaded": loaded_peak, "first_forward": times[0],
             "median_forward": sorted(times)[len(times) // 2],
-            "peak_end": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_end": peak_rss()}
 
 
 def vramd_contender(folder, tokens, repeat, workdir, *flags):

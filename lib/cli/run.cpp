@@ -2,7 +2,6 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -22,10 +21,14 @@
 namespace vramd::cli {
 namespace {
 
+// The process's peak resident memory (VmHWM). Unlike getrusage's ru_maxrss it starts afresh at
+// exec, so it does not include the memory of the process that started vramctl.
 uint64_t peak_rss() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.starts_with("VmHWM:")) return std::stoull(line.substr(6)) * 1024;
+  return 0;
 }
 
 storage::NamedTensors read_inputs(const std::string& path) {
