@@ -99,11 +99,9 @@ Prepared prepare(const config::ModelConfig& config) {
   const std::string folder = fs::path(map.files()[0].path).parent_path().string();
   const Hyperparams hyperparams = Hyperparams::for_checkpoint(folder, config.arch_json, config.path);
   std::string architecture = config.architecture.empty() ? hyperparams.string("model_type", "") : config.architecture;
-  if (architecture.empty()) {
-    std::string known;
-    for (const auto& name : architectures()) known += (known.empty() ? "" : ", ") + name;
-    throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + known + ") or put a config.json with model_type in " + folder);
-  }
+  if (architecture.empty())
+    throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + known_architectures() +
+                         ") or put a config.json with model_type in " + folder);
 
   const auto plan = [&] {
     if (config.converter.empty()) return convert::identity_plan(map);

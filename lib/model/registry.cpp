@@ -25,19 +25,17 @@ constexpr Entry kArchitectures[] = {
 
 }  // namespace
 
-std::vector<std::string> architectures() {
-  std::vector<std::string> names;
-  for (const auto& entry : kArchitectures) names.emplace_back(entry.name);
-  return names;
+std::string known_architectures() {
+  std::string known;
+  for (const auto& entry : kArchitectures) known += (known.empty() ? "" : ", ") + std::string(entry.name);
+  return known;
 }
 
 std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperparams& hyperparams,
                                    c10::ScalarType dtype) {
   for (const auto& entry : kArchitectures)
     if (architecture == entry.name) return entry.build(architecture, hyperparams, dtype);
-  std::string known;
-  for (const auto& entry : kArchitectures) known += (known.empty() ? "" : ", ") + std::string(entry.name);
-  throw Error("unknown architecture " + quote(architecture) + " (known: " + known + ")");
+  throw Error("unknown architecture " + quote(architecture) + " (known: " + known_architectures() + ")");
 }
 
 }  // namespace vramd::model
