@@ -8,6 +8,7 @@
 #include "cli/check.hpp"
 #include "cli/convert.hpp"
 #include "cli/inspect.hpp"
+#include "cli/remote.hpp"
 #include "cli/run.hpp"
 
 namespace {
@@ -72,8 +73,38 @@ int main(int argc, char** argv) {
   run_cmd->add_flag("--copy", run.copy, "Read weights into owned memory instead of mapping the checkpoint's pages");
   run_cmd->add_option("--threads", run.threads, "Intra-op threads (default: LibTorch's)")->check(CLI::NonNegativeNumber);
 
+  // Commands served by the daemon.
+  vramd::cli::RemoteOptions remote;
+  std::vector<CLI::App*> remote_cmds;
+  const auto add_remote = [&](const char* name, const char* help, bool takes_model) {
+    auto* command = app.add_subcommand(name, help);
+    command->add_option("--socket", remote.socket, "vramd's socket (default: $VRAMD_SOCKET, else the daemon config's)");
+    add_daemon_config_option(command, remote.daemon_config);
+    command->add_flag("--json", remote.json, "Print the daemon's JSON answer");
+    if (takes_model) command->add_option("model", remote.model, "Model name (vramctl list shows them)")->required();
+    remote_cmds.push_back(command);
+    return command;
+  };
+  add_remote("list", "List the daemon's models: state, size, where their weights are, and why one failed", false);
+  add_remote("status", "Device budgets and use, and each model's residency", false);
+  add_remote("health", "Whether the daemon is up", false);
+  add_remote("reload", "Re-read and re-validate every model config now", false);
+  auto* load_cmd = add_remote("load", "Load a model, showing progress", true);
+  load_cmd->add_option("--keep-alive", remote.keep_alive, "Unload after this long unused (\"5m\", \"-1\": never)");
+  load_cmd->add_flag("!--no-progress", remote.progress, "Print only the result");
+  add_remote("unload", "Unload a model (after the requests queued before it)", true);
+  add_remote("offload", "Put a loaded model to sleep: weights to its offload state", true);
+  add_remote("onload", "Wake a sleeping model: weights back to its computation state", true);
+  auto* forward_cmd = add_remote("forward", "Run one forward on the daemon (loads the model when needed)", true);
+  forward_cmd->add_option("--input,-i", remote.input, "safetensors file of named inputs");
+  forward_cmd->add_option("values", remote.values, "Inputs as name=v1,v2,... (rows separated by ';'), e.g. input_ids=101,2023,102");
+  forward_cmd->add_option("--output,-o", remote.output, "Write the outputs to this safetensors file (else print them)");
+  forward_cmd->add_option("--keep-alive", remote.keep_alive, "Unload after this long unused");
+
   CLI11_PARSE(app, argc, argv);
   try {
+    for (auto* command : remote_cmds)
+      if (command->parsed()) return vramd::cli::remote(command->get_name(), remote, std::cout, std::cerr);
     if (inspect_cmd->parsed()) vramd::cli::inspect(inspect, std::cout, std::cerr);
     if (check_cmd->parsed()) return vramd::cli::check(check, std::cout, std::cerr) ? 1 : 0;
     if (convert_cmd->parsed()) vramd::cli::convert(convert, std::cout, std::cerr);

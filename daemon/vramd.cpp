@@ -1,42 +1,24 @@
-// vramd: the daemon. Until its event loop and socket land (issue #6) it reads its config,
-// validates the model configs in its folder (the whole load short of reading data), loads the
-// models marked preload, prints what it would serve, and exits.
+// vramd: the daemon. Serves the models in its config folder over a Unix socket (docs/api.md)
+// until SIGTERM or SIGINT. `--check` validates the config and the model folder and exits.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <filesystem>
-#include <iomanip>
 #include <iostream>
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
-#include "config/units.hpp"
-#include "model/loader.hpp"
+#include "model/dry_run.hpp"
+#include "server/daemon.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
 namespace fs = std::filesystem;
 
-int main(int argc, char** argv) {
-  CLI::App app{"vramd: keeps PyTorch models ready to run"};
-  app.set_version_flag("--version", std::string("vramd ") + VRAMD_VERSION);
-  std::string config_path = "configs/vramd.toml";
-  app.add_option("-c,--config", config_path, "Daemon config file")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+namespace {
 
-  vramd::config::DaemonConfig config;
-  try {
-    config = vramd::config::load_daemon_config(config_path);
-  } catch (const vramd::Error& error) {
-    std::cerr << "vramd: " << error.what() << '\n';
-    return 1;
-  }
-  std::cout << "vramd " << VRAMD_VERSION << "\nconfig     " << config.path << "\nsocket     " << config.socket
-            << "\nmodels     " << config.models << "\nkeep_alive " << vramd::config::format_duration(config.keep_alive)
-            << "\nbudgets   ";
-  for (const auto& [device, bytes] : config.budgets) std::cout << " " << device << "=" << vramd::format_bytes(bytes);
-  std::cout << "\n\n";
-
+// Every model config in the folder through the whole load short of reading data.
+int check(const vramd::config::DaemonConfig& config) {
   std::vector<fs::path> files;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(config.models, ec))
@@ -44,6 +26,7 @@ int main(int argc, char** argv) {
   std::sort(files.begin(), files.end());
   if (ec) std::cout << "cannot read the model folder " << config.models << ": " << ec.message() << '\n';
   if (!ec && files.empty()) std::cout << "no model configs (*.toml) in " << config.models << '\n';
+  int invalid = 0;
   for (const auto& file : files) {
     try {
       auto model = vramd::config::load_model_config(file.string(), config);
@@ -51,17 +34,34 @@ int main(int argc, char** argv) {
       std::cout << "valid    " << model.name << "  " << dry.architecture << ", " << dry.dtype << ", "
                 << vramd::format_bytes(dry.report.bytes) << " in " << dry.report.tensors << " tensors  ("
                 << file.string() << ")\n";
-      if (!model.residency.preload) continue;
-      auto loaded = vramd::model::load_model(model);
-      std::cout << "ready    " << model.name << "  loaded on " << model.vram.computation.device << " in "
-                << std::fixed << std::setprecision(1) << (loaded.report.plan_seconds + loaded.report.load_seconds) * 1e3 << " ms\n"
-                << std::defaultfloat;
     } catch (const vramd::Error& error) {
+      ++invalid;
       std::cout << "invalid  " << file.string() << "\n";
       for (const auto& line : vramd::split_lines(error.what())) std::cout << "         " << line << '\n';
     }
   }
-  std::cout << "\nThe event loop and socket are not built yet (issue #6): nothing is served. Until then,\n"
-               "run a model with: vramctl run CONFIG.toml --input IN.safetensors --output OUT.safetensors\n";
-  return 0;
+  return invalid ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"vramd: keeps PyTorch models ready to run"};
+  app.set_version_flag("--version", std::string("vramd ") + VRAMD_VERSION);
+  std::string config_path = "configs/vramd.toml", socket;
+  bool check_only = false;
+  app.add_option("-c,--config", config_path, "Daemon config file")->capture_default_str();
+  app.add_option("--socket", socket, "Unix socket to serve on (overrides the config)");
+  app.add_flag("--check", check_only, "Validate the config and every model config, then exit");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    auto config = vramd::config::load_daemon_config(config_path);
+    if (!socket.empty()) config.socket = fs::absolute(socket).string();
+    if (check_only) return check(config);
+    return vramd::server::serve(config);
+  } catch (const vramd::Error& error) {
+    std::cerr << "vramd: " << error.what() << '\n';
+    return 1;
+  }
 }

@@ -35,7 +35,7 @@ storage::NamedTensors read_inputs(const std::string& path) {
   const auto map = storage::DiskMap::open(path);
   storage::NamedTensors inputs;
   for (const auto& info : map.tensors())
-    inputs.emplace_back(std::string(info.name()), storage::load_tensor(map, info, {.mode = storage::ReadMode::Copy}));
+    inputs.emplace_back(std::string(info.name()), storage::load_tensor(map, info, {.dtype = std::nullopt, .mode = storage::ReadMode::Copy}));
   return inputs;
 }
 
@@ -53,7 +53,10 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   const storage::NamedTensors inputs = options.input.empty() ? storage::NamedTensors{} : read_inputs(options.input);
 
   const uint64_t rss_before = peak_rss();
-  auto [model, report] = model::load_model(config, {.zero_copy = !options.copy});
+  model::LoadOptions load_options;
+  load_options.zero_copy = !options.copy;
+  auto loaded = model::load_model(config, load_options);
+  auto& [model, report, source] = loaded;
   const uint64_t rss_loaded = peak_rss();
   for (const auto& warning : report.warnings) err << "warning: " << warning << '\n';
   for (const auto& line : report.printed) err << "print: " << line << '\n';

@@ -1,5 +1,7 @@
 #include "config/daemon_config.hpp"
 
+#include <arpa/inet.h>
+#include <grp.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -49,6 +51,19 @@ DaemonConfig load_daemon_config(const std::string& path) {
   config.models = resolve(root.string("models").value_or(config.models));
   for (const auto& converters : root.strings("converters").value_or(std::vector<std::string>{}))
     config.converters.push_back(resolve(converters));
+  if (auto tcp = root.string("tcp")) {
+    const auto colon = tcp->rfind(':');
+    in_addr address{};
+    const std::string host = tcp->substr(0, colon == std::string::npos ? 0 : colon);
+    const std::string port = colon == std::string::npos ? "" : tcp->substr(colon + 1);
+    if (colon == std::string::npos || inet_pton(AF_INET, host.c_str(), &address) != 1 ||
+        port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos || std::stoi(port) > 65535)
+      root.bad_value("tcp", "expected \"127.0.0.1:PORT\"");
+    else if ((ntohl(address.s_addr) >> 24) != 127)
+      root.bad_value("tcp", "only a loopback address (127.x.x.x) may be used: TCP clients cannot be identified");
+    else
+      config.tcp = *tcp;
+  }
   if (auto level = root.string("log_level")) {
     if (*level == "error" || *level == "warn" || *level == "info" || *level == "debug")
       config.log_level = *level;
@@ -69,6 +84,37 @@ DaemonConfig load_daemon_config(const std::string& path) {
   if (auto defaults = root.table("defaults")) {
     if (auto keep_alive = defaults->duration("keep_alive")) config.keep_alive = *keep_alive;
     defaults->finish();
+  }
+  if (auto access = root.table("access")) {
+    for (int64_t uid : access->integers("uids", 0, UINT32_MAX).value_or(std::vector<int64_t>{}))
+      config.access.uids.push_back(static_cast<uint32_t>(uid));
+    if (auto group = access->string("group")) {
+      if (const ::group* entry = ::getgrnam(group->c_str())) {
+        config.access.group = *group;
+        config.access.gid = entry->gr_gid;
+      } else {
+        access->bad_value("group", "no such group on this machine");
+      }
+    }
+    access->finish();
+  }
+  if (auto limits = root.table("limits")) {
+    ServerLimits& l = config.limits;
+    l.max_header_bytes = limits->size("max_header_size").value_or(l.max_header_bytes);
+    l.max_body_bytes = limits->size("max_body_size").value_or(l.max_body_bytes);
+    l.max_connections = static_cast<uint32_t>(limits->integer("max_connections", 1, 65536).value_or(l.max_connections));
+    l.queue_length = static_cast<uint32_t>(limits->integer("queue_length", 1, 1 << 20).value_or(l.queue_length));
+    const auto finite = [&](std::string_view key, std::chrono::milliseconds& into) {
+      auto value = limits->duration(key);
+      if (!value) return;
+      if (*value && **value > std::chrono::milliseconds(0)) into = **value;
+      else limits->bad_value(key, "expected a positive duration such as \"30s\"");
+    };
+    finite("idle_timeout", l.idle_timeout);
+    finite("request_timeout", l.request_timeout);
+    finite("shutdown_grace", l.shutdown_grace);
+    if (l.max_header_bytes < 1024) limits->bad_value("max_header_size", "expected at least 1KiB");
+    limits->finish();
   }
   root.finish();
   problems.throw_if_any();

@@ -10,14 +10,35 @@
 
 namespace vramd::config {
 
+// What a client may ask of the daemon; every refusal is a clear HTTP error.
+struct ServerLimits {
+  uint64_t max_header_bytes = 64 << 10;     // request line and headers
+  uint64_t max_body_bytes = uint64_t{2} << 30;
+  uint32_t max_connections = 256;
+  std::chrono::milliseconds idle_timeout{60'000};     // a connection with no request under way
+  std::chrono::milliseconds request_timeout{60'000};  // to receive one whole request
+  uint32_t queue_length = 64;                         // requests waiting for one model
+  std::chrono::milliseconds shutdown_grace{10'000};   // for work in flight at SIGTERM
+};
+
+// Who may connect besides the daemon's own user, checked per connection (SO_PEERCRED).
+struct AccessConfig {
+  std::vector<uint32_t> uids;
+  std::string group;   // a group name; empty: none
+  uint32_t gid = 0;    // the group's id, when a group is named
+};
+
 struct DaemonConfig {
   std::string path;                     // the file read; empty for built-in defaults
   std::string socket;                   // Unix socket path
+  std::string tcp;                      // "127.0.0.1:PORT" also listens on loopback TCP; empty: off
   std::string models;                   // folder of model configs
   std::vector<std::string> converters;  // folders converter scripts may come from
   std::string log_level = "info";       // error | warn | info | debug
   std::map<std::string, uint64_t> budgets;  // device ("cpu", "cuda:0") -> bytes
   std::optional<std::chrono::milliseconds> keep_alive = std::chrono::minutes(10);  // nullopt: forever
+  AccessConfig access;
+  ServerLimits limits;
 };
 
 // Relative paths in the file are resolved against its folder. Throws Error listing every

@@ -121,6 +121,29 @@ std::optional<std::vector<std::string>> TableReader::strings(std::string_view ke
   return std::nullopt;
 }
 
+std::optional<int64_t> TableReader::integer(std::string_view key, int64_t min, int64_t max) {
+  const toml::node* value = node(key);
+  if (!value) return std::nullopt;
+  if (value->is_integer() && *value->value<int64_t>() >= min && *value->value<int64_t>() <= max) return *value->value<int64_t>();
+  bad_value(key, "expected an integer from " + std::to_string(min) + " to " + std::to_string(max) + ", found " + type_name(*value));
+  return std::nullopt;
+}
+
+std::optional<std::vector<int64_t>> TableReader::integers(std::string_view key, int64_t min, int64_t max) {
+  const toml::node* value = node(key);
+  if (!value) return std::nullopt;
+  const auto* array = value->as_array();
+  std::vector<int64_t> out;
+  for (size_t i = 0; array && i < array->size(); ++i) {
+    const auto& item = *array->get(i);
+    if (!item.is_integer() || *item.value<int64_t>() < min || *item.value<int64_t>() > max) break;
+    out.push_back(*item.value<int64_t>());
+  }
+  if (array && out.size() == array->size()) return out;
+  bad_value(key, "expected an array of integers from " + std::to_string(min) + " to " + std::to_string(max));
+  return std::nullopt;
+}
+
 std::optional<uint64_t> TableReader::size(std::string_view key) {
   const toml::node* value = node(key);
   if (!value) return std::nullopt;

@@ -43,6 +43,9 @@ class TableReader {
   // A string or an array of strings.
   std::optional<std::vector<std::string>> strings(std::string_view key);
   std::optional<TableReader> table(std::string_view key);
+  // An integer in [min, max], or an array of them.
+  std::optional<int64_t> integer(std::string_view key, int64_t min, int64_t max);
+  std::optional<std::vector<int64_t>> integers(std::string_view key, int64_t min, int64_t max);
   // A size: a string such as "6GiB", or an integer number of bytes.
   std::optional<uint64_t> size(std::string_view key);
   // A duration such as "10m"; "-1" is forever. Absent: nullopt; forever: an empty inner value.

@@ -17,6 +17,13 @@
 namespace vramd::model {
 namespace fs = std::filesystem;
 
+// Which expression fills which parameter.
+struct Assignment {
+  Parameter* parameter;
+  convert::ExprPtr expr;
+  uint64_t order;  // where its first source lies in the checkpoint, to read in file order
+};
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -68,12 +75,6 @@ class NameMatcher {
  private:
   std::string prefix_;
   bool add_ = false, strip_ = false;
-};
-
-struct Assignment {
-  Parameter* parameter;
-  convert::ExprPtr expr;
-  uint64_t order;  // where its first source lies in the checkpoint, to read in file order
 };
 
 // Everything up to reading data: the index, the converter's plan, the model on the meta
@@ -191,24 +192,29 @@ DryRun dry_run(const config::ModelConfig& config) {
   return {prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())), std::move(prepared.report)};
 }
 
-LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {
-  auto [map, architecture, model, assignments, report] = prepare(config);
-  const std::string& where = config.path;
-  const c10::ScalarType dtype = model->dtype();
-  const c10::Device device(config.vram.computation.device);
+struct WeightSource {
+  storage::DiskMap map;
+  std::vector<Assignment> assignments;
+  std::string where;  // the config, for errors
+};
 
-  // Materialise, one tensor at a time, in checkpoint order.
-  const auto load_start = Clock::now();
+namespace {
+
+// Reads every assigned weight, one tensor at a time in checkpoint order, straight into `device`
+// and `dtype`. Returns the bytes read.
+uint64_t materialise(const WeightSource& source, c10::Device device, c10::ScalarType dtype, const LoadOptions& options,
+                     size_t* zero_copy) {
   Progress progress;
-  progress.tensors_total = assignments.size();
-  progress.bytes_total = report.bytes;
+  progress.tensors_total = source.assignments.size();
+  for (const auto& a : source.assignments) progress.bytes_total += a.parameter->elements() * c10::elementSize(dtype);
   const bool views = options.zero_copy && device.is_cpu();
-  for (const auto& a : assignments) {
+  const auto& map = source.map;
+  for (const auto& a : source.assignments) {
     at::Tensor value;
     if (a.expr->op == convert::Expr::Op::Source) {
       const auto& info = map.at(a.expr->source);
       value = storage::load_tensor(map, info, {.dtype = dtype, .mode = views ? storage::ReadMode::Auto : storage::ReadMode::Copy});
-      if (views && value.const_data_ptr() == map.bytes(info).first.data()) report.zero_copy++;
+      if (zero_copy && views && value.const_data_ptr() == map.bytes(info).first.data()) ++*zero_copy;
     } else {
       value = convert::evaluate(*a.expr, map, views ? storage::ReadMode::Auto : storage::ReadMode::Copy).to(dtype);
     }
@@ -217,13 +223,58 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
     progress.bytes_done += value.nbytes();
     progress.tensors_done++;
     progress.tensor = a.parameter->name;
-    if (options.progress && !options.progress(progress))
-      throw Cancelled(where + ": load cancelled after " + std::to_string(progress.tensors_done) + " of " +
+    if (options.progress && !options.progress(progress)) {
+      for (const auto& b : source.assignments) b.parameter->value = at::Tensor();
+      throw Cancelled(source.where + ": load cancelled after " + std::to_string(progress.tensors_done) + " of " +
                       std::to_string(progress.tensors_total) + " tensors");
+    }
   }
+  return progress.bytes_done;
+}
+
+}  // namespace
+
+LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {
+  auto [map, architecture, model, assignments, report] = prepare(config);
+  auto source = std::make_shared<WeightSource>(WeightSource{std::move(map), std::move(assignments), config.path});
+  const c10::Device device(config.vram.computation.device);
+  const auto load_start = Clock::now();
+  materialise(*source, device, model->dtype(), options, &report.zero_copy);
   model->set_device(device);
   report.load_seconds = seconds_since(load_start);
-  return {std::move(model), std::move(report)};
+  return {std::move(model), std::move(report), std::move(source)};
+}
+
+Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, const LoadOptions& options) {
+  const auto start = Clock::now();
+  Transition moved;
+  const auto& assignments = loaded.source->assignments;
+  const bool released = !assignments.empty() && assignments.front().parameter->value.is_meta();
+  if (state.device == "disk") {
+    for (const auto& a : assignments) {
+      if (a.parameter->value.is_meta()) continue;
+      moved.bytes += a.parameter->value.nbytes();
+      a.parameter->value = at::empty(a.parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(a.parameter->value.scalar_type()));
+    }
+  } else {
+    const c10::Device device(state.device);
+    const bool keep_dtype = state.dtype == "auto" || state.dtype.empty();
+    if (released) {
+      const auto dtype = keep_dtype ? assignments.front().parameter->value.scalar_type() : torch_dtype(state.dtype);
+      moved.bytes = materialise(*loaded.source, device, dtype, options, nullptr);
+    } else {
+      for (const auto& a : assignments) {
+        at::Tensor& value = a.parameter->value;
+        const auto dtype = keep_dtype ? value.scalar_type() : torch_dtype(state.dtype);
+        if (value.device() == device && value.scalar_type() == dtype) continue;
+        value = value.to(device, dtype);
+        moved.bytes += value.nbytes();
+      }
+    }
+    if (device.is_cpu() || device.is_cuda()) loaded.model->set_device(device);
+  }
+  moved.seconds = seconds_since(start);
+  return moved;
 }
 
 }  // namespace vramd::model

@@ -33,9 +33,17 @@ struct LoadOptions {
   bool zero_copy = true;
 };
 
+struct WeightSource;  // the checkpoint and converter expressions a model's weights come from
+
 struct LoadedModel {
   std::unique_ptr<Model> model;
   LoadReport report;
+  std::shared_ptr<WeightSource> source;  // for re-reading weights released to disk
+};
+
+struct Transition {
+  uint64_t bytes = 0;  // of weights moved, read or released
+  double seconds = 0;
 };
 
 class Cancelled : public Error {
@@ -45,5 +53,11 @@ class Cancelled : public Error {
 
 // Throws Error naming the config and every missing, unexpected or mismatched key at once.
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options = {});
+
+// Moves every weight of the model to `state`. Device "disk" releases the weights; moving from
+// there re-reads them from the checkpoint through the converter's expressions. Dtype "auto"
+// keeps the weights' current dtype. Whole-model sleep (to the offload state) and wake (to the
+// computation state) for the daemon.
+Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, const LoadOptions& options = {});
 
 }  // namespace vramd::model

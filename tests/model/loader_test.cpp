@@ -75,7 +75,7 @@ class CountingAllocator final : public c10::Allocator {
 TEST_CASE("tied parameters share one storage and are loaded once") {
   TempDir dir;
   write_gpt2(dir, at::kFloat);
-  auto [model, report] = model::load_model(config_for(dir));
+  auto [model, report, source] = model::load_model(config_for(dir));
   const auto* head = model->find("lm_head.weight");
   const auto* wte = model->find("transformer.wte.weight");
   REQUIRE(head->tied == wte);
@@ -96,7 +96,7 @@ TEST_CASE("weights in the stored dtype are views of the checkpoint mapping unles
   write_gpt2(dir, at::kFloat);
   auto viewed = model::load_model(config_for(dir));
   CHECK(viewed.report.zero_copy == viewed.report.tensors);
-  auto copied = model::load_model(config_for(dir), {.zero_copy = false});
+  auto copied = model::load_model(config_for(dir), {.progress = {}, .zero_copy = false});
   CHECK(copied.report.zero_copy == 0);
   for (size_t i = 0; i < viewed.model->parameters().size(); ++i) {
     const auto* a = viewed.model->parameters()[i];
@@ -147,7 +147,7 @@ TEST_CASE("memory while loading stays within the final size plus the largest ten
     CountingAllocator counter;
     const int64_t before = counter.live();
     counter.reset_peak();
-    auto loaded = model::load_model(config, {.zero_copy = false});
+    auto loaded = model::load_model(config, {.progress = {}, .zero_copy = false});
     const int64_t final_bytes = counter.live() - before;
     CHECK(final_bytes == static_cast<int64_t>(loaded.report.bytes));
     const int64_t largest_stored = 300 * 64 * 4;  // wte in float32, the largest tensor in the file

@@ -1,0 +1,290 @@
+#include "cli/remote.hpp"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <sstream>
+
+#include "client/client.hpp"
+#include "storage/safetensors_header.hpp"
+#include "storage/safetensors_writer.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::cli {
+namespace {
+
+using nlohmann::json;
+
+json parse_json(const client::Response& response) {
+  try {
+    return json::parse(response.body);
+  } catch (const json::exception&) {
+    throw Error("vramd answered " + std::to_string(response.status) + " with a body that is not JSON: " + response.body.substr(0, 200));
+  }
+}
+
+// The daemon's own words for a refusal.
+std::string error_of(const client::Response& response) {
+  try {
+    const json body = json::parse(response.body);
+    if (body.contains("error")) return body["error"].get<std::string>();
+  } catch (const json::exception&) {
+  }
+  return "HTTP " + std::to_string(response.status) + ": " + response.body.substr(0, 200);
+}
+
+std::string devices_text(const json& devices) {
+  std::string text;
+  for (const auto& [device, bytes] : devices.items())
+    if (bytes.get<uint64_t>()) text += (text.empty() ? "" : ", ") + device + " " + format_bytes(bytes.get<uint64_t>());
+  return text.empty() ? "-" : text;
+}
+
+void print_models(const json& models, std::ostream& out) {
+  out << std::left << std::setw(20) << "NAME" << std::setw(11) << "STATE" << std::setw(8) << "ARCH" << std::setw(10)
+      << "DTYPE" << std::setw(12) << "SIZE" << "WHERE\n";
+  for (const auto& m : models) {
+    out << std::setw(20) << m["name"].get<std::string>() << std::setw(11) << m["state"].get<std::string>()
+        << std::setw(8) << m.value("architecture", "-") << std::setw(10) << m.value("dtype", "-") << std::setw(12)
+        << (m.contains("bytes") ? format_bytes(m["bytes"].get<uint64_t>()) : "-") << devices_text(m["devices"]) << '\n';
+    if (m.contains("reason")) out << "    " << m["reason"].get<std::string>() << '\n';
+    if (m.contains("config_error")) out << "    edit not applied: " << m["config_error"].get<std::string>() << '\n';
+  }
+  out << std::right;
+}
+
+float half_to_float(uint16_t h) {
+  const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  const float sign = (h & 0x8000) ? -1.0f : 1.0f;
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -24);
+  if (exponent == 31) return mantissa ? NAN : sign * INFINITY;
+  return sign * std::ldexp(static_cast<float>(mantissa + 1024), exponent - 25);
+}
+
+// "name dtype [shape] v0 v1 ... (n values)" for each output.
+void print_tensors(const std::string& bytes, std::ostream& out) {
+  const auto* data = reinterpret_cast<const std::byte*>(bytes.data());
+  const auto header = storage::parse_safetensors_file({data, bytes.size()});
+  for (const auto& t : header.tensors) {
+    out << t.name << ' ' << storage::dtype_name(t.dtype) << ' ' << format_shape(t.shape);
+    const std::byte* p = data + header.data_offset + t.begin;
+    const uint64_t count = storage::element_count(t.shape);
+    for (uint64_t i = 0; i < std::min<uint64_t>(count, 8); ++i) {
+      double value = 0;
+      using storage::DType;
+      switch (t.dtype) {
+        case DType::F32: { float f; std::memcpy(&f, p + 4 * i, 4); value = f; break; }
+        case DType::F64: std::memcpy(&value, p + 8 * i, 8); break;
+        case DType::F16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); value = half_to_float(h); break; }
+        case DType::BF16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); uint32_t w = uint32_t{h} << 16; float f; std::memcpy(&f, &w, 4); value = f; break; }
+        case DType::I64: { int64_t v; std::memcpy(&v, p + 8 * i, 8); value = static_cast<double>(v); break; }
+        case DType::I32: { int32_t v; std::memcpy(&v, p + 4 * i, 4); value = v; break; }
+        case DType::BOOL: value = static_cast<double>(static_cast<uint8_t>(p[i])); break;
+        default: i = count; continue;
+      }
+      out << ' ' << std::setprecision(6) << value;
+    }
+    out << (count > 8 ? " ..." : "") << '\n';
+  }
+}
+
+// name=1,2,3;4,5,6 -> a [2, 3] tensor: int64 when every value is an integer, else float32.
+std::string inputs_from_values(const std::vector<std::string>& values) {
+  struct Parsed {
+    std::string name;
+    std::vector<int64_t> shape;
+    bool integer = true;
+    std::vector<double> numbers;
+    std::string bytes;
+  };
+  std::vector<Parsed> parsed;
+  for (const auto& value : values) {
+    const auto equals = value.find('=');
+    if (equals == std::string::npos || equals == 0) fail(value, "expected name=v1,v2,... (rows separated by ';')");
+    Parsed p;
+    p.name = value.substr(0, equals);
+    std::istringstream rows(value.substr(equals + 1));
+    int64_t columns = -1, row_count = 0;
+    for (std::string row; std::getline(rows, row, ';'); ++row_count) {
+      std::istringstream items(row);
+      int64_t n = 0;
+      for (std::string item; std::getline(items, item, ','); ++n) {
+        size_t used = 0;
+        double number = 0;
+        try {
+          number = std::stod(item, &used);
+        } catch (const std::exception&) {
+        }
+        if (used == 0 || item.find_first_not_of(" ", used) != std::string::npos) fail(value, quote(item) + " is not a number");
+        p.integer &= item.find_first_of(".eE") == std::string::npos && number == std::floor(number);
+        p.numbers.push_back(number);
+      }
+      if (columns >= 0 && n != columns) fail(value, "rows have different lengths");
+      columns = n;
+    }
+    if (p.numbers.empty()) fail(value, "no values");
+    p.shape = {row_count, columns};
+    for (double number : p.numbers) {
+      if (p.integer) { const auto v = static_cast<int64_t>(number); p.bytes.append(reinterpret_cast<const char*>(&v), 8); }
+      else { const auto v = static_cast<float>(number); p.bytes.append(reinterpret_cast<const char*>(&v), 4); }
+    }
+    parsed.push_back(std::move(p));
+  }
+  std::vector<storage::TensorData> tensors;
+  for (const auto& p : parsed)
+    tensors.push_back({p.name, p.integer ? storage::DType::I64 : storage::DType::F32, p.shape,
+                       {reinterpret_cast<const std::byte*>(p.bytes.data()), p.bytes.size()}});
+  return storage::serialize_safetensors(tensors);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, "cannot read");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+class ProgressView {
+ public:
+  ProgressView(std::ostream& err, const std::string& model, bool enabled)
+      : err_(err), model_(model), enabled_(enabled), terminal_(::isatty(STDERR_FILENO)) {}
+  void update(const json& line) {
+    if (!enabled_ || line.value("status", "") != "loading") return;
+    const uint64_t done = line["bytes_done"], total = line["bytes_total"];
+    const int percent = total ? static_cast<int>(100 * done / total) : 100;
+    if (terminal_) {
+      const int width = 30, filled = percent * width / 100;
+      err_ << "\rloading " << model_ << " [" << std::string(filled, '#') << std::string(width - filled, ' ') << "] "
+           << std::setw(3) << percent << "% " << format_bytes(done) << " of " << format_bytes(total) << std::flush;
+      drawn_ = true;
+    } else if (percent >= next_percent_) {
+      err_ << "loading " << model_ << ": " << percent << "% (" << format_bytes(done) << " of " << format_bytes(total) << ")\n";
+      next_percent_ = percent / 25 * 25 + 25;
+    }
+  }
+  void finish() {
+    if (drawn_) err_ << '\n';
+  }
+
+ private:
+  std::ostream& err_;
+  std::string model_;
+  bool enabled_, terminal_, drawn_ = false;
+  int next_percent_ = 0;
+};
+
+}  // namespace
+
+int remote(const std::string& command, const RemoteOptions& o, std::ostream& out, std::ostream& err) {
+  client::Client client(client::socket_path(o.socket, o.daemon_config));
+  const std::string model_path = "/v1/models/" + o.model;
+  std::string query;
+  const auto add_query = [&](const std::string& key, const std::string& value) {
+    query += (query.empty() ? "?" : "&") + key + "=" + value;
+  };
+  if (!o.keep_alive.empty()) add_query("keep_alive", o.keep_alive);
+
+  const auto refused = [&](const client::Response& response) {
+    if (o.json) out << response.body;
+    err << "vramctl " << command << ": " << error_of(response) << '\n';
+    return 1;
+  };
+
+  if (command == "list" || command == "reload" || command == "status" || command == "health") {
+    const bool post = command == "reload";
+    const std::string target = command == "list" ? "/v1/models" : "/v1/" + command;
+    const auto response = client.request(post ? "POST" : "GET", target);
+    if (response.status != 200) return refused(response);
+    if (o.json) return out << response.body, 0;
+    const json body = parse_json(response);
+    if (command == "health") {
+      out << "vramd " << body["version"].get<std::string>() << " is up (pid " << body["pid"] << ")\n";
+    } else if (command == "status") {
+      out << "vramd " << body["version"].get<std::string>() << ", pid " << body["pid"] << ", up "
+          << static_cast<int64_t>(body["uptime_seconds"].get<double>()) << " s, " << body["connections"] << " connections\n";
+      for (const auto& [device, info] : body["devices"].items())
+        out << device << ": " << format_bytes(info["used"].get<uint64_t>()) << " of "
+            << (info["budget"].is_null() ? std::string("no budget") : format_bytes(info["budget"].get<uint64_t>())) << '\n';
+      for (const auto& m : body["models"])
+        out << "  " << std::left << std::setw(20) << m["name"].get<std::string>() << std::setw(11)
+            << m["state"].get<std::string>() << std::right << devices_text(m["devices"])
+            << (m["busy"].get<bool>() ? "  (busy)" : "") << '\n';
+    } else {
+      print_models(body["models"], out);
+    }
+    return 0;
+  }
+
+  if (command == "load") {
+    add_query("stream", "true");
+    ProgressView view(err, o.model, o.progress && !o.json);
+    std::string pending;
+    json last;
+    const auto response = client.request("POST", model_path + "/load" + query, {}, [&](std::string_view chunk) {
+      pending.append(chunk);
+      for (size_t newline; (newline = pending.find('\n')) != std::string::npos;) {
+        const std::string line = pending.substr(0, newline);
+        pending.erase(0, newline + 1);
+        if (line.empty()) continue;
+        last = json::parse(line, nullptr, false);
+        if (o.json) out << line << '\n';
+        view.update(last);
+      }
+    });
+    view.finish();
+    if (!pending.empty()) {
+      last = json::parse(pending, nullptr, false);
+      if (o.json) out << pending;
+    }
+    if (response.status != 200) {
+      err << "vramctl load: " << (last.is_object() && last.contains("error") ? last["error"].get<std::string>() : "HTTP " + std::to_string(response.status)) << '\n';
+      return 1;
+    }
+    if (!last.is_object() || last.value("status", "") != "ready") {
+      err << "vramctl load: " << (last.is_object() && last.contains("error") ? last["error"].get<std::string>() : "the load did not finish") << '\n';
+      return 1;
+    }
+    if (!o.json)
+      out << o.model << " ready: " << last["architecture"].get<std::string>() << ", " << last["dtype"].get<std::string>()
+          << ", " << format_bytes(last["bytes"].get<uint64_t>()) << " on " << devices_text(last["devices"]) << '\n';
+    return 0;
+  }
+
+  if (command == "unload" || command == "offload" || command == "onload") {
+    const auto response = client.request("POST", model_path + "/" + command);
+    if (response.status != 200) return refused(response);
+    if (o.json) return out << response.body, 0;
+    const json body = parse_json(response);
+    out << o.model << ": " << body["state"].get<std::string>();
+    if (body.contains("moved"))
+      out << " (moved " << format_bytes(body["moved"]["bytes"].get<uint64_t>()) << " in " << std::fixed
+          << std::setprecision(3) << body["moved"]["seconds"].get<double>() << " s)" << std::defaultfloat;
+    out << "; weights on " << devices_text(body["devices"]) << '\n';
+    return 0;
+  }
+
+  if (command == "forward") {
+    if (o.input.empty() == o.values.empty()) throw Error("give the inputs either with --input FILE or as name=values arguments");
+    const std::string body = o.input.empty() ? inputs_from_values(o.values) : read_file(o.input);
+    const auto response = client.request("POST", model_path + "/forward" + query, body);
+    if (response.status != 200) return refused(response);
+    if (!o.output.empty()) {
+      std::ofstream file(o.output, std::ios::binary);
+      file.write(response.body.data(), static_cast<std::streamsize>(response.body.size()));
+      if (!file) fail(o.output, "cannot write");
+      return 0;
+    }
+    print_tensors(response.body, out);
+    return 0;
+  }
+  throw Error("unknown command " + command);
+}
+
+}  // namespace vramd::cli

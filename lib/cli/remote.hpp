@@ -1,0 +1,27 @@
+// vramctl's commands that talk to the daemon: list, status, load, unload, offload, onload,
+// forward, reload. Each prints a human summary, or with --json the daemon's answer as it is.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace vramd::cli {
+
+struct RemoteOptions {
+  std::string socket;         // --socket; else $VRAMD_SOCKET, else the daemon config's
+  std::string daemon_config;  // where to find the socket when neither is given
+  bool json = false;
+  std::string model;
+  std::string keep_alive;  // load, forward: how long to keep the model after this request
+  bool progress = true;    // load: show progress (a bar on a terminal, lines otherwise)
+  // forward
+  std::string input;                // safetensors file of named inputs
+  std::vector<std::string> values;  // or name=1,2,3 (rows separated by ';')
+  std::string output;               // write the outputs here; else print them
+};
+
+// Returns the exit status; throws Error when the daemon cannot be reached.
+int remote(const std::string& command, const RemoteOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace vramd::cli

@@ -1,0 +1,40 @@
+// A blocking HTTP/1.1 client for vramd's Unix socket (vramctl, tests, benchmarks), with
+// responses parsed by http-parser. One connection, reused across requests.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <string_view>
+
+namespace vramd::client {
+
+struct Response {
+  int status = 0;
+  std::string content_type;
+  std::string body;  // empty when streamed to on_chunk
+};
+
+class Client {
+ public:
+  explicit Client(std::string socket_path);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Throws Error when the daemon cannot be reached or the answer is not HTTP. `on_chunk`, when
+  // given, receives the body as it arrives instead of collecting it.
+  Response request(std::string_view method, std::string_view target, std::string_view body = {},
+                   const std::function<void(std::string_view)>& on_chunk = {});
+
+  const std::string& socket_path() const { return path_; }
+
+ private:
+  void connect();
+  std::string path_;
+  int fd_ = -1;
+};
+
+// --socket when given, else $VRAMD_SOCKET, else the daemon config's socket.
+std::string socket_path(const std::string& flag, const std::string& daemon_config);
+
+}  // namespace vramd::client

@@ -1,0 +1,246 @@
+#include "server/daemon.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "config/units.hpp"
+#include "server/http.hpp"
+#include "server/registry.hpp"
+#include "server/reply.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+#include "util/log.hpp"
+
+namespace vramd::server {
+namespace {
+
+using nlohmann::json;
+
+std::vector<std::string> split_path(const std::string& path) {
+  std::vector<std::string> parts;
+  std::istringstream in(path);
+  for (std::string part; std::getline(in, part, '/');)
+    if (!part.empty()) parts.push_back(part);
+  return parts;
+}
+
+class Daemon {
+ public:
+  explicit Daemon(const config::DaemonConfig& config)
+      : config_(config),
+        server_(uv_default_loop(), config.limits, access(config), [this](std::shared_ptr<Exchange> e) { handle(std::move(e)); }),
+        registry_(uv_default_loop(), config) {}
+
+  int run() {
+    uv_loop_t* loop = uv_default_loop();
+    server_.listen_unix(config_.socket);  // first: a second daemon must not load anything
+    if (!config_.tcp.empty()) server_.listen_tcp(config_.tcp);
+    registry_.start();  // clients are accepted once the loop runs, after every config is known
+    log::info("vramd " + std::string(VRAMD_VERSION) + " serving on " + config_.socket +
+              (config_.tcp.empty() ? "" : " and tcp " + config_.tcp) + " (pid " + std::to_string(::getpid()) + ")");
+    for (auto* signal : {&sigterm_, &sigint_}) {
+      uv_signal_init(loop, signal);
+      signal->data = this;
+      uv_signal_start(signal, [](uv_signal_t* s, int number) { static_cast<Daemon*>(s->data)->stop(number); },
+                      signal == &sigterm_ ? SIGTERM : SIGINT);
+    }
+    uv_timer_init(loop, &timer_);
+    timer_.data = this;
+    uv_run(loop, UV_RUN_DEFAULT);
+    log::info("stopped");
+    return 0;
+  }
+
+ private:
+  static Access access(const config::DaemonConfig& config) {
+    Access access;
+    access.owner = ::geteuid();
+    access.uids = config.access.uids;
+    if (!config.access.group.empty()) access.group = config.access.gid;
+    return access;
+  }
+
+  // SIGTERM, SIGINT: stop accepting, refuse what is queued, cancel loads, let forwards end.
+  void stop(int number) {
+    if (stopping_) return;
+    stopping_ = true;
+    stop_started_ = std::chrono::steady_clock::now();
+    log::info(std::string(number == SIGTERM ? "SIGTERM" : "SIGINT") + ": stopping (grace " +
+              config::format_duration(config_.limits.shutdown_grace) + ")");
+    server_.stop_listening();
+    registry_.begin_shutdown();
+    uv_timer_start(&timer_, [](uv_timer_t* t) { static_cast<Daemon*>(t->data)->poll_stop(); }, 0, 20);
+  }
+
+  void poll_stop() {
+    server_.close_idle();
+    const bool done = registry_.idle() && server_.exchanges_in_flight() == 0;
+    if (!done && std::chrono::steady_clock::now() - stop_started_ < config_.limits.shutdown_grace) return;
+    if (!done) {
+      log::warn("work still in flight after the grace period: exiting without waiting for it");
+      std::fflush(stderr);
+      std::_Exit(0);
+    }
+    server_.close_all();
+    registry_.close();
+    uv_close(reinterpret_cast<uv_handle_t*>(&timer_), nullptr);
+    uv_close(reinterpret_cast<uv_handle_t*>(&sigterm_), nullptr);
+    uv_close(reinterpret_cast<uv_handle_t*>(&sigint_), nullptr);
+  }
+
+  void handle(std::shared_ptr<Exchange> exchange) {
+    const Request& request = exchange->request();
+    const auto parts = split_path(request.path);
+    const std::string& method = request.method;
+    log::debug(request.peer + ": " + method + " " + request.path);
+    const auto route = [&](const std::string& endpoint) { requests_[endpoint]++; };
+    const auto only = [&](const char* allowed) {
+      if (method == allowed) return true;
+      respond_error(*exchange, 405, method + " " + request.path + ": use " + allowed);
+      return false;
+    };
+
+    if (parts == std::vector<std::string>{"metrics"}) {
+      route("metrics");
+      if (only("GET")) exchange->respond(200, "text/plain; version=0.0.4", metrics());
+      return;
+    }
+    if (parts.empty() || parts[0] != "v1") {
+      route("unknown");
+      return respond_error(*exchange, 404, "no such endpoint: " + method + " " + request.path + " (the API is under /v1; see docs/api.md)");
+    }
+    if (parts.size() == 2 && parts[1] == "health") {
+      route("health");
+      if (only("GET")) respond_json(*exchange, 200, {{"status", "ok"}, {"version", VRAMD_VERSION}, {"pid", ::getpid()}});
+      return;
+    }
+    if (parts.size() == 2 && parts[1] == "status") {
+      route("status");
+      if (only("GET")) respond_json(*exchange, 200, status());
+      return;
+    }
+    if (parts.size() == 2 && parts[1] == "reload") {
+      route("reload");
+      if (!only("POST")) return;
+      return registry_.scan(true, [this, exchange] { respond_json(*exchange, 200, models()); });
+    }
+    if (parts.size() == 2 && parts[1] == "models") {
+      route("list");
+      if (only("GET")) respond_json(*exchange, 200, models());
+      return;
+    }
+    if (parts.size() < 3 || parts.size() > 4 || parts[1] != "models") {
+      route("unknown");
+      return respond_error(*exchange, 404, "no such endpoint: " + method + " " + request.path + " (see docs/api.md)");
+    }
+    Entry* entry = registry_.find(parts[2]);
+    if (!entry) {
+      route("unknown");
+      return respond_error(*exchange, 404, "no model named " + quote(parts[2]) + "; GET /v1/models lists them");
+    }
+    if (parts.size() == 3) {
+      route("model");
+      if (only("GET")) respond_json(*exchange, 200, registry_.entry_json(*entry));
+      return;
+    }
+    static const std::map<std::string, Job::Kind> actions = {
+        {"load", Job::Kind::Load},       {"unload", Job::Kind::Unload}, {"offload", Job::Kind::Offload},
+        {"onload", Job::Kind::Onload},   {"forward", Job::Kind::Forward}};
+    const auto action = actions.find(parts[3]);
+    if (action == actions.end()) {
+      route("unknown");
+      return respond_error(*exchange, 404, "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward");
+    }
+    route(parts[3]);
+    if (!only("POST")) return;
+    Job job(action->second, exchange);
+    if (auto it = request.query.find("keep_alive"); it != request.query.end()) {
+      try {
+        registry_.set_keep_alive(*entry, config::parse_duration(it->second));
+      } catch (const Error& e) {
+        return respond_error(*exchange, 400, "keep_alive=" + it->second + ": " + e.what());
+      }
+    }
+    if (auto it = request.query.find("stream"); it != request.query.end() && job.kind == Job::Kind::Load)
+      job.stream = it->second.empty() || it->second == "true" || it->second == "1";
+    if (job.kind == Job::Kind::Forward) {
+      if (request.body.empty())
+        return respond_error(*exchange, 400, "forward needs a request body: the inputs as a safetensors file");
+      job.input = std::move(const_cast<Request&>(request).body);
+    }
+    registry_.submit(*entry, std::move(job));
+  }
+
+  json models() const {
+    json list = json::array();
+    for (const Entry* entry : registry_.entries()) list.push_back(registry_.entry_json(*entry));
+    return {{"models", list}};
+  }
+
+  json status() const {
+    json models = json::array();
+    for (const Entry* e : registry_.entries())
+      models.push_back({{"name", e->name}, {"state", state_name(e->state)}, {"devices", e->bytes},
+                        {"busy", e->busy}, {"queued", e->queue.size()},
+                        {"vram", e->config ? json({{"computation", e->config->vram.computation.device},
+                                                   {"offload", e->config->vram.offload.device}})
+                                           : json(nullptr)}});
+    return {{"version", VRAMD_VERSION}, {"pid", ::getpid()},
+            {"uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},
+            {"socket", config_.socket}, {"devices", registry_.devices_json()}, {"models", models},
+            {"connections", server_.connections()}};
+  }
+
+  std::string metrics() const {
+    std::ostringstream out;
+    out << "# HELP vramd_requests_total Requests received, by endpoint.\n# TYPE vramd_requests_total counter\n";
+    for (const auto& [endpoint, count] : requests_) out << "vramd_requests_total{endpoint=\"" << endpoint << "\"} " << count << '\n';
+    out << "# HELP vramd_connections Open client connections.\n# TYPE vramd_connections gauge\nvramd_connections "
+        << server_.connections() << '\n';
+    out << "# HELP vramd_device_bytes Bytes of weights held per device.\n# TYPE vramd_device_bytes gauge\n";
+    const json devices = registry_.devices_json();
+    for (const auto& [device, info] : devices.items()) out << "vramd_device_bytes{device=\"" << device << "\"} " << info["used"] << '\n';
+    out << "# HELP vramd_device_budget_bytes The daemon's budget per device.\n# TYPE vramd_device_budget_bytes gauge\n";
+    for (const auto& [device, info] : devices.items())
+      if (!info["budget"].is_null()) out << "vramd_device_budget_bytes{device=\"" << device << "\"} " << info["budget"] << '\n';
+    out << "# HELP vramd_model_state 1 for the state each model is in.\n# TYPE vramd_model_state gauge\n";
+    for (const Entry* e : registry_.entries())
+      out << "vramd_model_state{model=\"" << e->name << "\",state=\"" << state_name(e->state) << "\"} 1\n";
+    out << "# HELP vramd_forwards_total Forwards answered, by model.\n# TYPE vramd_forwards_total counter\n";
+    for (const Entry* e : registry_.entries()) out << "vramd_forwards_total{model=\"" << e->name << "\"} " << e->forwards << '\n';
+    out << "# HELP vramd_forward_errors_total Forwards refused or failed, by model.\n# TYPE vramd_forward_errors_total counter\n";
+    for (const Entry* e : registry_.entries())
+      out << "vramd_forward_errors_total{model=\"" << e->name << "\"} " << e->forward_errors << '\n';
+    out << "# HELP vramd_forward_seconds_total Time spent in forwards, by model.\n# TYPE vramd_forward_seconds_total counter\n";
+    for (const Entry* e : registry_.entries())
+      out << "vramd_forward_seconds_total{model=\"" << e->name << "\"} " << e->forward_seconds << '\n';
+    out << "# HELP vramd_loads_total Loads completed, by model.\n# TYPE vramd_loads_total counter\n";
+    for (const Entry* e : registry_.entries()) out << "vramd_loads_total{model=\"" << e->name << "\"} " << e->loads << '\n';
+    return out.str();
+  }
+
+  config::DaemonConfig config_;
+  Server server_;
+  Registry registry_;
+  uv_signal_t sigterm_{}, sigint_{};
+  uv_timer_t timer_{};
+  bool stopping_ = false;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now(), stop_started_;
+  std::map<std::string, uint64_t> requests_;
+};
+
+}  // namespace
+
+int serve(const config::DaemonConfig& config) {
+  std::signal(SIGPIPE, SIG_IGN);
+  log::set_level(config.log_level);
+  Daemon daemon(config);
+  return daemon.run();
+}
+
+}  // namespace vramd::server

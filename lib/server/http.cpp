@@ -1,0 +1,532 @@
+#include "server/http.hpp"
+
+#include <http_parser.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "util/error.hpp"
+#include "util/log.hpp"
+
+namespace vramd::server {
+
+const char* status_text(int status) {
+  switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 409: return "Conflict";
+    case 413: return "Content Too Large";
+    case 415: return "Unsupported Media Type";
+    case 422: return "Unprocessable Content";
+    case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
+    case 499: return "Client Closed Request";
+    case 500: return "Internal Server Error";
+    case 503: return "Service Unavailable";
+    case 507: return "Insufficient Storage";
+    default: return status < 400 ? "OK" : "Error";
+  }
+}
+
+const std::string* Request::header(std::string_view name) const {
+  for (const auto& [key, value] : headers)
+    if (key == name) return &value;
+  return nullptr;
+}
+
+namespace {
+
+std::string percent_decode(std::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '+') {
+      out += ' ';
+    } else if (text[i] == '%' && i + 2 < text.size() && std::isxdigit(static_cast<unsigned char>(text[i + 1])) &&
+               std::isxdigit(static_cast<unsigned char>(text[i + 2]))) {
+      out += static_cast<char>(std::stoi(std::string(text.substr(i + 1, 2)), nullptr, 16));
+      i += 2;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
+}
+
+std::string error_body(const std::string& message) {
+  std::string escaped;
+  for (char c : message) {
+    if (c == '"' || c == '\\') escaped += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    escaped += c;
+  }
+  return "{\"error\":\"" + escaped + "\"}\n";
+}
+
+}  // namespace
+
+// One client connection: parses requests, hands each to the server's handler as an
+// Exchange, writes the answer, and enforces the limits.
+class Connection {
+ public:
+  Connection(Server& server, bool is_unix) : server_(server) {
+    if (is_unix) uv_pipe_init(server.loop_, &handle_.pipe, 0);
+    else uv_tcp_init(server.loop_, &handle_.tcp);
+    handle_.stream.data = this;
+    uv_timer_init(server.loop_, &timer_);
+    timer_.data = this;
+    http_parser_init(&parser_, HTTP_REQUEST);
+    parser_.data = this;
+  }
+
+  uv_stream_t* stream() { return &handle_.stream; }
+  bool busy() const { return exchange_ != nullptr; }
+  size_t unsent() const { return uv_stream_get_write_queue_size(&handle_.stream); }
+
+  void start(const std::string& peer) {
+    peer_ = peer;
+    arm(server_.limits_.idle_timeout);
+    uv_read_start(stream(), on_alloc, on_read);
+  }
+
+  // Answers with an error and closes the connection once it is written.
+  void refuse(int status, const std::string& message) {
+    log::debug("refused " + peer_ + ": " + std::to_string(status) + " " + message);
+    keep_alive_ = false;
+    uv_read_stop(stream());
+    write_head(status, "application/json", message.size(), false);
+    write_raw(error_body(message));
+    close_after_writes();
+  }
+
+  void close() {
+    if (closing_) return;
+    closing_ = true;
+    uv_read_stop(stream());
+    if (exchange_) {
+      auto exchange = std::move(exchange_);
+      exchange->disconnect();
+    }
+    auto& list = server_.connections_;
+    list.erase(std::remove(list.begin(), list.end(), this), list.end());
+    uv_close(reinterpret_cast<uv_handle_t*>(&handle_), on_closed);
+    uv_close(reinterpret_cast<uv_handle_t*>(&timer_), on_closed);
+  }
+
+  // The Exchange's side.
+  void write_head(int status, std::string_view content_type, size_t length, bool chunked) {
+    std::string head = "HTTP/1.1 " + std::to_string(status) + " " + status_text(status) + "\r\nContent-Type: " +
+                       std::string(content_type) + "\r\n";
+    head += chunked ? "Transfer-Encoding: chunked\r\n" : "Content-Length: " + std::to_string(length) + "\r\n";
+    if (!keep_alive_) head += "Connection: close\r\n";
+    write_raw(head + "\r\n");
+  }
+  void write_raw(std::string data) {
+    if (closing_ || data.empty()) return;
+    auto* request = new WriteRequest{{}, std::move(data)};
+    uv_buf_t buf = uv_buf_init(request->data.data(), static_cast<unsigned>(request->data.size()));
+    request->req.data = this;
+    if (uv_write(&request->req, stream(), &buf, 1, on_written) != 0) {
+      delete request;
+      close();
+    }
+  }
+  void finish_exchange() {
+    exchange_.reset();
+    if (!keep_alive_) return close_after_writes();
+    arm(server_.limits_.idle_timeout);
+    http_parser_pause(&parser_, 0);
+    std::string rest = std::move(pending_);
+    pending_.clear();
+    if (!rest.empty()) feed(rest.data(), rest.size());
+    if (!closing_ && !exchange_) uv_read_start(stream(), on_alloc, on_read);
+  }
+
+ private:
+  struct WriteRequest {
+    uv_write_t req;
+    std::string data;
+  };
+
+  void arm(std::chrono::milliseconds timeout) {
+    uv_timer_start(&timer_, on_timeout, static_cast<uint64_t>(timeout.count()), 0);
+  }
+
+  void close_after_writes() {
+    closing_after_writes_ = true;
+    uv_read_stop(stream());
+    if (unsent() == 0) close();
+    else arm(server_.limits_.idle_timeout);  // a client that never reads is dropped
+  }
+
+  void feed(const char* data, size_t size) {
+    const size_t parsed = http_parser_execute(&parser_, &settings(), data, size);
+    const auto error = HTTP_PARSER_ERRNO(&parser_);
+    if (error == HPE_PAUSED) {  // a whole request: answer it before reading on
+      pending_.assign(data + parsed, size - parsed);
+      const auto exchange = exchange_;
+      server_.handler_(exchange);
+      return;
+    }
+    if (error == HPE_OK) return;
+    if (refusal_status_) return refuse(refusal_status_, refusal_);
+    if (error == HPE_HEADER_OVERFLOW)
+      return refuse(431, "request headers exceed " + std::to_string(HTTP_MAX_HEADER_SIZE) + " bytes");
+    refuse(400, std::string("malformed HTTP request: ") + http_errno_description(error));
+  }
+
+  static void on_alloc(uv_handle_t* handle, size_t, uv_buf_t* buf) {
+    auto* self = static_cast<Connection*>(handle->data);
+    *buf = uv_buf_init(self->buffer_.data(), static_cast<unsigned>(self->buffer_.size()));
+  }
+
+  static void on_read(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buf) {
+    auto* self = static_cast<Connection*>(stream->data);
+    if (nread < 0) return self->close();
+    if (nread == 0 || self->closing_after_writes_) return;
+    self->feed(buf->base, static_cast<size_t>(nread));
+  }
+
+  static void on_written(uv_write_t* req, int status) {
+    auto* request = reinterpret_cast<WriteRequest*>(req);
+    auto* self = static_cast<Connection*>(req->data);
+    delete request;
+    if (status == UV_ECANCELED) return;  // the connection is closing; `self` may be gone
+    if (status < 0) return self->close();
+    if (self->closing_after_writes_ && self->unsent() == 0) self->close();
+  }
+
+  static void on_timeout(uv_timer_t* timer) {
+    auto* self = static_cast<Connection*>(timer->data);
+    if (self->receiving_ && !self->exchange_)
+      return self->refuse(408, "request not received within " +
+                                   std::to_string(self->server_.limits_.request_timeout.count()) + " ms");
+    if (!self->exchange_) self->close();  // idle, or a client that does not read its answer
+  }
+
+  static void on_closed(uv_handle_t* handle) {
+    auto* self = static_cast<Connection*>(handle->data);
+    if (++self->closed_handles_ == 2) delete self;
+  }
+
+  // http-parser callbacks.
+  static Connection* of(http_parser* parser) { return static_cast<Connection*>(parser->data); }
+  bool count_header_bytes(size_t n) {
+    header_bytes_ += n;
+    if (header_bytes_ <= server_.limits_.max_header_bytes) return true;
+    refusal_status_ = 431;
+    refusal_ = "request line and headers exceed " + std::to_string(server_.limits_.max_header_bytes) + " bytes";
+    return false;
+  }
+  static int on_message_begin(http_parser* parser) {
+    auto* self = of(parser);
+    self->request_ = Request{};
+    self->request_.peer = self->peer_;
+    self->url_.clear();
+    self->header_bytes_ = 0;
+    self->last_was_value_ = false;
+    self->receiving_ = true;
+    self->arm(self->server_.limits_.request_timeout);
+    return 0;
+  }
+  static int on_url(http_parser* parser, const char* at, size_t length) {
+    auto* self = of(parser);
+    self->url_.append(at, length);
+    return self->count_header_bytes(length) ? 0 : 1;
+  }
+  static int on_header_field(http_parser* parser, const char* at, size_t length) {
+    auto* self = of(parser);
+    if (self->last_was_value_ || self->request_.headers.empty()) self->request_.headers.emplace_back();
+    self->last_was_value_ = false;
+    auto& name = self->request_.headers.back().first;
+    for (size_t i = 0; i < length; ++i) name += static_cast<char>(std::tolower(static_cast<unsigned char>(at[i])));
+    return self->count_header_bytes(length) ? 0 : 1;
+  }
+  static int on_header_value(http_parser* parser, const char* at, size_t length) {
+    auto* self = of(parser);
+    self->last_was_value_ = true;
+    self->request_.headers.back().second.append(at, length);
+    return self->count_header_bytes(length) ? 0 : 1;
+  }
+  static int on_headers_complete(http_parser* parser) {
+    auto* self = of(parser);
+    const uint64_t max = self->server_.limits_.max_body_bytes;
+    if ((parser->flags & F_CONTENTLENGTH) && parser->content_length > max) {
+      self->refusal_status_ = 413;
+      self->refusal_ = "request body of " + std::to_string(parser->content_length) + " bytes exceeds the limit of " +
+                       std::to_string(max) + " bytes";
+      return -1;
+    }
+    const std::string url = std::move(self->url_);
+    const auto question = url.find('?');
+    self->request_.method = http_method_str(static_cast<http_method>(parser->method));
+    self->request_.path = percent_decode(url.substr(0, question));
+    if (question != std::string::npos) {
+      std::istringstream pairs(url.substr(question + 1));
+      std::string pair;
+      while (std::getline(pairs, pair, '&')) {
+        const auto equals = pair.find('=');
+        self->request_.query[percent_decode(pair.substr(0, equals))] =
+            equals == std::string::npos ? "" : percent_decode(pair.substr(equals + 1));
+      }
+    }
+    const std::string* expect = self->request_.header("expect");
+    if (expect && (*expect == "100-continue" || *expect == "100-Continue")) self->write_raw("HTTP/1.1 100 Continue\r\n\r\n");
+    return 0;
+  }
+  static int on_body(http_parser* parser, const char* at, size_t length) {
+    auto* self = of(parser);
+    auto& body = self->request_.body;
+    if (body.size() + length > self->server_.limits_.max_body_bytes) {
+      self->refusal_status_ = 413;
+      self->refusal_ = "request body exceeds the limit of " + std::to_string(self->server_.limits_.max_body_bytes) + " bytes";
+      return -1;
+    }
+    if (body.empty() && (parser->flags & F_CONTENTLENGTH) && parser->content_length > length)
+      body.reserve(body.size() + parser->content_length + length);
+    body.append(at, length);
+    return 0;
+  }
+  static int on_message_complete(http_parser* parser) {
+    auto* self = of(parser);
+    self->receiving_ = false;
+    self->keep_alive_ = http_should_keep_alive(parser) != 0;
+    uv_timer_stop(&self->timer_);
+    uv_read_stop(self->stream());
+    http_parser_pause(parser, 1);
+    self->exchange_ = std::make_shared<Exchange>(self, std::move(self->request_));
+    return 0;
+  }
+  static const http_parser_settings& settings() {
+    static const http_parser_settings s = [] {
+      http_parser_settings s{};
+      s.on_message_begin = on_message_begin;
+      s.on_url = on_url;
+      s.on_header_field = on_header_field;
+      s.on_header_value = on_header_value;
+      s.on_headers_complete = on_headers_complete;
+      s.on_body = on_body;
+      s.on_message_complete = on_message_complete;
+      return s;
+    }();
+    return s;
+  }
+
+  Server& server_;
+  union {
+    uv_stream_t stream;
+    uv_pipe_t pipe;
+    uv_tcp_t tcp;
+  } handle_;
+  uv_timer_t timer_;
+  http_parser parser_;
+  std::array<char, 64 << 10> buffer_;
+  std::string peer_;
+  Request request_;
+  std::string url_, pending_;
+  size_t header_bytes_ = 0;
+  bool last_was_value_ = false, receiving_ = false, keep_alive_ = true;
+  bool closing_ = false, closing_after_writes_ = false;
+  int closed_handles_ = 0;
+  int refusal_status_ = 0;
+  std::string refusal_;
+  std::shared_ptr<Exchange> exchange_;
+};
+
+Exchange::Exchange(Connection* connection, Request request) : connection_(connection), request_(std::move(request)) {}
+
+void Exchange::respond(int status, std::string_view content_type, std::string body) {
+  if (state_ != State::Waiting) return;
+  state_ = State::Done;
+  if (!connection_) return;
+  connection_->write_head(status, content_type, body.size(), false);
+  connection_->write_raw(std::move(body));
+  auto* connection = std::exchange(connection_, nullptr);
+  connection->finish_exchange();
+}
+
+void Exchange::begin_stream(int status, std::string_view content_type) {
+  if (state_ != State::Waiting) return;
+  state_ = State::Streaming;
+  if (connection_) connection_->write_head(status, content_type, 0, true);
+}
+
+void Exchange::write(std::string_view chunk) {
+  if (state_ != State::Streaming || !connection_ || chunk.empty()) return;
+  char size[32];
+  std::snprintf(size, sizeof size, "%zx\r\n", chunk.size());
+  connection_->write_raw(std::string(size) + std::string(chunk) + "\r\n");
+}
+
+void Exchange::end() {
+  if (state_ != State::Streaming) return;
+  state_ = State::Done;
+  if (!connection_) return;
+  connection_->write_raw("0\r\n\r\n");
+  auto* connection = std::exchange(connection_, nullptr);
+  connection->finish_exchange();
+}
+
+size_t Exchange::unsent() const { return connection_ ? connection_->unsent() : 0; }
+
+void Exchange::disconnect() {
+  connection_ = nullptr;
+  if (state_ == State::Done) return;
+  state_ = State::Done;
+  if (auto callback = std::move(on_gone_)) callback();
+}
+
+Server::Server(uv_loop_t* loop, const config::ServerLimits& limits, Access access, Handler handler)
+    : loop_(loop), limits_(limits), access_(std::move(access)), handler_(std::move(handler)) {}
+
+Server::~Server() {
+  stop_listening();
+  close_all();
+}
+
+namespace {
+
+// Whether something answers on the socket at `path`: a live daemon.
+bool socket_is_live(const std::string& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, path.c_str(), sizeof address.sun_path - 1);
+  const bool live = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 || errno == EAGAIN;
+  ::close(fd);
+  return live;
+}
+
+void check_uv(int status, const std::string& what) {
+  if (status < 0) throw Error(what + ": " + uv_strerror(status));
+}
+
+}  // namespace
+
+void Server::listen_unix(const std::string& path) {
+  if (path.size() >= sizeof(sockaddr_un{}.sun_path)) fail(path, "socket path longer than " + std::to_string(sizeof(sockaddr_un{}.sun_path) - 1) + " bytes");
+  struct stat info {};
+  if (::lstat(path.c_str(), &info) == 0) {
+    if (!S_ISSOCK(info.st_mode)) fail(path, "exists and is not a socket; remove it or choose another socket path");
+    if (socket_is_live(path)) fail(path, "another vramd is serving this socket; stop it first or choose another socket path");
+    log::info("replacing the stale socket " + path + " left by a daemon that did not exit cleanly");
+    ::unlink(path.c_str());
+  }
+  auto* pipe = new uv_pipe_t;
+  uv_pipe_init(loop_, pipe, 0);
+  pipe->data = this;
+  listeners_.push_back(reinterpret_cast<uv_stream_t*>(pipe));
+  const mode_t old_mask = ::umask(0177);  // no moment where others could connect
+  const int bound = uv_pipe_bind(pipe, path.c_str());
+  ::umask(old_mask);
+  check_uv(bound, "cannot create the socket " + path);
+  socket_path_ = path;
+  mode_t mode = 0600;
+  if (access_.group) {
+    mode = 0660;
+    if (::chown(path.c_str(), static_cast<uid_t>(-1), *access_.group) != 0)
+      fail(path, std::string("cannot give the socket to the configured group: ") + std::strerror(errno));
+  }
+  if (!access_.uids.empty()) mode = 0666;  // listed users get in; SO_PEERCRED checks each connection
+  ::chmod(path.c_str(), mode);
+  check_uv(uv_listen(reinterpret_cast<uv_stream_t*>(pipe), 128, on_connection), "cannot listen on " + path);
+}
+
+void Server::listen_tcp(const std::string& host_port) {
+  const auto colon = host_port.rfind(':');
+  sockaddr_in address{};
+  check_uv(uv_ip4_addr(host_port.substr(0, colon).c_str(), std::stoi(host_port.substr(colon + 1)), &address), "tcp " + host_port);
+  auto* tcp = new uv_tcp_t;
+  uv_tcp_init(loop_, tcp);
+  tcp->data = this;
+  listeners_.push_back(reinterpret_cast<uv_stream_t*>(tcp));
+  check_uv(uv_tcp_bind(tcp, reinterpret_cast<sockaddr*>(&address), 0), "cannot bind tcp " + host_port);
+  check_uv(uv_listen(reinterpret_cast<uv_stream_t*>(tcp), 128, on_connection), "cannot listen on tcp " + host_port);
+}
+
+void Server::stop_listening() {
+  for (auto* listener : listeners_)
+    uv_close(reinterpret_cast<uv_handle_t*>(listener), [](uv_handle_t* handle) {
+      if (handle->type == UV_NAMED_PIPE) delete reinterpret_cast<uv_pipe_t*>(handle);
+      else delete reinterpret_cast<uv_tcp_t*>(handle);
+    });
+  listeners_.clear();
+  if (!socket_path_.empty()) ::unlink(socket_path_.c_str());
+  socket_path_.clear();
+}
+
+void Server::close_idle() {
+  for (auto* connection : std::vector<Connection*>(connections_))
+    if (!connection->busy()) connection->close();
+}
+
+void Server::close_all() {
+  for (auto* connection : std::vector<Connection*>(connections_)) connection->close();
+}
+
+size_t Server::exchanges_in_flight() const {
+  return static_cast<size_t>(std::count_if(connections_.begin(), connections_.end(), [](Connection* c) { return c->busy(); }));
+}
+
+void Server::on_connection(uv_stream_t* listener, int status) {
+  if (status < 0) return log::warn(std::string("accept failed: ") + uv_strerror(status));
+  static_cast<Server*>(listener->data)->accept(listener, listener->type == UV_NAMED_PIPE);
+}
+
+bool Server::allowed(int fd, std::string& peer, std::string& refusal) const {
+  ucred credentials{};
+  socklen_t length = sizeof credentials;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
+    refusal = "cannot identify the client (SO_PEERCRED failed)";
+    return false;
+  }
+  peer = "uid " + std::to_string(credentials.uid) + " pid " + std::to_string(credentials.pid);
+  if (credentials.uid == access_.owner) return true;
+  if (std::find(access_.uids.begin(), access_.uids.end(), credentials.uid) != access_.uids.end()) return true;
+  if (access_.group) {
+    if (credentials.gid == *access_.group) return true;
+    std::ifstream status("/proc/" + std::to_string(credentials.pid) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (!line.starts_with("Groups:")) continue;
+      std::istringstream groups(line.substr(7));
+      for (gid_t gid; groups >> gid;)
+        if (gid == *access_.group) return true;
+    }
+  }
+  refusal = "uid " + std::to_string(credentials.uid) + " may not use this daemon; its config's [access] lists who may";
+  return false;
+}
+
+void Server::accept(uv_stream_t* listener, bool is_unix) {
+  auto* connection = new Connection(*this, is_unix);
+  connections_.push_back(connection);
+  if (uv_accept(listener, connection->stream()) != 0) return connection->close();
+  std::string peer = "tcp", refusal;
+  uv_os_fd_t fd = -1;
+  uv_fileno(reinterpret_cast<uv_handle_t*>(connection->stream()), &fd);
+  if (connections_.size() > limits_.max_connections) {
+    connection->start(peer);
+    return connection->refuse(503, "too many connections (limit " + std::to_string(limits_.max_connections) + ")");
+  }
+  if (is_unix && !allowed(fd, peer, refusal)) {
+    connection->start(peer);
+    log::warn("refused a connection from " + peer + ": " + refusal);
+    return connection->refuse(403, refusal);
+  }
+  connection->start(peer);
+}
+
+}  // namespace vramd::server

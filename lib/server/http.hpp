@@ -1,0 +1,119 @@
+// HTTP/1.1 on libuv over a Unix socket (and optionally loopback TCP), parsed by Node's
+// http-parser. Every limit a client could abuse is enforced here and refused with a clear
+// HTTP error: header and body sizes, connections, idle and request timeouts. Requests on one
+// connection are answered in order; while one is being answered, the connection is not read
+// (backpressure), and a disconnect is reported to whoever is answering it.
+//
+// Everything here runs on the loop thread, including every Exchange method.
+#pragma once
+
+#include <sys/types.h>
+#include <uv.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "config/daemon_config.hpp"
+
+namespace vramd::server {
+
+struct Request {
+  std::string method;  // "GET"
+  std::string path;    // "/v1/models"
+  std::map<std::string, std::string> query;                 // decoded
+  std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
+  std::string body;
+  std::string peer;  // "uid 1000 pid 4242", or "tcp"
+
+  const std::string* header(std::string_view name) const;  // `name` in lower case
+};
+
+class Connection;
+
+// One request and the answer to it. The answer is either whole (respond) or streamed in
+// chunks (begin_stream, write, end). Once the client has gone, answering does nothing.
+class Exchange {
+ public:
+  explicit Exchange(Connection* connection, Request request);
+  const Request& request() const { return request_; }
+
+  void respond(int status, std::string_view content_type, std::string body);
+  void begin_stream(int status, std::string_view content_type);
+  void write(std::string_view chunk);
+  void end();
+
+  bool answered() const { return state_ == State::Done; }
+  bool streaming() const { return state_ == State::Streaming; }
+  bool gone() const { return connection_ == nullptr; }
+  // Bytes written but not yet taken by the client: stream writers skip updates while high.
+  size_t unsent() const;
+  // Called once if the client disconnects before the answer is complete.
+  void on_gone(std::function<void()> callback) { on_gone_ = std::move(callback); }
+
+ private:
+  friend class Connection;
+  void disconnect();
+
+  enum class State { Waiting, Streaming, Done };
+  Connection* connection_;
+  Request request_;
+  State state_ = State::Waiting;
+  std::function<void()> on_gone_;
+};
+
+using Handler = std::function<void(std::shared_ptr<Exchange>)>;
+
+// Who may use a Unix-socket connection: the daemon's own user, listed uids, members of a group.
+struct Access {
+  uid_t owner = 0;
+  std::vector<uint32_t> uids;
+  std::optional<gid_t> group;
+};
+
+class Server {
+ public:
+  Server(uv_loop_t* loop, const config::ServerLimits& limits, Access access, Handler handler);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Creates the socket (owner-only; group-writable with a group; open to all with listed uids,
+  // whom SO_PEERCRED then checks). A stale socket left by a dead daemon is replaced; a live
+  // one is not: throws Error.
+  void listen_unix(const std::string& path);
+  void listen_tcp(const std::string& host_port);
+
+  // Stops accepting and removes the socket file; connections already open carry on.
+  void stop_listening();
+  // Closes connections that have no request under way.
+  void close_idle();
+  void close_all();
+  size_t connections() const { return connections_.size(); }
+  size_t exchanges_in_flight() const;
+
+ private:
+  friend class Connection;
+  static void on_connection(uv_stream_t* listener, int status);
+  void accept(uv_stream_t* listener, bool is_unix);
+  bool allowed(int fd, std::string& peer, std::string& refusal) const;
+
+  uv_loop_t* loop_;
+  config::ServerLimits limits_;
+  Access access_;
+  Handler handler_;
+  std::string socket_path_;
+  std::vector<uv_stream_t*> listeners_;
+  std::vector<Connection*> connections_;
+};
+
+// "Not Found" for 404, and so on.
+const char* status_text(int status);
+
+}  // namespace vramd::server

@@ -1,0 +1,713 @@
+#include "server/registry.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "config/units.hpp"
+#include "model/loader.hpp"
+#include "server/reply.hpp"
+#include "util/format.hpp"
+#include "util/log.hpp"
+
+namespace vramd::server {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const char* state_name(ModelState state) {
+  switch (state) {
+    case ModelState::Unloaded: return "unloaded";
+    case ModelState::Loading: return "loading";
+    case ModelState::Ready: return "ready";
+    case ModelState::Offloaded: return "offloaded";
+    case ModelState::Failed: return "failed";
+    case ModelState::Invalid: return "invalid";
+  }
+  return "?";
+}
+
+namespace {
+
+const char* kind_name(Job::Kind kind) {
+  switch (kind) {
+    case Job::Kind::Load: return "load";
+    case Job::Kind::Forward: return "forward";
+    case Job::Kind::Offload: return "offload";
+    case Job::Kind::Onload: return "onload";
+    case Job::Kind::Unload: return "unload";
+    case Job::Kind::Replace: return "replace";
+  }
+  return "?";
+}
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+json progress_json(const LoadProgress& p) {
+  return {{"bytes_done", p.bytes_done}, {"bytes_total", p.bytes_total}, {"tensors_done", p.tensors_done},
+          {"tensors_total", p.tensors_total}};
+}
+
+json state_json(const config::DeviceState& state) { return {{"device", state.device}, {"dtype", state.dtype}}; }
+
+}  // namespace
+
+struct Registry::Validation {
+  std::string file;
+  bool exists = true;
+  std::string text;
+  std::optional<config::ModelConfig> config;
+  std::optional<model::DryRun> dry;
+  std::string error;
+
+  static Validation gone(const std::string& file) {
+    Validation v;
+    v.file = file;
+    v.exists = false;
+    return v;
+  }
+};
+
+// What a job did, carried from its worker back to the loop.
+struct Registry::Outcome {
+  std::shared_ptr<Runtime> runtime;
+  std::map<std::string, uint64_t> bytes;
+  bool loaded = false;     // the job loaded the model
+  std::string load_error;  // loading failed (the model is then unloaded)
+  bool cancelled = false;
+  int status = 200;        // of the job's own answer
+  std::string error;
+  std::string output;      // forward: safetensors bytes
+  double seconds = 0, load_seconds = 0;
+  Moved moved;
+};
+
+Registry::Registry(uv_loop_t* loop, const config::DaemonConfig& config)
+    : loop_(loop), config_(config), mailbox_(loop) {}
+
+Registry::~Registry() = default;
+
+Registry::Validation Registry::validate(const std::string& file, const config::DaemonConfig& daemon) {
+  Validation v;
+  v.file = file;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) {
+    v.exists = fs::exists(file);
+    v.error = file + ": cannot read";
+    return v;
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  v.text = text.str();
+  try {
+    auto config = config::load_model_config(file, daemon);
+    v.dry = model::dry_run(config);
+    v.config = std::move(config);
+  } catch (const std::exception& e) {
+    v.error = e.what();
+  }
+  return v;
+}
+
+void Registry::start() {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& item : fs::directory_iterator(config_.models, ec))
+    if (item.path().extension() == ".toml") files.push_back(item.path().string());
+  if (ec) log::warn("cannot read the model folder " + config_.models + ": " + ec.message());
+  else if (files.empty()) log::warn("no model configs (*.toml) in " + config_.models);
+  std::sort(files.begin(), files.end());
+  for (const auto& file : files) apply(validate(file, config_));
+
+  if (ec) return;
+  watcher_ = new uv_fs_event_t;
+  debounce_ = new uv_timer_t;
+  uv_fs_event_init(loop_, watcher_);
+  uv_timer_init(loop_, debounce_);
+  watcher_->data = debounce_->data = this;
+  uv_fs_event_start(
+      watcher_,
+      [](uv_fs_event_t* handle, const char*, int, int) {
+        auto* self = static_cast<Registry*>(handle->data);
+        // Editors write a file in several steps: look once things have settled.
+        uv_timer_start(self->debounce_, [](uv_timer_t* t) { static_cast<Registry*>(t->data)->scan(false); }, 200, 0);
+      },
+      config_.models.c_str(), 0);
+}
+
+void Registry::scan(bool force, std::function<void()> done) {
+  if (shutting_down_) return;
+  std::set<std::string> files;
+  std::error_code ec;
+  for (const auto& item : fs::directory_iterator(config_.models, ec))
+    if (item.path().extension() == ".toml") files.insert(item.path().string());
+  std::vector<std::string> gone;
+  for (auto& [name, entry] : entries_)
+    if (!entry->removed && !files.count(entry->file)) gone.push_back(entry->file);
+  for (const auto& file : gone) apply(Validation::gone(file));
+  for (const auto& file : files) {
+    if (!force) {
+      std::ifstream in(file, std::ios::binary);
+      std::ostringstream text;
+      text << in.rdbuf();
+      const auto known = std::find_if(entries_.begin(), entries_.end(), [&](auto& e) { return e.second->file == file; });
+      if (known != entries_.end() && known->second->text == text.str()) continue;
+    }
+    ++validations_in_flight_;
+    validator_.run([this, file, daemon = config_] {
+      auto v = std::make_shared<Validation>(validate(file, daemon));
+      mailbox_.post([this, v] {
+        apply(std::move(*v));
+        if (--validations_in_flight_ == 0)
+          for (auto callback : std::exchange(scan_done_, {})) callback();
+      });
+    });
+  }
+  if (!done) return;
+  if (validations_in_flight_ == 0) done();
+  else scan_done_.push_back(std::move(done));
+}
+
+Entry* Registry::find(const std::string& name) {
+  auto it = entries_.find(name);
+  return it == entries_.end() ? nullptr : it->second.get();
+}
+
+std::vector<const Entry*> Registry::entries() const {
+  std::vector<const Entry*> out;
+  for (const auto& [name, entry] : entries_) out.push_back(entry.get());
+  return out;
+}
+
+Entry& Registry::add_entry(const std::string& name) {
+  auto entry = std::make_unique<Entry>();
+  entry->registry = this;
+  entry->name = name;
+  entry->keep_alive_timer = new uv_timer_t;
+  uv_timer_init(loop_, entry->keep_alive_timer);
+  entry->keep_alive_timer->data = entry.get();
+  return *(entries_[name] = std::move(entry));
+}
+
+void Registry::drop_entry(Entry& entry) {
+  for (auto& job : entry.queue) answer(job, 404, {{"error", "model " + quote(entry.name) + " was removed (" + entry.file + " is gone)"}});
+  uv_close(reinterpret_cast<uv_handle_t*>(entry.keep_alive_timer), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  log::info("removed " + entry.name);
+  entries_.erase(entry.name);
+}
+
+void Registry::apply(Validation v) {
+  if (shutting_down_) return;
+  Entry* current = nullptr;
+  for (auto& [name, entry] : entries_)
+    if (entry->file == v.file && !entry->removed) current = entry.get();
+
+  if (!v.exists) {
+    if (!current) return;
+    current->removed = true;
+    if (current->busy || current->runtime) return submit(*current, Job(Job::Kind::Unload));
+    return drop_entry(*current);
+  }
+
+  if (v.config) {
+    const std::string name = v.config->name;
+    Entry* same = find(name);
+    if (same && same->file != v.file && !same->removed) {
+      v.error = v.file + ": name " + quote(name) + " is already used by " + same->file;
+    } else {
+      if (current && current->name != name) {
+        apply(Validation::gone(v.file));
+        return apply(std::move(v));
+      }
+      if (current && v.text == current->serving_text && current->config) {
+        current->text = v.text;
+        current->config_error.clear();
+        return;
+      }
+      if (current && (current->busy || current->runtime)) {
+        log::info(name + ": " + v.file + " changed; the new version takes over once the work in flight ends");
+        current->text = v.text;
+        current->config_error.clear();
+        current->replacement.emplace(std::move(*v.config), std::move(*v.dry));
+        return submit(*current, Job(Job::Kind::Replace));
+      }
+      Entry& entry = current ? *current : add_entry(name);
+      entry.file = v.file;
+      entry.text = entry.serving_text = v.text;
+      entry.config = std::move(v.config);
+      entry.dry = std::move(v.dry);
+      entry.keep_alive = entry.config->residency.keep_alive;
+      entry.state = ModelState::Unloaded;
+      entry.reason.clear();
+      entry.config_error.clear();
+      log::info("valid " + name + ": " + entry.dry->architecture + ", " + entry.dry->dtype + ", " +
+                format_bytes(entry.dry->report.bytes) + " (" + v.file + ")");
+      if (entry.config->residency.preload) submit(entry, Job(Job::Kind::Load));
+      return;
+    }
+  }
+
+  // Invalid. A model that serves keeps serving the version it has.
+  if (current && (current->busy || current->runtime)) {
+    current->text = v.text;
+    current->config_error = v.error;
+    log::warn(current->name + " keeps serving its previous config; the edit is invalid: " + v.error);
+    return;
+  }
+  log::warn("invalid " + v.file + ": " + v.error);
+  if (!current) {
+    std::string name = fs::path(v.file).stem().string();
+    if (find(name)) name = v.file;
+    current = &add_entry(name);
+  }
+  current->file = v.file;
+  current->text = v.text;
+  current->serving_text.clear();
+  current->config.reset();
+  current->dry.reset();
+  current->state = ModelState::Invalid;
+  current->reason = v.error;
+}
+
+void Registry::answer(Job& job, int status, const json& body) {
+  if (!job.exchange) return;
+  if (job.stream && job.exchange->streaming()) {
+    json line = body;
+    if (status >= 400) line["status"] = "failed";
+    else if (!line.contains("status")) line["status"] = "ready";
+    job.exchange->write(line.dump() + "\n");
+    job.exchange->end();
+  } else {
+    respond_json(*job.exchange, status, body);
+  }
+}
+
+void Registry::submit(Entry& entry, Job job) {
+  auto refuse = [&](int status, const std::string& message) { answer(job, status, {{"error", message}}); };
+  if (shutting_down_ && job.exchange) return refuse(503, "vramd is shutting down");
+  if (entry.state == ModelState::Invalid)
+    return refuse(409, "model " + quote(entry.name) + " is invalid: " + entry.reason);
+  if (entry.removed && job.exchange) return refuse(404, "model " + quote(entry.name) + " was removed");
+  if (job.stream && job.exchange) job.exchange->begin_stream(200, "application/x-ndjson");
+
+  // A load while one runs: follow that one.
+  if (job.kind == Job::Kind::Load && entry.state == ModelState::Loading && job.exchange) {
+    follow_load(entry, job.exchange);
+    return send_progress(entry, true);
+  }
+  if (job.exchange && entry.queue.size() >= config_.limits.queue_length)
+    return refuse(429, "model " + quote(entry.name) + " has " + std::to_string(entry.queue.size()) +
+                           " requests waiting (queue_length " + std::to_string(config_.limits.queue_length) + ")");
+  if (job.stream && (entry.busy || !entry.queue.empty()))
+    job.exchange->write(json({{"status", "queued"}, {"position", entry.queue.size() + 1}}).dump() + "\n");
+  if (job.kind == Job::Kind::Unload || job.kind == Job::Kind::Offload) {
+    // Daemon-initiated evictions go first; a user's unload waits for what is queued before it.
+    if (!job.exchange) entry.queue.push_front(std::move(job));
+    else entry.queue.push_back(std::move(job));
+  } else {
+    entry.queue.push_back(std::move(job));
+  }
+  pump(entry);
+}
+
+uint64_t Registry::used(const std::string& device) const {
+  uint64_t total = 0;
+  for (const auto& [name, entry] : entries_) {
+    if (auto it = entry->bytes.find(device); it != entry->bytes.end()) total += it->second;
+    if (auto it = entry->reserved.find(device); it != entry->reserved.end()) total += it->second;
+  }
+  return total;
+}
+
+bool Registry::evictable(const Entry& e) const {
+  return !e.busy && e.queue.empty() && !e.waiting_for_room && e.runtime && e.config && !e.config->residency.pinned;
+}
+
+bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
+  const auto budget_it = config_.budgets.find(device);
+  if (budget_it == config_.budgets.end()) return true;  // no budget: the device's own size is the limit
+  const uint64_t budget = budget_it->second;
+  const std::string what = "model " + quote(entry.name) + " needs " + format_bytes(need) + " on " + device;
+  if (need > budget) throw Error(what + ", more than the daemon's whole budget for it (" + format_bytes(budget) + ")");
+  const uint64_t in_use = used(device);
+  const uint64_t free = budget - std::min(budget, in_use);
+  if (free >= need) return true;
+
+  std::vector<Entry*> candidates;
+  for (auto& [name, e] : entries_)
+    if (e.get() != &entry && evictable(*e) && e->bytes.count(device) && e->bytes[device] > 0) candidates.push_back(e.get());
+  std::sort(candidates.begin(), candidates.end(), [](Entry* a, Entry* b) { return a->last_used < b->last_used; });
+  std::vector<std::pair<Entry*, Job::Kind>> plan;
+  uint64_t planned = 0;
+  for (Entry* e : candidates)  // first sleep models whose offload state is elsewhere
+    if (free + planned < need && e->state == ModelState::Ready && e->config->vram.offload.device != device) {
+      planned += e->bytes[device];
+      plan.emplace_back(e, Job::Kind::Offload);
+    }
+  for (Entry* e : candidates)  // then unload, least recently used first
+    if (free + planned < need && std::none_of(plan.begin(), plan.end(), [&](auto& p) { return p.first == e; })) {
+      planned += e->bytes[device];
+      plan.emplace_back(e, Job::Kind::Unload);
+    }
+  if (free + planned < need) {
+    std::string holders;
+    for (auto& [name, e] : entries_) {
+      const uint64_t held = (e->bytes.count(device) ? e->bytes[device] : 0) + (e->reserved.count(device) ? e->reserved[device] : 0);
+      if (!held || e.get() == &entry) continue;
+      const char* why = e->config && e->config->residency.pinned ? "pinned" : e->busy || !e->queue.empty() ? "busy" : "idle";
+      holders += (holders.empty() ? "" : ", ") + name + " " + format_bytes(held) + " (" + why + ")";
+    }
+    throw Error(what + " but only " + format_bytes(free + planned) + " of its budget of " + format_bytes(budget) +
+                " can be freed; in use: " + (holders.empty() ? "nothing else" : holders));
+  }
+  for (auto& [victim, kind] : plan) {
+    log::info("making room for " + entry.name + " on " + device + ": " + kind_name(kind) + " " + victim->name + " (" +
+              format_bytes(victim->bytes[device]) + ")");
+    submit(*victim, Job(kind));
+  }
+  return false;
+}
+
+void Registry::pump(Entry& entry) {
+  while (!entry.busy && !entry.queue.empty()) {
+    Job& job = entry.queue.front();
+    if (job.exchange && job.exchange->gone()) {
+      entry.queue.pop_front();
+      continue;
+    }
+    const bool resident = entry.runtime && entry.state == ModelState::Ready;
+    const auto done_now = [&](int status, const json& body) {
+      Job finished = std::move(job);
+      entry.queue.pop_front();
+      answer(finished, status, body);
+    };
+    switch (job.kind) {
+      case Job::Kind::Load:
+        if (resident) { done_now(200, entry_json(entry)); continue; }
+        break;
+      case Job::Kind::Onload:
+        if (!entry.runtime) { done_now(409, {{"error", "model " + quote(entry.name) + " is not loaded; load it"}}); continue; }
+        if (resident) { done_now(200, entry_json(entry)); continue; }
+        break;
+      case Job::Kind::Offload:
+        if (!entry.runtime) { done_now(409, {{"error", "model " + quote(entry.name) + " is not loaded"}}); continue; }
+        if (entry.state == ModelState::Offloaded) { done_now(200, entry_json(entry)); continue; }
+        break;
+      case Job::Kind::Unload:
+        if (!entry.runtime) {
+          entry.state = entry.state == ModelState::Failed ? ModelState::Failed : ModelState::Unloaded;
+          done_now(200, entry_json(entry));
+          if (entry.removed) return drop_entry(entry);
+          continue;
+        }
+        break;
+      case Job::Kind::Forward:
+      case Job::Kind::Replace:
+        break;
+    }
+    if (!entry.config) { done_now(409, {{"error", "model " + quote(entry.name) + " has no valid config"}}); continue; }
+
+    // Room for the weights on the computation device.
+    const bool needs_weights = job.kind == Job::Kind::Load || job.kind == Job::Kind::Onload || job.kind == Job::Kind::Forward;
+    if (needs_weights && !resident) {
+      const std::string& device = entry.config->vram.computation.device;
+      const uint64_t total = entry.dry->report.bytes;
+      const uint64_t have = entry.bytes.count(device) ? entry.bytes[device] : 0;
+      const uint64_t need = total - std::min(total, have);
+      try {
+        if (need && !make_room(entry, device, need)) {
+          entry.waiting_for_room = true;
+          return;
+        }
+      } catch (const Error& e) {
+        entry.waiting_for_room = false;
+        done_now(507, {{"error", e.what()}});
+        continue;
+      }
+      entry.reserved[device] = need;
+    }
+    entry.waiting_for_room = false;
+    Job next = std::move(job);
+    entry.queue.pop_front();
+    run_job(entry, std::move(next));
+  }
+}
+
+void Registry::run_job(Entry& entry, Job job) {
+  entry.busy = true;
+  if (!entry.worker) entry.worker = std::make_unique<Worker>();
+  const bool loads = !entry.runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward);
+  if (loads) {
+    entry.state = ModelState::Loading;
+    entry.progress = {};
+    entry.cancel = std::make_shared<std::atomic<bool>>(false);
+    entry.load_watchers.clear();
+    if (job.exchange && job.kind == Job::Kind::Load) follow_load(entry, job.exchange);
+    log::info("loading " + entry.name);
+  }
+  std::shared_ptr<Runtime> runtime = entry.runtime;
+  if (job.kind == Job::Kind::Unload || job.kind == Job::Kind::Replace) entry.runtime.reset();  // freed on the worker
+  auto shared_job = std::make_shared<Job>(std::move(job));
+  Entry* e = &entry;
+  entry.worker->run([this, e, runtime, shared_job, config = *entry.config, cancel = entry.cancel]() mutable {
+    auto outcome = std::make_shared<Outcome>();
+    const auto start = Clock::now();
+    Job& job = *shared_job;
+    try {
+      if (!runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward)) {
+        auto last = Clock::now();
+        try {
+          runtime = Runtime::load(config, [&](const LoadProgress& p) {
+            if (p.tensors_done == p.tensors_total || Clock::now() - last > std::chrono::milliseconds(100)) {
+              last = Clock::now();
+              mailbox_.post([this, e, p] {
+                e->progress = p;
+                send_progress(*e, false);
+              });
+            }
+            return !cancel->load();
+          });
+          outcome->loaded = true;
+          outcome->load_seconds = seconds_since(start);
+        } catch (const model::Cancelled& error) {
+          outcome->cancelled = true;
+          outcome->load_error = error.what();
+        } catch (const std::exception& error) {
+          outcome->load_error = error.what();
+        }
+      }
+      if (outcome->load_error.empty()) {
+        switch (job.kind) {
+          case Job::Kind::Forward: {
+            const auto forward_start = Clock::now();
+            try {
+              outcome->output = runtime->forward(job.input);
+            } catch (const BadInput& error) {
+              outcome->status = 400;
+              outcome->error = error.what();
+            }
+            outcome->seconds = seconds_since(forward_start);
+            break;
+          }
+          case Job::Kind::Offload: outcome->moved = runtime->offload(); break;
+          case Job::Kind::Onload: outcome->moved = runtime->onload(); break;
+          case Job::Kind::Unload:
+          case Job::Kind::Replace: runtime.reset(); break;
+          case Job::Kind::Load:
+            if (runtime->offloaded()) outcome->moved = runtime->onload();  // a load wakes a sleeping model
+            break;
+        }
+      }
+    } catch (const std::exception& error) {
+      outcome->status = 500;
+      outcome->error = error.what();
+    }
+    if (runtime) outcome->bytes = runtime->bytes_by_device();
+    outcome->runtime = std::move(runtime);
+    mailbox_.post([this, e, shared_job, outcome] { finish_job(*e, std::move(*shared_job), *outcome); });
+  });
+}
+
+void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
+  entry.busy = false;
+  entry.reserved.clear();
+  entry.runtime = outcome.runtime;
+  entry.bytes = outcome.bytes;
+  auto watchers = std::exchange(entry.load_watchers, {});
+  entry.cancel.reset();
+  const std::string what = std::string(kind_name(job.kind)) + " " + entry.name;
+
+  if (outcome.loaded) {
+    entry.loads++;
+    entry.load_seconds = outcome.load_seconds;
+    entry.state = ModelState::Ready;
+    entry.reason.clear();
+    log::info("ready " + entry.name + " in " + std::to_string(outcome.load_seconds) + " s, " +
+              format_bytes(entry.dry->report.bytes));
+  }
+  json body;
+  int status = outcome.status;
+  if (!outcome.load_error.empty()) {
+    entry.state = outcome.cancelled ? ModelState::Unloaded : ModelState::Failed;
+    entry.reason = outcome.load_error;
+    status = outcome.cancelled ? 499 : 500;
+    body = {{"error", (outcome.cancelled ? "" : "loading " + quote(entry.name) + " failed: ") + outcome.load_error}};
+    log::warn(body["error"].get<std::string>());
+  } else if (status != 200) {
+    body = {{"error", outcome.error}};
+    if (job.kind == Job::Kind::Forward) entry.forward_errors++;
+    log::warn(what + ": " + outcome.error);
+  } else {
+    switch (job.kind) {
+      case Job::Kind::Offload: entry.state = ModelState::Offloaded; entry.last_move = outcome.moved; break;
+      case Job::Kind::Onload: entry.state = ModelState::Ready; entry.last_move = outcome.moved; break;
+      case Job::Kind::Unload: entry.state = ModelState::Unloaded; break;
+      case Job::Kind::Forward:
+        entry.state = ModelState::Ready;
+        entry.forwards++;
+        entry.forward_seconds += outcome.seconds;
+        break;
+      case Job::Kind::Replace: {
+        auto [config, dry] = std::move(*entry.replacement);
+        entry.replacement.reset();
+        const bool was_loaded = entry.state == ModelState::Ready || entry.state == ModelState::Offloaded;
+        entry.config = std::move(config);
+        entry.dry = std::move(dry);
+        entry.serving_text = entry.text;
+        entry.keep_alive = entry.config->residency.keep_alive;
+        entry.state = ModelState::Unloaded;
+        log::info("new config for " + entry.name + " in effect");
+        if (was_loaded || entry.config->residency.preload) submit(entry, Job(Job::Kind::Load));
+        break;
+      }
+      case Job::Kind::Load: entry.state = ModelState::Ready; entry.last_move = outcome.moved; break;
+    }
+    if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
+      log::info(what + ": " + format_bytes(outcome.moved.bytes) + " in " + std::to_string(outcome.moved.seconds) + " s");
+    body = entry_json(entry);
+    if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
+      body["moved"] = {{"bytes", outcome.moved.bytes}, {"seconds", outcome.moved.seconds}};
+  }
+
+  // Answer the job (unless it is a load, answered below with everyone following it).
+  if (job.exchange && std::find(watchers.begin(), watchers.end(), job.exchange) == watchers.end()) {
+    if (job.kind == Job::Kind::Forward && status == 200) job.exchange->respond(200, "application/octet-stream", outcome.output);
+    else answer(job, status, body);
+  }
+  if (status == 200) body["status"] = "ready";
+  for (auto& watcher : watchers) {
+    Job follower(Job::Kind::Load, watcher, watcher->streaming());
+    answer(follower, status, body);
+  }
+
+  if (entry.removed && !entry.runtime && !entry.busy) {
+    entry.queue.clear();
+    drop_entry(entry);
+  } else {
+    touch(entry);
+    pump(entry);
+  }
+  for (auto& [name, other] : entries_)
+    if (other->waiting_for_room && !other->busy) pump(*other);
+}
+
+void Registry::follow_load(Entry& entry, const std::shared_ptr<Exchange>& exchange) {
+  entry.load_watchers.push_back(exchange);
+  Entry* e = &entry;
+  // Closing the connection cancels the load once nobody else follows or waits for it.
+  exchange->on_gone([e] {
+    if (e->cancel && e->queue.empty() &&
+        std::all_of(e->load_watchers.begin(), e->load_watchers.end(), [](auto& w) { return w->gone(); }))
+      e->cancel->store(true);
+  });
+}
+
+void Registry::send_progress(Entry& entry, bool force) {
+  const auto now = Clock::now();
+  if (!force && now - entry.progress_sent < std::chrono::milliseconds(100) &&
+      entry.progress.tensors_done != entry.progress.tensors_total)
+    return;
+  entry.progress_sent = now;
+  json line = progress_json(entry.progress);
+  line["status"] = "loading";
+  const std::string text = line.dump() + "\n";
+  for (auto& watcher : entry.load_watchers)
+    if (watcher->unsent() < (64 << 10)) watcher->write(text);  // a slow reader skips updates
+}
+
+void Registry::touch(Entry& entry) {
+  entry.last_used = Clock::now();
+  uv_timer_stop(entry.keep_alive_timer);
+  if (!entry.runtime || !entry.keep_alive || (entry.config && entry.config->residency.pinned) || shutting_down_) return;
+  uv_timer_start(
+      entry.keep_alive_timer,
+      [](uv_timer_t* timer) {
+        auto* e = static_cast<Entry*>(timer->data);
+        if (!e->busy && e->queue.empty() && e->runtime) {
+          log::info("keep_alive of " + e->name + " ran out: unloading");
+          e->registry->submit(*e, Job(Job::Kind::Unload));
+        }
+      },
+      static_cast<uint64_t>(entry.keep_alive->count()), 0);
+}
+
+void Registry::set_keep_alive(Entry& entry, std::optional<std::chrono::milliseconds> keep_alive) {
+  entry.keep_alive = keep_alive;
+}
+
+json Registry::entry_json(const Entry& e) const {
+  json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
+            {"busy", e.busy}, {"queued", e.queue.size()}};
+  if (!e.reason.empty()) j["reason"] = e.reason;
+  if (!e.config_error.empty()) j["config_error"] = e.config_error;
+  if (e.config && e.dry) {
+    const auto& c = *e.config;
+    j["architecture"] = e.dry->architecture;
+    j["dtype"] = e.dry->dtype;
+    j["bytes"] = e.dry->report.bytes;
+    j["tensors"] = e.dry->report.tensors;
+    j["checkpoint"] = e.dry->report.checkpoint;
+    j["vram"] = {{"offload", state_json(c.vram.offload)}, {"onload", state_json(c.vram.onload)},
+                 {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation)},
+                 {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)}};
+    j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
+                      {"preload", c.residency.preload}};
+  }
+  if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
+  j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
+  j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},
+                {"forward_errors", e.forward_errors}, {"forward_seconds", e.forward_seconds}};
+  return j;
+}
+
+json Registry::devices_json() const {
+  json devices = json::object();
+  std::set<std::string> names;
+  for (const auto& [device, budget] : config_.budgets) names.insert(device);
+  for (const auto& [name, e] : entries_) for (const auto& [device, bytes] : e->bytes) names.insert(device);
+  for (const auto& device : names) {
+    json models = json::object();
+    for (const auto& [name, e] : entries_)
+      if (auto it = e->bytes.find(device); it != e->bytes.end() && it->second) models[name] = it->second;
+    const auto budget = config_.budgets.find(device);
+    devices[device] = {{"budget", budget == config_.budgets.end() ? json(nullptr) : json(budget->second)},
+                       {"used", used(device)}, {"models", models}};
+  }
+  return devices;
+}
+
+void Registry::begin_shutdown() {
+  shutting_down_ = true;
+  if (watcher_) uv_fs_event_stop(watcher_);
+  if (debounce_) uv_timer_stop(debounce_);
+  for (auto& [name, e] : entries_) {
+    uv_timer_stop(e->keep_alive_timer);
+    for (auto& job : std::exchange(e->queue, {})) answer(job, 503, {{"error", "vramd is shutting down"}});
+    e->waiting_for_room = false;
+    if (e->cancel) e->cancel->store(true);
+  }
+}
+
+bool Registry::idle() const {
+  return std::none_of(entries_.begin(), entries_.end(), [](auto& e) { return e.second->busy; });
+}
+
+void Registry::close() {
+  for (auto& [name, e] : entries_) {
+    e->runtime.reset();
+    e->worker.reset();
+    uv_close(reinterpret_cast<uv_handle_t*>(e->keep_alive_timer), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
+  }
+  entries_.clear();
+  const auto close_and_delete = [](auto*& handle) {
+    if (!handle) return;
+    uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) { delete reinterpret_cast<std::remove_reference_t<decltype(*handle)>*>(h); });
+    handle = nullptr;
+  };
+  close_and_delete(watcher_);
+  close_and_delete(debounce_);
+  mailbox_.close();
+}
+
+}  // namespace vramd::server

@@ -1,0 +1,149 @@
+// The daemon's models: one entry per config file in the watched folder, each with its state,
+// its queue of requests and a worker thread that runs them in order (so forwards on different
+// models run in parallel and those on one model in order). Residency is decided here: device
+// budgets, making room by offloading and then unloading idle models least recently used first
+// (never pinned ones, never busy ones), keep-alive, preload.
+//
+// Everything here runs on the loop thread except the jobs on the workers, which touch only
+// their own model's Runtime and report back through the Mailbox.
+#pragma once
+
+#include <uv.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "config/daemon_config.hpp"
+#include "config/model_config.hpp"
+#include "model/dry_run.hpp"
+#include "server/http.hpp"
+#include "server/mailbox.hpp"
+#include "server/runtime.hpp"
+
+namespace vramd::server {
+
+enum class ModelState { Unloaded, Loading, Ready, Offloaded, Failed, Invalid };
+const char* state_name(ModelState state);
+
+using Clock = std::chrono::steady_clock;
+
+struct Job {
+  enum class Kind { Load, Forward, Offload, Onload, Unload, Replace } kind;
+  std::shared_ptr<Exchange> exchange;  // null for the daemon's own jobs
+  bool stream = false;                 // load: progress as newline-delimited JSON
+  std::string input;                   // forward: safetensors bytes
+
+  explicit Job(Kind kind, std::shared_ptr<Exchange> exchange = {}, bool stream = false)
+      : kind(kind), exchange(std::move(exchange)), stream(stream) {}
+};
+
+class Registry;
+
+struct Entry {
+  Registry* registry = nullptr;
+  std::string name;
+  std::string file;
+  std::string text;          // the file's content when last validated
+  std::string serving_text;  // the content of the version in `config`
+  std::optional<config::ModelConfig> config;
+  std::optional<model::DryRun> dry;
+  ModelState state = ModelState::Unloaded;
+  std::string reason;        // why failed or invalid
+  std::string config_error;  // a broken edit of the file while this version keeps serving
+  // A valid edit of a loaded model, applied once the work in flight and queued before it ends.
+  std::optional<std::pair<config::ModelConfig, model::DryRun>> replacement;
+
+  std::shared_ptr<Runtime> runtime;  // handed to the worker while `busy`; the loop does not touch it
+  std::unique_ptr<Worker> worker;
+  bool busy = false;
+  bool waiting_for_room = false;
+  std::deque<Job> queue;
+  std::vector<std::shared_ptr<Exchange>> load_watchers;  // streamed progress of the running load
+  std::shared_ptr<std::atomic<bool>> cancel;            // of the running load
+  LoadProgress progress;
+  Clock::time_point progress_sent{};
+
+  std::map<std::string, uint64_t> bytes;     // held on each device, as of the last job
+  std::map<std::string, uint64_t> reserved;  // for the job running now
+  Clock::time_point last_used{};
+  std::optional<std::chrono::milliseconds> keep_alive;
+  uv_timer_t* keep_alive_timer = nullptr;
+  bool removed = false;  // its file is gone: unload, then drop the entry
+
+  uint64_t forwards = 0, forward_errors = 0, loads = 0;
+  double forward_seconds = 0, load_seconds = 0;
+  Moved last_move;
+};
+
+class Registry {
+ public:
+  Registry(uv_loop_t* loop, const config::DaemonConfig& config);
+  ~Registry();
+
+  // Validates every config in the folder now (at start), then loads the preload ones.
+  void start();
+  // Re-reads the folder; `force` re-validates unchanged files too. `done` runs once every
+  // validation this started has been applied.
+  void scan(bool force, std::function<void()> done = {});
+
+  Entry* find(const std::string& name);
+  std::vector<const Entry*> entries() const;
+
+  // Requests; each answers its exchange.
+  void submit(Entry& entry, Job job);
+  void set_keep_alive(Entry& entry, std::optional<std::chrono::milliseconds> keep_alive);
+
+  // Budgets and use per device.
+  nlohmann::json devices_json() const;
+  nlohmann::json entry_json(const Entry& entry) const;
+
+  // SIGTERM: refuse queued work, cancel loads; `idle()` says when in-flight work has ended.
+  void begin_shutdown();
+  bool idle() const;
+  void close();  // frees every model (joins the workers) and closes the handles
+
+ private:
+  struct Validation;
+  static Validation validate(const std::string& file, const config::DaemonConfig& daemon);
+  void apply(Validation validation);
+  Entry& add_entry(const std::string& name);
+  void drop_entry(Entry& entry);
+
+  void pump(Entry& entry);
+  void run_job(Entry& entry, Job job);
+  struct Outcome;
+  void finish_job(Entry& entry, Job job, const Outcome& outcome);
+  void answer(Job& job, int status, const nlohmann::json& body);
+
+  // Room on `device` for `bytes` more: true when it fits; false while evictions run (the entry
+  // is pumped again when they end); throws Error with the numbers when it cannot fit.
+  bool make_room(Entry& entry, const std::string& device, uint64_t bytes);
+  uint64_t used(const std::string& device) const;
+  bool evictable(const Entry& entry) const;
+
+  void touch(Entry& entry);
+  void follow_load(Entry& entry, const std::shared_ptr<Exchange>& exchange);
+  void send_progress(Entry& entry, bool force);
+
+  uv_loop_t* loop_;
+  config::DaemonConfig config_;
+  Mailbox mailbox_;
+  Worker validator_;
+  uv_fs_event_t* watcher_ = nullptr;
+  uv_timer_t* debounce_ = nullptr;
+  std::map<std::string, std::unique_ptr<Entry>> entries_;  // by name
+  bool shutting_down_ = false;
+  size_t validations_in_flight_ = 0;
+  std::vector<std::function<void()>> scan_done_;
+};
+
+}  // namespace vramd::server

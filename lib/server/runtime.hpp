@@ -1,0 +1,61 @@
+// One loaded model as the daemon holds it, behind a LibTorch-free interface: the daemon's
+// event loop, registry and HTTP code never include ATen. Methods run on the model's worker
+// thread, one at a time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "config/model_config.hpp"
+#include "model/dry_run.hpp"
+#include "util/error.hpp"
+
+namespace vramd::server {
+
+// A request's input is at fault (not the model or the daemon): HTTP 400.
+class BadInput : public Error {
+ public:
+  using Error::Error;
+};
+
+struct LoadProgress {
+  uint64_t bytes_done = 0, bytes_total = 0;
+  size_t tensors_done = 0, tensors_total = 0;
+};
+
+struct Moved {
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+class Runtime {
+ public:
+  // Throws Error; model::Cancelled when `progress` returns false.
+  static std::unique_ptr<Runtime> load(const config::ModelConfig& config,
+                                       const std::function<bool(const LoadProgress&)>& progress);
+  ~Runtime();
+
+  // Safetensors bytes of named inputs to safetensors bytes of the outputs. Throws BadInput
+  // naming the input at fault, Error when the forward itself fails. Wakes an offloaded model.
+  std::string forward(std::string_view safetensors);
+
+  Moved offload();  // every weight to the config's offload state
+  Moved onload();   // back to the computation state
+  bool offloaded() const;
+
+  // Bytes of weights held on each device ("cpu", "cuda:0"); nothing for weights on disk.
+  std::map<std::string, uint64_t> bytes_by_device() const;
+  const model::LoadReport& report() const;
+  const std::string& dtype() const;
+
+ private:
+  struct Impl;
+  explicit Runtime(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace vramd::server
