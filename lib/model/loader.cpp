@@ -223,7 +223,8 @@ uint64_t materialise(const WeightSource& source, c10::Device device, c10::Scalar
     progress.bytes_done += value.nbytes();
     progress.tensors_done++;
     progress.tensor = a.parameter->name;
-    if (options.progress && !options.progress(progress)) {
+    const bool last = progress.tensors_done == progress.tensors_total;  // nothing left to cancel
+    if (options.progress && !options.progress(progress) && !last) {
       for (const auto& b : source.assignments) b.parameter->value = at::Tensor();
       throw Cancelled(source.where + ": load cancelled after " + std::to_string(progress.tensors_done) + " of " +
                       std::to_string(progress.tensors_total) + " tensors");

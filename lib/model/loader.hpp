@@ -24,7 +24,7 @@ struct Progress {
 };
 
 struct LoadOptions {
-  // Called after each tensor; returning false cancels the load, which then throws Cancelled
+  // Called after each tensor; returning false (before the last one) cancels the load, which then throws Cancelled
   // and frees everything it allocated.
   std::function<bool(const Progress&)> progress;
   // CPU weights whose checkpoint bytes already have the right dtype and alignment are views of

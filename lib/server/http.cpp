@@ -469,7 +469,7 @@ void Server::stop_listening() {
 
 void Server::close_idle() {
   for (auto* connection : std::vector<Connection*>(connections_))
-    if (!connection->busy()) connection->close();
+    if (!connection->busy() && connection->unsent() == 0) connection->close();
 }
 
 void Server::close_all() {
@@ -477,7 +477,8 @@ void Server::close_all() {
 }
 
 size_t Server::exchanges_in_flight() const {
-  return static_cast<size_t>(std::count_if(connections_.begin(), connections_.end(), [](Connection* c) { return c->busy(); }));
+  return static_cast<size_t>(std::count_if(connections_.begin(), connections_.end(),
+                                           [](Connection* c) { return c->busy() || c->unsent() > 0; }));
 }
 
 void Server::on_connection(uv_stream_t* listener, int status) {

@@ -92,10 +92,11 @@ class Server {
 
   // Stops accepting and removes the socket file; connections already open carry on.
   void stop_listening();
-  // Closes connections that have no request under way.
+  // Closes connections that have no request under way and nothing left to send.
   void close_idle();
   void close_all();
   size_t connections() const { return connections_.size(); }
+  // Requests being answered, counting answers not yet taken by their clients.
   size_t exchanges_in_flight() const;
 
  private:

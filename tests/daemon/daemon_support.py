@@ -1,0 +1,138 @@
+"""Starting a real vramd on a temporary folder and talking to it over its real socket."""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VRAMD = os.environ["VRAMD"]
+VRAMCTL = os.environ["VRAMCTL"]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "models"))
+
+
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path, timeout=60):
+        super().__init__("vramd", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def request(sock, method, path, body=None, timeout=60):
+    """(status, body bytes) of one request on a fresh connection."""
+    connection = UnixConnection(str(sock), timeout)
+    try:
+        connection.request(method, path, body=body)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def get_json(sock, path):
+    status, body = request(sock, "GET", path)
+    assert status == 200, body
+    return json.loads(body)
+
+
+def model(sock, name):
+    return get_json(sock, f"/v1/models/{name}")
+
+
+def raw(sock, data, timeout=10, shutdown=False):
+    """Sends bytes as they are; returns whatever comes back until the daemon closes or times out."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(str(sock))
+    try:
+        s.sendall(data)
+    except BrokenPipeError:  # the daemon refused before reading everything: read its answer
+        pass
+    if shutdown:
+        s.shutdown(socket.SHUT_WR)
+    received = b""
+    try:
+        while chunk := s.recv(65536):
+            received += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    s.close()
+    return received
+
+
+def wait_for(predicate, timeout=20, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def vramctl(sock, *args, check=True, timeout=120):
+    result = subprocess.run([VRAMCTL, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "VRAMD_SOCKET": str(sock)})
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+class Daemon:
+    """vramd on `folder`/vramd.toml with models in `folder`/models, driven through its socket."""
+
+    def __init__(self, folder, extra="", budgets='cpu = "8GiB"', sock=None):
+        self.folder = Path(folder)
+        self.models = self.folder / "models"
+        self.models.mkdir(parents=True, exist_ok=True)
+        self.sock = Path(sock) if sock else self.folder / "vramd.sock"
+        self.config = self.folder / "vramd.toml"
+        self.config.write_text(f'socket = "{self.sock}"\nmodels = "models"\nlog_level = "debug"\n'
+                               f"{extra}\n[budgets]\n{budgets}\n")
+        self.process = None
+        self.log = self.folder / "vramd.log"
+
+    def start(self, wait=True):
+        self.log_file = open(self.log, "ab")
+        self.process = subprocess.Popen([VRAMD, "--config", str(self.config)], stdout=self.log_file,
+                                        stderr=subprocess.STDOUT)
+        if wait:
+            wait_for(self.healthy, what=f"vramd to serve (log: {self.log})")
+        return self
+
+    def healthy(self):
+        if self.process.poll() is not None:
+            raise AssertionError(f"vramd exited with {self.process.returncode}:\n{self.log.read_text()}")
+        try:
+            return request(self.sock, "GET", "/v1/health", timeout=5)[0] == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout=30):
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout)
+        self.log_file.close()
+        return self.process.returncode
+
+    def rss(self):
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def __enter__(self):  # `with Daemon(...).start() as d:` kills it at the end, whatever happened
+        return self
+
+    def __exit__(self, *exc):
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log_file.close()

