@@ -113,7 +113,8 @@ DaemonConfig load_daemon_config(const std::string& path) {
     finite("idle_timeout", l.idle_timeout);
     finite("request_timeout", l.request_timeout);
     finite("shutdown_grace", l.shutdown_grace);
-    if (l.max_header_bytes < 1024) limits->bad_value("max_header_size", "expected at least 1KiB");
+    if (l.max_header_bytes < 1024 || l.max_header_bytes > 80 * 1024)  // http-parser's own bound is 80KiB
+      limits->bad_value("max_header_size", "expected from 1KiB to 80KiB");
     limits->finish();
   }
   root.finish();

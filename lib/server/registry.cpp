@@ -195,6 +195,7 @@ void Registry::drop_entry(Entry& entry) {
   uv_close(reinterpret_cast<uv_handle_t*>(entry.keep_alive_timer), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
   log::info("removed " + entry.name);
   entries_.erase(entry.name);
+  if (std::exchange(rescan_after_drop_, false)) scan(false);
 }
 
 void Registry::apply(Validation v) {
@@ -213,7 +214,11 @@ void Registry::apply(Validation v) {
   if (v.config) {
     const std::string name = v.config->name;
     Entry* same = find(name);
-    if (same && same->file != v.file && !same->removed) {
+    if (same && same->removed) {  // its old file is still being unloaded: look again after
+      rescan_after_drop_ = true;
+      return;
+    }
+    if (same && same->file != v.file) {
       v.error = v.file + ": name " + quote(name) + " is already used by " + same->file;
     } else {
       if (current && current->name != name) {
@@ -258,7 +263,7 @@ void Registry::apply(Validation v) {
   log::warn("invalid " + v.file + ": " + v.error);
   if (!current) {
     std::string name = fs::path(v.file).stem().string();
-    if (find(name)) name = v.file;
+    if (find(name)) name = v.file;  // the stem is another model's name
     current = &add_entry(name);
   }
   current->file = v.file;

@@ -143,6 +143,7 @@ class Registry {
   std::map<std::string, std::unique_ptr<Entry>> entries_;  // by name
   bool shutting_down_ = false;
   size_t validations_in_flight_ = 0;
+  bool rescan_after_drop_ = false;
   std::vector<std::function<void()>> scan_done_;
 };
 

@@ -172,3 +172,49 @@ keep_alive = "30s"
                     bad + ":2:1: unknown key 'sokcet'; did you mean 'socket'?\n" +
                     bad + ":4:7: budgets.gpu = '1GiB': not a device; expected \"cpu\", \"cuda\" or \"cuda:N\"");
 }
+
+TEST_CASE("the daemon config reads access and limits and refuses what it cannot honour") {
+  TempDir dir;
+  auto good = dir.write("vramd.toml", R"(tcp = "127.0.0.1:11500"
+[access]
+uids = [1001, 1002]
+group = "root"
+[limits]
+max_header_size = "16KiB"
+max_body_size = "1GiB"
+max_connections = 32
+idle_timeout = "5s"
+request_timeout = "2s"
+queue_length = 4
+shutdown_grace = "1m"
+)");
+  auto daemon = load_daemon_config(good);
+  CHECK(daemon.tcp == "127.0.0.1:11500");
+  CHECK(daemon.access.uids == std::vector<uint32_t>{1001, 1002});
+  CHECK(daemon.access.group == "root");
+  CHECK(daemon.access.gid == 0);
+  CHECK(daemon.limits.max_header_bytes == 16u << 10);
+  CHECK(daemon.limits.max_body_bytes == 1ull << 30);
+  CHECK(daemon.limits.max_connections == 32);
+  CHECK(daemon.limits.idle_timeout == std::chrono::seconds(5));
+  CHECK(daemon.limits.request_timeout == std::chrono::seconds(2));
+  CHECK(daemon.limits.queue_length == 4);
+  CHECK(daemon.limits.shutdown_grace == std::chrono::minutes(1));
+
+  auto bad = dir.write("bad.toml", R"(tcp = "0.0.0.0:80"
+[access]
+uids = [-1]
+group = "no-such-group-here"
+[limits]
+max_header_size = "1MiB"
+max_connections = 0
+request_timeout = "-1"
+)");
+  CHECK_THROWS_WITH(load_daemon_config(bad),
+                    bad + ":1:7: tcp = '0.0.0.0:80': only a loopback address (127.x.x.x) may be used: TCP clients cannot be identified\n" +
+                    bad + ":3:8: access.uids = [...]: expected an array of integers from 0 to 4294967295\n" +
+                    bad + ":4:9: access.group = 'no-such-group-here': no such group on this machine\n" +
+                    bad + ":6:19: limits.max_header_size = '1MiB': expected from 1KiB to 80KiB\n" +
+                    bad + ":7:19: limits.max_connections = 0: expected an integer from 1 to 65536, found an integer\n" +
+                    bad + ":8:19: limits.request_timeout = '-1': expected a positive duration such as \"30s\"");
+}

