@@ -99,10 +99,10 @@ class Daemon:
         self.process = None
         self.log = self.folder / "vramd.log"
 
-    def start(self, wait=True):
+    def start(self, wait=True, env=None):
         self.log_file = open(self.log, "ab")
         self.process = subprocess.Popen([VRAMD, "--config", str(self.config)], stdout=self.log_file,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         if wait:
             wait_for(self.healthy, what=f"vramd to serve (log: {self.log})")
         return self
