@@ -580,15 +580,17 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     if (job.kind == Job::Kind::Forward && status == 200) job.exchange->respond(200, "application/octet-stream", outcome.output);
     else answer(job, status, body);
   }
-  if (status == 200) body["status"] = "ready";
+  // Followers hear how the load went, whatever became of the forward that started it.
+  const bool loaded = outcome.load_error.empty() && (job.kind != Job::Kind::Load || status == 200);
+  json load_body = loaded ? entry_json(entry) : body;
+  if (loaded) load_body["status"] = "ready";
   for (auto& watcher : watchers) {
     Job follower(Job::Kind::Load, watcher, watcher->streaming());
-    answer(follower, status, body);
+    answer(follower, loaded ? 200 : status, load_body);
   }
 
   if (entry.removed && !entry.runtime && !entry.busy) {
-    entry.queue.clear();
-    drop_entry(entry);
+    drop_entry(entry);  // answers what was queued for it
   } else {
     touch(entry);
     pump(entry);
