@@ -377,12 +377,14 @@ def test_other_uids_are_refused_unless_listed(tmp_path, checkpoints):
     with d.start():
         assert oct(d.sock.stat().st_mode & 0o777) == "0o666"  # open: SO_PEERCRED decides
 
-        def as_uid(uid):
+        def as_uid(uid, gid=None):
             read, write = os.pipe()
             pid = os.fork()
             if pid == 0:
                 os.close(read)
                 try:
+                    os.setgroups([])
+                    os.setgid(gid if gid is not None else uid)
                     os.setuid(uid)
                     answer = raw(d.sock, b"GET /v1/health HTTP/1.1\r\nConnection: close\r\n\r\n")
                 except Exception as e:
@@ -399,9 +401,36 @@ def test_other_uids_are_refused_unless_listed(tmp_path, checkpoints):
         refused = as_uid(65534)
         assert refused.startswith(b"HTTP/1.1 403 ") and b"uid 65534 may not use this daemon" in refused
         assert as_uid(12345).startswith(b"HTTP/1.1 200 ")
+        assert d.stop() == 0
+
+    # A group: the socket is the group's (0660) and its members get in.
+    d = Daemon(tmp_path / "group", extra='[access]\ngroup = "nogroup"', sock=public / "group.sock")
+    with d.start():
+        info = d.sock.stat()
+        assert oct(info.st_mode & 0o777) == "0o660" and info.st_gid == 65534
+        assert as_uid(12345, gid=65534).startswith(b"HTTP/1.1 200 ")
+        assert b"PermissionError" in as_uid(12346)  # not in the group: the socket's mode keeps it out
+        assert d.stop() == 0
+
     d2 = Daemon(tmp_path / "private")
     with d2.start():
         assert oct(d2.sock.stat().st_mode & 0o777) == "0o600"  # owner only by default
+
+
+def test_loopback_tcp_when_configured(tmp_path, checkpoints):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = Daemon(tmp_path, extra=f'tcp = "127.0.0.1:{port}"')
+    add_model(d, "minilm", checkpoints["minilm"])
+    with d.start():
+        import http.client
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("POST", "/v1/models/minilm/forward", body=save(MINILM_INPUT))
+        response = connection.getresponse()
+        assert response.status == 200 and load(response.read())["sentence_embedding"].shape == (1, 384)
+        connection.close()
+        assert d.stop() == 0
 
 
 def test_memory_stays_flat_over_a_soak(tmp_path, checkpoints):
