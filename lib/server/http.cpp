@@ -106,8 +106,9 @@ class Connection {
     log::debug("refused " + peer_ + ": " + std::to_string(status) + " " + message);
     keep_alive_ = false;
     uv_read_stop(stream());
-    write_head(status, "application/json", message.size(), false);
-    write_raw(error_body(message));
+    std::string body = error_body(message);
+    write_head(status, "application/json", body.size(), false);
+    write_raw(std::move(body));
     close_after_writes();
   }
 
@@ -136,9 +137,12 @@ class Connection {
   void write_raw(std::string data) {
     if (closing_ || data.empty()) return;
     auto* request = new WriteRequest{{}, std::move(data)};
-    uv_buf_t buf = uv_buf_init(request->data.data(), static_cast<unsigned>(request->data.size()));
+    std::vector<uv_buf_t> bufs;  // uv_buf_t holds an unsigned length: 1 GiB pieces
+    for (size_t at = 0; at < request->data.size(); at += size_t{1} << 30)
+      bufs.push_back(uv_buf_init(request->data.data() + at,
+                                 static_cast<unsigned>(std::min(request->data.size() - at, size_t{1} << 30))));
     request->req.data = this;
-    if (uv_write(&request->req, stream(), &buf, 1, on_written) != 0) {
+    if (uv_write(&request->req, stream(), bufs.data(), static_cast<unsigned>(bufs.size()), on_written) != 0) {
       delete request;
       close();
     }
@@ -205,7 +209,9 @@ class Connection {
     delete request;
     if (status == UV_ECANCELED) return;  // the connection is closing; `self` may be gone
     if (status < 0) return self->close();
-    if (self->closing_after_writes_ && self->unsent() == 0) self->close();
+    if (self->closing_after_writes_ && self->unsent() == 0) return self->close();
+    // A client still taking its answer is not idle: only one that stops reading times out.
+    if (!self->exchange_ && !self->receiving_) self->arm(self->server_.limits_.idle_timeout);
   }
 
   static void on_timeout(uv_timer_t* timer) {

@@ -138,6 +138,9 @@ def test_bad_requests_get_clear_errors_and_harm_nothing(tmp_path, checkpoints):
         assert slow.startswith(b"HTTP/1.1 408 ")
         assert raw(s, b"POST /v1/models/minilm/forward HTTP/1.1\r\nContent-Length: 100\r\n\r\nabc", shutdown=True) == b""
 
+        # A refusal is a whole HTTP answer: its Content-Length is its body's.
+        head, _, body = big.partition(b"\r\n\r\n")
+        assert f"Content-Length: {len(body)}".encode() in head and json.loads(body)["error"]
         assert request(s, "GET", "/nope")[0] == 404
         status, body = request(s, "GET", "/v1/models/minilm/forward")
         assert status == 405 and b"use POST" in body
