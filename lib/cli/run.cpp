@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <ostream>
@@ -14,6 +15,7 @@
 #include "config/model_config.hpp"
 #include "convert/expr.hpp"
 #include "model/loader.hpp"
+#include "model/vram.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
@@ -23,13 +25,16 @@ namespace {
 
 // The process's peak resident memory (VmHWM). Unlike getrusage's ru_maxrss it starts afresh at
 // exec, so it does not include the memory of the process that started vramctl.
-uint64_t peak_rss() {
+uint64_t status_bytes(const char* key) {
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line))
-    if (line.starts_with("VmHWM:")) return std::stoull(line.substr(6)) * 1024;
+    if (line.starts_with(key)) return std::stoull(line.substr(std::strlen(key))) * 1024;
   return 0;
 }
+
+uint64_t peak_rss() { return status_bytes("VmHWM:"); }
+uint64_t rss() { return status_bytes("VmRSS:"); }
 
 storage::NamedTensors read_inputs(const std::string& path) {
   const auto map = storage::DiskMap::open(path);
@@ -56,7 +61,8 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   model::LoadOptions load_options;
   load_options.zero_copy = !options.copy;
   auto loaded = model::load_model(config, load_options);
-  auto& [model, report, source] = loaded;
+  auto& model = loaded.model;
+  auto& report = loaded.report;
   const uint64_t rss_loaded = peak_rss();
   for (const auto& warning : report.warnings) err << "warning: " << warning << '\n';
   for (const auto& line : report.printed) err << "print: " << line << '\n';
@@ -93,6 +99,17 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
       fail(options.input, e.what());
     }
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (i == 0) stats["rss_after_first_forward"] = rss();
+  }
+  stats["rss_end"] = rss();
+  if (loaded.vram) {
+    const auto v = loaded.vram->stats();
+    stats["vram"] = {{"limit", v.limit}, {"total", v.total}, {"resident", v.resident}, {"streaming_room", v.streaming},
+                     {"layers", v.slots}, {"resident_layers", v.resident_slots}, {"peak", v.peak},
+                     {"bytes_streamed", v.bytes_streamed}, {"loads", v.loads}, {"prefetched", v.prefetched},
+                     {"wait_seconds", v.wait_seconds}, {"read_seconds", v.read_seconds}, {"order_learned", v.order_learned}};
+    if (options.stats) err << "vram: " << loaded.vram->describe() << "; " << v.loads << " streamed loads, "
+                           << v.prefetched << " prefetched, waited " << ms(v.wait_seconds) << '\n';
   }
   const double first = seconds.front();
   std::sort(seconds.begin(), seconds.end());

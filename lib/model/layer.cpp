@@ -11,6 +11,7 @@
 #include <functional>
 #include <numeric>
 
+#include "model/vram.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -53,7 +54,20 @@ std::vector<at::Tensor> Layer::weights() const {
 }
 
 at::Tensor Layer::operator()(const at::Tensor& input) {
-  const auto w = weights();
+  if (!manager_) return apply(weights(), input);
+  auto w = manager_->acquire(*this);
+  try {
+    at::Tensor output = apply(w, input);
+    w.clear();  // the weights go with the release, not later
+    manager_->release(*this);
+    return output;
+  } catch (...) {
+    manager_->release(*this);
+    throw;
+  }
+}
+
+at::Tensor Layer::apply(const std::vector<at::Tensor>& w, const at::Tensor& input) const {
   const at::Tensor bias = w.size() > 1 ? w[1] : at::Tensor();
   switch (kind_) {
     case LayerKind::Linear: return at::linear(input, w[0], bias);

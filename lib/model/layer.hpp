@@ -13,6 +13,8 @@
 
 namespace vramd::model {
 
+class WeightManager;
+
 enum class LayerKind { Linear, Conv1D, Embedding, LayerNorm, RMSNorm, Conv2d };
 const char* kind_name(LayerKind kind);
 
@@ -47,7 +49,12 @@ class Layer {
   // Conv2d: NCHW convolution.
   at::Tensor operator()(const at::Tensor& input);
 
+  // With a manager, weights come from it for the op's duration (model/vram.hpp).
+  void set_manager(WeightManager* manager) { manager_ = manager; }
+
  private:
+  at::Tensor apply(const std::vector<at::Tensor>& w, const at::Tensor& input) const;
+
   // The weights as the op will use them. Every forward fetches them here.
   std::vector<at::Tensor> weights() const;
 
@@ -55,6 +62,7 @@ class Layer {
   LayerKind kind_;
   std::vector<Parameter> parameters_;
   LayerOptions options_;
+  WeightManager* manager_ = nullptr;
 };
 
 }  // namespace vramd::model

@@ -11,18 +11,13 @@
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
 #include "model/registry.hpp"
+#include "model/vram.hpp"
+#include "model/weight_source.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
 
 namespace vramd::model {
 namespace fs = std::filesystem;
-
-// Which expression fills which parameter.
-struct Assignment {
-  Parameter* parameter;
-  convert::ExprPtr expr;
-  uint64_t order;  // where its first source lies in the checkpoint, to read in file order
-};
 
 namespace {
 
@@ -192,11 +187,13 @@ DryRun dry_run(const config::ModelConfig& config) {
   return {prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())), std::move(prepared.report)};
 }
 
-struct WeightSource {
-  storage::DiskMap map;
-  std::vector<Assignment> assignments;
-  std::string where;  // the config, for errors
-};
+at::Tensor WeightSource::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
+  const auto mode = views ? storage::ReadMode::Auto : storage::ReadMode::Copy;
+  at::Tensor value = a.expr->op == convert::Expr::Op::Source
+                         ? storage::load_tensor(map, map.at(a.expr->source), {.dtype = dtype, .mode = mode})
+                         : convert::evaluate(*a.expr, map, mode).to(dtype);
+  return device.is_cpu() ? value : value.to(device);
+}
 
 namespace {
 
@@ -210,15 +207,10 @@ uint64_t materialise(const WeightSource& source, c10::Device device, c10::Scalar
   const bool views = options.zero_copy && device.is_cpu();
   const auto& map = source.map;
   for (const auto& a : source.assignments) {
-    at::Tensor value;
-    if (a.expr->op == convert::Expr::Op::Source) {
-      const auto& info = map.at(a.expr->source);
-      value = storage::load_tensor(map, info, {.dtype = dtype, .mode = views ? storage::ReadMode::Auto : storage::ReadMode::Copy});
-      if (zero_copy && views && value.const_data_ptr() == map.bytes(info).first.data()) ++*zero_copy;
-    } else {
-      value = convert::evaluate(*a.expr, map, views ? storage::ReadMode::Auto : storage::ReadMode::Copy).to(dtype);
-    }
-    if (!device.is_cpu()) value = value.to(device);
+    const at::Tensor value = source.read(a, device, dtype, views);
+    if (zero_copy && views && a.expr->op == convert::Expr::Op::Source &&
+        value.const_data_ptr() == map.bytes(map.at(a.expr->source)).first.data())
+      ++*zero_copy;
     a.parameter->value = value;
     progress.bytes_done += value.nbytes();
     progress.tensors_done++;
@@ -240,15 +232,32 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
   auto source = std::make_shared<WeightSource>(WeightSource{std::move(map), std::move(assignments), config.path});
   const c10::Device device(config.vram.computation.device);
   const auto load_start = Clock::now();
-  materialise(*source, device, model->dtype(), options, &report.zero_copy);
+  std::shared_ptr<WeightManager> vram;
+  if (config.vram.limit) {
+    vram = std::make_shared<WeightManager>(*model, source, config);
+    if (options.progress) {
+      Progress done;
+      done.tensors_done = done.tensors_total = source->assignments.size();
+      done.bytes_done = done.bytes_total = report.bytes;
+      options.progress(done);
+    }
+  } else {
+    materialise(*source, device, model->dtype(), options, &report.zero_copy);
+  }
   model->set_device(device);
   report.load_seconds = seconds_since(load_start);
-  return {std::move(model), std::move(report), std::move(source)};
+  return {std::move(model), std::move(report), std::move(source), std::move(vram)};
 }
 
 Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, const LoadOptions& options) {
   const auto start = Clock::now();
   Transition moved;
+  if (loaded.vram) {
+    const bool wake = state.device == loaded.model->device().str() && state.dtype == convert::dtype_torch_name(storage::dtype_of(loaded.model->dtype()));
+    moved.bytes = wake ? loaded.vram->wake() : loaded.vram->sleep(state);
+    moved.seconds = seconds_since(start);
+    return moved;
+  }
   const auto& assignments = loaded.source->assignments;
   const bool released = !assignments.empty() && assignments.front().parameter->value.is_meta();
   if (state.device == "disk") {

@@ -35,10 +35,13 @@ struct LoadOptions {
 
 struct WeightSource;  // the checkpoint and converter expressions a model's weights come from
 
+class WeightManager;
+
 struct LoadedModel {
   std::unique_ptr<Model> model;
   LoadReport report;
   std::shared_ptr<WeightSource> source;  // for re-reading weights released to disk
+  std::shared_ptr<WeightManager> vram;   // with [vram].limit: weights streamed under it (model/vram.hpp)
 };
 
 struct Transition {

@@ -75,7 +75,9 @@ class CountingAllocator final : public c10::Allocator {
 TEST_CASE("tied parameters share one storage and are loaded once") {
   TempDir dir;
   write_gpt2(dir, at::kFloat);
-  auto [model, report, source] = model::load_model(config_for(dir));
+  auto loaded = model::load_model(config_for(dir));
+  auto& model = loaded.model;
+  auto& report = loaded.report;
   const auto* head = model->find("lm_head.weight");
   const auto* wte = model->find("transformer.wte.weight");
   REQUIRE(head->tied == wte);

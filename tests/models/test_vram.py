@@ -1,0 +1,89 @@
+"""Layer-by-layer weight management under [vram].limit: every architecture streamed from disk
+with a limit well below its size gives the fully resident model's outputs bit for bit (and so
+transformers'), the limit holds by vramd's own accounting, host memory stays flat, and limits
+that cannot work are refused with the numbers."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_models  # noqa: E402
+
+VRAMCTL = os.environ["VRAMCTL"]
+CASES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert"]  # llama3 and gpt2 tie their head
+
+
+@pytest.fixture(scope="module")
+def witnesses(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    return {(case, dtype): hf_models.make(case, dtype, out) for case in CASES for dtype in ("float32", "bfloat16")}
+
+
+def run(folder, tmp_path, vram="", repeat=1, expect_ok=True):
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model"}"\n{vram}')
+    output, stats = tmp_path / "out.safetensors", tmp_path / "stats.json"
+    result = subprocess.run([VRAMCTL, "run", config, "--daemon-config", tmp_path / "vramd.toml", "--input",
+                             folder / "inputs.safetensors", "--output", output, "--stats-json", stats,
+                             "--repeat", str(repeat)], capture_output=True, text=True, timeout=600)
+    if not expect_ok:
+        assert result.returncode != 0
+        return result.stderr
+    assert result.returncode == 0, result.stderr
+    return load_file(output), json.loads(stats.read_text())
+
+
+def streamed(limit):
+    return f'[vram]\noffload = {{ device = "disk" }}\nonload = {{ device = "disk" }}\nlimit = {limit}\n'
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", CASES)
+def test_streamed_outputs_equal_resident_ones_within_the_limit(witnesses, case, dtype, tmp_path):
+    folder = witnesses[case, dtype]
+    resident, _ = run(folder, tmp_path)
+    sizes = [t.numel() * t.element_size() for t in load_file(folder / "model" / "model.safetensors").values()]
+    limit = max(sum(sizes) // 3, max(sizes) * 5 // 4)  # a third of the model, or just over its largest layer
+    assert limit < sum(sizes) * 2 // 3
+    got, stats = run(folder, tmp_path, streamed(limit), repeat=3)
+    vram = stats["vram"]
+    assert vram["limit"] == limit and vram["peak"] <= limit, vram
+    assert vram["resident"] < vram["total"] and vram["loads"] > 0 and vram["bytes_streamed"] > 0, vram
+    assert vram["order_learned"] and vram["prefetched"] > 0, vram
+    assert got.keys() == resident.keys()
+    for name in got:
+        assert torch.equal(got[name], resident[name]), name  # same dtypes: bit-exact
+    expected = load_file(folder / "expected.safetensors")
+    for name in expected:  # and so transformers', within the parity tests' tolerance
+        scale = expected[name].float().abs().max()
+        assert ((got[name].float() - expected[name].float()).abs().max() / scale) <= 1.6e-2, name
+
+
+def test_the_largest_layer_must_fit(witnesses, tmp_path):
+    error = run(witnesses["llama", "float32"], tmp_path, streamed('"100KiB"'), expect_ok=False)
+    assert "vram.limit = 100.00 KiB cannot hold the largest layer (250.00 KiB in Float); raise it to at least that" in error
+
+
+def test_onload_on_the_computation_device_is_refused_when_it_cannot_fit(witnesses, tmp_path):
+    vram = '[vram]\noffload = { device = "disk" }\nonload = { device = "cpu" }\nlimit = "300KiB"\n'
+    error = run(witnesses["llama", "float32"], tmp_path, vram, expect_ok=False)
+    assert "vram.onload.device = cpu is the computation device" in error
+
+
+def test_a_limit_that_holds_everything_keeps_everything_resident(witnesses, tmp_path):
+    _, stats = run(witnesses["gpt2", "float32"], tmp_path, streamed('"64MiB"'), repeat=2)
+    assert stats["vram"]["resident"] == stats["vram"]["total"] and stats["vram"]["loads"] == 0
+
+
+def test_host_memory_stays_flat_over_hundreds_of_streamed_forwards(witnesses, tmp_path):
+    _, stats = run(witnesses["llama", "float32"], tmp_path, streamed('"300KiB"'), repeat=300)
+    assert stats["vram"]["loads"] >= 300 * 10
+    growth = stats["rss_end"] - stats["rss_after_first_forward"]
+    assert growth < 4 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over 300 streamed forwards"
