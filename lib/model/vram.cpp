@@ -321,7 +321,9 @@ uint64_t WeightManager::wake() {
 
 VramStats WeightManager::stats() const {
   std::lock_guard lock(mutex_);
-  return stats_;
+  VramStats now = stats_;
+  now.held = in_use_;
+  return now;
 }
 
 std::string WeightManager::describe() const {

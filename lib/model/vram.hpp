@@ -34,6 +34,7 @@ struct VramStats {
   uint64_t resident = 0;         // kept on the computation device
   uint64_t streaming = 0;        // the largest two streamed slots: room kept for them
   size_t slots = 0, resident_slots = 0;
+  uint64_t held = 0;             // bytes on the computation device now (resident and prefetched)
   uint64_t peak = 0;             // most bytes on the computation device at any moment
   uint64_t bytes_streamed = 0;   // brought in since load
   size_t loads = 0;              // streamed slot loads since load

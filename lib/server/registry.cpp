@@ -417,7 +417,8 @@ void Registry::pump(Entry& entry) {
     const bool needs_weights = job.kind == Job::Kind::Load || job.kind == Job::Kind::Onload || job.kind == Job::Kind::Forward;
     if (needs_weights && !resident) {
       const std::string& device = entry.config->vram.computation.device;
-      const uint64_t total = entry.dry->report.bytes;
+      const auto& limit = entry.config->vram.limit;  // a streamed model never holds more than its limit
+      const uint64_t total = limit ? std::min(*limit, entry.dry->report.bytes) : entry.dry->report.bytes;
       const uint64_t have = entry.bytes.count(device) ? entry.bytes[device] : 0;
       const uint64_t need = total - std::min(total, have);
       try {

@@ -7,6 +7,7 @@
 
 #include "convert/expr.hpp"
 #include "model/loader.hpp"
+#include "model/vram.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
@@ -99,6 +100,10 @@ bool Runtime::offloaded() const { return impl_->offloaded; }
 
 std::map<std::string, uint64_t> Runtime::bytes_by_device() const {
   std::map<std::string, uint64_t> bytes;
+  if (const auto& vram = impl_->loaded.vram) {  // streamed: what the manager holds, prefetched layers too
+    if (const uint64_t held = vram->stats().held) bytes[impl_->loaded.model->device().str()] = held;
+    return bytes;
+  }
   for (const auto* parameter : impl_->loaded.model->parameters()) {
     const at::Tensor& value = parameter->value;
     if (parameter->tied || !value.defined() || value.is_meta()) continue;

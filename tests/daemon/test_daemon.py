@@ -108,6 +108,25 @@ def test_daemon_forward_equals_vramctl_run_and_curl(daemon, tmp_path):
     assert all(torch.equal(run[k], served[k]) for k in run)
 
 
+def test_a_model_streamed_under_its_limit_serves_sleeps_and_wakes(tmp_path, checkpoints):
+    d = Daemon(tmp_path)
+    add_model(d, "gpt2", checkpoints["gpt2"] / "model")
+    add_model(d, "streamed", checkpoints["gpt2"] / "model",
+              '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\nlimit = "400KiB"')
+    with d.start():
+        inputs = load_file(checkpoints["gpt2"] / "inputs.safetensors")
+        resident = forward(d.sock, "gpt2", inputs)
+        streamed = forward(d.sock, "streamed", inputs)
+        assert all(torch.equal(streamed[k], resident[k]) for k in resident)
+        m = model(d.sock, "streamed")
+        assert m["devices"]["cpu"] < m["bytes"] and m["devices"]["cpu"] <= 400 << 10  # only the resident layers
+        slept = json.loads(request(d.sock, "POST", "/v1/models/streamed/offload")[1])
+        assert slept["state"] == "offloaded" and slept["devices"] == {}
+        again = forward(d.sock, "streamed", inputs)
+        assert all(torch.equal(again[k], resident[k]) for k in resident)
+        assert d.stop() == 0
+
+
 def test_streamed_load_progress(daemon):
     status, body = request(daemon.sock, "POST", "/v1/models/minilm/load?stream=true")
     lines = [json.loads(line) for line in body.decode().splitlines()]
