@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "client/client.hpp"
+#include "util/file.hpp"
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
@@ -58,10 +59,7 @@ double forward_seconds(vramd::client::Client& client, const std::string& model) 
 }
 
 int forward(const std::string& socket, const std::string& model, const std::string& input_path, int n) {
-  std::ifstream in(input_path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  const std::string input = buffer.str();
+  const std::string input = vramd::read_whole_file(input_path).value();
   vramd::client::Client client(socket);
   client.request("POST", "/v1/models/" + model + "/forward", input);  // loads, warms up
   const double compute_before = forward_seconds(client, model);

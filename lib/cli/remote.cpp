@@ -14,6 +14,7 @@
 #include "storage/safetensors_header.hpp"
 #include "storage/safetensors_writer.hpp"
 #include "util/error.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
 
 namespace vramd::cli {
@@ -143,14 +144,6 @@ std::string inputs_from_values(const std::vector<std::string>& values) {
   return storage::serialize_safetensors(tensors);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, "cannot read");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 class ProgressView {
  public:
   ProgressView(std::ostream& err, const std::string& model, bool enabled)
@@ -272,8 +265,9 @@ int remote(const std::string& command, const RemoteOptions& o, std::ostream& out
 
   if (command == "forward") {
     if (o.input.empty() == o.values.empty()) throw Error("give the inputs either with --input FILE or as name=values arguments");
-    const std::string body = o.input.empty() ? inputs_from_values(o.values) : read_file(o.input);
-    const auto response = client.request("POST", model_path + "/forward" + query, body);
+    const std::optional<std::string> body = o.input.empty() ? inputs_from_values(o.values) : read_whole_file(o.input);
+    if (!body) fail(o.input, "cannot read");
+    const auto response = client.request("POST", model_path + "/forward" + query, *body);
     if (response.status != 200) return refused(response);
     if (!o.output.empty()) {
       std::ofstream file(o.output, std::ios::binary);

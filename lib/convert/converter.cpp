@@ -4,11 +4,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <fstream>
-#include <sstream>
 #include <unordered_set>
 
 #include "util/error.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/sort.hpp"
 
@@ -352,11 +351,9 @@ void push_json(lua_State* L, const nlohmann::json& value) {
 }
 
 std::string read_script(const std::string& path) {
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream) fail(path, "cannot open the converter script");
-  std::ostringstream text;
-  text << stream.rdbuf();
-  return text.str();
+  auto text = read_whole_file(path);
+  if (!text) fail(path, "cannot open the converter script");
+  return std::move(*text);
 }
 
 }  // namespace

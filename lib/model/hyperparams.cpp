@@ -3,9 +3,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "util/error.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
 
 namespace vramd::model {
@@ -31,11 +31,9 @@ Json parse_object(const std::string& text, const std::string& origin) {
 }
 
 Json read_json_file(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) fail(path.string(), "cannot be read");
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse_object(text.str(), path.string());
+  const auto text = read_whole_file(path.string());
+  if (!text) fail(path.string(), "cannot be read");
+  return parse_object(*text, path.string());
 }
 
 // sentence-transformers keeps its pooling in modules.json and <module>/config.json.

@@ -161,7 +161,7 @@ class Daemon {
     Job job(action->second, exchange);
     if (auto it = request.query.find("keep_alive"); it != request.query.end()) {
       try {
-        registry_.set_keep_alive(*entry, config::parse_duration(it->second));
+        entry->keep_alive = config::parse_duration(it->second);  // until the config changes
       } catch (const Error& e) {
         return respond_error(*exchange, 400, "keep_alive=" + it->second + ": " + e.what());
       }

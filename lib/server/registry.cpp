@@ -2,13 +2,12 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "config/units.hpp"
 #include "model/loader.hpp"
 #include "server/reply.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
 
@@ -91,15 +90,13 @@ Registry::~Registry() = default;
 Registry::Validation Registry::validate(const std::string& file, const config::DaemonConfig& daemon) {
   Validation v;
   v.file = file;
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
+  auto text = read_whole_file(file);
+  if (!text) {
     v.exists = fs::exists(file);
     v.error = file + ": cannot read";
     return v;
   }
-  std::ostringstream text;
-  text << in.rdbuf();
-  v.text = text.str();
+  v.text = std::move(*text);
   try {
     auto config = config::load_model_config(file, daemon);
     v.dry = model::dry_run(config);
@@ -148,11 +145,8 @@ void Registry::scan(bool force, std::function<void()> done) {
   for (const auto& file : gone) apply(Validation::gone(file));
   for (const auto& file : files) {
     if (!force) {
-      std::ifstream in(file, std::ios::binary);
-      std::ostringstream text;
-      text << in.rdbuf();
       const auto known = std::find_if(entries_.begin(), entries_.end(), [&](auto& e) { return e.second->file == file; });
-      if (known != entries_.end() && known->second->text == text.str()) continue;
+      if (known != entries_.end() && known->second->text == read_whole_file(file).value_or("")) continue;
     }
     ++validations_in_flight_;
     validator_.run([this, file, daemon = config_] {
@@ -546,8 +540,8 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     log::warn(what + ": " + outcome.error);
   } else {
     switch (job.kind) {
-      case Job::Kind::Offload: entry.state = ModelState::Offloaded; entry.last_move = outcome.moved; break;
-      case Job::Kind::Onload: entry.state = ModelState::Ready; entry.last_move = outcome.moved; break;
+      case Job::Kind::Offload: entry.state = ModelState::Offloaded; break;
+      case Job::Kind::Onload: entry.state = ModelState::Ready; break;
       case Job::Kind::Unload: entry.state = ModelState::Unloaded; break;
       case Job::Kind::Forward:
         entry.state = ModelState::Ready;
@@ -567,7 +561,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
         if (was_loaded || entry.config->residency.preload) submit(entry, Job(Job::Kind::Load));
         break;
       }
-      case Job::Kind::Load: entry.state = ModelState::Ready; entry.last_move = outcome.moved; break;
+      case Job::Kind::Load: entry.state = ModelState::Ready; break;
     }
     if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
       log::info(what + ": " + format_bytes(outcome.moved.bytes) + " in " + std::to_string(outcome.moved.seconds) + " s");
@@ -638,10 +632,6 @@ void Registry::touch(Entry& entry) {
         }
       },
       static_cast<uint64_t>(entry.keep_alive->count()), 0);
-}
-
-void Registry::set_keep_alive(Entry& entry, std::optional<std::chrono::milliseconds> keep_alive) {
-  entry.keep_alive = keep_alive;
 }
 
 json Registry::entry_json(const Entry& e) const {

@@ -81,7 +81,6 @@ struct Entry {
 
   uint64_t forwards = 0, forward_errors = 0, loads = 0;
   double forward_seconds = 0, load_seconds = 0;
-  Moved last_move;
 };
 
 class Registry {
@@ -100,7 +99,6 @@ class Registry {
 
   // Requests; each answers its exchange.
   void submit(Entry& entry, Job job);
-  void set_keep_alive(Entry& entry, std::optional<std::chrono::milliseconds> keep_alive);
 
   // Budgets and use per device.
   nlohmann::json devices_json() const;
