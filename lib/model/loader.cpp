@@ -27,10 +27,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-c10::ScalarType torch_dtype(const std::string& name) {
-  return storage::scalar_type(convert::parse_dtype_name(name));
-}
-
 // "auto": the floating dtype that holds most of the checkpoint's bytes (bfloat16 for float8).
 c10::ScalarType dominant_dtype(const convert::ConversionPlan& plan) {
   std::map<storage::DType, uint64_t> bytes;
@@ -109,7 +105,7 @@ Prepared prepare(const config::ModelConfig& config) {
   }();
   report.printed = plan.printed;
   const std::string& dtype_name = config.vram.computation.dtype;
-  const c10::ScalarType dtype = dtype_name == "auto" ? dominant_dtype(plan) : torch_dtype(dtype_name);
+  const c10::ScalarType dtype = dtype_name == "auto" ? dominant_dtype(plan) : state_dtype(dtype_name, c10::kFloat);
   std::unique_ptr<Model> model;
   try {
     model = build_model(architecture, hyperparams, dtype);
@@ -185,6 +181,11 @@ Prepared prepare(const config::ModelConfig& config) {
 DryRun dry_run(const config::ModelConfig& config) {
   Prepared prepared = prepare(config);
   return {prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())), std::move(prepared.report)};
+}
+
+c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise) {
+  if (name.empty() || name == "auto") return otherwise;
+  return storage::scalar_type(convert::parse_dtype_name(name));
 }
 
 at::Tensor WeightSource::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
@@ -268,14 +269,13 @@ Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, c
     }
   } else {
     const c10::Device device(state.device);
-    const bool keep_dtype = state.dtype == "auto" || state.dtype.empty();
     if (released) {
-      const auto dtype = keep_dtype ? assignments.front().parameter->value.scalar_type() : torch_dtype(state.dtype);
+      const auto dtype = state_dtype(state.dtype, assignments.front().parameter->value.scalar_type());
       moved.bytes = materialise(*loaded.source, device, dtype, options, nullptr);
     } else {
       for (const auto& a : assignments) {
         at::Tensor& value = a.parameter->value;
-        const auto dtype = keep_dtype ? value.scalar_type() : torch_dtype(state.dtype);
+        const auto dtype = state_dtype(state.dtype, value.scalar_type());
         if (value.device() == device && value.scalar_type() == dtype) continue;
         value = value.to(device, dtype);
         moved.bytes += value.nbytes();

@@ -17,11 +17,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-c10::ScalarType dtype_named(const std::string& name, c10::ScalarType otherwise) {
-  if (name.empty() || name == "auto") return otherwise;
-  return storage::scalar_type(convert::parse_dtype_name(name));
-}
-
 }  // namespace
 
 struct WeightManager::Slot {
@@ -122,7 +117,7 @@ void WeightManager::materialise_plan() {
         if (!parameters[i].tied) parameters[i].value = slot->tensors[i];
     } else if (!onload_on_disk_) {
       const c10::Device device(onload.device);
-      const auto dtype = dtype_named(onload.dtype, dtype_);
+      const auto dtype = state_dtype(onload.dtype, dtype_);
       std::vector<at::Tensor> held;
       for (size_t i = 0; i < slot->parts.size(); ++i)
         if (slot->parts[i]) held.push_back(slot->held.empty() ? source_->read(*slot->parts[i], device, dtype, false)
@@ -291,7 +286,7 @@ uint64_t WeightManager::sleep(const config::DeviceState& state) {
     moved += slot->resident || slot->state == Slot::State::Ready ? slot->bytes : 0;
     if (state.device != "disk") {
       const c10::Device device(state.device);
-      const auto dtype = dtype_named(state.dtype, dtype_);
+      const auto dtype = state_dtype(state.dtype, dtype_);
       std::vector<at::Tensor> held;
       const auto& from = slot->resident ? slot->tensors : slot->held;
       if (!from.empty()) {

@@ -32,4 +32,7 @@ struct WeightSource {
   at::Tensor read(const Assignment& assignment, c10::Device device, c10::ScalarType dtype, bool views) const;
 };
 
+// A state's dtype by name; "auto" or none: `otherwise`.
+c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise);
+
 }  // namespace vramd::model
