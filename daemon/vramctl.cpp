@@ -71,6 +71,9 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--repeat", run.repeat, "Run the forward this many times (timings: first and median)")
       ->check(CLI::PositiveNumber);
   run_cmd->add_flag("--copy", run.copy, "Read weights into owned memory instead of mapping the checkpoint's pages");
+  run_cmd->add_option("--trace", run.trace,
+                      "With [vram] management: write each change of the weight bytes on the computation device "
+                      "during the last forward as JSON (bench/plot_vram.py draws it)");
   run_cmd->add_option("--threads", run.threads, "Intra-op threads (default: LibTorch's)")->check(CLI::NonNegativeNumber);
 
   // Commands served by the daemon.

@@ -85,10 +85,14 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     std::ofstream(options.stats_json) << stats.dump(2) << '\n';
   };
   if (options.input.empty()) return write_stats();
+  if (!options.trace.empty() && !loaded.vram)
+    fail(options.config, "--trace needs [vram] management (a [vram].limit, or a preparing dtype other than the computation's)");
 
   storage::NamedTensors outputs;
   std::vector<double> seconds;
-  for (int i = 0; i < std::max(options.repeat, 1); ++i) {
+  const int repeat = std::max(options.repeat, 1);
+  for (int i = 0; i < repeat; ++i) {
+    if (i == repeat - 1 && loaded.vram && !options.trace.empty()) loaded.vram->start_trace();
     const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode inference;
     try {
@@ -107,7 +111,13 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     stats["vram"] = {{"limit", v.limit}, {"total", v.total}, {"resident", v.resident}, {"streaming_room", v.streaming},
                      {"layers", v.slots}, {"resident_layers", v.resident_slots}, {"peak", v.peak},
                      {"bytes_streamed", v.bytes_streamed}, {"loads", v.loads}, {"prefetched", v.prefetched},
-                     {"wait_seconds", v.wait_seconds}, {"read_seconds", v.read_seconds}, {"order_learned", v.order_learned}};
+                     {"wait_seconds", v.wait_seconds}, {"read_seconds", v.read_seconds}, {"order_learned", v.order_learned},
+                     {"held", v.held}, {"staging", v.staging}, {"plan", loaded.vram->describe()}};
+    if (!options.trace.empty()) {
+      nlohmann::json events = nlohmann::json::array();
+      for (const auto& e : loaded.vram->take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});
+      std::ofstream(options.trace) << nlohmann::json{{"model", config.name}, {"limit", v.limit}, {"peak", v.peak}, {"events", events}}.dump() << '\n';
+    }
     if (options.stats) err << "vram: " << loaded.vram->describe() << "; " << v.loads << " streamed loads, "
                            << v.prefetched << " prefetched, waited " << ms(v.wait_seconds) << '\n';
   }

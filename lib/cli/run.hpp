@@ -18,6 +18,7 @@ struct RunOptions {
   int repeat = 1;             // forwards to run (timings report the first and the median)
   bool copy = false;          // read weights into owned memory rather than mapping the checkpoint
   int threads = 0;            // intra-op threads; 0: LibTorch's default
+  std::string trace;          // JSON of every change of the weight bytes on the computation device in the last forward
 };
 
 // Throws vramd::Error naming the config, checkpoint key or input at fault.

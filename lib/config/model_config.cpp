@@ -61,14 +61,21 @@ std::string budgets_text(const DaemonConfig& daemon) {
 
 void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string& base_dtype, VramConfig& vram) {
   // "auto": the checkpoint's own dtype, settled when the model loads.
-  vram.computation = {"cpu", one_of(base_dtype, kComputeDtypes) || base_dtype == "auto" ? base_dtype : "bfloat16"};
+  // A float8 model dtype: weights wait and rest in it, and are computed in bfloat16.
+  const bool float8 = !one_of(base_dtype, kComputeDtypes) && base_dtype != "auto";
+  vram.computation = {"cpu", float8 ? "bfloat16" : base_dtype};
+  const auto prepared = [&] { return DeviceState{vram.computation.device, float8 ? base_dtype : vram.computation.dtype}; };
   auto table = root.table("vram");
   if (!table) {
-    vram.preparing = vram.onload = vram.offload = vram.computation;
+    vram.preparing = vram.onload = vram.offload = prepared();
     return;
   }
   vram.computation = read_state(*table, "computation", vram.computation, false);
-  vram.preparing = read_state(*table, "preparing", vram.computation, false);
+  vram.preparing = read_state(*table, "preparing", prepared(), false);
+  if (vram.preparing.device != vram.computation.device)
+    table->bad_value("preparing", "preparing is where weights wait, ready, on the computation device (" +
+                                      vram.computation.device + "), not on " + vram.preparing.device +
+                                      "; weights that rest elsewhere belong in onload");
   vram.onload = read_state(*table, "onload", vram.preparing, true);
   vram.offload = read_state(*table, "offload", vram.onload, true);
   if (!one_of(vram.computation.dtype, kComputeDtypes) && vram.computation.dtype != "auto")

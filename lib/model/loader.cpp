@@ -196,6 +196,17 @@ at::Tensor WeightSource::read(const Assignment& a, c10::Device device, c10::Scal
   return device.is_cpu() ? value : value.to(device);
 }
 
+void WeightSource::read_into(const Assignment& a, at::Tensor& out) const {
+  if (a.expr->op == convert::Expr::Op::Source) {
+    const auto& info = map.at(a.expr->source);
+    if (storage::scalar_type(map, info) == out.scalar_type() && out.is_contiguous() && out.nbytes() == info.nbytes) {
+      map.read(info, {static_cast<std::byte*>(out.mutable_data_ptr()), info.nbytes});
+      return;
+    }
+  }
+  out.copy_(read(a, c10::kCPU, out.scalar_type(), false));
+}
+
 namespace {
 
 // Reads every assigned weight, one tensor at a time in checkpoint order, straight into `device`
@@ -234,7 +245,7 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
   const c10::Device device(config.vram.computation.device);
   const auto load_start = Clock::now();
   std::shared_ptr<WeightManager> vram;
-  if (config.vram.limit) {
+  if (config.vram.limit || state_dtype(config.vram.preparing.dtype, model->dtype()) != model->dtype()) {
     vram = std::make_shared<WeightManager>(*model, source, config);
     if (options.progress) {
       Progress done;
@@ -247,18 +258,15 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
   }
   model->set_device(device);
   report.load_seconds = seconds_since(load_start);
-  return {std::move(model), std::move(report), std::move(source), std::move(vram)};
+  return {std::move(model), std::move(report), std::move(source), std::move(vram), config.vram};
 }
 
+namespace {
+
+// Moves every weight of an unmanaged model to `state`; "auto" keeps each weight's dtype.
 Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, const LoadOptions& options) {
   const auto start = Clock::now();
   Transition moved;
-  if (loaded.vram) {
-    const bool wake = state.device == loaded.model->device().str() && state.dtype == convert::dtype_torch_name(storage::dtype_of(loaded.model->dtype()));
-    moved.bytes = wake ? loaded.vram->wake() : loaded.vram->sleep(state);
-    moved.seconds = seconds_since(start);
-    return moved;
-  }
   const auto& assignments = loaded.source->assignments;
   const bool released = !assignments.empty() && assignments.front().parameter->value.is_meta();
   if (state.device == "disk") {
@@ -281,10 +289,28 @@ Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, c
         moved.bytes += value.nbytes();
       }
     }
-    if (device.is_cpu() || device.is_cuda()) loaded.model->set_device(device);
   }
   moved.seconds = seconds_since(start);
   return moved;
+}
+
+}  // namespace
+
+Transition offload(LoadedModel& loaded) {
+  if (!loaded.vram) return move_weights(loaded, loaded.states.offload, {});
+  const auto start = Clock::now();
+  const uint64_t bytes = loaded.vram->sleep();
+  return {bytes, seconds_since(start)};
+}
+
+Transition onload(LoadedModel& loaded, const LoadOptions& options) {
+  if (!loaded.vram) {
+    const std::string dtype = convert::dtype_torch_name(storage::dtype_of(loaded.model->dtype()));
+    return move_weights(loaded, {loaded.states.computation.device, dtype}, options);
+  }
+  const auto start = Clock::now();
+  const uint64_t bytes = loaded.vram->wake();
+  return {bytes, seconds_since(start)};
 }
 
 }  // namespace vramd::model

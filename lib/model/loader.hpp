@@ -41,7 +41,8 @@ struct LoadedModel {
   std::unique_ptr<Model> model;
   LoadReport report;
   std::shared_ptr<WeightSource> source;  // for re-reading weights released to disk
-  std::shared_ptr<WeightManager> vram;   // with [vram].limit: weights streamed under it (model/vram.hpp)
+  std::shared_ptr<WeightManager> vram;   // with [vram].limit or a preparing dtype of its own (model/vram.hpp)
+  config::VramConfig states;             // the config's [vram] table
 };
 
 struct Transition {
@@ -57,10 +58,10 @@ class Cancelled : public Error {
 // Throws Error naming the config and every missing, unexpected or mismatched key at once.
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options = {});
 
-// Moves every weight of the model to `state`. Device "disk" releases the weights; moving from
-// there re-reads them from the checkpoint through the converter's expressions. Dtype "auto"
-// keeps the weights' current dtype. Whole-model sleep (to the offload state) and wake (to the
-// computation state) for the daemon.
-Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, const LoadOptions& options = {});
+// Whole-model sleep: every weight to the offload state ("disk" releases them; they are re-read
+// from the checkpoint through the converter's expressions when needed), the computation
+// device freed. Wake: back to how load_model left them. Each reports the bytes moved.
+Transition offload(LoadedModel& loaded);
+Transition onload(LoadedModel& loaded, const LoadOptions& options = {});
 
 }  // namespace vramd::model

@@ -1,13 +1,15 @@
 #include "model/vram.hpp"
 
+#include <ATen/ops/empty.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <algorithm>
-#include <chrono>
 #include <map>
 
-#include "convert/expr.hpp"
 #include "model/model.hpp"
 #include "model/weight_source.hpp"
-#include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -17,22 +19,32 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+std::string dtype_text(c10::ScalarType type) { return c10::toString(type); }
+
+// Waits for the copies queued on the calling thread's current stream of `device`.
+void synchronise(c10::Device device) {
+  if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+}
+
 }  // namespace
 
 struct WeightManager::Slot {
   Layer* layer = nullptr;
   std::vector<const Assignment*> parts;  // per parameter (a tied one: its leader's); null: never loaded
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;      // prepared, in the preparing dtype
+  uint64_t copy = 0;       // the computation copy while the op runs (0: preparing is computation)
   bool resident = false;
-  enum class State { Away, Loading, Ready, InUse } state = State::Away;
-  std::vector<at::Tensor> tensors;  // on the computation device while resident, Ready or InUse
-  std::vector<at::Tensor> held;     // copies in the onload (or, asleep, offload) state; empty: on disk
-  size_t position = 0;              // in order_
+  enum class State { Away, Loading, Ready, InUse } state = State::Away;  // streamed slots only
+  std::vector<at::Tensor> tensors;   // prepared; while Loading, the buffers to read into
+  std::vector<at::Tensor> computed;  // the computation copy while the op runs
+  std::vector<at::Tensor> held;      // copies in the onload (or, asleep, offload) state; empty: on disk
+  size_t position = 0;               // in order_
 };
 
 WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config)
     : model_(model), source_(std::move(source)), config_(config), device_(config.vram.computation.device),
-      dtype_(model.dtype()) {
+      dtype_(model.dtype()), prepared_dtype_(state_dtype(config.vram.preparing.dtype, model.dtype())),
+      limit_(config.vram.limit.value_or(UINT64_MAX)), pool_(device_.is_cpu()) {
   std::map<const Parameter*, const Assignment*> by_parameter;
   for (const auto& a : source_->assignments) by_parameter[a.parameter] = &a;
   for (const auto& layer : model.layers()) {
@@ -42,39 +54,47 @@ WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source,
       const Parameter* owner = parameter.tied ? parameter.tied : &parameter;
       auto it = by_parameter.find(owner);
       slot->parts.push_back(it == by_parameter.end() ? nullptr : it->second);
-      slot->bytes += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(dtype_);
+      slot->bytes += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(prepared_dtype_);
+      if (prepared_dtype_ != dtype_) slot->copy += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(dtype_);
     }
     slot->position = slots_.size();
     order_.push_back(slot.get());
     slots_.push_back(std::move(slot));
   }
 
-  // The plan: everything resident when it fits; else room to stream the largest slots, and the
-  // smallest slots resident in what is left.
-  const uint64_t limit = *config.vram.limit;
-  uint64_t total = 0, largest = 0;
+  // The plan: everything prepared when it fits with room for one computation copy; else room
+  // to stream the largest slots (with their copies), and the smallest slots resident in what
+  // is left.
+  uint64_t total = 0, largest = 0, largest_copy = 0;
+  const Slot* biggest = nullptr;
   for (const auto& slot : slots_) {
     total += slot->bytes;
-    largest = std::max(largest, slot->bytes);
+    largest_copy = std::max(largest_copy, slot->copy);
+    if (!biggest || slot->bytes + slot->copy > largest) biggest = slot.get(), largest = slot->bytes + slot->copy;
   }
-  stats_.limit = limit;
+  stats_.limit = config.vram.limit.value_or(0);
   stats_.total = total;
   stats_.slots = slots_.size();
-  if (total > limit && limit < largest)
-    fail(config.path, "vram.limit = " + format_bytes(limit) + " cannot hold the largest layer (" + format_bytes(largest) +
-                          " in " + std::string(c10::toString(dtype_)) + "); raise it to at least that");
+  const bool fits = total <= limit_ && largest_copy <= limit_ - total;
+  if (!fits && limit_ < largest)
+    fail(config.path, "vram.limit = " + format_bytes(limit_) + " cannot hold the largest layer (" +
+                          format_bytes(biggest->bytes) + " in " + dtype_text(prepared_dtype_) +
+                          (biggest->copy ? " plus its " + format_bytes(biggest->copy) + " copy in " + dtype_text(dtype_) +
+                                               " while it computes"
+                                         : "") +
+                          "); raise it to at least " + (biggest->copy ? format_bytes(largest) : "that"));
   const std::string& onload = config.vram.onload.device;
   onload_on_disk_ = onload == "disk";
-  if (total > limit && !onload_on_disk_ && c10::Device(onload) == device_)
+  if (!fits && !onload_on_disk_ && c10::Device(onload) == device_)
     fail(config.path, "vram.onload.device = " + onload + " is the computation device, so every weight would count against "
-                      "vram.limit (" + format_bytes(limit) + " < " + format_bytes(total) +
+                      "vram.limit (" + format_bytes(limit_) + " < " + format_bytes(total) +
                       "); use \"disk\" or another device for onload and offload");
-  stats_.streaming = total <= limit ? 0 : limit >= 3 * largest ? 2 * largest : largest;
+  stats_.streaming = fits ? largest_copy : limit_ >= 3 * largest ? 2 * largest : largest;
   std::vector<Slot*> by_size;
   for (const auto& slot : slots_) by_size.push_back(slot.get());
   std::stable_sort(by_size.begin(), by_size.end(), [](Slot* a, Slot* b) { return a->bytes < b->bytes; });
   for (Slot* slot : by_size) {
-    if (stats_.resident + slot->bytes > limit - stats_.streaming) break;
+    if (stats_.resident + slot->bytes > limit_ - stats_.streaming) break;
     slot->resident = true;
     stats_.resident += slot->bytes;
     stats_.resident_slots++;
@@ -94,37 +114,73 @@ WeightManager::~WeightManager() {
   for (const auto& layer : model_.layers()) layer->set_manager(nullptr);
 }
 
-std::vector<at::Tensor> WeightManager::read(const Slot& slot, bool to_device) const {
-  std::vector<at::Tensor> values;
+// The slot's weights on the computation device in the preparing dtype, read into `buffers`
+// where given (the rest freshly allocated). On CUDA, reads go through a pinned host buffer and
+// are copied on the calling thread's current stream, then waited for.
+std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at::Tensor> buffers) const {
+  buffers.resize(slot.parts.size());
+  const auto parameters = slot.layer->parameters();
   for (size_t i = 0; i < slot.parts.size(); ++i) {
     const Assignment* part = slot.parts[i];
     if (!part)
-      throw Error("layer " + quote(slot.layer->path()) + ": parameter " + quote(slot.layer->parameters()[i].name) +
-                  " was never loaded");
-    if (!slot.held.empty()) values.push_back(to_device ? slot.held[i].to(device_, dtype_) : slot.held[i]);
-    else values.push_back(source_->read(*part, to_device ? device_ : c10::Device(c10::kCPU), dtype_, false));
+      throw Error("layer " + quote(slot.layer->path()) + ": parameter " + quote(parameters[i].name) + " was never loaded");
+    at::Tensor& out = buffers[i];
+    if (!slot.held.empty()) {
+      if (out.defined()) out.copy_(slot.held[i]);
+      else out = slot.held[i].to(device_, prepared_dtype_, /*non_blocking=*/slot.held[i].is_pinned());
+    } else if (device_.is_cpu()) {
+      if (!out.defined()) out = at::empty(parameters[i].shape, at::TensorOptions().dtype(prepared_dtype_));
+      source_->read_into(*part, out);
+    } else {
+      std::lock_guard lock(staging_mutex_);
+      const int64_t nbytes = parameters[i].elements() * static_cast<int64_t>(c10::elementSize(prepared_dtype_));
+      if (!staging_.defined() || staging_.numel() < nbytes)
+        staging_ = at::empty({nbytes}, at::TensorOptions().dtype(c10::kByte).pinned_memory(true));
+      at::Tensor staged = staging_.narrow(0, 0, nbytes).view(prepared_dtype_).view(parameters[i].shape);
+      source_->read_into(*part, staged);
+      out = staged.to(device_, prepared_dtype_, /*non_blocking=*/true);
+      synchronise(device_);  // before the next read reuses the staging buffer
+    }
   }
-  return values;
+  synchronise(device_);
+  return buffers;
+}
+
+std::vector<at::Tensor> WeightManager::computation_copy(const std::vector<at::Tensor>& prepared,
+                                                        std::vector<at::Tensor> buffers) const {
+  buffers.resize(prepared.size());
+  for (size_t i = 0; i < prepared.size(); ++i) {
+    if (!buffers[i].defined()) buffers[i] = at::empty(prepared[i].sizes(), prepared[i].options().dtype(dtype_));
+    buffers[i].copy_(prepared[i]);
+  }
+  return buffers;
 }
 
 void WeightManager::materialise_plan() {
   const config::DeviceState& onload = config_.vram.onload;
+  const c10::Device onload_device = onload_on_disk_ ? device_ : c10::Device(onload.device);
+  const auto onload_dtype = state_dtype(onload.dtype, dtype_);
+  // Host copies of a CUDA model's streamed layers are pinned, so they copy asynchronously.
+  const bool pin = !device_.is_cpu() && onload_device.is_cpu();
   for (const auto& slot : slots_) {
     if (slot->resident) {
-      slot->tensors = read(*slot, true);
+      slot->tensors = prepare(*slot, {});
       auto parameters = slot->layer->parameters();
       for (size_t i = 0; i < parameters.size(); ++i)
         if (!parameters[i].tied) parameters[i].value = slot->tensors[i];
-    } else if (!onload_on_disk_) {
-      const c10::Device device(onload.device);
-      const auto dtype = state_dtype(onload.dtype, dtype_);
+      slot->held.clear();
+    } else if (onload_on_disk_) {
+      slot->held.clear();
+    } else {
       std::vector<at::Tensor> held;
-      for (size_t i = 0; i < slot->parts.size(); ++i)
-        if (slot->parts[i]) held.push_back(slot->held.empty() ? source_->read(*slot->parts[i], device, dtype, false)
-                                                             : slot->held[i].to(device, dtype));
+      for (size_t i = 0; i < slot->parts.size(); ++i) {
+        if (!slot->parts[i]) continue;
+        at::Tensor copy = slot->held.empty() ? source_->read(*slot->parts[i], onload_device, onload_dtype, false)
+                                             : slot->held[i].to(onload_device, onload_dtype);
+        held.push_back(pin ? copy.pin_memory() : copy);
+      }
       slot->held = std::move(held);
     }
-    if (slot->resident && onload_on_disk_) slot->held.clear();
   }
   std::lock_guard lock(mutex_);
   in_use_ = stats_.resident;
@@ -137,29 +193,76 @@ WeightManager::Slot& WeightManager::slot_of(const Layer& layer) {
   throw Error("layer " + quote(layer.path()) + " is not managed");
 }
 
-// Makes room for `bytes` more on the computation device: waits for loads under way and drops
-// prefetched slots the op does not need now, furthest ahead first.
+void WeightManager::note_locked(const Slot& slot, const char* kind) {
+  if (trace_start_ && trace_.size() < (1u << 20))
+    trace_.push_back({seconds_since(*trace_start_), in_use_, slot.layer, kind});
+}
+
+// Makes room for `bytes` more on the computation device: drops spare buffers, then (for an op
+// that needs them now) prefetched slots, furthest ahead first, then waits for loads under way.
+// A prefetch (`needed` null) neither evicts nor waits.
 bool WeightManager::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed) {
-  while (in_use_ + bytes > stats_.limit) {
+  while (in_use_ + bytes > limit_) {
+    if (!spares_.empty()) {
+      in_use_ -= spares_.back().nbytes();
+      stats_.staging -= spares_.back().nbytes();
+      spares_.pop_back();
+      continue;
+    }
+    if (!needed) return false;
     Slot* victim = nullptr;
-    for (auto it = order_.rbegin(); it != order_.rend(); ++it)
-      if (*it != needed && (*it)->state == Slot::State::Ready && !(*it)->resident) {
-        victim = *it;
-        break;
-      }
+    for (auto it = order_.rbegin(); it != order_.rend() && !victim; ++it)
+      if (*it != needed && (*it)->state == Slot::State::Ready && !(*it)->resident) victim = *it;
     if (victim) {
       victim->tensors.clear();
       victim->state = Slot::State::Away;
       in_use_ -= victim->bytes;
+      note_locked(*victim, "evict");
       continue;
     }
-    if (!needed) return false;  // a prefetch does not wait
     changed_.wait(lock);
     if (stopping_) return false;
   }
   in_use_ += bytes;
   stats_.peak = std::max(stats_.peak, in_use_);
   return true;
+}
+
+// Buffers for the slot's parameters in `dtype` (`bytes` in all): spares of the same shape first,
+// the rest reserved. Buffers left undefined are allocated by whoever fills them.
+bool WeightManager::claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype,
+                                 uint64_t bytes, std::vector<at::Tensor>& buffers, const Slot* needed) {
+  buffers.assign(slot.parts.size(), at::Tensor());
+  uint64_t taken = 0;
+  const auto parameters = slot.layer->parameters();
+  for (size_t i = 0; i < buffers.size() && !spares_.empty(); ++i) {
+    auto it = std::find_if(spares_.begin(), spares_.end(), [&](const at::Tensor& t) {
+      return t.scalar_type() == dtype && t.sizes() == c10::IntArrayRef(parameters[i].shape);
+    });
+    if (it == spares_.end()) continue;
+    taken += it->nbytes();
+    stats_.staging -= it->nbytes();
+    buffers[i] = std::move(*it);
+    spares_.erase(it);
+  }
+  if (reserve_locked(lock, bytes - taken, needed)) return true;
+  for (auto& buffer : buffers)
+    if (buffer.defined()) stats_.staging += buffer.nbytes(), spares_.push_back(std::move(buffer));
+  buffers.clear();
+  return false;
+}
+
+// Released weights become spares for the next streamed slots where nothing else holds them.
+void WeightManager::give_back_locked(std::vector<at::Tensor>& tensors) {
+  for (auto& tensor : tensors) {
+    if (pool_ && tensor.use_count() == 1 && tensor.storage().use_count() == 1) {
+      stats_.staging += tensor.nbytes();
+      spares_.push_back(std::move(tensor));
+    } else {
+      in_use_ -= tensor.nbytes();
+    }
+  }
+  tensors.clear();
 }
 
 std::vector<at::Tensor> WeightManager::acquire(const Layer& layer) {
@@ -178,53 +281,74 @@ std::vector<at::Tensor> WeightManager::acquire(const Layer& layer) {
       seen_.push_back(&slot);
     }
   }
-  if (slot.resident) return slot.tensors;
+  if (slot.resident && !slot.copy) return slot.tensors;
   const auto start = Clock::now();
-  if (slot.state == Slot::State::Ready) {
-    stats_.prefetched++;
-  } else if (slot.state == Slot::State::Loading) {
-    changed_.wait(lock, [&] { return slot.state != Slot::State::Loading; });
-    if (slot.state == Slot::State::Ready) stats_.prefetched++;
-  }
-  if (slot.state == Slot::State::Away) {
-    reserve_locked(lock, slot.bytes, &slot);
-    slot.state = Slot::State::Loading;
-    lock.unlock();
-    const auto read_start = Clock::now();
-    std::vector<at::Tensor> tensors;
-    try {
-      tensors = read(slot, true);
-    } catch (...) {
-      lock.lock();
-      slot.state = Slot::State::Away;
-      in_use_ -= slot.bytes;
-      throw;
+  if (!slot.resident) {
+    if (slot.state == Slot::State::Ready) {
+      stats_.prefetched++;
+    } else if (slot.state == Slot::State::Loading) {
+      changed_.wait(lock, [&] { return slot.state != Slot::State::Loading; });
+      if (slot.state == Slot::State::Ready) stats_.prefetched++;
     }
-    lock.lock();
-    stats_.read_seconds += seconds_since(read_start);
-    stats_.bytes_streamed += slot.bytes;
-    slot.tensors = std::move(tensors);
+    if (slot.state == Slot::State::Away) {
+      std::vector<at::Tensor> buffers;
+      claim_locked(lock, slot, prepared_dtype_, slot.bytes, buffers, &slot);
+      slot.state = Slot::State::Loading;
+      lock.unlock();
+      const auto read_start = Clock::now();
+      std::vector<at::Tensor> tensors;
+      try {
+        tensors = prepare(slot, std::move(buffers));
+      } catch (...) {
+        lock.lock();
+        slot.state = Slot::State::Away;
+        in_use_ -= slot.bytes;
+        throw;
+      }
+      lock.lock();
+      stats_.read_seconds += seconds_since(read_start);
+      stats_.bytes_streamed += slot.bytes;
+      slot.tensors = std::move(tensors);
+    }
+    stats_.loads++;
+    slot.state = Slot::State::InUse;
   }
-  stats_.loads++;
+  if (slot.copy) {
+    std::vector<at::Tensor> buffers;
+    claim_locked(lock, slot, dtype_, slot.copy, buffers, &slot);
+    lock.unlock();
+    auto computed = computation_copy(slot.tensors, std::move(buffers));  // slot.tensors stay while in use
+    lock.lock();
+    slot.computed = std::move(computed);
+  }
   stats_.wait_seconds += seconds_since(start);
-  slot.state = Slot::State::InUse;
-  auto tensors = slot.tensors;
+  note_locked(slot, "acquire");
+  auto tensors = slot.copy ? slot.computed : slot.tensors;
   lock.unlock();
-  prefetch_after(slot.position);
+  if (!device_.is_cpu()) {
+    // Prefetched weights were allocated on the copy stream: keep their memory from being reused
+    // before the ops queued on this thread's stream are done with it.
+    const auto stream = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+    for (const auto& t : tensors) c10::getDeviceAllocator(device_.type())->recordStream(t.storage().data_ptr(), stream);
+  }
+  if (!slot.resident) prefetch_after(slot.position);
   return tensors;
 }
 
 void WeightManager::release(const Layer& layer) {
   Slot& slot = slot_of(layer);
-  if (slot.resident) return;
+  if (slot.resident && !slot.copy) return;
   {
     std::lock_guard lock(mutex_);
-    slot.tensors.clear();
-    slot.state = Slot::State::Away;
-    in_use_ -= slot.bytes;
+    give_back_locked(slot.computed);
+    if (!slot.resident) {
+      give_back_locked(slot.tensors);
+      slot.state = Slot::State::Away;
+    }
+    note_locked(slot, "release");
   }
   changed_.notify_all();
-  prefetch_after(slot.position);
+  if (!slot.resident) prefetch_after(slot.position);
 }
 
 // Queues the streamed slots after `position` (wrapping into the next forward) while they fit.
@@ -233,12 +357,12 @@ void WeightManager::prefetch_after(size_t position) {
   const size_t n = order_.size();
   for (size_t step = 1; step < n; ++step) {
     Slot* next = order_[(position + step) % n];
-    if (next->resident) continue;
-    if (next->state != Slot::State::Away) continue;
-    if (in_use_ + next->bytes > stats_.limit) break;  // in order: never skip ahead of one that waits
-    in_use_ += next->bytes;
-    stats_.peak = std::max(stats_.peak, in_use_);
+    if (next->resident || next->state != Slot::State::Away) continue;
+    std::vector<at::Tensor> buffers;
+    if (!claim_locked(lock, *next, prepared_dtype_, next->bytes, buffers, nullptr)) break;  // never skip ahead
+    next->tensors = std::move(buffers);
     next->state = Slot::State::Loading;
+    note_locked(*next, "prefetch");
     prefetch_queue_.push_back(next);
   }
   lock.unlock();
@@ -246,18 +370,22 @@ void WeightManager::prefetch_after(size_t position) {
 }
 
 void WeightManager::prefetch_loop() {
+  // On CUDA, copies run on a stream of their own, beside the ops on the computation stream.
+  std::optional<c10::StreamGuard> copy_stream;
+  if (!device_.is_cpu()) copy_stream.emplace(c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_));
   std::unique_lock lock(mutex_);
   for (;;) {
     changed_.wait(lock, [&] { return stopping_ || !prefetch_queue_.empty(); });
     if (stopping_) return;
     Slot* slot = prefetch_queue_.front();
     prefetch_queue_.erase(prefetch_queue_.begin());
+    std::vector<at::Tensor> buffers = std::move(slot->tensors);
     lock.unlock();
     const auto start = Clock::now();
     std::vector<at::Tensor> tensors;
     bool ok = true;
     try {
-      tensors = read(*slot, true);
+      tensors = prepare(*slot, std::move(buffers));
     } catch (...) {
       ok = false;  // the op that needs it reads it itself and reports the error
     }
@@ -267,7 +395,9 @@ void WeightManager::prefetch_loop() {
       stats_.bytes_streamed += slot->bytes;
       slot->tensors = std::move(tensors);
       slot->state = Slot::State::Ready;
+      note_locked(*slot, "ready");
     } else {
+      slot->tensors.clear();
       slot->state = Slot::State::Away;
       in_use_ -= slot->bytes;
     }
@@ -275,16 +405,18 @@ void WeightManager::prefetch_loop() {
   }
 }
 
-uint64_t WeightManager::sleep(const config::DeviceState& state) {
+uint64_t WeightManager::sleep() {
   std::unique_lock lock(mutex_);
   changed_.wait(lock, [&] {
     return prefetch_queue_.empty() &&
            std::none_of(slots_.begin(), slots_.end(), [](auto& s) { return s->state == Slot::State::Loading; });
   });
-  uint64_t moved = 0;
+  const config::DeviceState& state = config_.vram.offload;
+  const uint64_t freed = in_use_;
   for (const auto& slot : slots_) {
-    moved += slot->resident || slot->state == Slot::State::Ready ? slot->bytes : 0;
-    if (state.device != "disk") {
+    if (state.device == "disk") {
+      slot->held.clear();
+    } else {
       const c10::Device device(state.device);
       const auto dtype = state_dtype(state.dtype, dtype_);
       std::vector<at::Tensor> held;
@@ -296,22 +428,35 @@ uint64_t WeightManager::sleep(const config::DeviceState& state) {
           if (part) held.push_back(source_->read(*part, device, dtype, false));
       }
       slot->held = std::move(held);
-    } else {
-      slot->held.clear();
     }
     slot->tensors.clear();
+    slot->computed.clear();
     slot->state = Slot::State::Away;
     for (auto& parameter : slot->layer->parameters())
       if (!parameter.tied) parameter.value = at::empty(parameter.shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
   }
+  spares_.clear();
+  stats_.staging = 0;
   in_use_ = 0;
-  return moved;
+  return freed;
 }
 
 uint64_t WeightManager::wake() {
   materialise_plan();
   std::lock_guard lock(mutex_);
   return stats_.resident;
+}
+
+void WeightManager::start_trace() {
+  std::lock_guard lock(mutex_);
+  trace_.clear();
+  trace_start_ = Clock::now();
+}
+
+std::vector<VramEvent> WeightManager::take_trace() {
+  std::lock_guard lock(mutex_);
+  trace_start_.reset();
+  return std::move(trace_);
 }
 
 VramStats WeightManager::stats() const {
@@ -323,10 +468,13 @@ VramStats WeightManager::stats() const {
 
 std::string WeightManager::describe() const {
   const VramStats s = stats();
-  return std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
-         format_bytes(s.resident) + "), " + std::to_string(s.slots - s.resident_slots) + " streamed from " +
-         config_.vram.onload.device + " (" + format_bytes(s.total - s.resident) + ", room kept: " +
-         format_bytes(s.streaming) + "); limit " + format_bytes(s.limit) + ", peak " + format_bytes(s.peak);
+  std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
+                     format_bytes(s.resident) + " in " + dtype_text(prepared_dtype_) + ")";
+  if (s.resident_slots < s.slots)
+    text += ", " + std::to_string(s.slots - s.resident_slots) + " streamed from " + config_.vram.onload.device + " (" +
+            format_bytes(s.total - s.resident) + ")";
+  text += "; room kept: " + format_bytes(s.streaming) + (prepared_dtype_ != dtype_ ? ", computed in " + dtype_text(dtype_) : "");
+  return text + "; limit " + (s.limit ? format_bytes(s.limit) : std::string("none")) + ", peak " + format_bytes(s.peak);
 }
 
 }  // namespace vramd::model

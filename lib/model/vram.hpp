@@ -1,21 +1,30 @@
-// Layer-by-layer weight management under a byte limit (the model config's [vram] table).
+// Layer-by-layer weight management: the model config's [vram] table.
 //
-// Every weight-holding layer is a slot. The planner keeps as many small slots resident on the
-// computation device as the limit allows after leaving room to stream the two largest; the
-// rest rest in their onload state (disk: re-read from the checkpoint through the converter's
-// expressions, positioned reads of exactly their bytes; a device: copies held there in the
-// onload dtype) and are brought to the computation device when their op runs, then released.
-// A prefetch thread brings the next slots, in the order learned on the first forward, while
-// the current one computes, always within the limit. The limit is kept by this class's own
-// byte accounting: every byte of weights on the computation device is reserved here first.
+// Every weight-holding layer is a slot, and each slot's weights are in one of four states:
+// offload (where they rest while the model sleeps), onload (where streamed ones rest while it
+// is awake: disk, re-read from the checkpoint through the converter's expressions with
+// positioned reads of exactly their bytes, or copies on another device), preparing (on the
+// computation device, ready, in the preparing dtype, e.g. float8_e4m3fn) and computation (the
+// dtype the op runs in: a temporary copy while the op runs when it differs from preparing).
+//
+// Under a limit, the planner keeps as many small slots prepared on the computation device as
+// the limit allows after leaving room to stream the largest; the rest are brought there when
+// their op runs and released right after. A prefetch thread prepares the next slots, in the
+// order learned on the first forward, while the current one computes, always within the
+// limit. The limit is kept by this class's own byte accounting: every byte of weights on the
+// computation device (prepared slots, computation copies, staging buffers kept for reuse) is
+// reserved here first. Without a limit every slot stays prepared; a manager is then only
+// needed when the preparing dtype differs from the computation dtype.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,12 +38,13 @@ class Model;
 struct WeightSource;
 
 struct VramStats {
-  uint64_t limit = 0;
-  uint64_t total = 0;            // bytes of every slot in the computation dtype
-  uint64_t resident = 0;         // kept on the computation device
-  uint64_t streaming = 0;        // the largest two streamed slots: room kept for them
+  uint64_t limit = 0;            // 0: none
+  uint64_t total = 0;            // bytes of every slot prepared, plus one computation copy
+  uint64_t resident = 0;         // kept prepared on the computation device
+  uint64_t streaming = 0;        // room kept for streaming and computation copies
   size_t slots = 0, resident_slots = 0;
-  uint64_t held = 0;             // bytes on the computation device now (resident and prefetched)
+  uint64_t held = 0;             // bytes on the computation device now (all of the below)
+  uint64_t staging = 0;          // of those, buffers kept for reuse by the next streamed layers
   uint64_t peak = 0;             // most bytes on the computation device at any moment
   uint64_t bytes_streamed = 0;   // brought in since load
   size_t loads = 0;              // streamed slot loads since load
@@ -44,53 +54,80 @@ struct VramStats {
   bool order_learned = false;
 };
 
+// One change of the bytes on the computation device, for plotting a forward.
+struct VramEvent {
+  double seconds;  // since the trace began
+  uint64_t held;   // after the event
+  const Layer* layer;
+  const char* kind;  // "prefetch" (reserved), "ready", "acquire", "release", "evict"
+};
+
 class WeightManager {
  public:
-  // Plans, then materialises the resident slots (and onload copies). Throws Error naming the
+  // Plans, then prepares the resident slots (and onload copies). Throws Error naming the
   // config when the limit cannot hold the largest slot.
   WeightManager(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config);
   ~WeightManager();
   WeightManager(const WeightManager&) = delete;
   WeightManager& operator=(const WeightManager&) = delete;
 
-  // The layer's weights on the computation device, until release(). Called by Layer only.
+  // The layer's weights on the computation device in the computation dtype, until release().
+  // Called by Layer only.
   std::vector<at::Tensor> acquire(const Layer& layer);
   void release(const Layer& layer);
 
-  // Sleep: every weight released (to disk) or moved to `state`. Wake: the plan restored.
-  uint64_t sleep(const config::DeviceState& state);
+  // Sleep: every weight to the offload state (released when it is disk); the computation
+  // device holds nothing. Wake: the plan restored. Both return the bytes moved or read.
+  uint64_t sleep();
   uint64_t wake();
 
+  // Records every change of the held bytes from now on (replacing an earlier trace).
+  void start_trace();
+  std::vector<VramEvent> take_trace();
+
   VramStats stats() const;
-  std::string describe() const;  // the plan, one line per kind of placement
+  std::string describe() const;  // the plan, one line
 
  private:
   struct Slot;
   Slot& slot_of(const Layer& layer);
-  std::vector<at::Tensor> read(const Slot& slot, bool to_device) const;
+  std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
+  std::vector<at::Tensor> computation_copy(const std::vector<at::Tensor>& prepared, std::vector<at::Tensor> buffers) const;
   void materialise_plan();
   void prefetch_after(size_t position);
   void prefetch_loop();
   bool reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed);
+  bool claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype, uint64_t bytes,
+                    std::vector<at::Tensor>& buffers, const Slot* needed);
+  void give_back_locked(std::vector<at::Tensor>& tensors);
+  void note_locked(const Slot& slot, const char* kind);
 
   Model& model_;
   std::shared_ptr<WeightSource> source_;
   config::ModelConfig config_;
   c10::Device device_;
-  c10::ScalarType dtype_;
+  c10::ScalarType dtype_;            // computation
+  c10::ScalarType prepared_dtype_;   // preparing
+  uint64_t limit_;                   // UINT64_MAX without one
+  bool onload_on_disk_ = true;
+  bool pool_ = false;                // keep released buffers for reuse (CPU; CUDA's allocator does that itself)
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<Slot*> order_;        // execution order (learned on the first forward)
   std::vector<Slot*> seen_;         // the first forward's order as it happens
   bool learning_ = true;
-  bool onload_on_disk_ = true;
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  uint64_t in_use_ = 0;
+  uint64_t in_use_ = 0;              // every byte on the computation device, spares included
+  std::vector<at::Tensor> spares_;   // released buffers kept for reuse
   VramStats stats_;
   std::vector<Slot*> prefetch_queue_;
+  std::optional<std::chrono::steady_clock::time_point> trace_start_;
+  std::vector<VramEvent> trace_;
   bool stopping_ = false;
   std::thread prefetcher_;
+  mutable std::mutex staging_mutex_;  // CUDA: one pinned host buffer that reads go through
+  mutable at::Tensor staging_;
 };
 
 }  // namespace vramd::model

@@ -30,6 +30,9 @@ struct WeightSource {
   // One parameter's value, read with positioned reads into fresh memory (or, when `views`, as
   // a view of the file mapping where dtype and alignment allow), in `dtype` on `device`.
   at::Tensor read(const Assignment& assignment, c10::Device device, c10::ScalarType dtype, bool views) const;
+  // The same into `out` (contiguous, on the CPU, the parameter's shape, any dtype): a
+  // positioned read straight into it when the checkpoint already holds that dtype.
+  void read_into(const Assignment& assignment, at::Tensor& out) const;
 };
 
 // A state's dtype by name; "auto" or none: `otherwise`.

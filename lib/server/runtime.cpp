@@ -82,16 +82,14 @@ std::string Runtime::forward(std::string_view safetensors) {
 
 Moved Runtime::offload() {
   if (impl_->offloaded) return {};
-  const auto moved = model::move_weights(impl_->loaded, impl_->config.vram.offload);
+  const auto moved = model::offload(impl_->loaded);
   impl_->offloaded = true;
   return {moved.bytes, moved.seconds};
 }
 
 Moved Runtime::onload() {
   if (!impl_->offloaded) return {};
-  config::DeviceState computation = impl_->config.vram.computation;
-  computation.dtype = impl_->dtype;
-  const auto moved = model::move_weights(impl_->loaded, computation);
+  const auto moved = model::onload(impl_->loaded);
   impl_->offloaded = false;
   return {moved.bytes, moved.seconds};
 }

@@ -96,6 +96,26 @@ TEST_CASE("a minimal model config takes its name from the file and fills every s
   CHECK(config.residency.keep_alive == std::chrono::minutes(10));
 }
 
+TEST_CASE("a float8 model dtype makes weights wait and rest in it and compute in bfloat16") {
+  TempDir dir;
+  auto path = dir.write("f8.toml", "checkpoint = \"w\"\ndtype = \"float8_e5m2\"\n[vram]\ncomputation = { device = \"cuda:1\" }\n");
+  auto config = load_model_config(path, default_daemon_config());
+  CHECK(config.vram.computation.device == "cuda:1");
+  CHECK(config.vram.computation.dtype == "bfloat16");
+  for (const auto* state : {&config.vram.offload, &config.vram.onload, &config.vram.preparing}) {
+    CHECK(state->device == "cuda:1");
+    CHECK(state->dtype == "float8_e5m2");
+  }
+}
+
+TEST_CASE("preparing is on the computation device") {
+  TempDir dir;
+  auto path = dir.write("p.toml", "checkpoint = \"w\"\n[vram]\npreparing = { device = \"cuda:0\" }\n");
+  CHECK(problems_of(path, default_daemon_config()) ==
+        path + ":3:13: vram.preparing = {...}: preparing is where weights wait, ready, on the computation device (cpu), "
+               "not on cuda:0; weights that rest elsewhere belong in onload");
+}
+
 TEST_CASE("every mistake in a model config is reported with its line and column") {
   TempDir dir;
   auto path = dir.write("bad.toml", R"(name = "bad model"

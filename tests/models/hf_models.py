@@ -60,6 +60,15 @@ def inputs_for(config_class_name):
     return inputs
 
 
+def outputs(model, inputs):
+    """What vramd names its outputs, computed by transformers."""
+    with torch.no_grad():
+        output = model(**inputs)
+        if type(model).__name__ == "BertModel":
+            return {"last_hidden_state": output.last_hidden_state, "pooler_output": output.pooler_output}
+        return {"logits": output.logits, "last_hidden_state": model.base_model(**inputs).last_hidden_state}
+
+
 def make(case, dtype_name, out):
     config, model_class = CASES[case]()
     torch.manual_seed(0)
@@ -75,12 +84,7 @@ def make(case, dtype_name, out):
     # rotary frequencies in float32, which .to(bfloat16) above would round.
     model = model_class.from_pretrained(folder / "model", dtype=DTYPES[dtype_name]).eval()
     inputs = inputs_for(model_class.__name__)
-    with torch.no_grad():
-        output = model(**inputs)
-        if model_class.__name__ == "BertModel":
-            expected = {"last_hidden_state": output.last_hidden_state, "pooler_output": output.pooler_output}
-        else:
-            expected = {"logits": output.logits, "last_hidden_state": model.base_model(**inputs).last_hidden_state}
+    expected = outputs(model, inputs)
     save_file({k: v.contiguous() for k, v in inputs.items()}, folder / "inputs.safetensors")
     save_file({k: v.contiguous() for k, v in expected.items()}, folder / "expected.safetensors")
     return folder

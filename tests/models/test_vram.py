@@ -91,3 +91,69 @@ def test_host_memory_stays_flat_over_hundreds_of_streamed_forwards(witnesses, tm
     assert stats["vram"]["loads"] >= 300 * 10
     growth = stats["rss_end"] - stats["rss_after_first_forward"]
     assert growth < 4 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over 300 streamed forwards"
+
+
+def through_float8(case, folder, fp8):
+    """transformers' outputs with every weight rounded through `fp8` and computed in bfloat16:
+    what a model whose weights wait in float8 must give."""
+    from safetensors.torch import load_file as load
+    _, model_class = hf_models.CASES[case]()
+    model = model_class.from_pretrained(folder / "model", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(getattr(torch, fp8)).to(torch.bfloat16))
+    return hf_models.outputs(model, load(folder / "inputs.safetensors"))
+
+
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("case", ["llama3", "gpt2", "bert"])
+def test_float8_preparing_matches_transformers_rounded_through_float8(witnesses, case, fp8, tmp_path):
+    folder = witnesses[case, "bfloat16"]
+    # Weights wait in float8 and are computed in bfloat16: the model dtype says so for every state.
+    resident, stats = run(folder, tmp_path, f'dtype = "{fp8}"\n')
+    vram = stats["vram"]
+    assert vram["resident"] == vram["total"] and vram["limit"] == 0, vram
+    assert f"in Float8_{fp8.split('_', 1)[1]}" in vram["plan"] and "computed in BFloat16" in vram["plan"], vram["plan"]
+    expected = through_float8(case, folder, fp8)
+    for name in expected:
+        scale = expected[name].float().abs().max()
+        assert ((resident[name].float() - expected[name].float()).abs().max() / scale) <= 1.6e-2, name
+    # Less rounding, far from the float8 model: the rounding did happen.
+    plain = load_file(folder / "expected.safetensors")
+    name = next(iter(plain))
+    assert not torch.allclose(resident[name].float(), plain[name].float(), rtol=0, atol=1e-3)
+
+    # Streamed under a limit from disk, read and converted to float8 layer by layer: bit-exact.
+    sizes = [t.numel() for t in load_file(folder / "model" / "model.safetensors").values()]
+    limit = max(sum(sizes) // 3, max(sizes) * 3 * 5 // 4)  # float8 prepared plus its bfloat16 copy
+    vram_table = (f'[vram]\npreparing = {{ dtype = "{fp8}" }}\noffload = {{ device = "disk" }}\n'
+                  f'onload = {{ device = "disk" }}\nlimit = {limit}\n')
+    got, stats = run(folder, tmp_path, f'dtype = "bfloat16"\n{vram_table}', repeat=3)
+    vram = stats["vram"]
+    assert vram["peak"] <= limit and vram["resident"] < vram["total"] and vram["prefetched"] > 0, vram
+    for name in got:
+        assert torch.equal(got[name], resident[name]), name
+
+
+def test_a_limit_must_hold_the_largest_layer_and_its_computation_copy(witnesses, tmp_path):
+    vram = '[vram]\npreparing = { dtype = "float8_e4m3fn" }\nonload = { device = "disk" }\nlimit = "100KiB"\n'
+    error = run(witnesses["llama", "float32"], tmp_path, vram, expect_ok=False)
+    assert ("vram.limit = 100.00 KiB cannot hold the largest layer (62.50 KiB in Float8_e4m3fn plus its 250.00 KiB "
+            "copy in Float while it computes); raise it to at least 312.50 KiB") in error
+
+
+def test_the_trace_shows_every_change_of_the_held_bytes(witnesses, tmp_path):
+    folder = witnesses["llama", "float32"]
+    trace = tmp_path / "trace.json"
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
+    (tmp_path / "model.toml").write_text(f'checkpoint = "{folder / "model"}"\n{streamed(chr(34) + "400KiB" + chr(34))}')
+    subprocess.run([VRAMCTL, "run", tmp_path / "model.toml", "--daemon-config", tmp_path / "vramd.toml", "--input",
+                    folder / "inputs.safetensors", "--repeat", "2", "--trace", trace], check=True, capture_output=True)
+    t = json.loads(trace.read_text())
+    assert t["limit"] == 400 << 10 and 0 < t["peak"] <= t["limit"]
+    kinds = {e[3] for e in t["events"]}
+    assert {"acquire", "release", "prefetch", "ready"} <= kinds, kinds
+    assert all(e[1] <= t["limit"] for e in t["events"])
+    assert [e[0] for e in t["events"]] == sorted(e[0] for e in t["events"])
+    acquired = [e[2] for e in t["events"] if e[3] == "acquire"]
+    assert "model.embed_tokens" in acquired and "lm_head" in acquired
