@@ -1,11 +1,16 @@
 #include "model/vram.hpp"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <map>
 
 #include "model/model.hpp"
@@ -24,6 +29,20 @@ std::string dtype_text(c10::ScalarType type) { return c10::toString(type); }
 // Waits for the copies queued on the calling thread's current stream of `device`.
 void synchronise(c10::Device device) {
   if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+}
+
+// Streamed weights on the CPU live in memory mapped for them alone, unmapped when released: had
+// they come from malloc, freeing them (on another thread than the one that read them) would
+// leave the heap fragmented and host memory growing forward after forward.
+at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device) {
+  if (!device.is_cpu()) return at::empty(shape, at::TensorOptions().device(device).dtype(dtype));
+  size_t nbytes = c10::elementSize(dtype);
+  for (const int64_t n : shape) nbytes *= static_cast<size_t>(n);
+  if (nbytes == 0) return at::empty(shape, at::TensorOptions().dtype(dtype));
+  void* memory = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED) throw Error("cannot map " + format_bytes(nbytes) + " for streamed weights: " + std::strerror(errno));
+  madvise(memory, nbytes, MADV_HUGEPAGE);
+  return at::from_blob(memory, shape, [nbytes](void* p) { munmap(p, nbytes); }, at::TensorOptions().dtype(dtype));
 }
 
 }  // namespace
@@ -126,10 +145,11 @@ std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at:
       throw Error("layer " + quote(slot.layer->path()) + ": parameter " + quote(parameters[i].name) + " was never loaded");
     at::Tensor& out = buffers[i];
     if (!slot.held.empty()) {
+      if (!out.defined() && device_.is_cpu()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
       if (out.defined()) out.copy_(slot.held[i]);
       else out = slot.held[i].to(device_, prepared_dtype_, /*non_blocking=*/slot.held[i].is_pinned());
     } else if (device_.is_cpu()) {
-      if (!out.defined()) out = at::empty(parameters[i].shape, at::TensorOptions().dtype(prepared_dtype_));
+      if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
       source_->read_into(*part, out);
     } else {
       std::lock_guard lock(staging_mutex_);
@@ -150,7 +170,7 @@ std::vector<at::Tensor> WeightManager::computation_copy(const std::vector<at::Te
                                                         std::vector<at::Tensor> buffers) const {
   buffers.resize(prepared.size());
   for (size_t i = 0; i < prepared.size(); ++i) {
-    if (!buffers[i].defined()) buffers[i] = at::empty(prepared[i].sizes(), prepared[i].options().dtype(dtype_));
+    if (!buffers[i].defined()) buffers[i] = fresh_buffer(prepared[i].sizes(), dtype_, device_);
     buffers[i].copy_(prepared[i]);
   }
   return buffers;
@@ -228,7 +248,7 @@ bool WeightManager::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t 
   return true;
 }
 
-// Buffers for the slot's parameters in `dtype` (`bytes` in all): spares of the same shape first,
+// Buffers for the slot's parameters in `dtype` (`bytes` in all): spares of the same size first,
 // the rest reserved. Buffers left undefined are allocated by whoever fills them.
 bool WeightManager::claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype,
                                  uint64_t bytes, std::vector<at::Tensor>& buffers, const Slot* needed) {
@@ -236,13 +256,12 @@ bool WeightManager::claim_locked(std::unique_lock<std::mutex>& lock, const Slot&
   uint64_t taken = 0;
   const auto parameters = slot.layer->parameters();
   for (size_t i = 0; i < buffers.size() && !spares_.empty(); ++i) {
-    auto it = std::find_if(spares_.begin(), spares_.end(), [&](const at::Tensor& t) {
-      return t.scalar_type() == dtype && t.sizes() == c10::IntArrayRef(parameters[i].shape);
-    });
+    const auto nbytes = static_cast<int64_t>(parameters[i].elements() * c10::elementSize(dtype));
+    auto it = std::find_if(spares_.begin(), spares_.end(), [&](const at::Tensor& t) { return t.numel() == nbytes; });
     if (it == spares_.end()) continue;
-    taken += it->nbytes();
-    stats_.staging -= it->nbytes();
-    buffers[i] = std::move(*it);
+    taken += nbytes;
+    stats_.staging -= nbytes;
+    buffers[i] = it->view(dtype).view(parameters[i].shape);
     spares_.erase(it);
   }
   if (reserve_locked(lock, bytes - taken, needed)) return true;
@@ -257,7 +276,7 @@ void WeightManager::give_back_locked(std::vector<at::Tensor>& tensors) {
   for (auto& tensor : tensors) {
     if (pool_ && tensor.use_count() == 1 && tensor.storage().use_count() == 1) {
       stats_.staging += tensor.nbytes();
-      spares_.push_back(std::move(tensor));
+      spares_.push_back(tensor.view({-1}).view(c10::kByte));  // any slot of the same size can use it
     } else {
       in_use_ -= tensor.nbytes();
     }

@@ -119,7 +119,7 @@ class WeightManager {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   uint64_t in_use_ = 0;              // every byte on the computation device, spares included
-  std::vector<at::Tensor> spares_;   // released buffers kept for reuse
+  std::vector<at::Tensor> spares_;   // released buffers kept for reuse, as bytes
   VramStats stats_;
   std::vector<Slot*> prefetch_queue_;
   std::optional<std::chrono::steady_clock::time_point> trace_start_;
