@@ -208,7 +208,8 @@ int remote(const std::string& command, const RemoteOptions& o, std::ostream& out
       for (const auto& m : body["models"])
         out << "  " << std::left << std::setw(20) << m["name"].get<std::string>() << std::setw(11)
             << m["state"].get<std::string>() << std::right << devices_text(m["devices"])
-            << (m["busy"].get<bool>() ? "  (busy)" : "") << '\n';
+            << (m["busy"].get<bool>() ? "  (busy)" : "") << '\n'
+            << (m.contains("weights") ? "    " + m["weights"]["plan"].get<std::string>() + "\n" : "");
     } else {
       print_models(body["models"], out);
     }

@@ -112,13 +112,13 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
                      {"layers", v.slots}, {"resident_layers", v.resident_slots}, {"peak", v.peak},
                      {"bytes_streamed", v.bytes_streamed}, {"loads", v.loads}, {"prefetched", v.prefetched},
                      {"wait_seconds", v.wait_seconds}, {"read_seconds", v.read_seconds}, {"order_learned", v.order_learned},
-                     {"held", v.held}, {"staging", v.staging}, {"plan", loaded.vram->describe()}};
+                     {"held", v.held}, {"staging", v.staging}, {"plan", v.plan}};
     if (!options.trace.empty()) {
       nlohmann::json events = nlohmann::json::array();
       for (const auto& e : loaded.vram->take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});
       std::ofstream(options.trace) << nlohmann::json{{"model", config.name}, {"limit", v.limit}, {"peak", v.peak}, {"events", events}}.dump() << '\n';
     }
-    if (options.stats) err << "vram: " << loaded.vram->describe() << "; " << v.loads << " streamed loads, "
+    if (options.stats) err << "vram: " << v.plan << "; " << v.loads << " streamed loads, "
                            << v.prefetched << " prefetched, waited " << ms(v.wait_seconds) << '\n';
   }
   const double first = seconds.front();

@@ -479,14 +479,15 @@ std::vector<VramEvent> WeightManager::take_trace() {
 }
 
 VramStats WeightManager::stats() const {
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   VramStats now = stats_;
   now.held = in_use_;
+  lock.unlock();
+  now.plan = describe(now);
   return now;
 }
 
-std::string WeightManager::describe() const {
-  const VramStats s = stats();
+std::string WeightManager::describe(const VramStats& s) const {
   std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
                      format_bytes(s.resident) + " in " + dtype_text(prepared_dtype_) + ")";
   if (s.resident_slots < s.slots)

@@ -30,29 +30,13 @@
 #include <vector>
 
 #include "config/model_config.hpp"
+#include "model/vram_stats.hpp"
 
 namespace vramd::model {
 
 class Layer;
 class Model;
 struct WeightSource;
-
-struct VramStats {
-  uint64_t limit = 0;            // 0: none
-  uint64_t total = 0;            // bytes of every slot prepared, plus one computation copy
-  uint64_t resident = 0;         // kept prepared on the computation device
-  uint64_t streaming = 0;        // room kept for streaming and computation copies
-  size_t slots = 0, resident_slots = 0;
-  uint64_t held = 0;             // bytes on the computation device now (all of the below)
-  uint64_t staging = 0;          // of those, buffers kept for reuse by the next streamed layers
-  uint64_t peak = 0;             // most bytes on the computation device at any moment
-  uint64_t bytes_streamed = 0;   // brought in since load
-  size_t loads = 0;              // streamed slot loads since load
-  size_t prefetched = 0;         // of those, ready before their op asked
-  double wait_seconds = 0;       // time ops waited for their weights
-  double read_seconds = 0;       // time spent reading and converting streamed weights
-  bool order_learned = false;
-};
 
 // One change of the bytes on the computation device, for plotting a forward.
 struct VramEvent {
@@ -86,7 +70,6 @@ class WeightManager {
   std::vector<VramEvent> take_trace();
 
   VramStats stats() const;
-  std::string describe() const;  // the plan, one line
 
  private:
   struct Slot;
@@ -101,6 +84,7 @@ class WeightManager {
                     std::vector<at::Tensor>& buffers, const Slot* needed);
   void give_back_locked(std::vector<at::Tensor>& tensors);
   void note_locked(const Slot& slot, const char* kind);
+  std::string describe(const VramStats& stats) const;
 
   Model& model_;
   std::shared_ptr<WeightSource> source_;

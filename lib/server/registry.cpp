@@ -72,6 +72,7 @@ struct Registry::Validation {
 struct Registry::Outcome {
   std::shared_ptr<Runtime> runtime;
   std::map<std::string, uint64_t> bytes;
+  std::optional<model::VramStats> vram;
   bool loaded = false;     // the job loaded the model
   std::string load_error;  // loading failed (the model is then unloaded)
   bool cancelled = false;
@@ -503,7 +504,7 @@ void Registry::run_job(Entry& entry, Job job) {
       outcome->status = 500;
       outcome->error = error.what();
     }
-    if (runtime) outcome->bytes = runtime->bytes_by_device();
+    if (runtime) outcome->bytes = runtime->bytes_by_device(), outcome->vram = runtime->vram();
     outcome->runtime = std::move(runtime);
     mailbox_.post([this, e, shared_job, outcome] { finish_job(*e, std::move(*shared_job), *outcome); });
   });
@@ -514,6 +515,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   entry.reserved.clear();
   entry.runtime = outcome.runtime;
   entry.bytes = outcome.bytes;
+  entry.vram = outcome.vram;
   auto watchers = std::exchange(entry.load_watchers, {});
   entry.cancel.reset();
   const std::string what = std::string(kind_name(job.kind)) + " " + entry.name;
@@ -651,6 +653,12 @@ json Registry::entry_json(const Entry& e) const {
                  {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)}};
     j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
                       {"preload", c.residency.preload}};
+  }
+  if (e.vram && e.runtime) {
+    const auto& v = *e.vram;
+    j["weights"] = {{"plan", v.plan}, {"limit", v.limit ? json(v.limit) : json(nullptr)}, {"resident", v.resident},
+                    {"total", v.total}, {"held", v.held}, {"peak", v.peak}, {"loads", v.loads},
+                    {"prefetched", v.prefetched}, {"bytes_streamed", v.bytes_streamed}, {"wait_seconds", v.wait_seconds}};
   }
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
   j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));

@@ -110,6 +110,11 @@ std::map<std::string, uint64_t> Runtime::bytes_by_device() const {
   return bytes;
 }
 
+std::optional<model::VramStats> Runtime::vram() const {
+  if (!impl_->loaded.vram) return std::nullopt;
+  return impl_->loaded.vram->stats();
+}
+
 const model::LoadReport& Runtime::report() const { return impl_->loaded.report; }
 const std::string& Runtime::dtype() const { return impl_->dtype; }
 

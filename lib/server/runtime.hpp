@@ -7,11 +7,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "config/model_config.hpp"
 #include "model/dry_run.hpp"
+#include "model/vram_stats.hpp"
 #include "util/error.hpp"
 
 namespace vramd::server {
@@ -49,6 +51,8 @@ class Runtime {
 
   // Bytes of weights held on each device ("cpu", "cuda:0"); nothing for weights on disk.
   std::map<std::string, uint64_t> bytes_by_device() const;
+  // With [vram] management: the plan, the bytes held, the peak and the streaming counters.
+  std::optional<model::VramStats> vram() const;
   const model::LoadReport& report() const;
   const std::string& dtype() const;
 

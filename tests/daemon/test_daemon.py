@@ -120,6 +120,10 @@ def test_a_model_streamed_under_its_limit_serves_sleeps_and_wakes(tmp_path, chec
         assert all(torch.equal(streamed[k], resident[k]) for k in resident)
         m = model(d.sock, "streamed")
         assert m["devices"]["cpu"] < m["bytes"] and m["devices"]["cpu"] <= 400 << 10  # only the resident layers
+        w = m["weights"]  # the planner's view
+        assert w["limit"] == 400 << 10 and 0 < w["peak"] <= w["limit"] and w["resident"] < w["total"], w
+        assert w["loads"] > 0 and "streamed from disk" in w["plan"] and "limit 400.00 KiB" in w["plan"], w
+        assert "weights" not in model(d.sock, "gpt2")
         slept = json.loads(request(d.sock, "POST", "/v1/models/streamed/offload")[1])
         assert slept["state"] == "offloaded" and slept["devices"] == {}
         again = forward(d.sock, "streamed", inputs)

@@ -1,0 +1,28 @@
+// What the weight manager (model/vram.hpp) reports, without LibTorch, for the daemon's status.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace vramd::model {
+
+struct VramStats {
+  uint64_t limit = 0;            // 0: none
+  uint64_t total = 0;            // bytes of every slot prepared, plus one computation copy
+  uint64_t resident = 0;         // kept prepared on the computation device
+  uint64_t streaming = 0;        // room kept for streaming and computation copies
+  size_t slots = 0, resident_slots = 0;
+  uint64_t held = 0;             // bytes on the computation device now (all of the below)
+  uint64_t staging = 0;          // of those, buffers kept for reuse by the next streamed layers
+  uint64_t peak = 0;             // most bytes on the computation device at any moment
+  uint64_t bytes_streamed = 0;   // brought in since load
+  size_t loads = 0;              // streamed slot loads since load
+  size_t prefetched = 0;         // of those, ready before their op asked
+  double wait_seconds = 0;       // time ops waited for their weights
+  double read_seconds = 0;       // time spent reading and converting streamed weights
+  bool order_learned = false;
+  std::string plan;  // one line: what is resident, what streams from where, room, limit, peak
+};
+
+}  // namespace vramd::model
