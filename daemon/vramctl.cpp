@@ -8,6 +8,7 @@
 #include "cli/check.hpp"
 #include "cli/convert.hpp"
 #include "cli/inspect.hpp"
+#include "cli/plan.hpp"
 #include "cli/remote.hpp"
 #include "cli/run.hpp"
 
@@ -57,6 +58,17 @@ int main(int argc, char** argv) {
   add_daemon_config_option(convert_cmd, convert.daemon_config);
   convert_cmd->add_flag("--json", convert.json, "Print one JSON object");
   convert_cmd->add_option("--output", convert.output, "Evaluate every target and write them to this safetensors file");
+
+  vramd::cli::PlanOptions plan;
+  auto* plan_cmd = app.add_subcommand(
+      "plan", "Plan where a model's weights go across GPUs, host memory and disk under byte budgets, as accelerate would");
+  plan_cmd->add_option("config", plan.config, "Model config file")->required();
+  plan_cmd->add_option("--max-memory", plan.max_memory,
+                       "Budgets as DEVICE=SIZE,...: cuda:N, cpu and disk (no limit when left out), e.g. cuda:0=2GiB,cpu=8GiB")
+      ->required();
+  plan_cmd->add_option("--dtype", plan.dtype, "Size the weights in this dtype (default: the model's computation dtype)");
+  add_daemon_config_option(plan_cmd, plan.daemon_config);
+  plan_cmd->add_flag("--json", plan.json, "Print one JSON object");
 
   vramd::cli::RunOptions run;
   auto* run_cmd = app.add_subcommand(
@@ -111,6 +123,7 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) vramd::cli::inspect(inspect, std::cout, std::cerr);
     if (check_cmd->parsed()) return vramd::cli::check(check, std::cout, std::cerr) ? 1 : 0;
     if (convert_cmd->parsed()) vramd::cli::convert(convert, std::cout, std::cerr);
+    if (plan_cmd->parsed()) vramd::cli::plan(plan, std::cout, std::cerr);
     if (run_cmd->parsed()) vramd::cli::run(run, std::cout, std::cerr);
   } catch (const std::exception& error) {
     return report(app.get_subcommands().front()->get_name().c_str(), error);

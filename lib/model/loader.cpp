@@ -178,10 +178,13 @@ Prepared prepare(const config::ModelConfig& config) {
 
 }  // namespace
 
-DryRun dry_run(const config::ModelConfig& config) {
+DryModel dry_run_model(const config::ModelConfig& config) {
   Prepared prepared = prepare(config);
-  return {prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())), std::move(prepared.report)};
+  DryRun dry{prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())), std::move(prepared.report)};
+  return {std::move(dry), std::move(prepared.model)};
 }
+
+DryRun dry_run(const config::ModelConfig& config) { return dry_run_model(config).dry; }
 
 c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise) {
   if (name.empty() || name == "auto") return otherwise;

@@ -55,6 +55,14 @@ class Cancelled : public Error {
   using Error::Error;
 };
 
+// dry_run (model/dry_run.hpp), keeping the model it built on the meta device: names, shapes and
+// ties, no tensor data. For planning where the weights would go (vramctl plan).
+struct DryModel {
+  DryRun dry;
+  std::unique_ptr<Model> model;
+};
+DryModel dry_run_model(const config::ModelConfig& config);
+
 // Throws Error naming the config and every missing, unexpected or mismatched key at once.
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options = {});
 

@@ -1,0 +1,23 @@
+// `vramctl plan`: where a model's weights would go across GPUs, host memory and disk under
+// byte budgets (model/device_map.hpp), found from the model built on the meta device, reading
+// no tensor data.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+
+namespace vramd::cli {
+
+struct PlanOptions {
+  std::string config;
+  std::string daemon_config;  // as for check
+  std::string max_memory;     // "cuda:0=2GiB,cpu=8GiB"
+  std::string dtype;          // the planning dtype; empty: the model's (its computation dtype)
+  bool json = false;
+};
+
+// Prints the map: one row per unit (runs of blocks on one device collapsed), then each device's
+// total and reserve. Throws vramd::Error naming the option, config or key at fault.
+void plan(const PlanOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace vramd::cli
