@@ -8,13 +8,23 @@ computation device. Every contender runs in a fresh process on the same file, pa
   vramd streamed   [vram] offload = onload = disk, limit = size / 4
   accelerate disk  load_checkpoint_and_dispatch with the decoder layers on "disk" (its offload
                    folder of memory-mapped weights), everything else on the CPU
+  diffsynth disk   DiffSynth-Studio's enable_vram_management on the transformers model: every
+                   Linear, Embedding and RMSNorm wrapped, offload = onload = "disk" (its DiskMap
+                   over the checkpoint), preparing = computation = cpu bfloat16 (see
+                   diffsynth_contender for why its vram_limit is never consulted on the CPU).
+                   Optional: pip install --no-deps -r bench/requirements.txt
 
 Prints forward latency (median of the forwards after the first), peak RSS, RSS growth over the
 run, vramd's peak weight bytes on the computation device against its limit, and the overlap
 efficiency: streamed forward time over max(pure read time, pure compute time), where pure read
 time is reading the streamed bytes with positioned reads alone, measured in the same run.
+DiffSynth's peak weight bytes are counted from outside (see diffsynth_contender);
+--diffsynth-trace FILE writes its last forward in the format of `vramctl run --trace`, for
+bench/plot_vram.py.
 """
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -22,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +52,7 @@ def accelerate_contender(folder, tokens, forwards, offload_dir):
     import torch
     import accelerate
     import transformers
+    folder = Path(folder)
     config = transformers.AutoConfig.from_pretrained(folder)
     with accelerate.init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -61,7 +73,160 @@ def accelerate_contender(folder, tokens, forwards, offload_dir):
     return {"times": times, "peak_rss": status_bytes("VmHWM:"), "rss_growth": status_bytes("VmRSS:") - rss_first}
 
 
-def vramd_contender(folder, tokens, forwards, workdir, vram):
+DIFFSYNTH_MISSING = "diffsynth: not installed (pip install --no-deps -r bench/requirements.txt)"
+
+
+def import_diffsynth_vram():
+    """DiffSynth-Studio's VRAM management (diffsynth.core.vram.layers) from the installed package,
+    or None if it is not installed.
+
+    `import diffsynth` runs the package's __init__, which imports the whole library (pipelines,
+    data loaders, model downloads: torchvision, imageio, pandas, modelscope, cryptography, ...,
+    about 200 MB that the benchmark never uses). The vram modules themselves need only torch and
+    safetensors, so the two parent packages are registered as bare packages pointing at the
+    installed folders, and the installed diffsynth/core/vram/*.py and diffsynth/core/device/*.py
+    run unchanged.
+    """
+    import importlib
+    if "diffsynth.core.vram.layers" in sys.modules:
+        return sys.modules["diffsynth.core.vram.layers"]
+    spec = importlib.util.find_spec("diffsynth")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for name, sub in [("diffsynth", ()), ("diffsynth.core", ("core",))]:
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [os.path.join(location, *sub) for location in spec.submodule_search_locations]
+            package.__package__ = name
+            sys.modules[name] = package
+    return importlib.import_module("diffsynth.core.vram.layers")
+
+
+def diffsynth_contender(folder, tokens, forwards, limit, trace=False):
+    """DiffSynth-Studio's disk offload of the transformers model. Runs in its own process.
+
+    How it is applied (diffsynth 2.1.12, as its own loader `load_model` does for a disk offload):
+    the model is built with `skip_model_initialization` (parameters on meta), a `DiskMap` is
+    opened on the checkpoint, and `enable_vram_management(model, module_map, vram_config,
+    vram_limit, disk_map)` replaces every torch.nn.Linear by an AutoWrappedLinear and every
+    Embedding and LlamaRMSNorm by an AutoWrappedModule. With offload = onload = "disk" a wrapper
+    reads its weights through the DiskMap (safetensors `get_tensor`, then a clone) on each call
+    and drops them when the call returns; nothing stays loaded between calls.
+
+    vram_limit (GiB) is passed as a quarter of the model but never consulted here: DiffSynth reads
+    it only for layers in the "onload" state (its pipelines call onload() on every layer before
+    running a model), where each call first asks the device's used memory through
+    torch.<device>.mem_get_info, then keeps the layer resident ("preparing") while that is under
+    the limit. torch.cpu has no mem_get_info, so on a CPU computation device onload() plus a
+    limit fails, and onload() without a limit keeps every layer resident (no limit at all). The
+    layers are therefore left in the "offload" state: every call streams from disk, which is
+    what DiffSynth does on a GPU once its limit is reached (or with vram_limit=0), its lowest
+    setting.
+
+    Peak weight bytes on the computation device (the CPU, so the same memory as everything else):
+    DiffSynth does not count them, so they are counted from outside. A forward pre-hook and a
+    forward hook on every wrapper bracket its call; the bytes of the tensors the DiskMap returns
+    during the call are held from the read to the wrapper's return (AutoWrappedLinear's weights
+    are locals of its forward, AutoWrappedModule's a deep copy of the layer, both dropped then),
+    plus any parameter not on meta (none: every weight-holding module is wrapped). safetensors'
+    own tensor, which the DiskMap clones, lives a moment longer and is not counted.
+    """
+    import torch
+    import transformers
+    folder = Path(folder)
+    layers = import_diffsynth_vram()
+    from diffsynth.core.vram.disk_map import DiskMap
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with layers.skip_model_initialization():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    held = {"now": 0, "peak": 0, "read": 0}
+    calls = []  # bytes read by each wrapper call in progress (innermost last)
+    events = []
+    clock = {"start": time.perf_counter()}
+
+    class CountingDiskMap(DiskMap):
+        def __getitem__(self, name):
+            tensor = super().__getitem__(name)
+            nbytes = tensor.numel() * tensor.element_size()
+            held["read"] += nbytes
+            if calls:
+                calls[-1] += nbytes
+                held["now"] += nbytes
+                held["peak"] = max(held["peak"], held["now"])
+                if trace:
+                    events.append([time.perf_counter() - clock["start"], held["now"], name, "acquire"])
+            return tensor
+
+    disk_map = CountingDiskMap(str(folder / "model.safetensors"), "cpu")
+    module_map = {torch.nn.Linear: layers.AutoWrappedLinear, torch.nn.Embedding: layers.AutoWrappedModule,
+                  LlamaRMSNorm: layers.AutoWrappedModule}
+    vram_config = {"offload_dtype": "disk", "offload_device": "disk", "onload_dtype": "disk", "onload_device": "disk",
+                   "preparing_dtype": torch.bfloat16, "preparing_device": "cpu",
+                   "computation_dtype": torch.bfloat16, "computation_device": "cpu"}
+    model = layers.enable_vram_management(model, module_map, vram_config, vram_limit=limit / 2**30, disk_map=disk_map)
+
+    wrappers = [(name, m) for name, m in model.named_modules() if isinstance(m, layers.AutoTorchModule)]
+    assert all(m.disk_offload and m.state == 0 for _, m in wrappers), "every wrapper offloaded to disk"
+
+    def before(module, args, kwargs=None):
+        calls.append(0)
+
+    def after(name):
+        def hook(module, args, output):
+            nbytes = calls.pop()
+            held["now"] -= nbytes
+            if trace and nbytes:
+                events.append([time.perf_counter() - clock["start"], held["now"], name, "release"])
+        return hook
+    for name, m in wrappers:
+        m.register_forward_pre_hook(before)
+        m.register_forward_hook(after(name))
+    resident = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    held["now"] = held["peak"] = resident
+
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    times, rss_first = [], None
+    with torch.no_grad():
+        for i in range(forwards):
+            held["read"] = 0
+            del events[:]
+            clock["start"] = start = time.perf_counter()
+            model(input_ids=ids)
+            times.append(time.perf_counter() - start)
+            if i == 0:
+                rss_first = status_bytes("VmRSS:")
+    out = {"times": times, "peak_rss": status_bytes("VmHWM:"), "rss_growth": status_bytes("VmRSS:") - rss_first,
+           "peak_weights": held["peak"], "resident_weights": resident, "bytes_read_per_forward": held["read"],
+           "wrapped": {cls.__name__: sum(isinstance(m, cls) for _, m in wrappers)
+                       for cls in (layers.AutoWrappedLinear, layers.AutoWrappedModule)},
+           "version": importlib.metadata.version("diffsynth")}
+    if trace:
+        out["trace"] = {"limit": limit, "events": events}
+    return out
+
+
+def python_contender(function, *args):
+    """Runs bench/vram.py's `function(*args)` (arguments JSON values) in a fresh process: its result,
+    or None and the error's last line."""
+    script = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); import vram; "
+              f"print(json.dumps(vram.{function}(*json.loads({json.dumps(args)!r}))))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None, (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["forward_median_seconds"] = statistics.median(result["times"][1:] or result["times"])
+    return result, None
+
+
+def streamed_vram(limit):
+    """The [vram] section of the streamed contender (bench/plot_vram.py runs the same)."""
+    return f'[vram]\noffload = {{ device = "disk" }}\nonload = {{ device = "disk" }}\nlimit = {limit}\n'
+
+
+def vramd_contender(folder, tokens, forwards, workdir, vram, extra_args=()):
     import torch
     from safetensors.torch import save_file
     daemon_config = workdir / "vramd.toml"
@@ -73,17 +238,23 @@ def vramd_contender(folder, tokens, forwards, workdir, vram):
     times = []
     stats = workdir / "stats.json"
     subprocess.run([VRAMCTL, "run", config, "--daemon-config", daemon_config, "--input", inputs,
-                    "--stats-json", stats, "--repeat", str(forwards), "--copy"], check=True, capture_output=True)
+                    "--stats-json", stats, "--repeat", str(forwards), "--copy", *extra_args], check=True, capture_output=True)
     s = json.loads(stats.read_text())
     return s
 
 
 def pure_read_seconds(path, nbytes):
-    """Positioned reads of `nbytes` of the file into fresh memory, warm cache: the read bound."""
+    """Positioned reads of `nbytes` of the file into fresh memory, warm cache: the read bound.
+    Starts over at the beginning at the end of the file (more can be streamed per forward than
+    the file holds: a layer evicted and read again)."""
     fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
     start, done, chunk = time.perf_counter(), 0, 64 << 20
     while done < nbytes:
-        data = os.pread(fd, min(chunk, nbytes - done), 4096 + done)
+        offset = 4096 + done % (size - 4096)
+        data = os.pread(fd, min(chunk, nbytes - done, size - offset), offset)
+        if not data:
+            raise RuntimeError(f"{path}: nothing read at {offset}")
         done += len(data)
     os.close(fd)
     return time.perf_counter() - start
@@ -94,7 +265,9 @@ def main():
     parser.add_argument("--workdir", default="/tmp/vramd-bench")
     parser.add_argument("--forwards", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--only", default="")
+    parser.add_argument("--only", default="", help="run only the contenders whose name contains this")
+    parser.add_argument("--diffsynth-trace", default="",
+                        help="write DiffSynth's last forward as a trace (the format of vramctl run --trace)")
     args = parser.parse_args()
     folder = Path(args.workdir) / "llama1b"
     load_bench.make_checkpoint(folder)
@@ -105,9 +278,7 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        streamed = ('[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\n'
-                    f"limit = {limit}\n")
-        for name, vram in [("vramd resident", ""), ("vramd streamed", streamed)]:
+        for name, vram in [("vramd resident", ""), ("vramd streamed", streamed_vram(limit))]:
             if args.only and args.only not in name:
                 continue
             s = vramd_contender(folder, args.tokens, args.forwards, tmp, vram)
@@ -119,19 +290,33 @@ def main():
                      f"{s['vram']['prefetched']}/{s['vram']['loads']} loads prefetched" if "vram" in s else ""),
                   flush=True)
         if not args.only or "accelerate" in args.only:
-            script = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); import vram; "
-                      f"print(json.dumps(vram.accelerate_contender(__import__('pathlib').Path({str(folder)!r}), "
-                      f"{args.tokens}, {args.forwards}, {str(tmp / 'offload')!r})))")
-            out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-            if out.returncode == 0:
-                a = json.loads(out.stdout.strip().splitlines()[-1])
-                a["forward_median_seconds"] = statistics.median(a["times"][1:] or a["times"])
+            a, error = python_contender("accelerate_contender", str(folder), args.tokens, args.forwards, str(tmp / "offload"))
+            if a:
                 results["accelerate disk"] = a
                 print(f"accelerate disk: forward median {a['forward_median_seconds']:.2f} s (first {a['times'][0]:.2f} s), "
                       f"peak RSS {a['peak_rss'] / 2**30:.2f} GiB, RSS growth after the first forward "
                       f"{a['rss_growth'] / 2**20:.0f} MiB", flush=True)
             else:
-                print("accelerate disk: failed:", out.stderr.strip().splitlines()[-1])
+                print("accelerate disk: failed:", error)
+        if not args.only or "diffsynth" in args.only:
+            if importlib.util.find_spec("diffsynth") is None:
+                print(DIFFSYNTH_MISSING, flush=True)
+            else:
+                d, error = python_contender("diffsynth_contender", str(folder), args.tokens, args.forwards, limit,
+                                            bool(args.diffsynth_trace))
+                if d:
+                    results["diffsynth disk"] = d
+                    if args.diffsynth_trace:
+                        Path(args.diffsynth_trace).write_text(json.dumps(d.pop("trace")))
+                    print(f"diffsynth disk (diffsynth {d['version']}, offload = onload = disk, layers left offloaded, "
+                          f"vram_limit {limit / 2**30:.2f} GiB not consulted on the CPU): forward median "
+                          f"{d['forward_median_seconds']:.2f} s (first {d['times'][0]:.2f} s), "
+                          f"peak RSS {d['peak_rss'] / 2**30:.2f} GiB, RSS growth after the first forward "
+                          f"{d['rss_growth'] / 2**20:.0f} MiB, peak weights {d['peak_weights'] / 2**20:.0f} MiB "
+                          f"(counted from outside), {d['bytes_read_per_forward'] / 2**30:.2f} GiB read per forward",
+                          flush=True)
+                else:
+                    print("diffsynth disk: failed:", error)
 
     if "vramd streamed" in results and "vramd resident" in results:
         s = results["vramd streamed"]
@@ -140,10 +325,20 @@ def main():
         compute = results["vramd resident"]["forward_median_seconds"]
         print(f"overlap efficiency: streamed {s['forward_median_seconds']:.2f} s over max(read {read:.2f} s, "
               f"compute {compute:.2f} s) = {s['forward_median_seconds'] / max(read, compute):.2f}")
+    if "vramd streamed" in results:
+        s = results["vramd streamed"]
         if "accelerate disk" in results:
             print(f"vramd streamed against accelerate disk: "
                   f"{results['accelerate disk']['forward_median_seconds'] / s['forward_median_seconds']:.2f}x faster")
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "times"} for k, v in results.items()}))
+        if "diffsynth disk" in results:
+            print(f"vramd streamed against diffsynth disk: "
+                  f"{results['diffsynth disk']['forward_median_seconds'] / s['forward_median_seconds']:.2f}x faster")
+        peers = [results[k]["forward_median_seconds"] for k in ("accelerate disk", "diffsynth disk") if k in results]
+        if peers:
+            print(f"vramd streamed against the faster of diffsynth and accelerate: "
+                  f"{min(peers) / s['forward_median_seconds']:.2f}x faster"
+                  + ("" if len(peers) == 2 else " (only one of them ran)"))
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("times", "trace")} for k, v in results.items()}))
 
 
 if __name__ == "__main__":
