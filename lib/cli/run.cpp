@@ -1,6 +1,7 @@
 #include "cli/run.hpp"
 
 #include <ATen/Parallel.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
@@ -106,6 +107,14 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     if (i == 0) stats["rss_after_first_forward"] = rss();
   }
   stats["rss_end"] = rss();
+  if (model->device().is_cuda()) {
+    // Everything the forwards allocated on the GPU at their peak; less the weights, the activations.
+    const auto device = model->device();
+    const auto peak = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index()).allocated_bytes[0].peak;
+    stats["device_peak_allocated"] = peak;
+    if (loaded.vram) stats["activations_peak"] = std::max<int64_t>(0, peak - static_cast<int64_t>(loaded.vram->stats().peak));
+    if (options.stats) err << "device peak allocated " << format_bytes(static_cast<uint64_t>(peak)) << '\n';
+  }
   if (loaded.vram) {
     const auto v = loaded.vram->stats();
     stats["vram"] = {{"limit", v.limit}, {"total", v.total}, {"resident", v.resident}, {"streaming_room", v.streaming},
