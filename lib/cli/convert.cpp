@@ -44,10 +44,6 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
     name_width = std::max(name_width, target.size());
     shape_width = std::max(shape_width, format_shape(expr->shape).size());
   }
-  auto pad = [](std::string text, size_t width) {
-    text.resize(std::max(width, text.size()), ' ');
-    return text;
-  };
   for (const auto& [target, expr] : plan.tensors)
     out << "  " << pad(target, name_width) << "  " << pad(std::string(storage::dtype_name(expr->dtype)), 7) << "  "
         << pad(format_shape(expr->shape), shape_width) << "  = " << expr->describe() << '\n';

@@ -67,10 +67,6 @@ void print_text(const DiskMap& map, std::ostream& out) {
     name_width = std::max(name_width, t.name().size());
     shape_width = std::max(shape_width, format_shape(t.shape).size());
   }
-  auto pad = [](std::string text, size_t width) {
-    text.resize(std::max(width, text.size()), ' ');
-    return text;
-  };
   const bool several_files = map.files().size() > 1;
   out << "\ntensors: " << map.tensors().size() << "\n  " << pad("NAME", name_width) << "  "
       << pad("DTYPE", 7) << "  " << pad("SHAPE", shape_width) << "  "

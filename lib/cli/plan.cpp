@@ -90,16 +90,15 @@ void plan(const PlanOptions& options, std::ostream& out, std::ostream& err) {
   size_t name_width = 0, device_width = 0;
   for (const auto& row : rows) name_width = std::max(name_width, row.name.size());
   for (const auto& device : map.devices) device_width = std::max(device_width, device.device.size());
-  const auto padded = [](const std::string& text, size_t width) { return text + std::string(width - std::min(width, text.size()), ' '); };
   for (const auto& row : rows) {
-    out << "  " << padded(row.name, name_width) << " -> " << padded(row.device, device_width) << "  " << format_bytes(row.bytes);
+    out << "  " << pad(row.name, name_width) << " -> " << pad(row.device, device_width) << "  " << format_bytes(row.bytes);
     const auto layer = std::find_if(layers.begin(), layers.end(), [&](const auto& l) { return l.path == row.name; });
     if (layer != layers.end() && !layer->tied.empty()) out << " (shares its weights with " << layer->tied.front() << ", counted there)";
     out << '\n';
   }
   for (const auto& device : map.devices) {
     if (!device.budget && device.bytes == 0) continue;  // disk, unused and not given
-    out << padded(device.device + ":", device_width + 1) << "  " << format_bytes(device.bytes)
+    out << pad(device.device + ":", device_width + 1) << "  " << format_bytes(device.bytes)
         << (device.budget ? " of " + format_bytes(*device.budget) : " (no limit)");
     if (device.reserved) out << ", " << format_bytes(device.reserved) << " kept free to bring in offloaded units";
     out << '\n';

@@ -19,6 +19,11 @@ std::string format_bytes(uint64_t bytes) {
   return text;
 }
 
+std::string pad(std::string text, size_t width) {
+  text.resize(std::max(width, text.size()), ' ');
+  return text;
+}
+
 std::string format_shape(std::span<const int64_t> shape) {
   std::string text = "[";
   for (size_t i = 0; i < shape.size(); ++i) {

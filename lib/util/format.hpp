@@ -15,6 +15,9 @@ std::string format_bytes(uint64_t bytes);
 // "[2, 3, 4]"
 std::string format_shape(std::span<const int64_t> shape);
 
+// `text` followed by spaces up to `width` characters (unchanged when it is already as wide), for columns.
+std::string pad(std::string text, size_t width);
+
 // The lines of a multi-line message, without their newlines.
 std::vector<std::string> split_lines(std::string_view text);
 

@@ -96,13 +96,12 @@ def test_host_memory_stays_flat_over_hundreds_of_streamed_forwards(witnesses, tm
 def through_float8(case, folder, fp8):
     """transformers' outputs with every weight rounded through `fp8` and computed in bfloat16:
     what a model whose weights wait in float8 must give."""
-    from safetensors.torch import load_file as load
     _, model_class = hf_models.CASES[case]()
     model = model_class.from_pretrained(folder / "model", dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(parameter.to(getattr(torch, fp8)).to(torch.bfloat16))
-    return hf_models.outputs(model, load(folder / "inputs.safetensors"))
+    return hf_models.outputs(model, load_file(folder / "inputs.safetensors"))
 
 
 @pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
