@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 
@@ -11,6 +12,8 @@
 #include "cli/plan.hpp"
 #include "cli/remote.hpp"
 #include "cli/run.hpp"
+#include "dist/launch.hpp"
+#include "util/error.hpp"
 
 namespace {
 
@@ -18,7 +21,9 @@ namespace {
 int report(const char* command, const std::exception& error) {
   std::string message = error.what();
   std::replace(message.begin(), message.end(), '\n', ' ');
-  std::cerr << "vramctl " << command << ": " << message << '\n';
+  const char* rank = std::getenv("RANK");  // one of a group's ranks (vramctl run --ranks, torchrun)
+  const std::string who = rank && std::getenv("WORLD_SIZE") ? std::string(" (rank ") + rank + ")" : "";
+  std::cerr << "vramctl " << command << who << ": " << message << '\n';
   return 1;
 }
 
@@ -86,7 +91,13 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--trace", run.trace,
                       "With [vram] management: write each change of the weight bytes on the computation device "
                       "during the last forward as JSON (bench/plot_vram.py draws it)");
-  run_cmd->add_option("--threads", run.threads, "Intra-op threads (default: LibTorch's)")->check(CLI::NonNegativeNumber);
+  run_cmd->add_option("--threads", run.threads, "Intra-op threads (default: LibTorch's; with several ranks here, the cores divided among them)")
+      ->check(CLI::NonNegativeNumber);
+  int ranks = 1;
+  run_cmd->add_option("--ranks", ranks,
+                      "Run as a group of this many processes on this machine (for a config with [partition]); "
+                      "ranks started by torchrun (RANK, WORLD_SIZE, ...) need no flag")
+      ->check(CLI::Range(1, 256));
 
   // Commands served by the daemon.
   vramd::cli::RemoteOptions remote;
@@ -124,7 +135,21 @@ int main(int argc, char** argv) {
     if (check_cmd->parsed()) return vramd::cli::check(check, std::cout, std::cerr) ? 1 : 0;
     if (convert_cmd->parsed()) vramd::cli::convert(convert, std::cout, std::cerr);
     if (plan_cmd->parsed()) vramd::cli::plan(plan, std::cout, std::cerr);
-    if (run_cmd->parsed()) vramd::cli::run(run, std::cout, std::cerr);
+    if (run_cmd->parsed()) {
+      if (ranks == 1 || std::getenv("WORLD_SIZE")) {
+        vramd::cli::run(run, std::cout, std::cerr);
+        return 0;
+      }
+      const auto group = vramd::dist::start_local_ranks(ranks, std::vector<std::string>(argv, argv + argc));
+      try {
+        vramd::cli::run(run, std::cout, std::cerr);
+      } catch (...) {
+        vramd::dist::stop_local_ranks(group);
+        throw;
+      }
+      const auto failed = vramd::dist::wait_local_ranks(group);
+      if (!failed.empty()) throw vramd::Error(failed.front());
+    }
   } catch (const std::exception& error) {
     return report(app.get_subcommands().front()->get_name().c_str(), error);
   }

@@ -11,10 +11,15 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <sstream>
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
 #include "convert/expr.hpp"
+#include "dist/communicator.hpp"
+#include "dist/group.hpp"
+#include "dist/launch.hpp"
+#include "model/partition.hpp"
 #include "model/loader.hpp"
 #include "model/vram.hpp"
 #include "storage/disk_map.hpp"
@@ -51,26 +56,48 @@ std::string ms(double seconds) {
   return text;
 }
 
+// Every rank's peak memory and weight bytes, gathered to all of them.
+nlohmann::json rank_figures(model::PartitionedWeights& partition) {
+  auto& communicator = partition.communicator();
+  const auto v = partition.stats();
+  const auto rss_peaks = communicator.all_gather_values(static_cast<int64_t>(peak_rss()), "reporting");
+  const auto weight_peaks = communicator.all_gather_values(static_cast<int64_t>(v.peak), "reporting");
+  const auto slices = communicator.all_gather_values(static_cast<int64_t>(partition.slice_bytes()), "reporting");
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < communicator.size(); ++r)
+    ranks.push_back({{"rank", r}, {"peak_rss", rss_peaks[r]}, {"peak_weights", weight_peaks[r]}, {"slices", slices[r]}});
+  return ranks;
+}
+
 }  // namespace
 
 void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   if (options.threads > 0) at::set_num_threads(options.threads);
+  else if (const int threads = dist::threads_per_local_rank()) at::set_num_threads(threads);
   const auto config = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   const storage::NamedTensors inputs = options.input.empty() ? storage::NamedTensors{} : read_inputs(options.input);
 
   const uint64_t rss_before = peak_rss();
   model::LoadOptions load_options;
   load_options.zero_copy = !options.copy;
+  if (const auto group = dist::options_from_environment(); group && group->world_size > 1) {
+    load_options.group = dist::Group::join(*group);
+    load_options.partition_name = "run/" + config.name;
+  }
   auto loaded = model::load_model(config, load_options);
   auto& model = loaded.model;
   auto& report = loaded.report;
   const uint64_t rss_loaded = peak_rss();
-  for (const auto& warning : report.warnings) err << "warning: " << warning << '\n';
-  for (const auto& line : report.printed) err << "print: " << line << '\n';
-  for (const auto& name : report.missing) err << "warning: missing from the checkpoint (strict = false; the parameter stays empty): " << name << '\n';
-  for (const auto& name : report.unexpected) err << "warning: unexpected checkpoint tensor (not used): " << name << '\n';
+  // Of a group, only rank 0 prints and writes; every rank runs the same forwards.
+  const bool lead = !load_options.group || load_options.group->rank() == 0;
+  std::ostringstream discard;
+  std::ostream& log = lead ? err : discard;
+  for (const auto& warning : report.warnings) log << "warning: " << warning << '\n';
+  for (const auto& line : report.printed) log << "print: " << line << '\n';
+  for (const auto& name : report.missing) log << "warning: missing from the checkpoint (strict = false; the parameter stays empty): " << name << '\n';
+  for (const auto& name : report.unexpected) log << "warning: unexpected checkpoint tensor (not used): " << name << '\n';
   if (options.stats)
-    err << "loaded " << config.name << " (" << model->architecture() << ", " << convert::dtype_torch_name(storage::dtype_of(model->dtype())) << ", "
+    log << "loaded " << config.name << " (" << model->architecture() << ", " << convert::dtype_torch_name(storage::dtype_of(model->dtype())) << ", "
         << model->device() << "): " << report.tensors << " tensors, " << format_bytes(report.bytes) << " ("
         << report.zero_copy << " mapped without a copy); plan " << ms(report.plan_seconds) << ", load "
         << ms(report.load_seconds) << "; peak RSS " << format_bytes(rss_loaded) << " (+"
@@ -82,12 +109,14 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
                           {"load_seconds", report.load_seconds}, {"peak_rss_before_load", rss_before},
                           {"peak_rss_loaded", rss_loaded}};
   const auto write_stats = [&] {
-    if (options.stats_json.empty()) return;
+    if (loaded.partition) stats["ranks"] = rank_figures(*loaded.partition);
+    if (options.stats_json.empty() || !lead) return;
     std::ofstream(options.stats_json) << stats.dump(2) << '\n';
   };
   if (options.input.empty()) return write_stats();
   if (!options.trace.empty() && !loaded.vram)
-    fail(options.config, "--trace needs [vram] management (a [vram].limit, or a preparing dtype other than the computation's)");
+    fail(options.config, "--trace needs [vram] management without [partition] (a [vram].limit, or a preparing dtype "
+                         "other than the computation's)");
 
   storage::NamedTensors outputs;
   std::vector<double> seconds;
@@ -113,21 +142,21 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     const auto peak = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index()).allocated_bytes[0].peak;
     stats["device_peak_allocated"] = peak;
     if (loaded.vram) stats["activations_peak"] = std::max<int64_t>(0, peak - static_cast<int64_t>(loaded.vram->stats().peak));
-    if (options.stats) err << "device peak allocated " << format_bytes(static_cast<uint64_t>(peak)) << '\n';
+    if (options.stats) log << "device peak allocated " << format_bytes(static_cast<uint64_t>(peak)) << '\n';
   }
-  if (loaded.vram) {
-    const auto v = loaded.vram->stats();
+  if (loaded.vram || loaded.partition) {
+    const auto v = loaded.vram ? loaded.vram->stats() : loaded.partition->stats();
     stats["vram"] = {{"limit", v.limit}, {"total", v.total}, {"resident", v.resident}, {"streaming_room", v.streaming},
                      {"layers", v.slots}, {"resident_layers", v.resident_slots}, {"peak", v.peak},
                      {"bytes_streamed", v.bytes_streamed}, {"loads", v.loads}, {"prefetched", v.prefetched},
                      {"wait_seconds", v.wait_seconds}, {"read_seconds", v.read_seconds}, {"order_learned", v.order_learned},
                      {"held", v.held}, {"staging", v.staging}, {"plan", v.plan}};
-    if (!options.trace.empty()) {
+    if (!options.trace.empty() && loaded.vram) {
       nlohmann::json events = nlohmann::json::array();
       for (const auto& e : loaded.vram->take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});
       std::ofstream(options.trace) << nlohmann::json{{"model", config.name}, {"limit", v.limit}, {"peak", v.peak}, {"events", events}}.dump() << '\n';
     }
-    if (options.stats) err << "vram: " << v.plan << "; " << v.loads << " streamed loads, "
+    if (options.stats) log << "vram: " << v.plan << "; " << v.loads << " streamed loads, "
                            << v.prefetched << " prefetched, waited " << ms(v.wait_seconds) << '\n';
   }
   const double first = seconds.front();
@@ -138,9 +167,10 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   stats["forwards"] = seconds.size();
   stats["peak_rss"] = peak_rss();
   if (options.stats)
-    err << "forward " << ms(first) << " (median of " << seconds.size() << ": " << ms(median)
+    log << "forward " << ms(first) << " (median of " << seconds.size() << ": " << ms(median)
         << "); peak RSS " << format_bytes(peak_rss()) << '\n';
   write_stats();
+  if (!lead) return;
 
   if (!options.output.empty()) {
     storage::save_tensors(options.output, outputs, {{"model", config.name}, {"produced_by", "vramd"}});

@@ -151,6 +151,17 @@ ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemo
     residency->finish();
   }
 
+  if (auto partition = root.table("partition")) {
+    config.partition.world_size = static_cast<int>(partition->integer("world_size", 1, 4096).value_or(1));
+    config.partition.replicate = partition->strings("replicate").value_or(std::vector<std::string>{});
+    if (auto timeout = partition->duration("timeout")) {
+      if (!*timeout) partition->bad_value("timeout", "ranks that never answer must fail the load: give a duration such as \"60s\"");
+      else config.partition.timeout = **timeout;
+    }
+    if (!partition->raw().contains("world_size")) partition->problem("missing key 'world_size' in [partition] (the number of ranks)");
+    partition->finish();
+  }
+
   config.arch_json = "{}";
   if (auto arch = root.table("arch")) {
     for (auto key : arch->keys()) arch->node(key);  // any hyperparameter may be overridden

@@ -28,6 +28,14 @@ struct ResidencyConfig {
   bool preload = false;
 };
 
+// Partitioned loading across the daemon's group of processes (docs/config.md "[partition]"):
+// each rank holds 1/world_size of every parameter and gathers a layer only while it runs.
+struct PartitionConfig {
+  int world_size = 1;                  // 1: not partitioned
+  std::vector<std::string> replicate;  // globs over parameter names held whole on every rank
+  std::chrono::milliseconds timeout{60'000};  // for every rank to join, load or answer a gather
+};
+
 struct ModelConfig {
   std::string path;  // the file read
   std::string name;
@@ -40,6 +48,7 @@ struct ModelConfig {
   bool strict = true;     // missing or unexpected keys fail the load
   VramConfig vram;
   ResidencyConfig residency;
+  PartitionConfig partition;
   std::string arch_json;  // the [arch] overrides as a JSON object ("{}" when none)
 };
 

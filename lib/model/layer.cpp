@@ -11,7 +11,6 @@
 #include <functional>
 #include <numeric>
 
-#include "model/vram.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 

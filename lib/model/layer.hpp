@@ -13,7 +13,17 @@
 
 namespace vramd::model {
 
-class WeightManager;
+class Layer;
+
+// Where a managed layer's weights come from for the duration of one op: the weight manager
+// (model/vram.hpp) or the partitioned weights' gathers (model/partition.hpp).
+class LayerWeights {
+ public:
+  virtual ~LayerWeights() = default;
+  // The layer's weights on the computation device, in the computation dtype, until release().
+  virtual std::vector<at::Tensor> acquire(const Layer& layer) = 0;
+  virtual void release(const Layer& layer) = 0;
+};
 
 enum class LayerKind { Linear, Conv1D, Embedding, LayerNorm, RMSNorm, Conv2d };
 const char* kind_name(LayerKind kind);
@@ -49,8 +59,8 @@ class Layer {
   // Conv2d: NCHW convolution.
   at::Tensor operator()(const at::Tensor& input);
 
-  // With a manager, weights come from it for the op's duration (model/vram.hpp).
-  void set_manager(WeightManager* manager) { manager_ = manager; }
+  // With a manager, weights come from it for the op's duration.
+  void set_manager(LayerWeights* manager) { manager_ = manager; }
 
  private:
   at::Tensor apply(const std::vector<at::Tensor>& w, const at::Tensor& input) const;
@@ -62,7 +72,7 @@ class Layer {
   LayerKind kind_;
   std::vector<Parameter> parameters_;
   LayerOptions options_;
-  WeightManager* manager_ = nullptr;
+  LayerWeights* manager_ = nullptr;
 };
 
 }  // namespace vramd::model

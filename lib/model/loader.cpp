@@ -10,6 +10,8 @@
 
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
+#include "dist/communicator.hpp"
+#include "model/partition.hpp"
 #include "model/registry.hpp"
 #include "model/vram.hpp"
 #include "model/weight_source.hpp"
@@ -240,6 +242,30 @@ uint64_t materialise(const WeightSource& source, c10::Device device, c10::Scalar
   return progress.bytes_done;
 }
 
+// This rank's slices, once every rank of the group has joined; returns when all have read theirs.
+std::shared_ptr<PartitionedWeights> load_partitioned(const config::ModelConfig& config, Model& model,
+                                                     std::shared_ptr<WeightSource> source, const LoadOptions& options) {
+  const int ranks = config.partition.world_size;
+  if (!options.group)
+    fail(config.path, "[partition].world_size = " + std::to_string(ranks) + " needs a group of " + std::to_string(ranks) +
+                          " vramd processes, and this one runs alone (start them as torchrun does, with RANK, WORLD_SIZE, "
+                          "MASTER_ADDR and MASTER_PORT, or try `vramctl run --ranks " + std::to_string(ranks) + "`)");
+  if (options.group->size() != ranks)
+    fail(config.path, "[partition].world_size = " + std::to_string(ranks) + ", but this group has " +
+                          std::to_string(options.group->size()) + " ranks");
+  const std::string name = options.partition_name.empty() ? "load/" + config.name : options.partition_name;
+  auto communicator = std::make_shared<dist::Communicator>(options.group, name, config.partition.timeout);
+  auto partition = std::make_shared<PartitionedWeights>(model, std::move(source), config, communicator);
+  communicator->all_gather_values(static_cast<int64_t>(partition->slice_bytes()), "loading");
+  if (options.progress) {
+    Progress done;
+    done.tensors_done = done.tensors_total = partition->stats().slots;
+    done.bytes_done = done.bytes_total = partition->slice_bytes();
+    options.progress(done);
+  }
+  return partition;
+}
+
 }  // namespace
 
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {
@@ -248,7 +274,10 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
   const c10::Device device(config.vram.computation.device);
   const auto load_start = Clock::now();
   std::shared_ptr<WeightManager> vram;
-  if (config.vram.limit || state_dtype(config.vram.preparing.dtype, model->dtype()) != model->dtype()) {
+  std::shared_ptr<PartitionedWeights> partition;
+  if (config.partition.world_size > 1) {
+    partition = load_partitioned(config, *model, source, options);
+  } else if (config.vram.limit || state_dtype(config.vram.preparing.dtype, model->dtype()) != model->dtype()) {
     vram = std::make_shared<WeightManager>(*model, source, config);
     if (options.progress) {
       Progress done;
@@ -261,7 +290,7 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
   }
   model->set_device(device);
   report.load_seconds = seconds_since(load_start);
-  return {std::move(model), std::move(report), std::move(source), std::move(vram), config.vram};
+  return {std::move(model), std::move(report), std::move(source), std::move(vram), std::move(partition), config.vram};
 }
 
 namespace {
@@ -300,18 +329,20 @@ Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, c
 }  // namespace
 
 Transition offload(LoadedModel& loaded) {
-  if (!loaded.vram) return move_weights(loaded, loaded.states.offload, {});
   const auto start = Clock::now();
+  if (loaded.partition) return {loaded.partition->sleep(), seconds_since(start)};
+  if (!loaded.vram) return move_weights(loaded, loaded.states.offload, {});
   const uint64_t bytes = loaded.vram->sleep();
   return {bytes, seconds_since(start)};
 }
 
 Transition onload(LoadedModel& loaded, const LoadOptions& options) {
+  const auto start = Clock::now();
+  if (loaded.partition) return {loaded.partition->wake(), seconds_since(start)};
   if (!loaded.vram) {
     const std::string dtype = convert::dtype_torch_name(storage::dtype_of(loaded.model->dtype()));
     return move_weights(loaded, {loaded.states.computation.device, dtype}, options);
   }
-  const auto start = Clock::now();
   const uint64_t bytes = loaded.vram->wake();
   return {bytes, seconds_since(start)};
 }

@@ -15,6 +15,10 @@
 #include "model/model.hpp"
 #include "util/error.hpp"
 
+namespace vramd::dist {
+class Group;
+}
+
 namespace vramd::model {
 
 struct Progress {
@@ -31,17 +35,23 @@ struct LoadOptions {
   // the file's private mapping instead of copies. The file must then not be overwritten in
   // place while the model lives (replacing it by rename is fine).
   bool zero_copy = true;
+  // For a config with [partition]: the group of processes to partition across (every rank
+  // loads the same config with the same `partition_name`, which names its collectives).
+  std::shared_ptr<dist::Group> group;
+  std::string partition_name;
 };
 
 struct WeightSource;  // the checkpoint and converter expressions a model's weights come from
 
 class WeightManager;
+class PartitionedWeights;
 
 struct LoadedModel {
   std::unique_ptr<Model> model;
   LoadReport report;
   std::shared_ptr<WeightSource> source;  // for re-reading weights released to disk
   std::shared_ptr<WeightManager> vram;   // with [vram].limit or a preparing dtype of its own (model/vram.hpp)
+  std::shared_ptr<PartitionedWeights> partition;  // with [partition] (model/partition.hpp)
   config::VramConfig states;             // the config's [vram] table
 };
 

@@ -30,11 +30,11 @@
 #include <vector>
 
 #include "config/model_config.hpp"
+#include "model/layer.hpp"
 #include "model/vram_stats.hpp"
 
 namespace vramd::model {
 
-class Layer;
 class Model;
 struct WeightSource;
 
@@ -46,7 +46,7 @@ struct VramEvent {
   const char* kind;  // "prefetch" (reserved), "ready", "acquire", "release", "evict"
 };
 
-class WeightManager {
+class WeightManager : public LayerWeights {
  public:
   // Plans, then prepares the resident slots (and onload copies). Throws Error naming the
   // config when the limit cannot hold the largest slot.
@@ -57,8 +57,8 @@ class WeightManager {
 
   // The layer's weights on the computation device in the computation dtype, until release().
   // Called by Layer only.
-  std::vector<at::Tensor> acquire(const Layer& layer);
-  void release(const Layer& layer);
+  std::vector<at::Tensor> acquire(const Layer& layer) override;
+  void release(const Layer& layer) override;
 
   // Sleep: every weight to the offload state (released when it is disk); the computation
   // device holds nothing. Wake: the plan restored. Both return the bytes moved or read.

@@ -1,0 +1,266 @@
+// The group (its TCPStore) and the communicators (Gloo process groups under prefixes of it).
+// The wheel's ProcessGroupGloo.hpp needs Gloo's headers, which come from Debian's libgloo-dev.
+#include "dist/group.hpp"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "dist/communicator.hpp"
+#include "config/units.hpp"
+#include "util/format.hpp"
+
+namespace vramd::dist {
+namespace {
+
+std::string text_of(const c10::Error& e) { return e.what_without_backtrace(); }
+
+std::optional<std::string> env(const char* name) {
+  const char* value = std::getenv(name);
+  if (!value || !*value) return std::nullopt;
+  return std::string(value);
+}
+
+int64_t env_integer(const char* name, int64_t min, int64_t max) {
+  const auto value = env(name);
+  if (!value) throw Error(std::string("environment: ") + name + " is not set (WORLD_SIZE is, so it must be too)");
+  size_t used = 0;
+  int64_t number = 0;
+  try {
+    number = std::stoll(*value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value->size() || number < min || number > max)
+    throw Error(std::string("environment: ") + name + "=" + *value + " is not an integer in [" + std::to_string(min) +
+                ", " + std::to_string(max) + "]");
+  return number;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  return name;
+}
+
+}  // namespace
+
+std::optional<GroupOptions> options_from_environment() {
+  if (!env("WORLD_SIZE")) return std::nullopt;
+  GroupOptions options;
+  options.world_size = static_cast<int>(env_integer("WORLD_SIZE", 1, 4096));
+  options.rank = static_cast<int>(env_integer("RANK", 0, options.world_size - 1));
+  options.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
+  if (env("MASTER_PORT")) options.master_port = static_cast<uint16_t>(env_integer("MASTER_PORT", 1, 65535));
+  return options;
+}
+
+struct Group::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+Group::Group(GroupOptions options, std::unique_ptr<Impl> impl) : options_(std::move(options)), impl_(std::move(impl)) {}
+Group::~Group() = default;
+
+std::shared_ptr<Group> Group::join(const GroupOptions& options) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = options.master_port;
+  store_options.isServer = options.rank == 0;
+  store_options.numWorkers = options.world_size;
+  store_options.waitWorkers = false;  // ranks join per model, each with its own timeout
+  store_options.timeout = options.timeout;
+  auto impl = std::make_unique<Impl>();
+  const std::string where = options.master_addr + ":" + std::to_string(options.master_port);
+  try {
+    impl->store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options);
+  } catch (const c10::Error& e) {
+    throw Error("rank " + std::to_string(options.rank) + " of " + std::to_string(options.world_size) + ": " +
+                (options.rank == 0 ? "cannot serve the group's store on " : "cannot reach the group's store on ") + where +
+                ": " + text_of(e));
+  }
+  return std::shared_ptr<Group>(new Group(options, std::move(impl)));
+}
+
+void Group::set(const std::string& key, std::string_view value) {
+  impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::string Group::get(const std::string& key, std::chrono::milliseconds timeout) {
+  try {
+    impl_->store->wait({key}, timeout);
+    const auto bytes = impl_->store->get(key);
+    return std::string(bytes.begin(), bytes.end());
+  } catch (const c10::Error& e) {
+    throw Timeout("the group's store: no " + quote(key) + " within " + config::format_duration(timeout) + ": " + text_of(e));
+  }
+}
+
+bool Group::has(const std::string& key) {
+  try {
+    return impl_->store->check({key});
+  } catch (const c10::Error& e) {
+    throw Error("the group's store: " + text_of(e));
+  }
+}
+
+int64_t Group::add(const std::string& key, int64_t amount) {
+  try {
+    return impl_->store->add(key, amount);
+  } catch (const c10::Error& e) {
+    throw Error("the group's store: " + text_of(e));
+  }
+}
+
+// --- Communicator ---
+
+struct Communicator::Impl {
+  c10::intrusive_ptr<c10d::Store> store;  // prefixed with the name
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+};
+
+struct Communicator::Pending::Work {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor output, shard;  // kept alive until the gather is done
+};
+
+namespace {
+
+std::shared_ptr<::gloo::transport::Device> gloo_device(const GroupOptions& options) {
+  if (auto interface = env("GLOO_SOCKET_IFNAME")) return c10d::ProcessGroupGloo::createDeviceForInterface(*interface);
+  const bool loopback = options.master_addr == "localhost" || options.master_addr.starts_with("127.");
+  if (loopback) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  return text;
+}
+
+}  // namespace
+
+Communicator::Communicator(std::shared_ptr<Group> group, std::string name, std::chrono::milliseconds timeout)
+    : group_(std::move(group)), name_(std::move(name)), impl_(std::make_unique<Impl>()) {
+  impl_->store = c10::make_intrusive<c10d::PrefixStore>(name_, group_->impl().store);
+  mark("joined");
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  try {
+    options->devices.push_back(gloo_device(group_->options()));
+    impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank(), size(), options);
+  } catch (const c10::Error& e) {
+    const auto absent = missing("joined");
+    if (!absent.empty())
+      throw Error(name_ + ": " + ranks_text(absent) + " of " + std::to_string(size()) + " did not join within " +
+                  config::format_duration(timeout) + " (is a vramd running with RANK=" + std::to_string(absent.front()) +
+                  " and WORLD_SIZE=" + std::to_string(size()) + "?)");
+    fail("connecting the ranks", text_of(e));
+  }
+}
+
+Communicator::~Communicator() = default;
+
+// Each mark holds the rank's host and process id, so that a failure can say which rank exited.
+void Communicator::mark(const std::string& step) {
+  const std::string who = host_name() + " " + std::to_string(getpid());
+  impl_->store->set(step + "/" + std::to_string(rank()), std::vector<uint8_t>(who.begin(), who.end()));
+}
+
+// "rank 1 (pid 4242) has exited" for the ranks on this host whose process is gone.
+std::string Communicator::exited() {
+  std::string text;
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank()) continue;
+    try {
+      const std::string key = "joined/" + std::to_string(r);
+      if (!impl_->store->check({key})) continue;
+      const auto bytes = impl_->store->get(key);
+      const std::string who(bytes.begin(), bytes.end());
+      const auto space = who.rfind(' ');
+      if (space == std::string::npos || who.substr(0, space) != host_name()) continue;
+      const pid_t pid = static_cast<pid_t>(std::stol(who.substr(space + 1)));
+      if (kill(pid, 0) != 0 && errno == ESRCH)
+        text += (text.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") has exited");
+    } catch (const std::exception&) {
+    }
+  }
+  return text;
+}
+
+std::vector<int> Communicator::missing(const std::string& step) {
+  std::vector<int> absent;
+  for (int r = 0; r < size(); ++r) {
+    try {
+      if (!impl_->store->check({step + "/" + std::to_string(r)})) absent.push_back(r);
+    } catch (const c10::Error&) {
+      absent.push_back(r);
+    }
+  }
+  return absent;
+}
+
+void Communicator::fail(const std::string& during, const std::string& cause, const std::string& step) {
+  std::string who;
+  try {
+    const auto absent = step.empty() ? std::vector<int>{} : missing(step);
+    if (!absent.empty()) who = ranks_text(absent) + " did not finish " + step;
+    const std::string gone = exited();
+    if (!gone.empty()) who += (who.empty() ? "" : ": ") + gone;
+  } catch (const std::exception&) {
+  }
+  if (who.empty()) who = "a rank exited or stopped answering";
+  throw Error(name_ + ": " + during + " failed on rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+              ": " + who + " (" + cause + ")");
+}
+
+Communicator::Pending Communicator::all_gather(const at::Tensor& output, const at::Tensor& shard) {
+  Pending pending;
+  pending.owner_ = this;
+  pending.work_ = std::make_shared<Pending::Work>();
+  // As bytes, so that every dtype (float8 too) travels the same way.
+  pending.work_->output = output.view(at::kByte);
+  pending.work_->shard = shard.view(at::kByte);
+  try {
+    pending.work_->work = impl_->gloo->_allgather_base(pending.work_->output, pending.work_->shard);
+  } catch (const c10::Error& e) {
+    fail("a gather", text_of(e));
+  }
+  return pending;
+}
+
+void Communicator::Pending::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  try {
+    work->work->wait();
+  } catch (const c10::Error& e) {
+    owner_->fail("a gather", text_of(e), owner_->waiting_for_);
+  }
+}
+
+std::vector<int64_t> Communicator::all_gather_values(int64_t value, const std::string& step) {
+  mark(step);
+  const at::Tensor shard = at::full({1}, value, at::kLong);
+  const at::Tensor output = at::empty({size()}, at::kLong);
+  auto pending = all_gather(output, shard);
+  waiting_for_ = step;
+  try {
+    pending.wait();
+  } catch (...) {
+    waiting_for_.clear();
+    throw;
+  }
+  waiting_for_.clear();
+  return {output.data_ptr<int64_t>(), output.data_ptr<int64_t>() + size()};
+}
+
+}  // namespace vramd::dist

@@ -1,0 +1,67 @@
+// A group of vramd processes, one per rank, on PyTorch's distributed engine (c10d): rank 0
+// serves a TCPStore at MASTER_ADDR:MASTER_PORT, the other ranks connect to it, and each model
+// loaded partitioned gets its own Gloo process group under a prefix of that store
+// (dist/communicator.hpp). The conventions are torchrun's: RANK, WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT. This header is LibTorch-free; the daemon's control messages go through the
+// store with set() and get().
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "util/error.hpp"
+
+namespace vramd::dist {
+
+struct GroupOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  uint16_t master_port = 29500;
+  std::chrono::milliseconds timeout{60'000};  // to reach the store
+};
+
+// The group torchrun (or a user) described in the environment: nullopt when WORLD_SIZE is
+// unset. Throws Error naming the variable that is missing or malformed.
+std::optional<GroupOptions> options_from_environment();
+
+// A key did not appear in the store in time.
+class Timeout : public Error {
+ public:
+  using Error::Error;
+};
+
+class Group {
+ public:
+  // Rank 0 serves the store; the others connect to it, retrying until the timeout.
+  static std::shared_ptr<Group> join(const GroupOptions& options);
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  int rank() const { return options_.rank; }
+  int size() const { return options_.world_size; }
+  const GroupOptions& options() const { return options_; }
+
+  void set(const std::string& key, std::string_view value);
+  // Waits for the key up to `timeout`; throws Timeout naming it.
+  std::string get(const std::string& key, std::chrono::milliseconds timeout);
+  bool has(const std::string& key);
+  // Atomic counter, for unique names.
+  int64_t add(const std::string& key, int64_t amount);
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  Group(GroupOptions options, std::unique_ptr<Impl> impl);
+  GroupOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace vramd::dist

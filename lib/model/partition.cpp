@@ -1,0 +1,369 @@
+#include "model/partition.hpp"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+
+#include "convert/evaluate.hpp"
+#include "dist/communicator.hpp"
+#include "model/model.hpp"
+#include "model/weight_source.hpp"
+#include "storage/tensor_io.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::model {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+bool matches_any(const std::string& name, const std::vector<std::string>& patterns) {
+  return std::any_of(patterns.begin(), patterns.end(),
+                     [&](const std::string& pattern) { return fnmatch(pattern.c_str(), name.c_str(), 0) == 0; });
+}
+
+// Elements [begin, end) of the parameter's flattened value into `out` (CPU, contiguous, that
+// many elements): a positioned read of exactly their bytes when the expression is a plain
+// checkpoint tensor; otherwise the expression narrowed to the rows that hold them, read
+// through the file mapping so that only the pages those rows touch are read.
+void read_flat(const WeightSource& source, const Assignment& assignment, int64_t begin, int64_t end, at::Tensor out) {
+  const convert::Expr& expr = *assignment.expr;
+  const auto& map = source.map;
+  if (expr.op == convert::Expr::Op::Source) {
+    const auto& info = map.at(expr.source);
+    const c10::ScalarType stored = storage::scalar_type(map, info);
+    const auto size = static_cast<int64_t>(c10::elementSize(stored));
+    at::Tensor target = stored == out.scalar_type() ? out : at::empty({end - begin}, at::TensorOptions().dtype(stored));
+    map.read_file(info.file, {static_cast<std::byte*>(target.mutable_data_ptr()), static_cast<size_t>((end - begin) * size)},
+                  info.offset + static_cast<uint64_t>(begin * size), false);
+    if (!target.is_same(out)) out.copy_(target);
+    return;
+  }
+  if (expr.shape.empty() || expr.shape[0] == 0) {
+    out.copy_(convert::evaluate(expr, map).reshape({-1}).narrow(0, begin, end - begin));
+    return;
+  }
+  const int64_t row = assignment.parameter->elements() / expr.shape[0];
+  const int64_t first = begin / row, last = (end + row - 1) / row;
+  const at::Tensor rows = convert::evaluate(*convert::narrow(assignment.expr, 0, first, last - first), map).reshape({-1});
+  out.copy_(rows.narrow(0, begin - first * row, end - begin));
+}
+
+uint64_t nbytes_on(const at::Tensor& tensor, c10::Device device) {
+  return tensor.defined() && !tensor.is_meta() && tensor.device() == device ? tensor.nbytes() : 0;
+}
+
+}  // namespace
+
+// One layer's partitioned parameters, flattened together.
+struct PartitionedWeights::Unit {
+  std::vector<Parameter*> parameters;
+  std::vector<const Assignment*> parts;
+  std::vector<int64_t> offsets;  // of each in the flat array
+  int64_t elements = 0;          // S
+  int64_t slice = 0;             // k = ceil(S / N)
+  uint64_t bytes = 0;            // gathered, plus the computation copy when the dtypes differ
+  at::Tensor held;               // this rank's slice at rest; undefined: on disk
+  at::Tensor sent;               // the slice being sent, until the gather is done
+  at::Tensor gathered;           // [N * k] on the computation device while gathered
+  dist::Communicator::Pending pending;
+  std::vector<at::Tensor> views;  // the parameters in the computation dtype, once gathered
+  int users = 0;                  // ops holding it
+  bool prefetched = false;
+};
+
+// Per parameter of a layer, the unit and index that hold it (a tied one: its leader's), or
+// none for a replicated parameter, which is used as it is.
+struct PartitionedWeights::Use {
+  const Layer* layer = nullptr;
+  std::vector<std::pair<Unit*, size_t>> parameters;
+  std::vector<Unit*> units;  // each once
+  uint64_t bytes = 0;        // of those units, gathered
+  size_t position = 0;       // in order_
+};
+
+PartitionedWeights::PartitionedWeights(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config,
+                                       std::shared_ptr<dist::Communicator> communicator)
+    : model_(model),
+      source_(std::move(source)),
+      config_(config),
+      communicator_(std::move(communicator)),
+      device_(config.vram.computation.device),
+      dtype_(model.dtype()),
+      limit_(config.vram.limit.value_or(UINT64_MAX)),
+      slice_dtype_(state_dtype(config.vram.onload.dtype, model.dtype())) {
+  std::map<const Parameter*, const Assignment*> assigned;
+  for (const auto& a : source_->assignments) assigned[a.parameter] = &a;
+  std::map<const Parameter*, std::pair<Unit*, size_t>> home;
+  const int ranks = communicator_->size();
+  for (const auto& layer : model.layers()) {
+    auto unit = std::make_unique<Unit>();
+    for (auto& parameter : layer->parameters()) {
+      auto it = assigned.find(&parameter);
+      if (parameter.tied || it == assigned.end()) continue;
+      if (matches_any(parameter.name, config.partition.replicate)) {
+        replicated_.push_back(&parameter);
+        continue;
+      }
+      home[&parameter] = {unit.get(), unit->parameters.size()};
+      unit->parameters.push_back(&parameter);
+      unit->parts.push_back(it->second);
+      unit->offsets.push_back(unit->elements);
+      unit->elements += parameter.elements();
+    }
+    if (unit->parameters.empty()) continue;
+    unit->slice = (unit->elements + ranks - 1) / ranks;
+    unit->bytes = static_cast<uint64_t>(unit->slice * ranks) * c10::elementSize(slice_dtype_) +
+                  (slice_dtype_ == dtype_ ? 0 : static_cast<uint64_t>(unit->elements) * c10::elementSize(dtype_));
+    units_.push_back(std::move(unit));
+  }
+  uint64_t largest = 0;
+  for (const auto& layer : model.layers()) {
+    auto use = std::make_unique<Use>();
+    use->layer = layer.get();
+    for (const auto& parameter : layer->parameters()) {
+      auto it = home.find(parameter.tied ? parameter.tied : &parameter);
+      Unit* unit = it == home.end() ? nullptr : it->second.first;
+      use->parameters.emplace_back(unit, it == home.end() ? 0 : it->second.second);
+      if (unit && std::find(use->units.begin(), use->units.end(), unit) == use->units.end()) {
+        use->units.push_back(unit);
+        use->bytes += unit->bytes;
+      }
+    }
+    if (use->units.empty()) continue;
+    largest = std::max(largest, use->bytes);
+    layer->set_manager(this);
+    uses_.push_back(std::move(use));
+  }
+
+  materialise(config.vram.onload, device_);
+  const uint64_t base = held_base();
+  if (base + largest > limit_)
+    fail(config.path, "[vram].limit " + format_bytes(limit_) + " cannot hold this rank's " + format_bytes(base) +
+                          " of slices and replicated parameters plus the largest layer gathered whole (" +
+                          format_bytes(largest) + "); raise it to at least " + format_bytes(base + largest) +
+                          ", or partition across more ranks");
+  stats_.limit = config.vram.limit.value_or(0);
+  stats_.resident = base;
+  stats_.streaming = largest;
+  stats_.total = base + largest;
+  stats_.slots = uses_.size();
+  count_held();
+  stats_.plan = describe();
+}
+
+PartitionedWeights::~PartitionedWeights() {
+  // A gather under way writes into buffers this rank owns: let it finish first.
+  for (auto& unit : units_) try {
+      unit->pending.wait();
+    } catch (const std::exception&) {
+    }
+}
+
+uint64_t PartitionedWeights::slice_bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& unit : units_) bytes += static_cast<uint64_t>(unit->slice) * c10::elementSize(slice_dtype_);
+  return bytes;
+}
+
+uint64_t PartitionedWeights::held_base() const {
+  uint64_t bytes = 0;
+  for (const auto& unit : units_) bytes += nbytes_on(unit->held, device_);
+  for (const Parameter* parameter : replicated_) bytes += nbytes_on(parameter->value, device_);
+  return bytes;
+}
+
+void PartitionedWeights::count_held() {
+  stats_.held = held_base() + held_;
+  stats_.peak = std::max(stats_.peak, stats_.held);
+}
+
+at::Tensor PartitionedWeights::read_slice(const Unit& unit, c10::ScalarType dtype) const {
+  at::Tensor slice = at::zeros({unit.slice}, at::TensorOptions().dtype(dtype));  // the padding stays zero
+  const int64_t begin = communicator_->rank() * unit.slice, end = std::min(begin + unit.slice, unit.elements);
+  for (size_t i = 0; i < unit.parameters.size(); ++i) {
+    const int64_t first = std::max(begin, unit.offsets[i]);
+    const int64_t last = std::min(end, unit.offsets[i] + unit.parameters[i]->elements());
+    if (first < last)
+      read_flat(*source_, *unit.parts[i], first - unit.offsets[i], last - unit.offsets[i], slice.narrow(0, first - begin, last - first));
+  }
+  return slice;
+}
+
+// Slices into `state` (a device, or disk: released). Replicated parameters go to `home` (awake:
+// the computation device, as every op uses them whole), or with the slices to disk.
+void PartitionedWeights::materialise(const config::DeviceState& state, c10::Device home) {
+  const bool disk = state.device == "disk";
+  for (auto& unit : units_) {
+    if (disk) {
+      unit->held = at::Tensor();
+      continue;
+    }
+    const c10::Device device(state.device);
+    const auto dtype = state_dtype(state.dtype, slice_dtype_);
+    unit->held = unit->held.defined() ? unit->held.to(device, dtype) : read_slice(*unit, dtype).to(device);
+  }
+  std::map<const Parameter*, const Assignment*> assigned;
+  for (const auto& a : source_->assignments) assigned[a.parameter] = &a;
+  for (Parameter* parameter : replicated_) {
+    if (disk)
+      parameter->value = at::empty(parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
+    else if (parameter->value.is_meta())
+      parameter->value = source_->read(*assigned.at(parameter), home, dtype_, false);
+    else
+      parameter->value = parameter->value.to(home);
+  }
+  count_held();
+}
+
+uint64_t PartitionedWeights::resting_bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& unit : units_) bytes += unit->held.defined() ? unit->held.nbytes() : 0;
+  for (const Parameter* parameter : replicated_) bytes += parameter->value.is_meta() ? 0 : parameter->value.nbytes();
+  return bytes;
+}
+
+void PartitionedWeights::start_gather(Unit& unit) {
+  const at::Tensor slice = unit.held.defined() ? unit.held : read_slice(unit, slice_dtype_);
+  unit.sent = slice.to(device_, slice_dtype_);
+  unit.gathered = at::empty({unit.slice * communicator_->size()}, at::TensorOptions().dtype(slice_dtype_).device(device_));
+  held_ += unit.bytes;
+  count_held();
+  stats_.loads++;
+  stats_.bytes_streamed += unit.bytes;
+  unit.pending = communicator_->all_gather(unit.gathered, unit.sent);
+}
+
+void PartitionedWeights::finish_gather(Unit& unit) {
+  const auto start = Clock::now();
+  unit.pending.wait();
+  stats_.wait_seconds += seconds_since(start);
+  unit.sent = at::Tensor();
+  unit.views.clear();
+  for (size_t i = 0; i < unit.parameters.size(); ++i) {
+    const Parameter& parameter = *unit.parameters[i];
+    const at::Tensor view = unit.gathered.narrow(0, unit.offsets[i], parameter.elements()).view(parameter.shape);
+    unit.views.push_back(view.scalar_type() == dtype_ ? view : view.to(dtype_));
+  }
+}
+
+void PartitionedWeights::drop(Unit& unit) {
+  unit.pending.wait();
+  unit.sent = at::Tensor();
+  unit.views.clear();
+  unit.gathered = at::Tensor();
+  unit.prefetched = false;
+  held_ -= unit.bytes;
+}
+
+PartitionedWeights::Use& PartitionedWeights::use_of(const Layer& layer) {
+  for (const auto& use : uses_)
+    if (use->layer == &layer) return *use;
+  throw Error("layer " + quote(layer.path()) + " is not partitioned");
+}
+
+// Every rank runs the same ops in the same order and makes the same decisions here, from byte
+// counts alone, so the gathers line up across ranks.
+std::vector<at::Tensor> PartitionedWeights::acquire(const Layer& layer) {
+  Use& use = use_of(layer);
+  if (learning_) {
+    if (std::find(order_.begin(), order_.end(), &use) != order_.end()) {
+      learning_ = false;  // the second forward has begun
+      stats_.order_learned = true;
+      for (size_t i = 0; i < order_.size(); ++i) order_[i]->position = i;
+    } else {
+      order_.push_back(&use);
+    }
+  }
+  for (Unit* unit : use.units) {
+    if (!unit->gathered.defined()) {
+      // Gathered units no op holds (prefetched for an order that changed) give way first.
+      for (auto& other : units_)
+        if (held_base() + held_ + unit->bytes > limit_ && other->gathered.defined() && other->users == 0 &&
+            std::find(use.units.begin(), use.units.end(), other.get()) == use.units.end())
+          drop(*other);
+      start_gather(*unit);
+    } else if (unit->prefetched) {
+      stats_.prefetched++;
+      unit->prefetched = false;
+    }
+    if (unit->pending.valid()) finish_gather(*unit);
+    unit->users++;
+  }
+  if (!learning_) prefetch_after(use);
+
+  std::vector<at::Tensor> values;
+  const auto parameters = layer.parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const auto [unit, index] = use.parameters[i];
+    if (unit) {
+      values.push_back(unit->views[index]);
+      continue;
+    }
+    const Parameter& owner = parameters[i].tied ? *parameters[i].tied : parameters[i];
+    if (owner.value.is_meta())
+      throw Error("layer " + quote(layer.path()) + ": parameter " + quote(parameters[i].name) + " was never loaded");
+    values.push_back(owner.value);
+  }
+  return values;
+}
+
+// Starts gathering the next layer's units while this one computes, when the limit has room.
+void PartitionedWeights::prefetch_after(const Use& use) {
+  if (use.position + 1 >= order_.size()) return;
+  for (Unit* unit : order_[use.position + 1]->units) {
+    if (unit->gathered.defined() || held_base() + held_ + unit->bytes > limit_) continue;
+    start_gather(*unit);
+    unit->prefetched = true;
+  }
+}
+
+void PartitionedWeights::release(const Layer& layer) {
+  for (Unit* unit : use_of(layer).units)
+    if (--unit->users == 0 && !unit->prefetched) drop(*unit);
+  count_held();
+}
+
+uint64_t PartitionedWeights::sleep() {
+  for (auto& unit : units_)
+    if (unit->gathered.defined()) drop(*unit);
+  const uint64_t bytes = resting_bytes();
+  const auto& offload = config_.vram.offload;
+  materialise(offload, offload.device == "disk" ? device_ : c10::Device(offload.device));
+  return bytes;
+}
+
+uint64_t PartitionedWeights::wake() {
+  materialise(config_.vram.onload, device_);
+  return resting_bytes();
+}
+
+VramStats PartitionedWeights::stats() const {
+  VramStats stats = stats_;
+  stats.plan = describe();
+  return stats;
+}
+
+std::string PartitionedWeights::describe() const {
+  uint64_t replicated = 0;
+  for (const Parameter* parameter : replicated_) replicated += static_cast<uint64_t>(parameter->elements()) * c10::elementSize(dtype_);
+  const std::string rest = config_.vram.onload.device == "disk" ? "read from disk at each gather" : "on " + config_.vram.onload.device;
+  std::string text = "rank " + std::to_string(communicator_->rank()) + " of " + std::to_string(communicator_->size()) +
+                     ": holds 1/" + std::to_string(communicator_->size()) + " of " + std::to_string(units_.size()) +
+                     " layers (" + format_bytes(slice_bytes()) + " in " + c10::toString(slice_dtype_) + ", " + rest + ")";
+  if (!replicated_.empty())
+    text += " and " + std::to_string(replicated_.size()) + " replicated parameters (" + format_bytes(replicated) + ")";
+  text += "; gathers each layer on " + device_.str() + " while it runs (largest " + format_bytes(stats_.streaming) + ")";
+  text += stats_.order_learned ? ", the next one prefetched while the limit allows" : ", order not learned yet";
+  if (stats_.limit) text += "; limit " + format_bytes(stats_.limit);
+  text += "; peak " + format_bytes(stats_.peak);
+  return text;
+}
+
+}  // namespace vramd::model

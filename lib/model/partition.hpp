@@ -1,0 +1,88 @@
+// Partitioned weights, as DeepSpeed's ZeRO-3 keeps them: every rank of a group holds 1/N of
+// each layer and gathers the whole layer only while it runs.
+//
+// A layer's parameters (those not replicated) are flattened and concatenated, padded to a
+// multiple of N, and rank r keeps elements [r*k, (r+1)*k) of that flat array, k = ceil(S/N).
+// A rank reads only its slice's bytes from the checkpoint (a positioned read of exactly that
+// byte range for plain tensors; through the converter's expression, narrowed to the rows it
+// covers, otherwise). Parameters matching [partition].replicate are held whole by every rank.
+//
+// When a layer's op runs, its slices are all-gathered from every rank into one buffer on the
+// computation device, counted under [vram].limit with the slices and replicated parameters
+// held there, and freed when the op is done. Every rank runs the same forward, so the gathers
+// happen in the same order on all of them; the order is learned on the first forward, and
+// from then on the next layer's gather is started while the current layer computes, when the
+// limit leaves room for both.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "config/model_config.hpp"
+#include "model/layer.hpp"
+#include "model/vram_stats.hpp"
+
+namespace vramd::dist {
+class Communicator;
+}
+
+namespace vramd::model {
+
+class Model;
+struct WeightSource;
+
+class PartitionedWeights : public LayerWeights {
+ public:
+  // Reads this rank's slices. Throws Error naming the config when the limit cannot hold the
+  // slices, the replicated parameters and the largest gathered layer.
+  PartitionedWeights(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config,
+                     std::shared_ptr<dist::Communicator> communicator);
+  ~PartitionedWeights() override;
+
+  std::vector<at::Tensor> acquire(const Layer& layer) override;
+  void release(const Layer& layer) override;
+
+  // Sleep: slices and replicated parameters to the offload state (released when it is disk).
+  // Wake: back. Both return the bytes moved or read on this rank.
+  uint64_t sleep();
+  uint64_t wake();
+
+  VramStats stats() const;
+  uint64_t slice_bytes() const;  // this rank's share of the partitioned parameters
+  dist::Communicator& communicator() { return *communicator_; }
+
+ private:
+  struct Unit;
+  struct Use;  // what one layer's op needs
+  Use& use_of(const Layer& layer);
+  at::Tensor read_slice(const Unit& unit, c10::ScalarType dtype) const;
+  void materialise(const config::DeviceState& state, c10::Device home);
+  uint64_t resting_bytes() const;
+  void start_gather(Unit& unit);
+  void finish_gather(Unit& unit);
+  void prefetch_after(const Use& use);
+  void drop(Unit& unit);
+  uint64_t held_base() const;
+  void count_held();
+  std::string describe() const;
+
+  Model& model_;
+  std::shared_ptr<WeightSource> source_;
+  config::ModelConfig config_;
+  std::shared_ptr<dist::Communicator> communicator_;
+  c10::Device device_;
+  c10::ScalarType dtype_;
+  uint64_t limit_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::vector<std::unique_ptr<Use>> uses_;
+  std::vector<Parameter*> replicated_;
+  std::vector<Use*> order_;  // layers in execution order, learned on the first forward
+  bool learning_ = true;
+  c10::ScalarType slice_dtype_;  // the onload dtype
+  uint64_t held_ = 0;            // gathered buffers on the computation device
+  VramStats stats_;
+};
+
+}  // namespace vramd::model
