@@ -5,11 +5,15 @@
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
+#include "dist/group.hpp"
+#include "dist/launch.hpp"
 #include "model/dry_run.hpp"
 #include "server/daemon.hpp"
+#include "server/runtime.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -59,7 +63,22 @@ int main(int argc, char** argv) {
     auto config = vramd::config::load_daemon_config(config_path);
     if (!socket.empty()) config.socket = fs::absolute(socket).string();
     if (check_only) return check(config);
-    return vramd::server::serve(config);
+    // A group for models with [partition]: from torchrun's variables, else [group] world_size
+    // ranks started here. Rank 0 serves; the others do what it sends them.
+    auto group_options = vramd::dist::options_from_environment();
+    std::optional<vramd::dist::LocalRanks> local;
+    if (!group_options && config.world_size > 1) {
+      local = vramd::dist::start_local_ranks(config.world_size, std::vector<std::string>(argv, argv + argc));
+      group_options = vramd::dist::options_from_environment();
+    }
+    if (!group_options || group_options->world_size == 1) return vramd::server::serve(config);
+    auto group = vramd::dist::Group::join(*group_options);
+    if (group->rank() > 0) return vramd::server::Runtime::follow(config, group);
+    vramd::server::Runtime::use_group(group);
+    const int status = vramd::server::serve(config);
+    vramd::server::Runtime::use_group(nullptr);
+    if (local) vramd::dist::stop_local_ranks(*local);
+    return status;
   } catch (const vramd::Error& error) {
     std::cerr << "vramd: " << error.what() << '\n';
     return 1;

@@ -117,6 +117,10 @@ DaemonConfig load_daemon_config(const std::string& path) {
       limits->bad_value("max_header_size", "expected from 1KiB to 80KiB");
     limits->finish();
   }
+  if (auto group = root.table("group")) {
+    config.world_size = static_cast<int>(group->integer("world_size", 1, 256).value_or(1));
+    group->finish();
+  }
   root.finish();
   problems.throw_if_any();
   return config;

@@ -39,6 +39,9 @@ struct DaemonConfig {
   std::optional<std::chrono::milliseconds> keep_alive = std::chrono::minutes(10);  // nullopt: forever
   AccessConfig access;
   ServerLimits limits;
+  // [group]: ranks this daemon starts on this machine, as copies of itself, for models with
+  // [partition] (rank 0 serves; the others follow it). torchrun's variables override it.
+  int world_size = 1;
 };
 
 // Relative paths in the file are resolved against its folder. Throws Error listing every

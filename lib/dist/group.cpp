@@ -22,7 +22,11 @@
 namespace vramd::dist {
 namespace {
 
-std::string text_of(const c10::Error& e) { return e.what_without_backtrace(); }
+// Gloo's own exceptions (an I/O error when a peer vanishes) are not c10::Errors.
+std::string text_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
 
 std::optional<std::string> env(const char* name) {
   const char* value = std::getenv(name);
@@ -82,7 +86,7 @@ std::shared_ptr<Group> Group::join(const GroupOptions& options) {
   const std::string where = options.master_addr + ":" + std::to_string(options.master_port);
   try {
     impl->store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options);
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     throw Error("rank " + std::to_string(options.rank) + " of " + std::to_string(options.world_size) + ": " +
                 (options.rank == 0 ? "cannot serve the group's store on " : "cannot reach the group's store on ") + where +
                 ": " + text_of(e));
@@ -99,7 +103,10 @@ std::string Group::get(const std::string& key, std::chrono::milliseconds timeout
     impl_->store->wait({key}, timeout);
     const auto bytes = impl_->store->get(key);
     return std::string(bytes.begin(), bytes.end());
-  } catch (const c10::Error& e) {
+  } catch (const c10::DistNetworkError& e) {
+    throw Error("lost the group's store on " + options_.master_addr + ":" + std::to_string(options_.master_port) + ": " +
+                text_of(e));
+  } catch (const std::exception& e) {
     throw Timeout("the group's store: no " + quote(key) + " within " + config::format_duration(timeout) + ": " + text_of(e));
   }
 }
@@ -107,7 +114,15 @@ std::string Group::get(const std::string& key, std::chrono::milliseconds timeout
 bool Group::has(const std::string& key) {
   try {
     return impl_->store->check({key});
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
+    throw Error("the group's store: " + text_of(e));
+  }
+}
+
+void Group::erase(const std::string& key) {
+  try {
+    impl_->store->deleteKey(key);
+  } catch (const std::exception& e) {
     throw Error("the group's store: " + text_of(e));
   }
 }
@@ -115,7 +130,7 @@ bool Group::has(const std::string& key) {
 int64_t Group::add(const std::string& key, int64_t amount) {
   try {
     return impl_->store->add(key, amount);
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     throw Error("the group's store: " + text_of(e));
   }
 }
@@ -128,8 +143,8 @@ struct Communicator::Impl {
 };
 
 struct Communicator::Pending::Work {
-  c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor output, shard;  // kept alive until the gather is done
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::vector<at::Tensor>> chunks;  // kept alive until the gather is done
 };
 
 namespace {
@@ -157,11 +172,11 @@ Communicator::Communicator(std::shared_ptr<Group> group, std::string name, std::
   try {
     options->devices.push_back(gloo_device(group_->options()));
     impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank(), size(), options);
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     const auto absent = missing("joined");
     if (!absent.empty())
       throw Error(name_ + ": " + ranks_text(absent) + " of " + std::to_string(size()) + " did not join within " +
-                  config::format_duration(timeout) + " (is a vramd running with RANK=" + std::to_string(absent.front()) +
+                  config::format_duration(timeout) + " (is a process running with RANK=" + std::to_string(absent.front()) +
                   " and WORLD_SIZE=" + std::to_string(size()) + "?)");
     fail("connecting the ranks", text_of(e));
   }
@@ -222,16 +237,25 @@ void Communicator::fail(const std::string& during, const std::string& cause, con
               ": " + who + " (" + cause + ")");
 }
 
+// One broadcast per rank, each straight into that rank's chunk of `output`: Gloo's own
+// all-gather goes through a temporary as large as the output, which would double the memory a
+// gathered layer takes.
 Communicator::Pending Communicator::all_gather(const at::Tensor& output, const at::Tensor& shard) {
   Pending pending;
   pending.owner_ = this;
   pending.work_ = std::make_shared<Pending::Work>();
   // As bytes, so that every dtype (float8 too) travels the same way.
-  pending.work_->output = output.view(at::kByte);
-  pending.work_->shard = shard.view(at::kByte);
+  const at::Tensor bytes = output.view(at::kByte);
+  const int64_t chunk = shard.view(at::kByte).numel();
   try {
-    pending.work_->work = impl_->gloo->_allgather_base(pending.work_->output, pending.work_->shard);
-  } catch (const c10::Error& e) {
+    for (int r = 0; r < size(); ++r) {
+      auto& tensors = pending.work_->chunks.emplace_back(1, bytes.narrow(0, r * chunk, chunk));
+      if (r == rank()) tensors[0].copy_(shard.view(at::kByte));
+      c10d::BroadcastOptions options;
+      options.rootRank = r;
+      pending.work_->works.push_back(impl_->gloo->broadcast(tensors, options));
+    }
+  } catch (const std::exception& e) {
     fail("a gather", text_of(e));
   }
   return pending;
@@ -241,8 +265,8 @@ void Communicator::Pending::wait() {
   if (!work_) return;
   auto work = std::move(work_);
   try {
-    work->work->wait();
-  } catch (const c10::Error& e) {
+    for (auto& each : work->works) each->wait();
+  } catch (const std::exception& e) {
     owner_->fail("a gather", text_of(e), owner_->waiting_for_);
   }
 }

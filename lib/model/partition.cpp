@@ -197,8 +197,8 @@ at::Tensor PartitionedWeights::read_slice(const Unit& unit, c10::ScalarType dtyp
 }
 
 // Slices into `state` (a device, or disk: released). Replicated parameters go to `home` (awake:
-// the computation device, as every op uses them whole), or with the slices to disk.
-void PartitionedWeights::materialise(const config::DeviceState& state, c10::Device home) {
+// the computation device, as every op uses them whole; none: released).
+void PartitionedWeights::materialise(const config::DeviceState& state, std::optional<c10::Device> home) {
   const bool disk = state.device == "disk";
   for (auto& unit : units_) {
     if (disk) {
@@ -212,12 +212,12 @@ void PartitionedWeights::materialise(const config::DeviceState& state, c10::Devi
   std::map<const Parameter*, const Assignment*> assigned;
   for (const auto& a : source_->assignments) assigned[a.parameter] = &a;
   for (Parameter* parameter : replicated_) {
-    if (disk)
+    if (!home)
       parameter->value = at::empty(parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
     else if (parameter->value.is_meta())
-      parameter->value = source_->read(*assigned.at(parameter), home, dtype_, false);
+      parameter->value = source_->read(*assigned.at(parameter), *home, dtype_, false);
     else
-      parameter->value = parameter->value.to(home);
+      parameter->value = parameter->value.to(*home);
   }
   count_held();
 }
@@ -232,7 +232,7 @@ uint64_t PartitionedWeights::resting_bytes() const {
 void PartitionedWeights::start_gather(Unit& unit) {
   const at::Tensor slice = unit.held.defined() ? unit.held : read_slice(unit, slice_dtype_);
   unit.sent = slice.to(device_, slice_dtype_);
-  unit.gathered = at::empty({unit.slice * communicator_->size()}, at::TensorOptions().dtype(slice_dtype_).device(device_));
+  unit.gathered = fresh_buffer({unit.slice * communicator_->size()}, slice_dtype_, device_);
   held_ += unit.bytes;
   count_held();
   stats_.loads++;
@@ -335,7 +335,7 @@ uint64_t PartitionedWeights::sleep() {
     if (unit->gathered.defined()) drop(*unit);
   const uint64_t bytes = resting_bytes();
   const auto& offload = config_.vram.offload;
-  materialise(offload, offload.device == "disk" ? device_ : c10::Device(offload.device));
+  materialise(offload, offload.device == "disk" ? std::nullopt : std::optional(c10::Device(offload.device)));
   return bytes;
 }
 

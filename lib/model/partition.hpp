@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "config/model_config.hpp"
@@ -58,7 +59,7 @@ class PartitionedWeights : public LayerWeights {
   struct Use;  // what one layer's op needs
   Use& use_of(const Layer& layer);
   at::Tensor read_slice(const Unit& unit, c10::ScalarType dtype) const;
-  void materialise(const config::DeviceState& state, c10::Device home);
+  void materialise(const config::DeviceState& state, std::optional<c10::Device> home);
   uint64_t resting_bytes() const;
   void start_gather(Unit& unit);
   void finish_gather(Unit& unit);

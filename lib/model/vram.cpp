@@ -31,9 +31,8 @@ void synchronise(c10::Device device) {
   if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
 }
 
-// Streamed weights on the CPU live in memory mapped for them alone, unmapped when released: had
-// they come from malloc, freeing them (on another thread than the one that read them) would
-// leave the heap fragmented and host memory growing forward after forward.
+}  // namespace
+
 at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device) {
   if (!device.is_cpu()) return at::empty(shape, at::TensorOptions().device(device).dtype(dtype));
   size_t nbytes = c10::elementSize(dtype);
@@ -45,7 +44,6 @@ at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Devi
   return at::from_blob(memory, shape, [nbytes](void* p) { munmap(p, nbytes); }, at::TensorOptions().dtype(dtype));
 }
 
-}  // namespace
 
 struct WeightManager::Slot {
   Layer* layer = nullptr;

@@ -35,6 +35,12 @@ struct WeightSource {
   void read_into(const Assignment& assignment, at::Tensor& out) const;
 };
 
+// A buffer for weights that come and go on `device`. On the CPU it is memory mapped for it
+// alone and unmapped when released: had it come from malloc, freeing it (on another thread
+// than the one that filled it, or between allocations of other sizes) would leave the heap
+// fragmented and host memory growing forward after forward.
+at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device);
+
 // A state's dtype by name; "auto" or none: `otherwise`.
 c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise);
 

@@ -5,8 +5,15 @@
 
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
+#include <iostream>
+#include <map>
+
 #include "convert/expr.hpp"
+#include "dist/group.hpp"
 #include "model/loader.hpp"
+#include "model/partition.hpp"
 #include "model/vram.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
@@ -14,21 +21,61 @@
 
 namespace vramd::server {
 
+// Rank 0 and the other ranks of a group talk through its store: command/S holds rank 0's S-th
+// command ({"op", "model", "config"}), input/S a forward's inputs. Each other rank does them in
+// order; the last to read one erases it.
+namespace {
+
+std::shared_ptr<dist::Group>& the_group() {
+  static std::shared_ptr<dist::Group> group;
+  return group;
+}
+
+void send(dist::Group& group, const std::string& op, const std::string& model, const std::string& config = {},
+          std::string_view input = {}) {
+  const int64_t seq = group.add("commands", 1);
+  if (!input.empty()) group.set("input/" + std::to_string(seq), input);
+  group.set("command/" + std::to_string(seq), nlohmann::json{{"op", op}, {"model", model}, {"config", config}}.dump());
+}
+
+}  // namespace
+
 struct Runtime::Impl {
   config::ModelConfig config;
   model::LoadedModel loaded;
   std::string dtype;
   bool offloaded = false;
+  std::shared_ptr<dist::Group> group;  // partitioned: the ranks it is split across
+  std::string partition;               // and its name among them
+  void tell(const std::string& op, std::string_view input = {}) {
+    if (group) send(*group, op, partition, {}, input);
+  }
 };
 
 Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Runtime::~Runtime() = default;
+
+Runtime::~Runtime() {
+  try {
+    impl_->tell("unload");
+  } catch (const std::exception&) {  // the other ranks are gone: nothing to tell
+  }
+}
+
+void Runtime::use_group(std::shared_ptr<dist::Group> group) { the_group() = std::move(group); }
 
 std::unique_ptr<Runtime> Runtime::load(const config::ModelConfig& config,
                                        const std::function<bool(const LoadProgress&)>& progress) {
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   model::LoadOptions options;
+  if (config.partition.world_size > 1 && the_group()) {
+    auto& group = *the_group();
+    options.group = the_group();
+    options.partition_name = config.name + "/" + std::to_string(group.add("loads", 1));
+    send(group, "load", options.partition_name, config.path);
+    impl->group = the_group();
+    impl->partition = options.partition_name;
+  }
   if (progress)
     options.progress = [&](const model::Progress& p) {
       return progress({p.bytes_done, p.bytes_total, p.tensors_done, p.tensors_total});
@@ -68,6 +115,7 @@ storage::NamedTensors parse_inputs(std::string_view body) {
 std::string Runtime::forward(std::string_view safetensors) {
   const auto inputs = parse_inputs(safetensors);
   if (impl_->offloaded) onload();
+  impl_->tell("forward", safetensors);
   storage::NamedTensors outputs;
   try {
     c10::InferenceMode inference;
@@ -82,6 +130,7 @@ std::string Runtime::forward(std::string_view safetensors) {
 
 Moved Runtime::offload() {
   if (impl_->offloaded) return {};
+  impl_->tell("offload");
   const auto moved = model::offload(impl_->loaded);
   impl_->offloaded = true;
   return {moved.bytes, moved.seconds};
@@ -89,6 +138,7 @@ Moved Runtime::offload() {
 
 Moved Runtime::onload() {
   if (!impl_->offloaded) return {};
+  impl_->tell("onload");
   const auto moved = model::onload(impl_->loaded);
   impl_->offloaded = false;
   return {moved.bytes, moved.seconds};
@@ -111,8 +161,58 @@ std::map<std::string, uint64_t> Runtime::bytes_by_device() const {
 }
 
 std::optional<model::VramStats> Runtime::vram() const {
+  if (impl_->loaded.partition) return impl_->loaded.partition->stats();
   if (!impl_->loaded.vram) return std::nullopt;
   return impl_->loaded.vram->stats();
+}
+
+int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Group> group) {
+  const std::string me = "vramd rank " + std::to_string(group->rank()) + ": ";
+  std::map<std::string, model::LoadedModel> models;
+  for (int64_t seq = 1;; ++seq) {
+    const std::string key = "command/" + std::to_string(seq), input_key = "input/" + std::to_string(seq);
+    nlohmann::json command;
+    std::string input;
+    try {
+      for (;;) {
+        try {
+          command = nlohmann::json::parse(group->get(key, std::chrono::hours(1)));
+          break;
+        } catch (const dist::Timeout&) {
+        }
+      }
+      if (command["op"] == "forward") input = group->get(input_key, std::chrono::minutes(1));
+      if (group->add("read/" + std::to_string(seq), 1) == group->size() - 1) {
+        group->erase(key);
+        group->erase(input_key);
+        group->erase("read/" + std::to_string(seq));
+      }
+    } catch (const Error& e) {
+      std::cerr << me << "rank 0 is gone (" << e.what() << "); exiting\n";
+      return 0;
+    }
+    const std::string op = command["op"], name = command["model"];
+    try {
+      if (op == "load") {
+        model::LoadOptions options;
+        options.group = group;
+        options.partition_name = name;
+        models[name] = model::load_model(config::load_model_config(command["config"], daemon), options);
+        continue;
+      }
+      auto found = models.find(name);
+      if (found == models.end()) continue;  // its load failed here already, and said why
+      if (op == "unload") models.erase(found);
+      else if (op == "offload") model::offload(found->second);
+      else if (op == "onload") model::onload(found->second);
+      else if (op == "forward") {
+        c10::InferenceMode inference;
+        found->second.model->forward(parse_inputs(input));
+      }
+    } catch (const std::exception& e) {
+      std::cerr << me << op << " of " << name << " failed: " << e.what() << '\n';
+    }
+  }
 }
 
 const model::LoadReport& Runtime::report() const { return impl_->loaded.report; }

@@ -16,6 +16,10 @@
 #include "model/vram_stats.hpp"
 #include "util/error.hpp"
 
+namespace vramd::dist {
+class Group;
+}
+
 namespace vramd::server {
 
 // A request's input is at fault (not the model or the daemon): HTTP 400.
@@ -40,6 +44,12 @@ class Runtime {
   static std::unique_ptr<Runtime> load(const config::ModelConfig& config,
                                        const std::function<bool(const LoadProgress&)>& progress);
   ~Runtime();
+
+  // On rank 0 of a group (dist/group.hpp): models with [partition] load across it, and every
+  // load, forward, offload, onload and unload of one is sent to the other ranks first.
+  static void use_group(std::shared_ptr<dist::Group> group);
+  // On the other ranks: does what rank 0 sends, until rank 0 is gone. Returns the exit status.
+  static int follow(const config::DaemonConfig& config, std::shared_ptr<dist::Group> group);
 
   // Safetensors bytes of named inputs to safetensors bytes of the outputs. Throws BadInput
   // naming the input at fault, Error when the forward itself fails. Wakes an offloaded model.

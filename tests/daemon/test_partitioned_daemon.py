@@ -1,0 +1,65 @@
+"""A model partitioned across the daemon's group of processes ([group] world_size = 2 in the
+daemon config; [partition] in the model's): served through the real socket with the
+single-process model's outputs, and when a rank dies, requests to that model fail with an error
+naming it while the daemon and its other models carry on."""
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, load_file, save
+
+from daemon_support import VRAMCTL, Daemon, model, request, vramctl, wait_for
+import hf_models
+
+
+def children(pid):
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_partitioned_model_serves_and_survives_a_rank_dying(tmp_path):
+    case = hf_models.make("llama3", "float32", tmp_path / "hf")
+    d = Daemon(tmp_path / "d", extra="[group]\nworld_size = 2")
+    checkpoint = case / "model"
+    (d.models / "split.toml").write_text(f'checkpoint = "{checkpoint}"\n[partition]\nworld_size = 2\ntimeout = "5s"\n')
+    (d.models / "whole.toml").write_text(f'checkpoint = "{checkpoint}"\n')
+    inputs = load_file(case / "inputs.safetensors")
+
+    # The single-process model's outputs, from vramctl run.
+    reference = tmp_path / "reference.safetensors"
+    subprocess.run([VRAMCTL, "run", d.models / "whole.toml", "--daemon-config", d.config, "--input",
+                    case / "inputs.safetensors", "--output", reference], check=True)
+    expected = load_file(reference)
+
+    with d.start():
+        [worker] = children(d.process.pid)  # rank 1, started by the daemon
+        status, body = request(d.sock, "POST", "/v1/models/split/forward", save(inputs))
+        assert status == 200, body
+        got = load(body)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+        weights = model(d.sock, "split")["weights"]
+        assert weights["plan"].startswith("rank 0 of 2: holds 1/2 of"), weights
+        assert "rank 0 of 2" in vramctl(d.sock, "status").stdout
+
+        # Sleep and wake go to every rank; the outputs stay the same.
+        vramctl(d.sock, "offload", "split")
+        status, body = request(d.sock, "POST", "/v1/models/split/forward", save(inputs))
+        assert status == 200 and all(torch.equal(load(body)[k], expected[k]) for k in expected)
+
+        # Rank 1 dies: the partitioned model's requests fail, saying so; the rest serves on.
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text(),
+                 what="rank 1 to die")
+        status, body = request(d.sock, "POST", "/v1/models/split/forward", save(inputs))
+        assert status == 500, body
+        assert f"rank 1 (pid {worker}) has exited" in body.decode(), body
+        status, body = request(d.sock, "POST", "/v1/models/whole/forward", save(inputs))
+        assert status == 200 and all(torch.equal(load(body)[k], expected[k]) for k in expected)
+
+        # Loading it again waits for rank 1 up to [partition].timeout, then says who is missing.
+        vramctl(d.sock, "unload", "split")
+        result = vramctl(d.sock, "load", "split", check=False)
+        assert result.returncode != 0
+        assert "rank 1 of 2 did not join within 5s" in result.stdout + result.stderr
+        assert d.healthy()
