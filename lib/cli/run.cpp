@@ -129,6 +129,8 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
       outputs = model->forward(inputs);
     } catch (const c10::Error& e) {
       throw Error(config.path + ": forward failed: " + e.what_without_backtrace());
+    } catch (const dist::RankFailure&) {
+      throw;
     } catch (const Error& e) {
       fail(options.input, e.what());
     }

@@ -14,6 +14,8 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <fstream>
+#include <thread>
 
 #include "dist/communicator.hpp"
 #include "config/units.hpp"
@@ -54,6 +56,21 @@ std::string host_name() {
   char name[256] = {};
   gethostname(name, sizeof name - 1);
   return name;
+}
+
+// Gone, or a zombie its parent has not reaped yet. A peer's sockets close while it exits, a
+// moment before it is a zombie, so a failure noticed then waits for that moment a little.
+bool has_exited(pid_t pid) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X')) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
 }
 
 }  // namespace
@@ -175,7 +192,7 @@ Communicator::Communicator(std::shared_ptr<Group> group, std::string name, std::
   } catch (const std::exception& e) {
     const auto absent = missing("joined");
     if (!absent.empty())
-      throw Error(name_ + ": " + ranks_text(absent) + " of " + std::to_string(size()) + " did not join within " +
+      throw RankFailure(name_ + ": " + ranks_text(absent) + " of " + std::to_string(size()) + " did not join within " +
                   config::format_duration(timeout) + " (is a process running with RANK=" + std::to_string(absent.front()) +
                   " and WORLD_SIZE=" + std::to_string(size()) + "?)");
     fail("connecting the ranks", text_of(e));
@@ -203,7 +220,7 @@ std::string Communicator::exited() {
       const auto space = who.rfind(' ');
       if (space == std::string::npos || who.substr(0, space) != host_name()) continue;
       const pid_t pid = static_cast<pid_t>(std::stol(who.substr(space + 1)));
-      if (kill(pid, 0) != 0 && errno == ESRCH)
+      if (has_exited(pid))
         text += (text.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") has exited");
     } catch (const std::exception&) {
     }
@@ -233,7 +250,7 @@ void Communicator::fail(const std::string& during, const std::string& cause, con
   } catch (const std::exception&) {
   }
   if (who.empty()) who = "a rank exited or stopped answering";
-  throw Error(name_ + ": " + during + " failed on rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+  throw RankFailure(name_ + ": " + during + " failed on rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
               ": " + who + " (" + cause + ")");
 }
 

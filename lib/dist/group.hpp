@@ -36,6 +36,12 @@ class Timeout : public Error {
   using Error::Error;
 };
 
+// A rank failed or stopped answering (dist/communicator.hpp): not the request's fault.
+class RankFailure : public Error {
+ public:
+  using Error::Error;
+};
+
 class Group {
  public:
   // Rank 0 serves the store; the others connect to it, retrying until the timeout.

@@ -122,6 +122,8 @@ std::string Runtime::forward(std::string_view safetensors) {
     outputs = impl_->loaded.model->forward(inputs);
   } catch (const c10::Error& e) {
     throw Error(std::string("forward failed: ") + e.what_without_backtrace());
+  } catch (const dist::RankFailure&) {
+    throw;
   } catch (const Error& e) {
     throw BadInput(e.what());  // the model's checks of its inputs
   }
@@ -148,8 +150,8 @@ bool Runtime::offloaded() const { return impl_->offloaded; }
 
 std::map<std::string, uint64_t> Runtime::bytes_by_device() const {
   std::map<std::string, uint64_t> bytes;
-  if (const auto& vram = impl_->loaded.vram) {  // streamed: what the manager holds, prefetched layers too
-    if (const uint64_t held = vram->stats().held) bytes[impl_->loaded.model->device().str()] = held;
+  if (impl_->loaded.vram || impl_->loaded.partition) {  // what the manager holds, prefetched layers too
+    if (const uint64_t held = vram()->held) bytes[impl_->loaded.model->device().str()] = held;
     return bytes;
   }
   for (const auto* parameter : impl_->loaded.model->parameters()) {
