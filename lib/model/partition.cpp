@@ -90,8 +90,7 @@ struct PartitionedWeights::Use {
 
 PartitionedWeights::PartitionedWeights(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config,
                                        std::shared_ptr<dist::Communicator> communicator)
-    : model_(model),
-      source_(std::move(source)),
+    : source_(std::move(source)),
       config_(config),
       communicator_(std::move(communicator)),
       device_(config.vram.computation.device),

@@ -69,7 +69,6 @@ class PartitionedWeights : public LayerWeights {
   void count_held();
   std::string describe() const;
 
-  Model& model_;
   std::shared_ptr<WeightSource> source_;
   config::ModelConfig config_;
   std::shared_ptr<dist::Communicator> communicator_;
