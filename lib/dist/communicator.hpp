@@ -58,7 +58,6 @@ class Communicator {
 
  private:
   std::string exited();
-  std::string waiting_for_;  // the step all_gather_values waits on
   struct Impl;
   std::shared_ptr<Group> group_;
   std::string name_;

@@ -128,14 +128,6 @@ std::string Group::get(const std::string& key, std::chrono::milliseconds timeout
   }
 }
 
-bool Group::has(const std::string& key) {
-  try {
-    return impl_->store->check({key});
-  } catch (const std::exception& e) {
-    throw Error("the group's store: " + text_of(e));
-  }
-}
-
 void Group::erase(const std::string& key) {
   try {
     impl_->store->deleteKey(key);
@@ -162,6 +154,7 @@ struct Communicator::Impl {
 struct Communicator::Pending::Work {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<std::vector<at::Tensor>> chunks;  // kept alive until the gather is done
+  std::string step;  // when set, a failure names the ranks that have not marked it
 };
 
 namespace {
@@ -284,7 +277,7 @@ void Communicator::Pending::wait() {
   try {
     for (auto& each : work->works) each->wait();
   } catch (const std::exception& e) {
-    owner_->fail("a gather", text_of(e), owner_->waiting_for_);
+    owner_->fail("a gather", text_of(e), work->step);
   }
 }
 
@@ -293,14 +286,8 @@ std::vector<int64_t> Communicator::all_gather_values(int64_t value, const std::s
   const at::Tensor shard = at::full({1}, value, at::kLong);
   const at::Tensor output = at::empty({size()}, at::kLong);
   auto pending = all_gather(output, shard);
-  waiting_for_ = step;
-  try {
-    pending.wait();
-  } catch (...) {
-    waiting_for_.clear();
-    throw;
-  }
-  waiting_for_.clear();
+  pending.work_->step = step;
+  pending.wait();
   return {output.data_ptr<int64_t>(), output.data_ptr<int64_t>() + size()};
 }
 

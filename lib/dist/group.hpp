@@ -57,7 +57,6 @@ class Group {
   void set(const std::string& key, std::string_view value);
   // Waits for the key up to `timeout`; throws Timeout naming it, Error when the store is gone.
   std::string get(const std::string& key, std::chrono::milliseconds timeout);
-  bool has(const std::string& key);
   void erase(const std::string& key);
   // Atomic counter, for unique names.
   int64_t add(const std::string& key, int64_t amount);

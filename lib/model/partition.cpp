@@ -107,7 +107,7 @@ PartitionedWeights::PartitionedWeights(Model& model, std::shared_ptr<WeightSourc
       auto it = assigned.find(&parameter);
       if (parameter.tied || it == assigned.end()) continue;
       if (matches_any(parameter.name, config.partition.replicate)) {
-        replicated_.push_back(&parameter);
+        replicated_.push_back({&parameter, it->second});
         continue;
       }
       home[&parameter] = {unit.get(), unit->parameters.size()};
@@ -174,7 +174,7 @@ uint64_t PartitionedWeights::slice_bytes() const {
 uint64_t PartitionedWeights::held_base() const {
   uint64_t bytes = 0;
   for (const auto& unit : units_) bytes += nbytes_on(unit->held, device_);
-  for (const Parameter* parameter : replicated_) bytes += nbytes_on(parameter->value, device_);
+  for (const auto& [parameter, part] : replicated_) bytes += nbytes_on(parameter->value, device_);
   return bytes;
 }
 
@@ -208,13 +208,11 @@ void PartitionedWeights::materialise(const config::DeviceState& state, std::opti
     const auto dtype = state_dtype(state.dtype, slice_dtype_);
     unit->held = unit->held.defined() ? unit->held.to(device, dtype) : read_slice(*unit, dtype).to(device);
   }
-  std::map<const Parameter*, const Assignment*> assigned;
-  for (const auto& a : source_->assignments) assigned[a.parameter] = &a;
-  for (Parameter* parameter : replicated_) {
+  for (const auto& [parameter, part] : replicated_) {
     if (!home)
       parameter->value = at::empty(parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
     else if (parameter->value.is_meta())
-      parameter->value = source_->read(*assigned.at(parameter), *home, dtype_, false);
+      parameter->value = source_->read(*part, *home, dtype_, false);
     else
       parameter->value = parameter->value.to(*home);
   }
@@ -224,7 +222,7 @@ void PartitionedWeights::materialise(const config::DeviceState& state, std::opti
 uint64_t PartitionedWeights::resting_bytes() const {
   uint64_t bytes = 0;
   for (const auto& unit : units_) bytes += unit->held.defined() ? unit->held.nbytes() : 0;
-  for (const Parameter* parameter : replicated_) bytes += parameter->value.is_meta() ? 0 : parameter->value.nbytes();
+  for (const auto& [parameter, part] : replicated_) bytes += parameter->value.is_meta() ? 0 : parameter->value.nbytes();
   return bytes;
 }
 
@@ -351,7 +349,7 @@ VramStats PartitionedWeights::stats() const {
 
 std::string PartitionedWeights::describe() const {
   uint64_t replicated = 0;
-  for (const Parameter* parameter : replicated_) replicated += static_cast<uint64_t>(parameter->elements()) * c10::elementSize(dtype_);
+  for (const auto& [parameter, part] : replicated_) replicated += static_cast<uint64_t>(parameter->elements()) * c10::elementSize(dtype_);
   const std::string rest = config_.vram.onload.device == "disk" ? "read from disk at each gather" : "on " + config_.vram.onload.device;
   std::string text = "rank " + std::to_string(communicator_->rank()) + " of " + std::to_string(communicator_->size()) +
                      ": holds 1/" + std::to_string(communicator_->size()) + " of " + std::to_string(units_.size()) +

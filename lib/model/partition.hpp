@@ -32,6 +32,7 @@ class Communicator;
 namespace vramd::model {
 
 class Model;
+struct Assignment;
 struct WeightSource;
 
 class PartitionedWeights : public LayerWeights {
@@ -77,7 +78,11 @@ class PartitionedWeights : public LayerWeights {
   uint64_t limit_;
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::unique_ptr<Use>> uses_;
-  std::vector<Parameter*> replicated_;
+  struct Replicated {
+    Parameter* parameter;
+    const Assignment* part;
+  };
+  std::vector<Replicated> replicated_;
   std::vector<Use*> order_;  // layers in execution order, learned on the first forward
   bool learning_ = true;
   c10::ScalarType slice_dtype_;  // the onload dtype
