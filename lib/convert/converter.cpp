@@ -1,10 +1,12 @@
 #include "convert/converter.hpp"
 
+#include "convert/lua_pattern.hpp"
+
 #include <lua.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <unordered_set>
+#include <optional>
 
 #include "util/error.hpp"
 #include "util/file.hpp"
@@ -17,19 +19,8 @@ namespace {
 constexpr const char* kTensorType = "vramd.Tensor";
 constexpr const char* kSourceType = "vramd.Source";
 
-// Helpers every script may use, defined before the globals are locked.
-constexpr const char* kPrelude = R"lua(
-local find, gsub = string.find, string.gsub
--- rename(name, rules): applies the first rule { pattern, replacement } that matches name
--- (string.gsub semantics); nil when none does. find() first: a failed gsub still builds a string.
-rawset(_G, "rename", function(name, rules)
-  for i = 1, #rules do
-    local rule = rules[i]
-    if find(name, rule[1]) then return (gsub(name, rule[1], rule[2])) end
-  end
-  return nil
-end)
-)lua";
+// string.find and string.gsub, for the rules rename() leaves to Lua (see global_rename).
+constexpr const char* kStringFunctions = "return string.find, string.gsub";
 
 // Runs `body`; a C++ error becomes a Lua error at the caller's line.
 template <typename Body>
@@ -46,10 +37,14 @@ int guarded(lua_State* L, Body&& body) {
   return lua_error(L);
 }
 
-void push_tensor(lua_State* L, ExprPtr expr) {
+// `metatable`: where the tensor metatable is on the stack, when the caller has it there.
+void push_tensor(lua_State* L, ExprPtr expr, int metatable = 0) {
   void* memory = lua_newuserdata(L, sizeof(ExprPtr));
   new (memory) ExprPtr(std::move(expr));
-  luaL_getmetatable(L, kTensorType);
+  if (metatable)
+    lua_pushvalue(L, metatable);
+  else
+    luaL_getmetatable(L, kTensorType);
   lua_setmetatable(L, -2);
 }
 
@@ -188,8 +183,8 @@ struct Source {
 
 Source& check_source(lua_State* L, int index) { return *static_cast<Source*>(luaL_checkudata(L, index, kSourceType)); }
 
-void push_source_tensor(lua_State* L, const storage::TensorInfo& info) {
-  push_tensor(L, convert::source(std::string(info.name()), info.dtype, info.shape));
+void push_source_tensor(lua_State* L, const storage::TensorInfo& info, int metatable = 0) {
+  push_tensor(L, convert::source(std::string(info.name()), info.dtype, info.shape), metatable);
 }
 
 bool push_source_tensor(lua_State* L, Source& source, const std::string& name) {
@@ -220,8 +215,8 @@ int source_keys(lua_State* L) {
   return 1;
 }
 int source_next(lua_State* L) {
-  // [source, previous position]; upvalue 1: position counter
-  auto& source = check_source(L, lua_upvalueindex(1));
+  // upvalues: the source (checked by source_items), the position, the tensor metatable
+  const auto& source = *static_cast<const Source*>(lua_touserdata(L, lua_upvalueindex(1)));
   auto position = static_cast<size_t>(lua_tonumber(L, lua_upvalueindex(2)));
   const auto tensors = source.map->tensors();
   if (position >= tensors.size()) return 0;
@@ -229,14 +224,15 @@ int source_next(lua_State* L) {
   lua_replace(L, lua_upvalueindex(2));
   const auto name = tensors[position].name();
   lua_pushlstring(L, name.data(), name.size());
-  push_source_tensor(L, tensors[position]);
+  push_source_tensor(L, tensors[position], lua_upvalueindex(3));
   return 2;
 }
 int source_items(lua_State* L) {
   check_source(L, 1);
   lua_pushvalue(L, 1);
   lua_pushnumber(L, 0);
-  lua_pushcclosure(L, source_next, 2);
+  luaL_getmetatable(L, kTensorType);
+  lua_pushcclosure(L, source_next, 3);
   return 1;
 }
 int source_index(lua_State* L) {
@@ -253,6 +249,75 @@ int source_index(lua_State* L) {
 }
 int source_len(lua_State* L) {
   lua_pushnumber(L, static_cast<lua_Number>(check_source(L, 1).map->tensors().size()));
+  return 1;
+}
+
+std::string_view string_at(lua_State* L, int index) {
+  size_t size = 0;
+  const char* data = lua_tolstring(L, index, &size);
+  return {data, size};
+}
+
+// One rename rule through Lua's own string.find and string.gsub (upvalues 1 and 2), which
+// coerce numbers and name wrong arguments; stack: [name, rules, rule, pattern, replacement].
+// Pushes the new name and returns true when the rule matches. An error names the rule.
+bool rename_in_lua(lua_State* L, int rule) {
+  lua_pushvalue(L, lua_upvalueindex(1));
+  lua_pushvalue(L, 1);
+  lua_pushvalue(L, 4);
+  int status = lua_pcall(L, 2, 1, 0);  // find(name, pattern)
+  if (status == 0) {
+    const bool found = !lua_isnil(L, -1);
+    lua_pop(L, 1);
+    if (!found) return false;
+    lua_pushvalue(L, lua_upvalueindex(2));
+    lua_pushvalue(L, 1);
+    lua_pushvalue(L, 4);
+    lua_pushvalue(L, 5);
+    status = lua_pcall(L, 3, 1, 0);  // gsub(name, pattern, replacement)
+    if (status == 0) return true;
+  }
+  // [..., message]: Lua's message without the location it gives, which is inside rename()
+  std::string message = lua_tostring(L, -1) ? lua_tostring(L, -1) : "error";
+  if (auto colon = message.find(": "); colon != std::string::npos && message.rfind(":", colon - 1) != std::string::npos)
+    message.erase(0, colon + 2);
+  luaL_where(L, 1);
+  lua_pushfstring(L, "rename rule %d (pattern %s): %s", rule, quote(lua_tostring(L, 4) ? lua_tostring(L, 4) : "nil").c_str(),
+                  message.c_str());
+  lua_concat(L, 2);
+  lua_error(L);
+  return false;
+}
+
+// rename(name, rules): the first rule { pattern, replacement } that matches name, applied with
+// string.gsub's meaning; nil when none does. lua_gsub does the work; what it declines, and
+// patterns or replacements that are not strings, go to rename_in_lua. Upvalues: string.find,
+// string.gsub.
+int global_rename(lua_State* L) {
+  lua_settop(L, 2);
+  luaL_checkstring(L, 1);  // a number becomes its string, as string.gsub would take it
+  luaL_checktype(L, 2, LUA_TTABLE);
+  for (int i = 1, n = static_cast<int>(lua_objlen(L, 2)); i <= n; ++i) {
+    lua_settop(L, 2);
+    lua_rawgeti(L, 2, i);  // [name, rules, rule]
+    if (!lua_istable(L, 3))
+      return luaL_error(L, "rename rule %d is a %s, not a { pattern, replacement } table", i, luaL_typename(L, 3));
+    lua_rawgeti(L, 3, 1);
+    lua_rawgeti(L, 3, 2);  // [name, rules, rule, pattern, replacement]
+    if (lua_isnil(L, 4) || lua_isnil(L, 5))
+      return luaL_error(L, "rename rule %d has no %s; rules are { pattern, replacement }", i,
+                        lua_isnil(L, 4) ? "pattern" : "replacement");
+    std::optional<Substitution> result;
+    if (lua_type(L, 4) == LUA_TSTRING && lua_type(L, 5) == LUA_TSTRING)
+      result = lua_gsub(string_at(L, 1), string_at(L, 4), string_at(L, 5));
+    if (!result) {
+      if (rename_in_lua(L, i)) return 1;
+    } else if (result->count > 0) {
+      lua_pushlstring(L, result->text.data(), result->text.size());
+      return 1;
+    }
+  }
+  lua_pushnil(L);
   return 1;
 }
 
@@ -292,13 +357,13 @@ void set_global(lua_State* L, const char* name) {
   lua_pop(L, 2);
 }
 
-// The tensor at `index`, or null when the value there is something else.
-const ExprPtr* to_tensor(lua_State* L, int index) {
+// The tensor at `index`, or null when the value there is something else; `metatable`: the
+// absolute stack index of the tensor metatable.
+const ExprPtr* to_tensor(lua_State* L, int index, int metatable) {
   void* memory = lua_touserdata(L, index);
   if (!memory || !lua_getmetatable(L, index)) return nullptr;
-  luaL_getmetatable(L, kTensorType);
-  const bool is_tensor = lua_rawequal(L, -1, -2);
-  lua_pop(L, 2);
+  const bool is_tensor = lua_rawequal(L, -1, metatable);
+  lua_pop(L, 1);
   return is_tensor ? static_cast<const ExprPtr*>(memory) : nullptr;
 }
 
@@ -370,7 +435,9 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
     install_api(L, &source);
     push_json(L, nlohmann::json::parse(arch_json));
     set_global(L, "arch");
-    sandbox.run(kPrelude, "vramd prelude", 0, 0);
+    sandbox.run(kStringFunctions, "vramd rename", 0, 2);
+    lua_pushcclosure(L, global_rename, 2);
+    set_global(L, "rename");
 
     sandbox.run(code, script_path, 0, 1);  // [result]
   } catch (const Error& e) {
@@ -383,26 +450,32 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
   if (!lua_istable(L, -1))
     fail(script_path, std::string("returned ") + luaL_typename(L, -1) +
                           ", not a table of target names to tensors");
-  lua_pushnil(L);  // [result, nil]
-  while (lua_next(L, -2) != 0) {  // [result, key, value]
+  luaL_getmetatable(L, kTensorType);  // [result, metatable]
+  const int metatable = lua_gettop(L);
+  lua_pushnil(L);  // [result, metatable, nil]
+  while (lua_next(L, -3) != 0) {  // [result, metatable, key, value]
     if (lua_type(L, -2) != LUA_TSTRING)
       fail(script_path, std::string("returned a table with a ") + luaL_typename(L, -2) +
                             " key; target names are strings");
-    std::string target = lua_tostring(L, -2);
-    const ExprPtr* value = to_tensor(L, -1);
+    size_t size = 0;
+    const char* name = lua_tolstring(L, -2, &size);
+    const ExprPtr* value = to_tensor(L, -1, metatable);
     if (!value)
-      fail(script_path, "target " + quote(target) + " is a " + luaL_typename(L, -1) + ", not a tensor");
-    plan.tensors.push_back({std::move(target), *value});
+      fail(script_path, "target " + quote(std::string_view(name, size)) + " is a " + luaL_typename(L, -1) +
+                            ", not a tensor");
+    plan.tensors.push_back({std::string(name, size), *value});
     lua_pop(L, 1);
   }
-  lua_pop(L, 1);
+  lua_pop(L, 2);
   sort_by(plan.tensors, [](const Conversion& c) -> const std::string& { return c.target; });
 
-  std::unordered_set<std::string_view> used;
+  // Source keys no target reads.
+  const auto tensors = map.tensors();
+  std::vector<char> used(tensors.size());
   for (const auto& conversion : plan.tensors)
-    conversion.expr->for_each_source([&](const std::string& key) { used.insert(key); });
-  for (const auto& info : map.tensors())
-    if (!used.count(info.name())) plan.unused.emplace_back(info.name());
+    conversion.expr->for_each_source([&](const std::string& key) { used[map.find(key) - tensors.data()] = 1; });
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (!used[i]) plan.unused.emplace_back(tensors[i].name());
   return plan;
 }
 

@@ -32,6 +32,7 @@ struct Expr {
   // Calls `visit` with the key of every source node, depth first (a key read twice, twice).
   template <typename Visit>
   void for_each_source(Visit&& visit) const {
+    if (op == Op::Source) return visit(source);  // most targets: no stack to allocate
     std::vector<const Expr*> pending = {this};
     while (!pending.empty()) {
       const Expr* expr = pending.back();

@@ -5,6 +5,7 @@
 
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
+#include "convert/lua_pattern.hpp"
 #include "storage/tensor_io.hpp"
 #include "support/temp_dir.hpp"
 #include "util/error.hpp"
@@ -130,4 +131,85 @@ return out
   std::vector<std::string> targets;
   for (const auto& conversion : plan.tensors) targets.push_back(conversion.target);
   CHECK(targets == std::vector<std::string>{"blocks.0.attn.c_attn.bias", "blocks.0.attn.c_attn.weight", "layers.0.norm.weight"});
+}
+
+TEST_CASE("rename gives what string.find and string.gsub give for any pattern") {
+  // rename() matches natively and hands what it does not handle to string.gsub: random
+  // patterns, names and replacements, well-formed and not, against Lua's own functions.
+  Fixture f;
+  auto plan = run_converter(f.script(R"lua(
+local find, gsub, format = string.find, string.gsub, string.format
+local function reference(name, rules)
+  for i = 1, #rules do
+    if find(name, rules[i][1]) then return (gsub(name, rules[i][1], rules[i][2])) end
+  end
+  return nil
+end
+local seed = 12345
+local function pick(list)
+  seed = (seed * 1103515245 + 12345) % 2147483648
+  return list[seed % #list + 1]
+end
+local tokens = { "a", "b", ".", "%.", "%d", "%a", "%w", "%s", "%A", "%D", "%z", "%%", "[ab]", "[^a]", "[a-c]",
+                 "[%d_]", "[]]", "*", "+", "-", "?", "(", ")", "()", "%1", "%b()", "%f[%w]", "$", "[", "%", "%g" }
+local letters = { "a", "b", "c", ".", "1", "23", "_", "(", ")", " ", "A", "\0" }
+local replacements = { "", "x", "%0", "%1", "%2", "[%1]", "%%", "%a", "y%1z", "%" }
+local cases, same = 0, 0
+for _ = 1, 20000 do
+  local pattern = (pick({ "", "^" }))
+  for _ = 1, seed % 5 + 1 do pattern = pattern .. pick(tokens) end
+  local name = ""
+  for _ = 1, seed % 9 do name = name .. pick(letters) end
+  local rules = { { pattern, pick(replacements) } }
+  if seed % 3 == 0 then rules = { { "^zz", "q" }, rules[1] } end
+  local ok1, got = pcall(rename, name, rules)
+  local ok2, want = pcall(reference, name, rules)
+  if not ok1 and not ok2 then  -- the same error, which rename() gives with the rule's number
+    got, want = got:gsub("^.-rename rule %d+ %(pattern .-%): ", ""), want:gsub("^[^:]*:%d+: ", "")
+  end
+  if ok1 ~= ok2 or got ~= want then
+    error(format("rename(%q, {{%q, %q}}): %s %s, string.gsub: %s %s", name, rules[#rules][1], rules[#rules][2],
+                 tostring(ok1), tostring(got), tostring(ok2), tostring(want)))
+  end
+  cases = cases + 1
+  if ok1 and got then same = same + 1 end
+end
+print(cases, same)
+return {}
+)lua"), f.map());
+  REQUIRE(plan.printed.size() == 1);
+  INFO(plan.printed[0]);
+  // Enough of the cases matched for the comparison to mean something.
+  CHECK(std::stoi(plan.printed[0].substr(plan.printed[0].find('\t') + 1)) > 2000);
+}
+
+TEST_CASE("lua_gsub leaves to Lua what it does not handle") {
+  CHECK(lua_gsub("blocks.12.ff.w", "^blocks%.(%d+)%.", "layers.%1.")->text == "layers.12.ff.w");
+  CHECK(lua_gsub("a.b.c", "%.", "/")->text == "a/b/c");
+  CHECK(lua_gsub("abc", "", "-")->text == "-a-b-c-");
+  CHECK(lua_gsub("abc", "x", "-")->count == 0);
+  CHECK(lua_gsub("a(b)c", "%b()", "")== std::nullopt);
+  CHECK(lua_gsub("abc", "()b", "%1") == std::nullopt);
+  CHECK(lua_gsub("abab", "(a)%1", "") == std::nullopt);
+  CHECK(lua_gsub("abc", "[a", "") == std::nullopt);
+  CHECK(lua_gsub("abc", "(b", "%1") == std::nullopt);  // an unfinished capture in the replacement
+  CHECK(lua_gsub("abc", "b", "%2") == std::nullopt);
+  CHECK(lua_gsub("abc", "b", "x%") == std::nullopt);
+}
+
+TEST_CASE("a bad rename rule names the script line and the rule") {
+  Fixture f;
+  auto path = f.dir / "convert.lua";
+  CHECK(f.error_of("local r = { { '^h', 'x' }, { '%', 'y' } }\nreturn { [rename('h.0', { { '^b', 'x' }, { '%', 'y' } })] = src['h.0.ln.weight'] }") ==
+        path + ":2: rename rule 2 (pattern '%'): malformed pattern (ends with '%')");
+  CHECK(f.error_of("return { [rename('h.0', { { '(h', 'x' } })] = src['h.0.ln.weight'] }") ==
+        path + ":1: rename rule 1 (pattern '(h'): unfinished capture");
+  CHECK(f.error_of("return { [rename('h.0', { 'h' })] = src['h.0.ln.weight'] }") ==
+        path + ":1: rename rule 1 is a string, not a { pattern, replacement } table");
+  CHECK(f.error_of("return { [rename('h.0', { { 'h' } })] = src['h.0.ln.weight'] }") ==
+        path + ":1: rename rule 1 has no replacement; rules are { pattern, replacement }");
+  CHECK(f.error_of("return { [rename('h.0')] = src['h.0.ln.weight'] }") ==
+        path + ":1: bad argument #2 to 'rename' (table expected, got nil)");
+  CHECK(f.error_of("return { [rename({}, { { 'h', 'x' } })] = src['h.0.ln.weight'] }") ==
+        path + ":1: bad argument #1 to 'rename' (string expected, got table)");
 }
