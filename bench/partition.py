@@ -9,6 +9,9 @@ largest number of weight bytes a rank held (vramd's own count), and the forward 
 one process given the same number of threads as each rank (the cost of the gathers) and
 against one process with every core. Every rank computes the whole forward, so on a machine
 with fewer cores than ranks the second ratio shows the cores shared, not the gathers.
+
+The peer: PyTorch FSDP2 (`fully_shard`, bench/fsdp_peer.py) on the same checkpoint, ranks,
+threads, input and forwards, started with torchrun. Its logits are compared with vramd's.
 """
 import argparse
 import json
@@ -31,6 +34,16 @@ def vramctl_run(config, daemon_config, inputs, stats, forwards, *flags):
     return json.loads(stats.read_text())
 
 
+def fsdp_run(folder, inputs, workdir, ranks, threads, forwards):
+    out = workdir / f"fsdp{ranks}.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                    ROOT / "bench" / "fsdp_peer.py", "--checkpoint", folder, "--input", inputs, "--forwards",
+                    str(forwards), "--threads", str(threads), "--out", out,
+                    "--logits", workdir / f"fsdp{ranks}-logits.safetensors"],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return json.loads(out.read_text())
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", default="/tmp/vramd-bench")
@@ -39,7 +52,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     workdir = Path(args.workdir)
     folder = workdir / "llama1b"
@@ -64,7 +77,9 @@ def main():
         config = workdir / f"partitioned{ranks}.toml"
         config.write_text(f'name = "p{ranks}"\ncheckpoint = "{folder}"\n[partition]\nworld_size = {ranks}\n'
                           'timeout = "10m"\n')
-        got = vramctl_run(config, daemon_config, inputs, workdir / f"p{ranks}.json", args.forwards, "--ranks", str(ranks))
+        ours = workdir / f"p{ranks}-out.safetensors"
+        got = vramctl_run(config, daemon_config, inputs, workdir / f"p{ranks}.json", args.forwards, "--ranks", str(ranks),
+                          "--output", ours)
         largest = got["vram"]["streaming_room"]
         goal = model / ranks + 2 * largest + got["peak_rss_before_load"]
         worst = max(rank["peak_rss"] for rank in got["ranks"])
@@ -79,6 +94,17 @@ def main():
               f"{'met' if worst <= goal else 'MISSED'}")
         print(f"  weights held at most {max(r['peak_weights'] for r in got['ranks']) / GiB:.2f} GiB per rank "
               f"(slices {got['ranks'][0]['slices'] / GiB:.2f} GiB); one process holds {model / GiB:.2f} GiB")
+        fsdp = fsdp_run(folder, inputs, workdir, ranks, threads, args.forwards)
+        theirs = load_file(workdir / f"fsdp{ranks}-logits.safetensors")["logits"].float()
+        mine = load_file(ours)["logits"].float()
+        fsdp_peaks = ", ".join(f"{r['peak_rss'] / GiB:.2f}" for r in fsdp["ranks"])
+        print(f"  FSDP2 fully_shard, {ranks} ranks: forward {fsdp['forward_median_seconds']:.2f} s (vramd "
+              f"{fsdp['forward_median_seconds'] / got['forward_median_seconds']:.2f}x faster); per-rank peak RSS "
+              f"{fsdp_peaks} GiB (vramd's {worst / max(r['peak_rss'] for r in fsdp['ranks']):.2f}x of it), after loading "
+              f"{max(r['peak_rss_loading'] for r in fsdp['ranks']) / GiB:.2f} GiB, process before load "
+              f"{fsdp['ranks'][0]['rss_before_load'] / GiB:.2f} GiB")
+        print(f"  logits: max |vramd - FSDP2| {(mine - theirs).abs().max().item():.4f}, "
+              f"largest |logit| {theirs.abs().max().item():.4f} (bfloat16)")
 
 
 if __name__ == "__main__":

@@ -81,16 +81,30 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
   if (!one_of(vram.computation.dtype, kComputeDtypes) && vram.computation.dtype != "auto")
     table->bad_value("computation", "weights can rest in float8 (offload, onload, preparing) but are computed "
                                     "in float32, bfloat16 or float16");
-  vram.limit = table->size("limit");
-  if (vram.limit) {
-    auto budget = daemon.budgets.find(vram.computation.device);
+  // A limit on a device needs the daemon's budget for it, and must fit in it.
+  // `also`: what else the device holds under this budget, which the message then names.
+  const auto within_budget = [&](const char* key, const std::string& device, uint64_t bytes, std::string also = "") {
+    auto budget = daemon.budgets.find(device);
     std::string source = daemon.path.empty() ? "the daemon's defaults" : daemon.path;
     if (budget == daemon.budgets.end())
-      table->bad_value("limit", "a limit on " + vram.computation.device + ", for which " + source +
-                                    " sets no budget (budgets: " + budgets_text(daemon) + ")");
-    else if (*vram.limit > budget->second)
-      table->bad_value("limit", "more than the daemon's whole budget for " + vram.computation.device + " (" +
-                                    format_bytes(budget->second) + ")");
+      table->bad_value(key, "a limit on " + device + ", for which " + source + " sets no budget (budgets: " +
+                                budgets_text(daemon) + ")");
+    else if (bytes > budget->second)
+      table->bad_value(key, (also.empty() ? "" : "with " + also + ", ") + "more than the daemon's whole budget for " +
+                                device + " (" + format_bytes(budget->second) + ")");
+  };
+  vram.limit = table->size("limit");
+  if (vram.limit) within_budget("limit", vram.computation.device, *vram.limit);
+  vram.onload_limit = table->size("onload_limit");
+  if (vram.onload_limit) {
+    if (vram.onload.device == "disk")
+      table->bad_value("onload_limit", "it caps the weights resting on the onload device, and onload is \"disk\"; "
+                                       "give onload a device such as \"cpu\"");
+    else if (vram.onload.device == vram.computation.device && vram.limit)  // both on one device
+      within_budget("onload_limit", vram.onload.device, *vram.onload_limit + *vram.limit,
+                    "vram.limit (" + format_bytes(*vram.limit) + ") on the same device");
+    else
+      within_budget("onload_limit", vram.onload.device, *vram.onload_limit);
   }
   table->finish();
 }

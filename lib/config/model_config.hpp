@@ -20,6 +20,9 @@ struct DeviceState {
 struct VramConfig {
   DeviceState offload, onload, preparing, computation;
   std::optional<uint64_t> limit;  // bytes of weights on the computation device
+  // Bytes of streamed weights resting on the onload device: the first streamed layers that fit
+  // rest there, the rest on disk (GPUs first, then host, then disk, as a device map places them).
+  std::optional<uint64_t> onload_limit;
 };
 
 struct ResidencyConfig {

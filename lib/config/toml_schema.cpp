@@ -125,7 +125,8 @@ std::optional<int64_t> TableReader::integer(std::string_view key, int64_t min, i
   const toml::node* value = node(key);
   if (!value) return std::nullopt;
   if (value->is_integer() && *value->value<int64_t>() >= min && *value->value<int64_t>() <= max) return *value->value<int64_t>();
-  bad_value(key, "expected an integer from " + std::to_string(min) + " to " + std::to_string(max) + ", found " + type_name(*value));
+  bad_value(key, "expected an integer from " + std::to_string(min) + " to " + std::to_string(max) +
+                     (value->is_integer() ? "" : ", found " + type_name(*value)));
   return std::nullopt;
 }
 

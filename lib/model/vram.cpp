@@ -50,7 +50,9 @@ struct WeightManager::Slot {
   std::vector<const Assignment*> parts;  // per parameter (a tied one: its leader's); null: never loaded
   uint64_t bytes = 0;      // prepared, in the preparing dtype
   uint64_t copy = 0;       // the computation copy while the op runs (0: preparing is computation)
+  uint64_t elements = 0;
   bool resident = false;
+  bool from_disk = false;  // streamed and re-read from the checkpoint (onload "disk", or past vram.onload_limit)
   enum class State { Away, Loading, Ready, InUse } state = State::Away;  // streamed slots only
   std::vector<at::Tensor> tensors;   // prepared; while Loading, the buffers to read into
   std::vector<at::Tensor> computed;  // the computation copy while the op runs
@@ -71,6 +73,7 @@ WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source,
       const Parameter* owner = parameter.tied ? parameter.tied : &parameter;
       auto it = by_parameter.find(owner);
       slot->parts.push_back(it == by_parameter.end() ? nullptr : it->second);
+      slot->elements += static_cast<uint64_t>(parameter.elements());
       slot->bytes += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(prepared_dtype_);
       if (prepared_dtype_ != dtype_) slot->copy += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(dtype_);
     }
@@ -102,7 +105,7 @@ WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source,
                           "); raise it to at least " + (biggest->copy ? format_bytes(largest) : "that"));
   const std::string& onload = config.vram.onload.device;
   onload_on_disk_ = onload == "disk";
-  if (!fits && !onload_on_disk_ && c10::Device(onload) == device_)
+  if (!fits && !onload_on_disk_ && c10::Device(onload) == device_ && !config.vram.onload_limit)
     fail(config.path, "vram.onload.device = " + onload + " is the computation device, so every weight would count against "
                       "vram.limit (" + format_bytes(limit_) + " < " + format_bytes(total) +
                       "); use \"disk\" or another device for onload and offload");
@@ -115,6 +118,21 @@ WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source,
     slot->resident = true;
     stats_.resident += slot->bytes;
     stats_.resident_slots++;
+  }
+  // Streamed slots rest on the onload device in layer order while vram.onload_limit allows;
+  // from the first that does not fit, on disk.
+  const uint64_t onload_limit = onload_on_disk_ ? 0 : config.vram.onload_limit.value_or(UINT64_MAX);
+  const size_t onload_size = c10::elementSize(state_dtype(config.vram.onload.dtype, dtype_));
+  for (const auto& slot : slots_) {
+    if (slot->resident) continue;
+    const uint64_t bytes = slot->elements * onload_size;
+    slot->from_disk = stats_.disk_slots > 0 || stats_.onload + bytes > onload_limit;
+    if (slot->from_disk) {
+      stats_.disk_slots++;
+      stats_.disk += slot->bytes;
+    } else {
+      stats_.onload += bytes;
+    }
   }
   materialise_plan();
   prefetcher_ = std::thread([this] { prefetch_loop(); });
@@ -187,7 +205,7 @@ void WeightManager::materialise_plan() {
       for (size_t i = 0; i < parameters.size(); ++i)
         if (!parameters[i].tied) parameters[i].value = slot->tensors[i];
       slot->held.clear();
-    } else if (onload_on_disk_) {
+    } else if (slot->from_disk) {
       slot->held.clear();
     } else {
       std::vector<at::Tensor> held;
@@ -488,9 +506,11 @@ VramStats WeightManager::stats() const {
 std::string WeightManager::describe(const VramStats& s) const {
   std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
                      format_bytes(s.resident) + " in " + dtype_text(prepared_dtype_) + ")";
-  if (s.resident_slots < s.slots)
-    text += ", " + std::to_string(s.slots - s.resident_slots) + " streamed from " + config_.vram.onload.device + " (" +
-            format_bytes(s.total - s.resident) + ")";
+  if (const size_t from_onload = s.slots - s.resident_slots - s.disk_slots)
+    text += ", " + std::to_string(from_onload) + " streamed from " + config_.vram.onload.device + " (" +
+            format_bytes(s.total - s.resident - s.disk) + ")";
+  if (s.disk_slots)
+    text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) + ")";
   text += "; room kept: " + format_bytes(s.streaming) + (prepared_dtype_ != dtype_ ? ", computed in " + dtype_text(dtype_) : "");
   return text + "; limit " + (s.limit ? format_bytes(s.limit) : std::string("none")) + ", peak " + format_bytes(s.peak);
 }

@@ -13,6 +13,9 @@ struct VramStats {
   uint64_t resident = 0;         // kept prepared on the computation device
   uint64_t streaming = 0;        // room kept for streaming and computation copies
   size_t slots = 0, resident_slots = 0;
+  uint64_t onload = 0;           // streamed slots' bytes resting on the onload device (in its dtype)
+  size_t disk_slots = 0;         // streamed slots re-read from the checkpoint
+  uint64_t disk = 0;             // their bytes, prepared
   uint64_t held = 0;             // bytes on the computation device now (all of the below)
   uint64_t staging = 0;          // of those, buffers kept for reuse by the next streamed layers
   uint64_t peak = 0;             // most bytes on the computation device at any moment

@@ -235,6 +235,62 @@ request_timeout = "-1"
                     bad + ":3:8: access.uids = [...]: expected an array of integers from 0 to 4294967295\n" +
                     bad + ":4:9: access.group = 'no-such-group-here': no such group on this machine\n" +
                     bad + ":6:19: limits.max_header_size = '1MiB': expected from 1KiB to 80KiB\n" +
-                    bad + ":7:19: limits.max_connections = 0: expected an integer from 1 to 65536, found an integer\n" +
+                    bad + ":7:19: limits.max_connections = 0: expected an integer from 1 to 65536\n" +
                     bad + ":8:19: limits.request_timeout = '-1': expected a positive duration such as \"30s\"");
+}
+
+TEST_CASE("a partition table is read and its mistakes are reported") {
+  TempDir dir;
+  auto good = dir.write("p.toml", R"(checkpoint = "w"
+[partition]
+world_size = 4
+replicate = ["*norm*", "lm_head.bias"]
+timeout = "2m"
+)");
+  auto config = load_model_config(good, default_daemon_config());
+  CHECK(config.partition.world_size == 4);
+  CHECK(config.partition.replicate == std::vector<std::string>{"*norm*", "lm_head.bias"});
+  CHECK(config.partition.timeout == std::chrono::minutes(2));
+
+  auto bad = dir.write("bad.toml", R"(checkpoint = "w"
+[partition]
+world_size = 0
+replicate = "norm"
+timeout = "-1"
+ranks = 2
+)");
+  CHECK(problems_of(bad, default_daemon_config()) ==
+        bad + ":3:14: partition.world_size = 0: expected an integer from 1 to 4096\n" +
+        bad + ":5:11: partition.timeout = '-1': ranks that never answer must fail the load: give a duration such as \"60s\"\n" +
+        bad + ":6:1: unknown key 'ranks' in [partition]");
+  auto missing = dir.write("missing.toml", "checkpoint = \"w\"\n[partition]\nreplicate = []\n");
+  CHECK(problems_of(missing, default_daemon_config()) ==
+        missing + ":2:1: missing key 'world_size' in [partition] (the number of ranks)");
+}
+
+TEST_CASE("the daemon config's group table is read and its mistakes are reported") {
+  TempDir dir;
+  auto good = dir.write("vramd.toml", "[group]\nworld_size = 2\n");
+  CHECK(load_daemon_config(good).world_size == 2);
+  CHECK(default_daemon_config().world_size == 1);
+  auto bad = dir.write("bad.toml", "[group]\nworld_size = 1000\nword_size = 2\n");
+  CHECK_THROWS_WITH(load_daemon_config(bad), bad + ":2:14: group.world_size = 1000: expected an integer from 1 to 256\n" +
+                                                 bad + ":3:1: unknown key 'word_size' in [group]; did you mean 'world_size'?");
+}
+
+TEST_CASE("an onload limit needs an onload device and room in its budget") {
+  TempDir dir;
+  auto on_disk = dir.write("a.toml", "checkpoint = \"w\"\n[vram]\nonload = { device = \"disk\" }\nlimit = \"1GiB\"\nonload_limit = \"2GiB\"\n");
+  CHECK(problems_of(on_disk, daemon_with({{"cpu", 8ull << 30}})) ==
+        on_disk + ":5:16: vram.onload_limit = '2GiB': it caps the weights resting on the onload device, and onload is "
+                  "\"disk\"; give onload a device such as \"cpu\"");
+  auto both_cpu = dir.write("b.toml", "checkpoint = \"w\"\n[vram]\nonload = { device = \"cpu\" }\nlimit = \"3GiB\"\nonload_limit = \"6GiB\"\n");
+  CHECK(problems_of(both_cpu, daemon_with({{"cpu", 8ull << 30}})) ==
+        both_cpu + ":5:16: vram.onload_limit = '6GiB': with vram.limit (3.00 GiB) on the same device, more than the "
+                   "daemon's whole budget for cpu (8.00 GiB)");
+  CHECK(load_model_config(both_cpu, daemon_with({{"cpu", 9ull << 30}})).vram.onload_limit == 6ull << 30);
+  auto no_budget = dir.write("c.toml", "checkpoint = \"w\"\n[vram]\ncomputation = { device = \"cuda\" }\nonload = { device = \"cpu\" }\nonload_limit = \"6GiB\"\n");
+  CHECK(problems_of(no_budget, daemon_with({{"cuda:0", 8ull << 30}})) ==
+        no_budget + ":5:16: vram.onload_limit = '6GiB': a limit on cpu, for which vramd.toml sets no budget (budgets: "
+                    "cuda:0 8.00 GiB)");
 }

@@ -78,6 +78,24 @@ def test_onload_on_the_computation_device_is_refused_when_it_cannot_fit(witnesse
     assert "vram.onload.device = cpu is the computation device" in error
 
 
+def test_an_onload_limit_keeps_the_first_streamed_layers_in_memory_and_reads_the_rest_from_disk(witnesses, tmp_path):
+    folder = witnesses["llama", "float32"]
+    resident, _ = run(folder, tmp_path)
+    sizes = [t.numel() * t.element_size() for t in load_file(folder / "model" / "model.safetensors").values()]
+    limit, onload_limit = max(sum(sizes) // 3, max(sizes) * 5 // 4), sum(sizes) // 2
+    vram = (f'[vram]\noffload = {{ device = "disk" }}\nonload = {{ device = "cpu" }}\nlimit = {limit}\n'
+            f'onload_limit = {onload_limit}\n')
+    got, stats = run(folder, tmp_path, vram, repeat=3)
+    v = stats["vram"]
+    assert 0 < v["onload"] <= onload_limit and v["disk_layers"] > 0 and v["peak"] <= limit, (v, onload_limit)
+    streamed = v["layers"] - v["resident_layers"]
+    assert f"{streamed - v['disk_layers']} streamed from cpu" in v["plan"], v["plan"]
+    assert f"{v['disk_layers']} streamed from disk" in v["plan"], v["plan"]
+    assert got.keys() == resident.keys()
+    for name in got:
+        assert torch.equal(got[name], resident[name]), name
+
+
 def test_a_limit_that_holds_everything_keeps_everything_resident(witnesses, tmp_path):
     _, stats = run(witnesses["gpt2", "float32"], tmp_path, streamed('"64MiB"'), repeat=2)
     assert stats["vram"]["resident"] == stats["vram"]["total"] and stats["vram"]["loads"] == 0
