@@ -19,7 +19,7 @@ namespace {
 constexpr const char* kTensorType = "vramd.Tensor";
 constexpr const char* kSourceType = "vramd.Source";
 
-// string.find and string.gsub, for the rules rename() leaves to Lua (see global_rename).
+// string.find and string.gsub, for the rules rename() leaves to Lua (see rename_in_lua).
 constexpr const char* kStringFunctions = "return string.find, string.gsub";
 
 // Runs `body`; a C++ error becomes a Lua error at the caller's line.
@@ -258,22 +258,47 @@ std::string_view string_at(lua_State* L, int index) {
   return {data, size};
 }
 
-// One rename rule through Lua's own string.find and string.gsub (upvalues 1 and 2), which
-// coerce numbers and name wrong arguments; stack: [name, rules, rule, pattern, replacement].
-// Pushes the new name and returns true when the rule matches. An error names the rule.
-bool rename_in_lua(lua_State* L, int rule) {
-  lua_pushvalue(L, lua_upvalueindex(1));
-  lua_pushvalue(L, 1);
-  lua_pushvalue(L, 4);
+// The rules of rename() and src:renamed(), read once. Each rule's pattern and replacement stay
+// on the stack, at `slot` and slot + 1, for Lua's own functions when lua_gsub declines.
+struct RenameRule {
+  int number;  // from 1, for messages
+  int slot;
+  bool native;  // both strings: lua_gsub may do it
+  std::string_view pattern, replacement;
+};
+
+// Pushes rule `number` of the table at `rules`, its pattern and its replacement (three slots;
+// a caller that keeps several checks the stack's room first).
+RenameRule push_rename_rule(lua_State* L, int rules, int number) {
+  lua_rawgeti(L, rules, number);  // [rule]
+  if (!lua_istable(L, -1))
+    luaL_error(L, "rename rule %d is a %s, not a { pattern, replacement } table", number, luaL_typename(L, -1));
+  lua_rawgeti(L, -1, 1);
+  lua_rawgeti(L, -2, 2);  // [rule, pattern, replacement]
+  if (lua_isnil(L, -2) || lua_isnil(L, -1))
+    luaL_error(L, "rename rule %d has no %s; rules are { pattern, replacement }", number,
+               lua_isnil(L, -2) ? "pattern" : "replacement");
+  RenameRule rule{number, lua_gettop(L) - 1, lua_type(L, -2) == LUA_TSTRING && lua_type(L, -1) == LUA_TSTRING, {}, {}};
+  if (rule.native) rule.pattern = string_at(L, rule.slot), rule.replacement = string_at(L, rule.slot + 1);
+  return rule;
+}
+
+// One rule through Lua's own string.find and string.gsub (kept in the registry), which coerce
+// numbers and name wrong arguments. Pushes the new name and returns true when the rule
+// matches. An error names the rule.
+bool rename_in_lua(lua_State* L, std::string_view name, const RenameRule& rule) {
+  lua_getfield(L, LUA_REGISTRYINDEX, "vramd.find");
+  lua_pushlstring(L, name.data(), name.size());
+  lua_pushvalue(L, rule.slot);
   int status = lua_pcall(L, 2, 1, 0);  // find(name, pattern)
   if (status == 0) {
     const bool found = !lua_isnil(L, -1);
     lua_pop(L, 1);
     if (!found) return false;
-    lua_pushvalue(L, lua_upvalueindex(2));
-    lua_pushvalue(L, 1);
-    lua_pushvalue(L, 4);
-    lua_pushvalue(L, 5);
+    lua_getfield(L, LUA_REGISTRYINDEX, "vramd.gsub");
+    lua_pushlstring(L, name.data(), name.size());
+    lua_pushvalue(L, rule.slot);
+    lua_pushvalue(L, rule.slot + 1);
     status = lua_pcall(L, 3, 1, 0);  // gsub(name, pattern, replacement)
     if (status == 0) return true;
   }
@@ -281,43 +306,77 @@ bool rename_in_lua(lua_State* L, int rule) {
   std::string message = lua_tostring(L, -1) ? lua_tostring(L, -1) : "error";
   if (auto colon = message.find(": "); colon != std::string::npos && message.rfind(":", colon - 1) != std::string::npos)
     message.erase(0, colon + 2);
+  const char* pattern = lua_tostring(L, rule.slot);
   luaL_where(L, 1);
-  lua_pushfstring(L, "rename rule %d (pattern %s): %s", rule, quote(lua_tostring(L, 4) ? lua_tostring(L, 4) : "nil").c_str(),
+  lua_pushfstring(L, "rename rule %d (pattern %s): %s", rule.number, quote(pattern ? pattern : "nil").c_str(),
                   message.c_str());
   lua_concat(L, 2);
   lua_error(L);
   return false;
 }
 
-// rename(name, rules): the first rule { pattern, replacement } that matches name, applied with
-// string.gsub's meaning; nil when none does. lua_gsub does the work; what it declines, and
-// patterns or replacements that are not strings, go to rename_in_lua. Upvalues: string.find,
-// string.gsub.
+// When `rule` matches `name`, pushes the new name (string.gsub's meaning) and returns true.
+// lua_gsub does the work; what it declines, and patterns or replacements that are not
+// strings, go to rename_in_lua.
+bool push_renamed(lua_State* L, std::string_view name, const RenameRule& rule) {
+  if (rule.native) {
+    if (auto result = lua_gsub(name, rule.pattern, rule.replacement)) {
+      if (result->count == 0) return false;
+      lua_pushlstring(L, result->text.data(), result->text.size());
+      return true;
+    }
+  }
+  return rename_in_lua(L, name, rule);
+}
+
+// rename(name, rules): the new name by the first rule that matches, or nil when none does.
+// Rules are read as they are tried: most names match one of the first.
 int global_rename(lua_State* L) {
   lua_settop(L, 2);
-  luaL_checkstring(L, 1);  // a number becomes its string, as string.gsub would take it
+  size_t size = 0;
+  const char* name = luaL_checklstring(L, 1, &size);  // a number becomes its string, as string.gsub takes it
   luaL_checktype(L, 2, LUA_TTABLE);
   for (int i = 1, n = static_cast<int>(lua_objlen(L, 2)); i <= n; ++i) {
     lua_settop(L, 2);
-    lua_rawgeti(L, 2, i);  // [name, rules, rule]
-    if (!lua_istable(L, 3))
-      return luaL_error(L, "rename rule %d is a %s, not a { pattern, replacement } table", i, luaL_typename(L, 3));
-    lua_rawgeti(L, 3, 1);
-    lua_rawgeti(L, 3, 2);  // [name, rules, rule, pattern, replacement]
-    if (lua_isnil(L, 4) || lua_isnil(L, 5))
-      return luaL_error(L, "rename rule %d has no %s; rules are { pattern, replacement }", i,
-                        lua_isnil(L, 4) ? "pattern" : "replacement");
-    std::optional<Substitution> result;
-    if (lua_type(L, 4) == LUA_TSTRING && lua_type(L, 5) == LUA_TSTRING)
-      result = lua_gsub(string_at(L, 1), string_at(L, 4), string_at(L, 5));
-    if (!result) {
-      if (rename_in_lua(L, i)) return 1;
-    } else if (result->count > 0) {
-      lua_pushlstring(L, result->text.data(), result->text.size());
-      return 1;
-    }
+    if (push_renamed(L, {name, size}, push_rename_rule(L, 2, i))) return 1;
   }
   lua_pushnil(L);
+  return 1;
+}
+
+// src:renamed(rules): a table of every source tensor under its new name by rename()'s rules (a
+// key no rule matches keeps its own), built in one call. Two keys that become one name are an
+// error naming both.
+int source_renamed(lua_State* L) {
+  const auto& source = check_source(L, 1);
+  if (!lua_istable(L, 2))
+    return luaL_error(L, "src:renamed takes a table of { pattern, replacement } rules, not a %s", luaL_typename(L, 2));
+  lua_settop(L, 2);
+  std::vector<RenameRule> rules;
+  const int n = static_cast<int>(lua_objlen(L, 2));
+  luaL_checkstack(L, 3 * n + 8, "too many rename rules");
+  for (int i = 1; i <= n; ++i) rules.push_back(push_rename_rule(L, 2, i));
+  const auto tensors = source.map->tensors();
+  lua_createtable(L, 0, static_cast<int>(tensors.size()));
+  const int out = lua_gettop(L);
+  luaL_getmetatable(L, kTensorType);
+  const int metatable = out + 1;
+  for (const auto& info : tensors) {
+    const auto name = info.name();
+    if (std::none_of(rules.begin(), rules.end(), [&](const RenameRule& rule) { return push_renamed(L, name, rule); }))
+      lua_pushlstring(L, name.data(), name.size());  // [..., target]
+    lua_pushvalue(L, -1);
+    lua_rawget(L, out);  // [..., target, earlier]
+    if (!lua_isnil(L, -1)) {
+      const auto& earlier = *static_cast<const ExprPtr*>(lua_touserdata(L, -1));
+      return luaL_error(L, "src:renamed: %s and %s both become %s", quote(earlier->source).c_str(),
+                        quote(name).c_str(), quote(string_at(L, -2)).c_str());
+    }
+    lua_pop(L, 1);
+    push_source_tensor(L, info, metatable);
+    lua_rawset(L, out);
+  }
+  lua_settop(L, out);
   return 1;
 }
 
@@ -375,7 +434,8 @@ void install_api(lua_State* L, Source* source) {
                  {"scale", tensor_scale}},
                 {{"__tostring", tensor_tostring}, {"__gc", tensor_gc}});
   register_type(L, kSourceType, source_index,
-                {{"get", source_get}, {"has", source_has}, {"keys", source_keys}, {"items", source_items}},
+                {{"get", source_get}, {"has", source_has}, {"keys", source_keys}, {"items", source_items},
+                 {"renamed", source_renamed}},
                 {{"__len", source_len}});
   auto* memory = static_cast<Source*>(lua_newuserdata(L, sizeof(Source)));
   *memory = *source;
@@ -436,7 +496,9 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
     push_json(L, nlohmann::json::parse(arch_json));
     set_global(L, "arch");
     sandbox.run(kStringFunctions, "vramd rename", 0, 2);
-    lua_pushcclosure(L, global_rename, 2);
+    lua_setfield(L, LUA_REGISTRYINDEX, "vramd.gsub");
+    lua_setfield(L, LUA_REGISTRYINDEX, "vramd.find");
+    lua_pushcfunction(L, global_rename);
     set_global(L, "rename");
 
     sandbox.run(code, script_path, 0, 1);  // [result]

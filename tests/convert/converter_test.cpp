@@ -213,3 +213,28 @@ TEST_CASE("a bad rename rule names the script line and the rule") {
   CHECK(f.error_of("return { [rename({}, { { 'h', 'x' } })] = src['h.0.ln.weight'] }") ==
         path + ":1: bad argument #1 to 'rename' (string expected, got table)");
 }
+
+TEST_CASE("src renamed renames every key as a rename loop does and refuses two keys becoming one") {
+  Fixture f;
+  const std::string rules = R"lua(local rules = { { "^h%.(%d+)%.ln%.", "layers.%1.norm." }, { "^h%.(%d+)%.attn%.c_attn%.", "qkv.%1." } }
+)lua";
+  auto bulk = run_converter(f.script(rules + "local out = src:renamed(rules)\nout['extra'] = out['qkv.0.bias']\nreturn out\n"), f.map());
+  auto loop = run_converter(f.script(rules + R"lua(local out = {}
+for name, t in src:items() do out[rename(name, rules) or name] = t end
+out['extra'] = out['qkv.0.bias']
+return out
+)lua"), f.map());
+  std::vector<std::string> targets, expected;
+  for (const auto& conversion : bulk.tensors) targets.push_back(conversion.target + " " + conversion.expr->describe());
+  for (const auto& conversion : loop.tensors) expected.push_back(conversion.target + " " + conversion.expr->describe());
+  CHECK(targets == expected);
+  CHECK(targets.front() == "extra src['h.0.attn.c_attn.bias']");
+
+  auto path = f.dir / "convert.lua";
+  CHECK(f.error_of("local out = src:renamed({ { '^h%.0%.attn%.c_attn%..*', 'qkv' } })\nreturn out") ==
+        path + ":1: src:renamed: 'h.0.attn.c_attn.bias' and 'h.0.attn.c_attn.weight' both become 'qkv'");
+  CHECK(f.error_of("\nlocal out = src:renamed({ { '^x', 'x' }, { '[', 'y' } })\nreturn out") ==
+        path + ":2: rename rule 2 (pattern '['): malformed pattern (missing ']')");
+  // `return src:renamed(...)` is a tail call, whose line Lua no longer knows: the script is named.
+  CHECK(f.error_of("return src:renamed('h')") == path + ": src:renamed takes a table of { pattern, replacement } rules, not a string");
+}
