@@ -19,6 +19,7 @@
 #include "dist/communicator.hpp"
 #include "dist/group.hpp"
 #include "dist/launch.hpp"
+#include "model/allocations.hpp"
 #include "model/partition.hpp"
 #include "model/loader.hpp"
 #include "model/vram.hpp"
@@ -77,6 +78,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   const auto config = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   const storage::NamedTensors inputs = options.input.empty() ? storage::NamedTensors{} : read_inputs(options.input);
 
+  const bool counting = model::count_cpu_allocations();
   const uint64_t rss_before = peak_rss();
   model::LoadOptions load_options;
   load_options.zero_copy = !options.copy;
@@ -121,10 +123,13 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   storage::NamedTensors outputs;
   std::vector<double> seconds;
   const int repeat = std::max(options.repeat, 1);
+  model::reset_cpu_allocation_peak();
+  const uint64_t allocated_before = model::cpu_allocations().live;
   for (int i = 0; i < repeat; ++i) {
     if (i == repeat - 1 && loaded.vram && !options.trace.empty()) loaded.vram->start_trace();
     const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode inference;
+    outputs.clear();  // the last forward's outputs are not this one's activations
     try {
       outputs = model->forward(inputs);
     } catch (const c10::Error& e) {
@@ -138,6 +143,13 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     if (i == 0) stats["rss_after_first_forward"] = rss();
   }
   stats["rss_end"] = rss();
+  if (!model->device().is_cuda() && counting) {
+    // What the CPU allocator handed out beyond what was live before: activations and other
+    // temporaries (with [vram] streaming from disk, also the converter's intermediate tensors).
+    const uint64_t activations = model::cpu_allocations().peak - allocated_before;
+    stats["activations_peak"] = activations;
+    if (options.stats) log << "activations peak " << format_bytes(activations) << " (CPU allocator, beside the weights)\n";
+  }
   if (model->device().is_cuda()) {
     // Everything the forwards allocated on the GPU at their peak; less the weights, the activations.
     const auto device = model->device();

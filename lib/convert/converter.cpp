@@ -6,7 +6,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <optional>
 
 #include "util/error.hpp"
 #include "util/file.hpp"
@@ -258,8 +257,8 @@ std::string_view string_at(lua_State* L, int index) {
   return {data, size};
 }
 
-// The rules of rename() and src:renamed(), read once. Each rule's pattern and replacement stay
-// on the stack, at `slot` and slot + 1, for Lua's own functions when lua_gsub declines.
+// A rule of rename() or src:renamed(). Its pattern and replacement stay on the stack, at `slot`
+// and slot + 1, for Lua's own functions when lua_gsub declines.
 struct RenameRule {
   int number;  // from 1, for messages
   int slot;

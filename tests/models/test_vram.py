@@ -96,6 +96,16 @@ def test_an_onload_limit_keeps_the_first_streamed_layers_in_memory_and_reads_the
         assert torch.equal(got[name], resident[name]), name
 
 
+@pytest.mark.parametrize("vram", ["", streamed(1 << 20)], ids=["resident", "streamed"])
+def test_activations_are_measured_beside_the_weights(witnesses, vram, tmp_path):
+    # The outputs are allocated by the forward, and the weights are not counted: a resident
+    # model maps the checkpoint, a streamed one reads into buffers vramd maps itself.
+    folder = witnesses["llama", "float32"]
+    outputs, stats = run(folder, tmp_path, vram, repeat=2)
+    produced = sum(t.numel() * t.element_size() for t in outputs.values())
+    assert produced <= stats["activations_peak"] < stats["bytes"], (produced, stats["activations_peak"], stats["bytes"])
+
+
 def test_a_limit_that_holds_everything_keeps_everything_resident(witnesses, tmp_path):
     _, stats = run(witnesses["gpt2", "float32"], tmp_path, streamed('"64MiB"'), repeat=2)
     assert stats["vram"]["resident"] == stats["vram"]["total"] and stats["vram"]["loads"] == 0
