@@ -76,6 +76,20 @@ def test_partitioned_outputs_equal_the_single_process_ones(witnesses, case, rank
     assert f"rank 0 of {ranks}: holds 1/{ranks} of" in vram["plan"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: gathers on a CUDA device (Gloo) not run")
+def test_partitioned_on_cuda_equals_the_single_process_model_on_cuda(witnesses, tmp_path):
+    # Two ranks share the one GPU of a test machine: Gloo carries CUDA tensors (NCCL would need a
+    # GPU per rank).
+    folder = witnesses["llama3"]
+    inputs = folder / "inputs.safetensors"
+    on_cuda = '[vram]\ncomputation = { device = "cuda" }\n'
+    single, _ = run(write_config(tmp_path, folder, on_cuda), inputs, tmp_path)
+    got, stats = run(write_config(tmp_path, folder, on_cuda + partition(2)), inputs, tmp_path, "--ranks", 2)
+    for name in got:
+        assert torch.equal(got[name], single[name]), name
+    assert stats["vram"]["loads"] > 0, stats["vram"]
+
+
 def test_a_converter_reads_only_its_rows_and_gives_the_same_model(witnesses, tmp_path):
     # nanoGPT's layout (transposed projections, torch.save) through the shipped converter: the
     # slices come through converter expressions rather than plain byte ranges.
