@@ -5,11 +5,11 @@ checkpoint one at a time (positioned reads, as vramd reads: no mapped file pages
 RSS) and cut to the rank's shard. Then the same forwards as vramd's.
 
     python -m torch.distributed.run --standalone --nproc-per-node N bench/fsdp_peer.py \\
-        --checkpoint FOLDER --input in.safetensors --forwards 3 --threads T --out result.json
+        --checkpoint FOLDER --input in.safetensors --forwards 3 --threads T --out result.json \\
+        --logits logits.safetensors
 
-Rank 0 writes {"forward_median_seconds", "ranks": [{"peak_rss", "peak_rss_loading", "rss_before_load"}]}
-to --out and
-the last forward's logits to --logits.
+Rank 0 writes {"forward_median_seconds", "ranks": [{"peak_rss", "peak_rss_loading",
+"rss_before_load"}]} to --out and the last forward's logits to --logits.
 """
 import argparse
 import json
@@ -22,7 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import peak_rss, rss_now  # noqa: E402
-
 
 DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
