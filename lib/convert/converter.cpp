@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <optional>
 
 #include "util/error.hpp"
 #include "util/file.hpp"
@@ -282,6 +283,16 @@ RenameRule push_rename_rule(lua_State* L, int rules, int number) {
   return rule;
 }
 
+// Raises "<where>rename rule N (pattern '...'): <message>" at the caller's line.
+int rule_error(lua_State* L, const RenameRule& rule, const std::string& message) {
+  const char* pattern = lua_tostring(L, rule.slot);
+  luaL_where(L, 1);
+  lua_pushfstring(L, "rename rule %d (pattern %s): %s", rule.number, quote(pattern ? pattern : "nil").c_str(),
+                  message.c_str());
+  lua_concat(L, 2);
+  return lua_error(L);
+}
+
 // One rule through Lua's own string.find and string.gsub (kept in the registry), which coerce
 // numbers and name wrong arguments. Pushes the new name and returns true when the rule
 // matches. An error names the rule.
@@ -305,21 +316,24 @@ bool rename_in_lua(lua_State* L, std::string_view name, const RenameRule& rule) 
   std::string message = lua_tostring(L, -1) ? lua_tostring(L, -1) : "error";
   if (auto colon = message.find(": "); colon != std::string::npos && message.rfind(":", colon - 1) != std::string::npos)
     message.erase(0, colon + 2);
-  const char* pattern = lua_tostring(L, rule.slot);
-  luaL_where(L, 1);
-  lua_pushfstring(L, "rename rule %d (pattern %s): %s", rule.number, quote(pattern ? pattern : "nil").c_str(),
-                  message.c_str());
-  lua_concat(L, 2);
-  lua_error(L);
+  rule_error(L, rule, message);
   return false;
 }
 
 // When `rule` matches `name`, pushes the new name (string.gsub's meaning) and returns true.
 // lua_gsub does the work; what it declines, and patterns or replacements that are not
-// strings, go to rename_in_lua.
+// strings, go to rename_in_lua. A pattern that backtracks without end is an error here, where
+// Lua's matcher would run on past any time limit.
 bool push_renamed(lua_State* L, std::string_view name, const RenameRule& rule) {
   if (rule.native) {
-    if (auto result = lua_gsub(name, rule.pattern, rule.replacement)) {
+    std::optional<Substitution> result;
+    try {
+      result = lua_gsub(name, rule.pattern, rule.replacement);
+    } catch (const PatternTooComplex&) {
+      rule_error(L, rule, "pattern too complex: matching " + quote(name) + " took more than " +
+                              std::to_string(kMaxPatternSteps) + " steps");
+    }
+    if (result) {
       if (result->count == 0) return false;
       lua_pushlstring(L, result->text.data(), result->text.size());
       return true;

@@ -34,13 +34,15 @@ bool in_class(unsigned char c, char cls) {
 
 class Matcher {
  public:
-  Matcher(std::string_view subject, std::string_view pattern)
-      : begin_(subject.data()), end_(subject.data() + subject.size()), pattern_end_(pattern.data() + pattern.size()) {}
+  Matcher(std::string_view subject, std::string_view pattern, uint64_t max_steps)
+      : begin_(subject.data()), end_(subject.data() + subject.size()), pattern_end_(pattern.data() + pattern.size()),
+        steps_left_(max_steps) {}
 
   // The end of a match of `p` starting at `s`, or null.
   const char* match(const char* s, const char* p, int depth = 0) {
     if (depth >= kMaxDepth) throw Unsupported{};
     while (p != pattern_end_) {
+      if (--steps_left_ == 0) throw PatternTooComplex("pattern too complex");
       switch (*p) {
         case '(':
           if (p + 1 != pattern_end_ && p[1] == ')') throw Unsupported{};  // position capture
@@ -200,17 +202,18 @@ class Matcher {
   const char* pattern_end_;
   Capture capture_[kMaxCaptures];
   int captures_ = 0;
+  uint64_t steps_left_;
 };
 
 }  // namespace
 
 std::optional<Substitution> lua_gsub(std::string_view subject, std::string_view pattern,
-                                     std::string_view replacement) {
+                                     std::string_view replacement, uint64_t max_steps) {
   const bool anchored = !pattern.empty() && pattern[0] == '^';
   if (anchored) pattern.remove_prefix(1);
   Substitution result;
   try {
-    Matcher matcher(subject, pattern);
+    Matcher matcher(subject, pattern, max_steps);
     const char* s = matcher.begin();
     const char* copied = s;  // the subject up to here is in result.text
     for (;;) {

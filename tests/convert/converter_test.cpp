@@ -195,6 +195,8 @@ TEST_CASE("lua_gsub leaves to Lua what it does not handle") {
   CHECK(lua_gsub("abc", "(b", "%1") == std::nullopt);  // an unfinished capture in the replacement
   CHECK(lua_gsub("abc", "b", "%2") == std::nullopt);
   CHECK(lua_gsub("abc", "b", "x%") == std::nullopt);
+  CHECK_THROWS_AS(lua_gsub(std::string(30, 'a'), ".-.-.-.-x", "", 1000), PatternTooComplex);
+  CHECK(lua_gsub(std::string(30, 'a'), ".-.-.-.-x", "", 10'000'000)->count == 0);
 }
 
 TEST_CASE("a bad rename rule names the script line and the rule") {
@@ -208,6 +210,9 @@ TEST_CASE("a bad rename rule names the script line and the rule") {
         path + ":1: rename rule 1 is a string, not a { pattern, replacement } table");
   CHECK(f.error_of("return { [rename('h.0', { { 'h' } })] = src['h.0.ln.weight'] }") ==
         path + ":1: rename rule 1 has no replacement; rules are { pattern, replacement }");
+  CHECK(f.error_of("return { [rename(string.rep('a', 40), { { '.-.-.-.-.-.-.-.-x', 'y' } })] = src['h.0.ln.weight'] }") ==
+        path + ":1: rename rule 1 (pattern '.-.-.-.-.-.-.-.-x'): pattern too complex: matching '" + std::string(40, 'a') +
+        "' took more than 10000000 steps");
   CHECK(f.error_of("return { [rename('h.0')] = src['h.0.ln.weight'] }") ==
         path + ":1: bad argument #2 to 'rename' (table expected, got nil)");
   CHECK(f.error_of("return { [rename({}, { { 'h', 'x' } })] = src['h.0.ln.weight'] }") ==
