@@ -16,6 +16,7 @@
 #include "server/runtime.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/log.hpp"
 
 namespace fs = std::filesystem;
 
@@ -65,19 +66,23 @@ int main(int argc, char** argv) {
     if (check_only) return check(config);
     // A group for models with [partition]: from torchrun's variables, else [group] world_size
     // ranks started here. Rank 0 serves; the others do what it sends them.
+    // Ranks started here are started again when they exit; a partitioned model whose rank died
+    // is loaded again by the next request for it.
     auto group_options = vramd::dist::options_from_environment();
-    std::optional<vramd::dist::LocalRanks> local;
+    std::optional<vramd::dist::LocalRankSupervisor> local;
     if (!group_options && config.world_size > 1) {
-      local = vramd::dist::start_local_ranks(config.world_size, std::vector<std::string>(argv, argv + argc));
+      local.emplace(vramd::dist::start_local_ranks(config.world_size, std::vector<std::string>(argv, argv + argc)),
+                    [](const std::string& line) { vramd::log::warn(line); });
       group_options = vramd::dist::options_from_environment();
     }
     if (!group_options || group_options->world_size == 1) return vramd::server::serve(config);
     auto group = vramd::dist::Group::join(*group_options);
     if (group->rank() > 0) return vramd::server::Runtime::follow(config, group);
+    if (local) local->set_rejoin_value([group] { return std::to_string(vramd::server::Runtime::next_command(*group)); });
     vramd::server::Runtime::use_group(group);
     const int status = vramd::server::serve(config);
     vramd::server::Runtime::use_group(nullptr);
-    if (local) vramd::dist::stop_local_ranks(*local);
+    local.reset();  // stops the ranks
     return status;
   } catch (const vramd::Error& error) {
     std::cerr << "vramd: " << error.what() << '\n';

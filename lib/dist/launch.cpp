@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -37,6 +38,33 @@ uint16_t free_loopback_port() {
 
 void set(const char* name, const std::string& value) { setenv(name, value.c_str(), 1); }
 
+// Starts `rank` running ranks.argv as this executable, with this process's environment but its
+// own RANK and LOCAL_RANK. Everything is prepared before fork: the child only execs, as a
+// child of a process with threads must.
+pid_t start_rank(const LocalRanks& ranks, int rank, const std::string& rejoin = {}) {
+  std::vector<std::string> environment;
+  for (char** entry = environ; *entry; ++entry) {
+    const std::string_view text(*entry);
+    if (!text.starts_with("RANK=") && !text.starts_with("LOCAL_RANK=") && !text.starts_with("VRAMD_REJOINED="))
+      environment.emplace_back(text);
+  }
+  environment.push_back("RANK=" + std::to_string(rank));
+  environment.push_back("LOCAL_RANK=" + std::to_string(rank));
+  if (!rejoin.empty()) environment.push_back("VRAMD_REJOINED=" + rejoin);
+  std::vector<char*> args, envp;
+  for (const auto& arg : ranks.argv) args.push_back(const_cast<char*>(arg.c_str()));
+  args.push_back(nullptr);
+  for (const auto& entry : environment) envp.push_back(const_cast<char*>(entry.c_str()));
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) throw Error(std::string("cannot start rank ") + std::to_string(rank) + ": " + std::strerror(errno));
+  if (pid == 0) {
+    execve("/proc/self/exe", args.data(), envp.data());
+    std::_Exit(127);
+  }
+  return pid;
+}
+
 }  // namespace
 
 LocalRanks start_local_ranks(int world_size, const std::vector<std::string>& argv) {
@@ -45,22 +73,14 @@ LocalRanks start_local_ranks(int world_size, const std::vector<std::string>& arg
   set("MASTER_ADDR", "127.0.0.1");
   set("MASTER_PORT", std::to_string(free_loopback_port()));
   LocalRanks ranks;
-  std::vector<char*> args;
-  for (const auto& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
-  args.push_back(nullptr);
+  ranks.argv = argv;
   for (int rank = 1; rank < world_size; ++rank) {
-    const pid_t pid = fork();
-    if (pid < 0) {
+    try {
+      ranks.children.push_back(start_rank(ranks, rank));
+    } catch (const Error&) {
       stop_local_ranks(ranks);
-      throw Error(std::string("cannot start rank ") + std::to_string(rank) + ": " + std::strerror(errno));
+      throw;
     }
-    if (pid == 0) {
-      set("RANK", std::to_string(rank));
-      set("LOCAL_RANK", std::to_string(rank));
-      execv("/proc/self/exe", args.data());
-      std::_Exit(127);
-    }
-    ranks.children.push_back(pid);
   }
   set("RANK", "0");
   set("LOCAL_RANK", "0");
@@ -71,19 +91,67 @@ std::vector<std::string> wait_local_ranks(const LocalRanks& ranks) {
   std::vector<std::string> failed;
   for (size_t i = 0; i < ranks.children.size(); ++i) {
     int status = 0;
+    if (ranks.children[i] <= 0) continue;  // not running (a restart that failed)
     while (waitpid(ranks.children[i], &status, 0) < 0 && errno == EINTR) {
     }
-    const std::string rank = "rank " + std::to_string(i + 1);
-    if (WIFEXITED(status) && WEXITSTATUS(status) != 0)
-      failed.push_back(rank + " exited with status " + std::to_string(WEXITSTATUS(status)));
-    else if (WIFSIGNALED(status))
-      failed.push_back(rank + " was killed by signal " + std::to_string(WTERMSIG(status)));
+    if (auto text = describe_exit(static_cast<int>(i + 1), status); !text.empty()) failed.push_back(std::move(text));
   }
   return failed;
 }
 
+std::string describe_exit(int rank, int status) {
+  const std::string name = "rank " + std::to_string(rank);
+  if (WIFEXITED(status) && WEXITSTATUS(status) != 0) return name + " exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return name + " was killed by signal " + std::to_string(WTERMSIG(status));
+  return {};
+}
+
+LocalRankSupervisor::LocalRankSupervisor(LocalRanks ranks, std::function<void(const std::string&)> log)
+    : ranks_(std::move(ranks)), log_(std::move(log)), watcher_([this] { watch(); }) {}
+
+void LocalRankSupervisor::set_rejoin_value(std::function<std::string()> value) {
+  std::lock_guard lock(mutex_);
+  rejoin_value_ = std::move(value);
+}
+
+LocalRankSupervisor::~LocalRankSupervisor() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  stop_.notify_all();
+  watcher_.join();
+  stop_local_ranks(ranks_);
+}
+
+void LocalRankSupervisor::watch() {
+  std::unique_lock lock(mutex_);
+  while (!stop_.wait_for(lock, std::chrono::milliseconds(200), [&] { return stopping_; })) {
+    for (size_t i = 0; i < ranks_.children.size(); ++i) {
+      pid_t& pid = ranks_.children[i];
+      const int rank = static_cast<int>(i + 1);
+      int status = 0;
+      if (pid > 0) {  // else its last start failed: try again
+        if (waitpid(pid, &status, WNOHANG) != pid) continue;
+        const std::string what = describe_exit(rank, status);
+        log_((what.empty() ? "rank " + std::to_string(rank) + " exited" : what) + " (pid " + std::to_string(pid) +
+             "); starting it again in 1s");
+        pid = -1;
+      }
+      if (stop_.wait_for(lock, std::chrono::seconds(1), [&] { return stopping_; })) return;
+      try {
+        pid = start_rank(ranks_, rank, rejoin_value_ ? rejoin_value_() : "1");
+        log_("rank " + std::to_string(rank) + " started again (pid " + std::to_string(pid) + ")");
+      } catch (const std::exception& e) {  // its start, or the rejoin value (the group's store)
+        log_(std::string("cannot start rank ") + std::to_string(rank) + " again: " + e.what());
+      }
+    }
+  }
+}
+
 void stop_local_ranks(const LocalRanks& ranks) {
-  for (const pid_t pid : ranks.children) kill(pid, SIGTERM);
+  for (const pid_t pid : ranks.children)
+    if (pid > 0) kill(pid, SIGTERM);
   wait_local_ranks(ranks);
 }
 

@@ -6,13 +6,18 @@
 
 #include <sys/types.h>
 
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace vramd::dist {
 
 struct LocalRanks {
-  std::vector<pid_t> children;  // ranks 1..N-1
+  std::vector<pid_t> children;   // ranks 1..N-1; -1: not running
+  std::vector<std::string> argv;  // what they run
 };
 
 // Sets this process's environment to rank 0's and starts the others running `argv` (argv[0]
@@ -24,6 +29,32 @@ std::vector<std::string> wait_local_ranks(const LocalRanks& ranks);
 
 // SIGTERM to every child that still runs, then waits for them.
 void stop_local_ranks(const LocalRanks& ranks);
+
+// "rank 2 exited with status 1", "rank 1 was killed by signal 9"; empty for a clean exit.
+std::string describe_exit(int rank, int status);
+
+// Keeps a daemon's local ranks running: a rank that exits is started again after a second, and
+// `log` is told. The new rank finds rejoin_value()'s answer in VRAMD_REJOINED (the daemon's: the
+// first command it is to follow). Destroying the supervisor stops the ranks.
+class LocalRankSupervisor {
+ public:
+  LocalRankSupervisor(LocalRanks ranks, std::function<void(const std::string&)> log);
+  void set_rejoin_value(std::function<std::string()> value);
+  ~LocalRankSupervisor();
+  LocalRankSupervisor(const LocalRankSupervisor&) = delete;
+  LocalRankSupervisor& operator=(const LocalRankSupervisor&) = delete;
+
+ private:
+  void watch();
+
+  LocalRanks ranks_;
+  std::function<void(const std::string&)> log_;
+  std::function<std::string()> rejoin_value_;
+  std::mutex mutex_;
+  std::condition_variable stop_;
+  bool stopping_ = false;
+  std::thread watcher_;
+};
 
 // Intra-op threads for one of several ranks sharing this machine: its cores divided among them
 // (LOCAL_WORLD_SIZE), unless OMP_NUM_THREADS says otherwise. 0: leave LibTorch's default.

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/units.hpp"
+#include "dist/group.hpp"
 #include "model/loader.hpp"
 #include "server/reply.hpp"
 #include "util/file.hpp"
@@ -76,6 +77,7 @@ struct Registry::Outcome {
   bool loaded = false;     // the job loaded the model
   std::string load_error;  // loading failed (the model is then unloaded)
   bool cancelled = false;
+  bool rank_failed = false;  // a rank of a partitioned model died or stopped answering
   int status = 200;        // of the job's own answer
   std::string error;
   std::string output;      // forward: safetensors bytes
@@ -500,6 +502,10 @@ void Registry::run_job(Entry& entry, Job job) {
             break;
         }
       }
+    } catch (const dist::RankFailure& error) {
+      outcome->status = 500;
+      outcome->error = error.what();
+      outcome->rank_failed = true;
     } catch (const std::exception& error) {
       outcome->status = 500;
       outcome->error = error.what();
@@ -539,7 +545,17 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   } else if (status != 200) {
     body = {{"error", outcome.error}};
     if (job.kind == Job::Kind::Forward) entry.forward_errors++;
-    log::warn(what + ": " + outcome.error);
+    if (outcome.rank_failed) {
+      // The ranks it is split across are not all there: it is unloaded (freed on the worker, off
+      // the event loop), and the next request loads it again, with the rank started again where
+      // the daemon started it (dist::LocalRankSupervisor).
+      entry.worker->run([doomed = std::move(entry.runtime)] {});
+      entry.bytes.clear();
+      entry.vram.reset();
+      entry.state = ModelState::Unloaded;
+      entry.reason = outcome.error;
+    }
+    log::warn(what + ": " + outcome.error + (outcome.rank_failed ? "; unloaded" : ""));
   } else {
     switch (job.kind) {
       case Job::Kind::Offload: entry.state = ModelState::Offloaded; break;

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 
@@ -62,6 +64,8 @@ Runtime::~Runtime() {
 }
 
 void Runtime::use_group(std::shared_ptr<dist::Group> group) { the_group() = std::move(group); }
+
+int64_t Runtime::next_command(dist::Group& group) { return group.add("commands", 0) + 1; }
 
 std::unique_ptr<Runtime> Runtime::load(const config::ModelConfig& config,
                                        const std::function<bool(const LoadProgress&)>& progress) {
@@ -171,7 +175,15 @@ std::optional<model::VramStats> Runtime::vram() const {
 int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Group> group) {
   const std::string me = "vramd rank " + std::to_string(group->rank()) + ": ";
   std::map<std::string, model::LoadedModel> models;
-  for (int64_t seq = 1;; ++seq) {
+  // A rank started again after it died (dist::LocalRankSupervisor) follows the commands sent
+  // since rank 0 started it (VRAMD_REJOINED holds the first): those before were for models
+  // loaded with the rank that died, which fail and are loaded again.
+  int64_t first = 1;
+  if (const char* rejoined = std::getenv("VRAMD_REJOINED")) {
+    first = std::max<int64_t>(1, std::atoll(rejoined));
+    std::cerr << me << "rejoined the group at command " << first << '\n';
+  }
+  for (int64_t seq = first;; ++seq) {
     const std::string key = "command/" + std::to_string(seq), input_key = "input/" + std::to_string(seq);
     nlohmann::json command;
     std::string input;
