@@ -278,7 +278,11 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for name, vram in [("vramd resident", ""), ("vramd streamed", streamed_vram(limit))]:
+        # "tiered": the streamed layers that fit in half the model's size rest in host memory, the
+        # rest on disk, as a device map would place them over GPU, host and disk.
+        tiered = (f'[vram]\noffload = {{ device = "disk" }}\nonload = {{ device = "cpu" }}\nlimit = {limit}\n'
+                  f'onload_limit = {size // 2}\n')
+        for name, vram in [("vramd resident", ""), ("vramd streamed", streamed_vram(limit)), ("vramd tiered", tiered)]:
             if args.only and args.only not in name:
                 continue
             s = vramd_contender(folder, args.tokens, args.forwards, tmp, vram)
@@ -287,7 +291,7 @@ def main():
                   f"peak RSS {s['peak_rss'] / 2**30:.2f} GiB, RSS growth after the first forward "
                   f"{(s['rss_end'] - s['rss_after_first_forward']) / 2**20:.0f} MiB"
                   + (f", peak weights {s['vram']['peak'] / 2**20:.0f} MiB of limit {limit / 2**20:.0f} MiB, "
-                     f"{s['vram']['prefetched']}/{s['vram']['loads']} loads prefetched" if "vram" in s else ""),
+                     f"{s['vram']['prefetched']}/{s['vram']['loads']} loads prefetched; {s['vram']['plan']}" if "vram" in s else ""),
                   flush=True)
         if not args.only or "accelerate" in args.only:
             a, error = python_contender("accelerate_contender", str(folder), args.tokens, args.forwards, str(tmp / "offload"))
