@@ -20,6 +20,13 @@ using vramd::test::TempDir;
 
 namespace {
 
+model::LoadOptions options_with(std::function<bool(const model::Progress&)> progress, bool zero_copy = true) {
+  model::LoadOptions options;
+  options.progress = std::move(progress);
+  options.zero_copy = zero_copy;
+  return options;
+}
+
 constexpr const char* kGpt2Config =
     R"({"model_type": "gpt2", "vocab_size": 300, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 4})";
 
@@ -98,7 +105,7 @@ TEST_CASE("weights in the stored dtype are views of the checkpoint mapping unles
   write_gpt2(dir, at::kFloat);
   auto viewed = model::load_model(config_for(dir));
   CHECK(viewed.report.zero_copy == viewed.report.tensors);
-  auto copied = model::load_model(config_for(dir), {.progress = {}, .zero_copy = false});
+  auto copied = model::load_model(config_for(dir), options_with({}, false));
   CHECK(copied.report.zero_copy == 0);
   for (size_t i = 0; i < viewed.model->parameters().size(); ++i) {
     const auto* a = viewed.model->parameters()[i];
@@ -115,10 +122,10 @@ TEST_CASE("progress reports every tensor and its bytes in order") {
   TempDir dir;
   write_gpt2(dir, at::kFloat);
   std::vector<model::Progress> seen;
-  auto loaded = model::load_model(config_for(dir), {.progress = [&](const model::Progress& p) {
-                                                      seen.push_back(p);
-                                                      return true;
-                                                    }});
+  auto loaded = model::load_model(config_for(dir), options_with([&](const model::Progress& p) {
+                                    seen.push_back(p);
+                                    return true;
+                                  }));
   REQUIRE(seen.size() == loaded.report.tensors);
   for (size_t i = 1; i < seen.size(); ++i) CHECK(seen[i].bytes_done > seen[i - 1].bytes_done);
   CHECK(seen.back().bytes_done == seen.back().bytes_total);
@@ -134,7 +141,7 @@ TEST_CASE("a cancelled load throws and leaves nothing allocated") {
   const int64_t before = counter.live();
   counter.reset_peak();
   size_t calls = 0;
-  CHECK_THROWS_AS(model::load_model(config, {.progress = [&](const model::Progress&) { return ++calls < 10; }}),
+  CHECK_THROWS_AS(model::load_model(config, options_with([&](const model::Progress&) { return ++calls < 10; })),
                   model::Cancelled);
   CHECK(calls == 10);
   CHECK(counter.peak() > before);  // the counter saw the weights come...
@@ -149,7 +156,7 @@ TEST_CASE("memory while loading stays within the final size plus the largest ten
     CountingAllocator counter;
     const int64_t before = counter.live();
     counter.reset_peak();
-    auto loaded = model::load_model(config, {.progress = {}, .zero_copy = false});
+    auto loaded = model::load_model(config, options_with({}, false));
     const int64_t final_bytes = counter.live() - before;
     CHECK(final_bytes == static_cast<int64_t>(loaded.report.bytes));
     const int64_t largest_stored = 300 * 64 * 4;  // wte in float32, the largest tensor in the file
