@@ -65,9 +65,8 @@ int main(int argc, char** argv) {
     if (!socket.empty()) config.socket = fs::absolute(socket).string();
     if (check_only) return check(config);
     // A group for models with [partition]: from torchrun's variables, else [group] world_size
-    // ranks started here. Rank 0 serves; the others do what it sends them.
-    // Ranks started here are started again when they exit; a partitioned model whose rank died
-    // is loaded again by the next request for it.
+    // ranks started here, which are started again when they exit. Rank 0 serves; the others do
+    // what it sends them.
     auto group_options = vramd::dist::options_from_environment();
     std::optional<vramd::dist::LocalRankSupervisor> local;
     if (!group_options && config.world_size > 1) {

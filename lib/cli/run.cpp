@@ -143,14 +143,15 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     if (i == 0) stats["rss_after_first_forward"] = rss();
   }
   stats["rss_end"] = rss();
-  if (!model->device().is_cuda() && counting) {
-    // What the CPU allocator handed out beyond what was live before: activations and other
-    // temporaries (with [vram] streaming from disk, also the converter's intermediate tensors).
-    const uint64_t activations = model::cpu_allocations().peak - allocated_before;
-    stats["activations_peak"] = activations;
-    if (options.stats) log << "activations peak " << format_bytes(activations) << " (CPU allocator, beside the weights)\n";
-  }
-  if (model->device().is_cuda()) {
+  if (!model->device().is_cuda()) {
+    if (counting) {
+      // What the CPU allocator handed out beyond what was live before: activations and other
+      // temporaries (with [vram] streaming from disk, also the converter's intermediate tensors).
+      const uint64_t activations = model::cpu_allocations().peak - allocated_before;
+      stats["activations_peak"] = activations;
+      if (options.stats) log << "activations peak " << format_bytes(activations) << " (CPU allocator, beside the weights)\n";
+    }
+  } else {
     // Everything the forwards allocated on the GPU at their peak; less the weights, the activations.
     const auto device = model->device();
     const auto peak = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index()).allocated_bytes[0].peak;
@@ -158,8 +159,8 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     if (loaded.vram) stats["activations_peak"] = std::max<int64_t>(0, peak - static_cast<int64_t>(loaded.vram->stats().peak));
     if (options.stats) log << "device peak allocated " << format_bytes(static_cast<uint64_t>(peak)) << '\n';
   }
-  if (loaded.vram || loaded.partition) {
-    const auto v = loaded.vram ? loaded.vram->stats() : loaded.partition->stats();
+  if (const auto managed = model::vram_stats(loaded)) {
+    const auto& v = *managed;
     stats["vram"] = {{"limit", v.limit}, {"total", v.total}, {"resident", v.resident}, {"streaming_room", v.streaming},
                      {"layers", v.slots}, {"resident_layers", v.resident_slots}, {"peak", v.peak},
                      {"onload", v.onload}, {"disk_layers", v.disk_slots},

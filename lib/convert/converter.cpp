@@ -532,13 +532,10 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
     if (lua_type(L, -2) != LUA_TSTRING)
       fail(script_path, std::string("returned a table with a ") + luaL_typename(L, -2) +
                             " key; target names are strings");
-    size_t size = 0;
-    const char* name = lua_tolstring(L, -2, &size);
+    const std::string_view name = string_at(L, -2);
     const ExprPtr* value = to_tensor(L, -1, metatable);
-    if (!value)
-      fail(script_path, "target " + quote(std::string_view(name, size)) + " is a " + luaL_typename(L, -1) +
-                            ", not a tensor");
-    plan.tensors.push_back({std::string(name, size), *value});
+    if (!value) fail(script_path, "target " + quote(name) + " is a " + luaL_typename(L, -1) + ", not a tensor");
+    plan.tensors.push_back({std::string(name), *value});
     lua_pop(L, 1);
   }
   lua_pop(L, 2);

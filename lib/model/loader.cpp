@@ -242,6 +242,16 @@ uint64_t materialise(const WeightSource& source, c10::Device device, c10::Scalar
   return progress.bytes_done;
 }
 
+// Tells `options.progress` the load is done in one step (managed weights are read as they are
+// needed, not tensor by tensor here).
+void report_finished(const LoadOptions& options, size_t tensors, uint64_t bytes) {
+  if (!options.progress) return;
+  Progress done;
+  done.tensors_done = done.tensors_total = tensors;
+  done.bytes_done = done.bytes_total = bytes;
+  options.progress(done);
+}
+
 // This rank's slices, once every rank of the group has joined; returns when all have read theirs.
 std::shared_ptr<PartitionedWeights> load_partitioned(const config::ModelConfig& config, Model& model,
                                                      std::shared_ptr<WeightSource> source, const LoadOptions& options) {
@@ -257,12 +267,7 @@ std::shared_ptr<PartitionedWeights> load_partitioned(const config::ModelConfig& 
   auto communicator = std::make_shared<dist::Communicator>(options.group, name, config.partition.timeout);
   auto partition = std::make_shared<PartitionedWeights>(model, std::move(source), config, communicator);
   communicator->all_gather_values(static_cast<int64_t>(partition->slice_bytes()), "loading");
-  if (options.progress) {
-    Progress done;
-    done.tensors_done = done.tensors_total = partition->stats().slots;
-    done.bytes_done = done.bytes_total = partition->slice_bytes();
-    options.progress(done);
-  }
+  report_finished(options, partition->stats().slots, partition->slice_bytes());
   return partition;
 }
 
@@ -279,12 +284,7 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
     partition = load_partitioned(config, *model, source, options);
   } else if (config.vram.limit || state_dtype(config.vram.preparing.dtype, model->dtype()) != model->dtype()) {
     vram = std::make_shared<WeightManager>(*model, source, config);
-    if (options.progress) {
-      Progress done;
-      done.tensors_done = done.tensors_total = source->assignments.size();
-      done.bytes_done = done.bytes_total = report.bytes;
-      options.progress(done);
-    }
+    report_finished(options, source->assignments.size(), report.bytes);
   } else {
     materialise(*source, device, model->dtype(), options, &report.zero_copy);
   }
@@ -327,6 +327,12 @@ Transition move_weights(LoadedModel& loaded, const config::DeviceState& state, c
 }
 
 }  // namespace
+
+std::optional<VramStats> vram_stats(const LoadedModel& loaded) {
+  if (loaded.partition) return loaded.partition->stats();
+  if (loaded.vram) return loaded.vram->stats();
+  return std::nullopt;
+}
 
 Transition offload(LoadedModel& loaded) {
   const auto start = Clock::now();

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "config/model_config.hpp"
 #include "model/dry_run.hpp"
 #include "model/model.hpp"
+#include "model/vram_stats.hpp"
 #include "util/error.hpp"
 
 namespace vramd::dist {
@@ -54,6 +56,9 @@ struct LoadedModel {
   std::shared_ptr<PartitionedWeights> partition;  // with [partition] (model/partition.hpp)
   config::VramConfig states;             // the config's [vram] table
 };
+
+// The weight manager's or the partition's figures and plan; nullopt when neither manages the model.
+std::optional<VramStats> vram_stats(const LoadedModel& loaded);
 
 struct Transition {
   uint64_t bytes = 0;  // of weights moved, read or released

@@ -44,7 +44,6 @@ at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Devi
   return at::from_blob(memory, shape, [nbytes](void* p) { munmap(p, nbytes); }, at::TensorOptions().dtype(dtype));
 }
 
-
 struct WeightManager::Slot {
   Layer* layer = nullptr;
   std::vector<const Assignment*> parts;  // per parameter (a tied one: its leader's); null: never loaded

@@ -28,6 +28,8 @@ namespace vramd::server {
 // order; the last to read one erases it.
 namespace {
 
+constexpr const char* kCommands = "commands";  // the store's counter of rank 0's commands
+
 std::shared_ptr<dist::Group>& the_group() {
   static std::shared_ptr<dist::Group> group;
   return group;
@@ -35,7 +37,7 @@ std::shared_ptr<dist::Group>& the_group() {
 
 void send(dist::Group& group, const std::string& op, const std::string& model, const std::string& config = {},
           std::string_view input = {}) {
-  const int64_t seq = group.add("commands", 1);
+  const int64_t seq = group.add(kCommands, 1);
   if (!input.empty()) group.set("input/" + std::to_string(seq), input);
   group.set("command/" + std::to_string(seq), nlohmann::json{{"op", op}, {"model", model}, {"config", config}}.dump());
 }
@@ -65,7 +67,7 @@ Runtime::~Runtime() {
 
 void Runtime::use_group(std::shared_ptr<dist::Group> group) { the_group() = std::move(group); }
 
-int64_t Runtime::next_command(dist::Group& group) { return group.add("commands", 0) + 1; }
+int64_t Runtime::next_command(dist::Group& group) { return group.add(kCommands, 0) + 1; }
 
 std::unique_ptr<Runtime> Runtime::load(const config::ModelConfig& config,
                                        const std::function<bool(const LoadProgress&)>& progress) {
@@ -166,11 +168,7 @@ std::map<std::string, uint64_t> Runtime::bytes_by_device() const {
   return bytes;
 }
 
-std::optional<model::VramStats> Runtime::vram() const {
-  if (impl_->loaded.partition) return impl_->loaded.partition->stats();
-  if (!impl_->loaded.vram) return std::nullopt;
-  return impl_->loaded.vram->stats();
-}
+std::optional<model::VramStats> Runtime::vram() const { return model::vram_stats(impl_->loaded); }
 
 int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Group> group) {
   const std::string me = "vramd rank " + std::to_string(group->rank()) + ": ";
