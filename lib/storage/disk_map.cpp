@@ -302,4 +302,8 @@ std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const Tens
   return {mapping.subspan(info.offset, info.nbytes), impl_};
 }
 
+std::pair<void*, size_t> DiskMap::map_range(const TensorInfo& info) const {
+  return impl_->handles.at(info.file)->map_range(info.offset, info.nbytes);
+}
+
 }  // namespace vramd::storage

@@ -77,6 +77,8 @@ class DiskMap {
   // The tensor's bytes in place, in a private mapping of its file, and an owner that keeps
   // them valid for as long as it lives.
   std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;
+  // The tensor's bytes in a read-only mapping of their own, as File::map_range.
+  std::pair<void*, size_t> map_range(const TensorInfo& info) const;
 
   struct Impl;
 

@@ -126,4 +126,19 @@ std::span<std::byte> File::mapping() const {
   return {map_, map_ ? size_ : 0};
 }
 
+std::pair<void*, size_t> File::map_range(uint64_t offset, uint64_t n) const {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) fail(path_, "cannot stat: " + errno_text());
+  if (offset + n > static_cast<uint64_t>(st.st_size))
+    fail(path_, "now " + std::to_string(st.st_size) + " bytes, too short for bytes " + std::to_string(offset) +
+                    " to " + std::to_string(offset + n) + " (was it changed while in use?)");
+  const uint64_t start = offset - offset % page;
+  const size_t length = offset + n - start;
+  void* address = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd_, static_cast<off_t>(start));
+  if (address == MAP_FAILED) fail(path_, "cannot map " + std::to_string(length) + " bytes: " + errno_text());
+  ::madvise(address, length, MADV_WILLNEED);
+  return {address, length};
+}
+
 }  // namespace vramd::storage

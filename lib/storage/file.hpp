@@ -8,6 +8,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 
 namespace vramd::storage {
 
@@ -35,6 +36,13 @@ class File {
 
   // The whole file, mapped privately on first use; writes to it never reach the file.
   std::span<std::byte> mapping() const;
+
+  // Bytes [offset, offset + n) in a read-only mapping made for them alone: nothing copied.
+  // Read-ahead of the pages not cached yet starts now (MADV_WILLNEED); pages are mapped as they
+  // are first touched. Returns the mapping's start and length, for munmap; the bytes begin
+  // offset % page size into it. Throws Error naming the path when the file no longer holds them
+  // (a file truncated while mapped faults on access, as any mapping does).
+  std::pair<void*, size_t> map_range(uint64_t offset, uint64_t n) const;
 
  private:
   std::string path_;

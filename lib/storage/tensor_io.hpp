@@ -36,6 +36,14 @@ struct ReadOptions {
 at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options = {});
 at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOptions& options = {});
 
+// A view of the tensor's bytes, in its stored dtype, in a read-only mapping made for it alone
+// (File::map_range): nothing is copied, and the mapping goes with the tensor, so nothing of the
+// file stays mapped after. Writing to it faults. Undefined when the data is not aligned to its
+// dtype or is empty.
+at::Tensor map_tensor(const DiskMap& map, const TensorInfo& info);
+// Whether the tensor's memory is such a mapping, never to be written.
+bool is_mapped_view(const at::Tensor& tensor);
+
 struct LoadOptions {
   std::optional<c10::ScalarType> dtype;  // convert after reading
   bool direct = false;                   // O_DIRECT: for cold data, keeps the page cache clean

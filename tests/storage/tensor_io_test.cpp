@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 
 #include "storage/tensor_io.hpp"
 #include "support/temp_dir.hpp"
@@ -18,6 +20,22 @@ std::string file_bytes(const std::string& json, const std::string& data) {
   std::string out(8, '\0');
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
   return out + json + data;
+}
+
+// A byte "b" = 7, then "w" = {1.5, -2.25} in float32 at offset 1 of the data: misaligned.
+std::string misaligned_file(const TempDir& dir) {
+  float values[2] = {1.5f, -2.25f};
+  std::string data = "\x07" + std::string(reinterpret_cast<char*>(values), 8);
+  return dir.write("odd.safetensors", file_bytes(R"({"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                                                 R"("w":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})", data));
+}
+
+// Mappings of `path` in this process, from /proc/self/maps.
+int mappings_of(const std::string& path) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) n += line.ends_with(" " + path);
+  return n;
 }
 
 bool inside(const at::Tensor& tensor, std::span<std::byte> bytes) {
@@ -47,11 +65,7 @@ TEST_CASE("aligned tensors load as zero-copy views that keep the file mapped") {
 
 TEST_CASE("misaligned tensors are copied and every read mode returns the same values") {
   TempDir dir;
-  float values[2] = {1.5f, -2.25f};
-  std::string data = "\x07" + std::string(reinterpret_cast<char*>(values), 8);
-  auto path = dir.write("odd.safetensors",
-                        file_bytes(R"({"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
-                                   R"("w":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})", data));
+  auto path = misaligned_file(dir);
   auto map = DiskMap::open(path);
   const auto expected = at::tensor({1.5f, -2.25f});
   for (auto mode : {ReadMode::Auto, ReadMode::Copy, ReadMode::Direct}) {
@@ -61,6 +75,40 @@ TEST_CASE("misaligned tensors are copied and every read mode returns the same va
     CHECK(at::equal(w, expected));
   }
   CHECK(load_tensor(map, "b").item<uint8_t>() == 7);
+}
+
+TEST_CASE("map_tensor views one tensor in a read-only mapping of its own that goes with the tensor") {
+  TempDir dir;
+  const auto path = dir / "m.safetensors";
+  const auto weight = at::arange(5000, at::kFloat).reshape({50, 100});  // pages, not at a page's start
+  save_tensors(path, {{"a", at::ones({3}, at::kShort)}, {"w", weight}});
+  auto map = DiskMap::open(path);
+  const auto whole = map.bytes(map.at("w")).first;  // the file's own mapping, made here
+  const int before = mappings_of(path);
+  at::Tensor view = map_tensor(map, map.at("w"));
+  REQUIRE(view.defined());
+  CHECK(is_mapped_view(view));
+  CHECK(!is_mapped_view(load_tensor(map, "w", {std::nullopt, ReadMode::Copy})));
+  CHECK(!is_mapped_view(at::Tensor()));
+  CHECK(!inside(view, whole));
+  CHECK(at::equal(view, weight));
+  CHECK(mappings_of(path) == before + 1);
+  view.reset();
+  CHECK(mappings_of(path) == before);  // unmapped with the tensor
+
+  SECTION("a file cut short after indexing is refused, naming it") {
+    std::filesystem::resize_file(path, 200);
+    CHECK_THROWS_WITH(map_tensor(map, map.at("w")),
+                      Catch::Contains(path) && Catch::Contains("too short for bytes"));
+  }
+}
+
+TEST_CASE("map_tensor leaves data not aligned to its dtype to the readers") {
+  TempDir dir;
+  auto path = misaligned_file(dir);
+  auto map = DiskMap::open(path);
+  CHECK(!map_tensor(map, map.at("w")).defined());
+  CHECK(map_tensor(map, map.at("b")).item<uint8_t>() == 7);
 }
 
 TEST_CASE("a requested dtype converts at read time") {
