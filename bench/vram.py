@@ -3,9 +3,12 @@ weights; bench/load.py makes it), offloaded to disk, limit a quarter of the mode
 computation device. Every contender runs in a fresh process on the same file, page cache warm.
 
     .venv/bin/python bench/vram.py [--workdir /tmp/vramd-bench] [--forwards 20] [--tokens 32]
+                                   [--memory-cap GIB] [--only NAME]
 
   vramd resident   the whole model in memory: pure compute time
   vramd streamed   [vram] offload = onload = disk, limit = size / 4
+  vramd direct     the same with direct_io = true (O_DIRECT reads, around the page cache)
+  vramd tiered     the same with onload = cpu and onload_limit = size / 2: host, then disk
   accelerate disk  load_checkpoint_and_dispatch with the decoder layers on "disk" (its offload
                    folder of memory-mapped weights), everything else on the CPU
   diffsynth disk   DiffSynth-Studio's enable_vram_management on the transformers model: every
@@ -21,6 +24,12 @@ time is reading the streamed bytes with positioned reads alone, measured in the 
 DiffSynth's peak weight bytes are counted from outside (see diffsynth_contender);
 --diffsynth-trace FILE writes its last forward in the format of `vramctl run --trace`, for
 bench/plot_vram.py.
+
+--memory-cap GIB runs every contender in a memory cgroup of that size (root and cgroup v1 or v2
+needed), which counts the page cache with the process's own memory: a machine whose memory
+cannot keep the checkpoint cached. The checkpoint is then evicted from the page cache before
+each contender instead of warmed, and the pure read time is taken cold. A contender that needs
+more than the cap is killed and reported so.
 """
 import argparse
 import importlib.metadata
@@ -46,6 +55,36 @@ def status_bytes(key):
         for line in f:
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
+
+
+class MemoryCap:
+    """A memory cgroup capped at `nbytes` (page cache included) for the contenders' processes."""
+
+    def __init__(self, nbytes):
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        self.path = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") / f"vramd-bench-{os.getpid()}"
+        self.path.mkdir()
+        (self.path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(nbytes))
+        self.nbytes = nbytes
+
+    def enter(self):
+        """A preexec_fn: moves the child into the cgroup before it runs."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def close(self):
+        self.path.rmdir()
+
+
+def evict(path):
+    """Drops the file's pages from the page cache (it is clean: nothing is lost)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def killed(returncode):
+    return returncode in (-9, 137)
 
 
 def accelerate_contender(folder, tokens, forwards, offload_dir):
@@ -208,12 +247,15 @@ def diffsynth_contender(folder, tokens, forwards, limit, trace=False):
     return out
 
 
-def python_contender(function, *args):
+def python_contender(function, *args, cap=None):
     """Runs bench/vram.py's `function(*args)` (arguments JSON values) in a fresh process: its result,
     or None and the error's last line."""
     script = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); import vram; "
               f"print(json.dumps(vram.{function}(*json.loads({json.dumps(args)!r}))))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         preexec_fn=cap.enter if cap else None)
+    if killed(out.returncode) and cap:
+        return None, f"killed: needs more than the {cap.nbytes / 2**30:.2f} GiB memory cap"
     if out.returncode != 0:
         return None, (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -226,7 +268,7 @@ def streamed_vram(limit):
     return f'[vram]\noffload = {{ device = "disk" }}\nonload = {{ device = "disk" }}\nlimit = {limit}\n'
 
 
-def vramd_contender(folder, tokens, forwards, workdir, vram, extra_args=()):
+def vramd_contender(folder, tokens, forwards, workdir, vram, extra_args=(), cap=None):
     import torch
     from safetensors.torch import save_file
     daemon_config = workdir / "vramd.toml"
@@ -237,25 +279,31 @@ def vramd_contender(folder, tokens, forwards, workdir, vram, extra_args=()):
     save_file({"input_ids": torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(0))}, inputs)
     times = []
     stats = workdir / "stats.json"
-    subprocess.run([VRAMCTL, "run", config, "--daemon-config", daemon_config, "--input", inputs,
-                    "--stats-json", stats, "--repeat", str(forwards), "--copy", *extra_args], check=True, capture_output=True)
-    s = json.loads(stats.read_text())
-    return s
+    out = subprocess.run([VRAMCTL, "run", config, "--daemon-config", daemon_config, "--input", inputs,
+                          "--stats-json", stats, "--repeat", str(forwards), "--copy", *extra_args],
+                         capture_output=True, text=True, preexec_fn=cap.enter if cap else None)
+    if killed(out.returncode) and cap:
+        return None, f"killed: needs more than the {cap.nbytes / 2**30:.2f} GiB memory cap"
+    if out.returncode != 0:
+        return None, out.stderr.strip()
+    return json.loads(stats.read_text()), None
 
 
 def pure_read_seconds(path, nbytes):
-    """Positioned reads of `nbytes` of the file into fresh memory, warm cache: the read bound.
-    Starts over at the beginning at the end of the file (more can be streamed per forward than
-    the file holds: a layer evicted and read again)."""
+    """Positioned reads of `nbytes` of the file into one reused buffer, as cached as it is: the
+    read bound (no allocation or page faults counted). Starts over at the beginning at the end of
+    the file (more can be streamed per forward than the file holds: a layer evicted and read
+    again)."""
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
-    start, done, chunk = time.perf_counter(), 0, 64 << 20
+    buffer = memoryview(bytearray(64 << 20))
+    start, done = time.perf_counter(), 0
     while done < nbytes:
         offset = 4096 + done % (size - 4096)
-        data = os.pread(fd, min(chunk, nbytes - done, size - offset), offset)
-        if not data:
+        n = os.preadv(fd, [buffer[:min(len(buffer), nbytes - done, size - offset)]], offset)
+        if not n:
             raise RuntimeError(f"{path}: nothing read at {offset}")
-        done += len(data)
+        done += n
     os.close(fd)
     return time.perf_counter() - start
 
@@ -268,12 +316,29 @@ def main():
     parser.add_argument("--only", default="", help="run only the contenders whose name contains this")
     parser.add_argument("--diffsynth-trace", default="",
                         help="write DiffSynth's last forward as a trace (the format of vramctl run --trace)")
+    parser.add_argument("--memory-cap", type=float, default=0,
+                        help="GiB: run every contender in a memory cgroup of this size, page cache included, cold")
     args = parser.parse_args()
     folder = Path(args.workdir) / "llama1b"
     load_bench.make_checkpoint(folder)
-    size = (folder / "model.safetensors").stat().st_size
+    checkpoint = folder / "model.safetensors"
+    size = checkpoint.stat().st_size
     limit = size // 4
-    subprocess.run(["cat", folder / "model.safetensors"], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+    cap = MemoryCap(int(args.memory_cap * 2**30)) if args.memory_cap else None
+
+    def start_cache(cold=cap is not None):
+        if cold:
+            evict(checkpoint)
+        else:
+            subprocess.run(["cat", checkpoint], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+    try:
+        run_contenders(args, folder, size, limit, cap, start_cache)
+    finally:
+        if cap:
+            cap.close()
+
+
+def run_contenders(args, folder, size, limit, cap, start_cache):
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -282,10 +347,18 @@ def main():
         # rest on disk, as a device map would place them over GPU, host and disk.
         tiered = (f'[vram]\noffload = {{ device = "disk" }}\nonload = {{ device = "cpu" }}\nlimit = {limit}\n'
                   f'onload_limit = {size // 2}\n')
-        for name, vram in [("vramd resident", ""), ("vramd streamed", streamed_vram(limit)), ("vramd tiered", tiered)]:
+        contenders = [("vramd resident", ""), ("vramd streamed", streamed_vram(limit)),
+                      ("vramd direct", streamed_vram(limit) + "direct_io = true\n"), ("vramd tiered", tiered)]
+        for name, vram in contenders:
             if args.only and args.only not in name:
                 continue
-            s = vramd_contender(folder, args.tokens, args.forwards, tmp, vram)
+            # Pure compute: resident, warm and uncapped even under --memory-cap, which it would not fit.
+            pure = name == "vramd resident"
+            start_cache(cold=cap is not None and not pure)
+            s, error = vramd_contender(folder, args.tokens, args.forwards, tmp, vram, cap=None if pure else cap)
+            if not s:
+                print(f"{name}: failed: {error}", flush=True)
+                continue
             results[name] = s
             print(f"{name}: forward median {s['forward_median_seconds']:.2f} s (first {s['forward_first_seconds']:.2f} s), "
                   f"peak RSS {s['peak_rss'] / 2**30:.2f} GiB, RSS growth after the first forward "
@@ -294,7 +367,9 @@ def main():
                      f"{s['vram']['prefetched']}/{s['vram']['loads']} loads prefetched; {s['vram']['plan']}" if "vram" in s else ""),
                   flush=True)
         if not args.only or "accelerate" in args.only:
-            a, error = python_contender("accelerate_contender", str(folder), args.tokens, args.forwards, str(tmp / "offload"))
+            start_cache()
+            a, error = python_contender("accelerate_contender", str(folder), args.tokens, args.forwards, str(tmp / "offload"),
+                                        cap=cap)
             if a:
                 results["accelerate disk"] = a
                 print(f"accelerate disk: forward median {a['forward_median_seconds']:.2f} s (first {a['times'][0]:.2f} s), "
@@ -306,8 +381,9 @@ def main():
             if importlib.util.find_spec("diffsynth") is None:
                 print(DIFFSYNTH_MISSING, flush=True)
             else:
+                start_cache()
                 d, error = python_contender("diffsynth_contender", str(folder), args.tokens, args.forwards, limit,
-                                            bool(args.diffsynth_trace))
+                                            bool(args.diffsynth_trace), cap=cap)
                 if d:
                     results["diffsynth disk"] = d
                     if args.diffsynth_trace:
@@ -322,25 +398,25 @@ def main():
                 else:
                     print("diffsynth disk: failed:", error)
 
-    if "vramd streamed" in results and "vramd resident" in results:
-        s = results["vramd streamed"]
-        per_forward = s["vram"]["bytes_streamed"] / max(1, s["forwards"])
-        read = pure_read_seconds(folder / "model.safetensors", int(per_forward))
-        compute = results["vramd resident"]["forward_median_seconds"]
-        print(f"overlap efficiency: streamed {s['forward_median_seconds']:.2f} s over max(read {read:.2f} s, "
-              f"compute {compute:.2f} s) = {s['forward_median_seconds'] / max(read, compute):.2f}")
-    if "vramd streamed" in results:
-        s = results["vramd streamed"]
-        if "accelerate disk" in results:
-            print(f"vramd streamed against accelerate disk: "
-                  f"{results['accelerate disk']['forward_median_seconds'] / s['forward_median_seconds']:.2f}x faster")
-        if "diffsynth disk" in results:
-            print(f"vramd streamed against diffsynth disk: "
-                  f"{results['diffsynth disk']['forward_median_seconds'] / s['forward_median_seconds']:.2f}x faster")
-        peers = [results[k]["forward_median_seconds"] for k in ("accelerate disk", "diffsynth disk") if k in results]
+    read = None
+    for name in ("vramd streamed", "vramd direct"):
+        if name not in results:
+            continue
+        s = results[name]
+        if "vramd resident" in results:
+            if read is None:  # the same bytes for both: one measurement
+                start_cache()
+                read = pure_read_seconds(folder / "model.safetensors", int(s["vram"]["bytes_streamed"] / max(1, s["forwards"])))
+            compute = results["vramd resident"]["forward_median_seconds"]
+            print(f"{name}: overlap efficiency {s['forward_median_seconds']:.2f} s over max(read "
+                  f"{read:.2f} s{' cold' if cap else ''}, compute {compute:.2f} s) = "
+                  f"{s['forward_median_seconds'] / max(read, compute):.2f}")
+        peers = {k: results[k]["forward_median_seconds"] for k in ("accelerate disk", "diffsynth disk") if k in results}
+        for peer, seconds in peers.items():
+            print(f"{name} against {peer}: {seconds / s['forward_median_seconds']:.2f}x faster")
         if peers:
-            print(f"vramd streamed against the faster of diffsynth and accelerate: "
-                  f"{min(peers) / s['forward_median_seconds']:.2f}x faster"
+            print(f"{name} against the faster of diffsynth and accelerate: "
+                  f"{min(peers.values()) / s['forward_median_seconds']:.2f}x faster"
                   + ("" if len(peers) == 2 else " (only one of them ran)"))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("times", "trace")} for k, v in results.items()}))
 

@@ -164,7 +164,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     stats["vram"] = {{"limit", v.limit}, {"total", v.total}, {"resident", v.resident}, {"streaming_room", v.streaming},
                      {"layers", v.slots}, {"resident_layers", v.resident_slots}, {"peak", v.peak},
                      {"onload", v.onload}, {"disk_layers", v.disk_slots},
-                     {"bytes_streamed", v.bytes_streamed}, {"loads", v.loads}, {"prefetched", v.prefetched},
+                     {"bytes_streamed", v.bytes_streamed}, {"bytes_mapped", v.bytes_mapped}, {"loads", v.loads}, {"prefetched", v.prefetched},
                      {"wait_seconds", v.wait_seconds}, {"read_seconds", v.read_seconds}, {"order_learned", v.order_learned},
                      {"held", v.held}, {"staging", v.staging}, {"plan", v.plan}};
     if (!options.trace.empty() && loaded.vram) {

@@ -106,6 +106,7 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
     else
       within_budget("onload_limit", vram.onload.device, *vram.onload_limit);
   }
+  vram.direct_io = table->boolean("direct_io").value_or(false);
   table->finish();
 }
 

@@ -23,6 +23,9 @@ struct VramConfig {
   // Bytes of streamed weights resting on the onload device: the first streamed layers that fit
   // rest there, the rest on disk (GPUs first, then host, then disk, as a device map places them).
   std::optional<uint64_t> onload_limit;
+  // Weights read from the checkpoint after loading bypass the page cache (O_DIRECT): for a
+  // checkpoint streamed from disk that the page cache cannot keep.
+  bool direct_io = false;
 };
 
 struct ResidencyConfig {

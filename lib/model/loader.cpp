@@ -194,7 +194,7 @@ c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise) 
 }
 
 at::Tensor WeightSource::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
-  const auto mode = views ? storage::ReadMode::Auto : storage::ReadMode::Copy;
+  const auto mode = views ? storage::ReadMode::Auto : direct ? storage::ReadMode::Direct : storage::ReadMode::Copy;
   at::Tensor value = a.expr->op == convert::Expr::Op::Source
                          ? storage::load_tensor(map, map.at(a.expr->source), {.dtype = dtype, .mode = mode})
                          : convert::evaluate(*a.expr, map, mode).to(dtype);
@@ -205,7 +205,8 @@ void WeightSource::read_into(const Assignment& a, at::Tensor& out) const {
   if (a.expr->op == convert::Expr::Op::Source) {
     const auto& info = map.at(a.expr->source);
     if (storage::scalar_type(map, info) == out.scalar_type() && out.is_contiguous() && out.nbytes() == info.nbytes) {
-      map.read(info, {static_cast<std::byte*>(out.mutable_data_ptr()), info.nbytes});
+      const std::span<std::byte> bytes(static_cast<std::byte*>(out.mutable_data_ptr()), info.nbytes);
+      direct ? map.read_direct(info, bytes) : map.read(info, bytes);
       return;
     }
   }
@@ -221,7 +222,7 @@ uint64_t materialise(const WeightSource& source, c10::Device device, c10::Scalar
   Progress progress;
   progress.tensors_total = source.assignments.size();
   for (const auto& a : source.assignments) progress.bytes_total += a.parameter->elements() * c10::elementSize(dtype);
-  const bool views = options.zero_copy && device.is_cpu();
+  const bool views = options.zero_copy && device.is_cpu() && !source.direct;  // views are read through the page cache
   const auto& map = source.map;
   for (const auto& a : source.assignments) {
     const at::Tensor value = source.read(a, device, dtype, views);
@@ -275,7 +276,8 @@ std::shared_ptr<PartitionedWeights> load_partitioned(const config::ModelConfig& 
 
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {
   auto [map, architecture, model, assignments, report] = prepare(config);
-  auto source = std::make_shared<WeightSource>(WeightSource{std::move(map), std::move(assignments), config.path});
+  auto source = std::make_shared<WeightSource>(
+      WeightSource{std::move(map), std::move(assignments), config.path, config.vram.direct_io});
   const c10::Device device(config.vram.computation.device);
   const auto load_start = Clock::now();
   std::shared_ptr<WeightManager> vram;

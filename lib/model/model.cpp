@@ -23,9 +23,9 @@ namespace vramd::model {
 Model::Model(std::string architecture, c10::ScalarType dtype, std::string base_prefix,
              std::vector<std::string> ignored_suffixes)
     : architecture_(std::move(architecture)),
-      dtype_(dtype),
       base_prefix_(std::move(base_prefix)),
-      ignored_suffixes_(std::move(ignored_suffixes)) {}
+      ignored_suffixes_(std::move(ignored_suffixes)),
+      dtype_(dtype) {}
 
 
 std::vector<Parameter*> Model::parameters() {

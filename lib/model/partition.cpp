@@ -41,7 +41,7 @@ void read_flat(const WeightSource& source, const Assignment& assignment, int64_t
     const auto size = static_cast<int64_t>(c10::elementSize(stored));
     at::Tensor target = stored == out.scalar_type() ? out : at::empty({end - begin}, at::TensorOptions().dtype(stored));
     map.read_file(info.file, {static_cast<std::byte*>(target.mutable_data_ptr()), static_cast<size_t>((end - begin) * size)},
-                  info.offset + static_cast<uint64_t>(begin * size), false);
+                  info.offset + static_cast<uint64_t>(begin * size), source.direct);
     if (!target.is_same(out)) out.copy_(target);
     return;
   }

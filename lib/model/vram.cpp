@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -15,6 +16,7 @@
 
 #include "model/model.hpp"
 #include "model/weight_source.hpp"
+#include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -57,6 +59,17 @@ struct WeightManager::Slot {
   std::vector<at::Tensor> computed;  // the computation copy while the op runs
   std::vector<at::Tensor> held;      // copies in the onload (or, asleep, offload) state; empty: on disk
   size_t position = 0;               // in order_
+};
+
+// Two pinned host buffers of this size take turns: one is filled from the file while the
+// other's copy to the device runs.
+constexpr uint64_t kStagingChunk = 16u << 20;
+
+struct WeightManager::Staging {
+  explicit Staging(c10::DeviceType type) : copied{c10::Event(type), c10::Event(type)} {}
+  at::Tensor buffers[2];
+  c10::Event copied[2];  // recorded after the copy out of each buffer was queued
+  int turn = 0;          // the buffer to fill next
 };
 
 WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config)
@@ -149,8 +162,8 @@ WeightManager::~WeightManager() {
 }
 
 // The slot's weights on the computation device in the preparing dtype, read into `buffers`
-// where given (the rest freshly allocated). On CUDA, reads go through a pinned host buffer and
-// are copied on the calling thread's current stream, then waited for.
+// where given (the rest freshly allocated). On CUDA, reads go through pinned staging buffers
+// and are copied on the calling thread's current stream, then waited for.
 std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at::Tensor> buffers) const {
   buffers.resize(slot.parts.size());
   const auto parameters = slot.layer->parameters();
@@ -164,21 +177,62 @@ std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at:
       if (out.defined()) out.copy_(slot.held[i]);
       else out = slot.held[i].to(device_, prepared_dtype_, /*non_blocking=*/slot.held[i].is_pinned());
     } else if (device_.is_cpu()) {
-      if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
-      source_->read_into(*part, out);
+      if (at::Tensor view = mapped(slot, *part); view.defined() && view.sizes() == parameters[i].shape) {
+        out = std::move(view);  // the buffer it replaces, if any, is freed
+      } else {
+        if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
+        source_->read_into(*part, out);
+      }
     } else {
-      std::lock_guard lock(staging_mutex_);
-      const int64_t nbytes = parameters[i].elements() * static_cast<int64_t>(c10::elementSize(prepared_dtype_));
-      if (!staging_.defined() || staging_.numel() < nbytes)
-        staging_ = at::empty({nbytes}, at::TensorOptions().dtype(c10::kByte).pinned_memory(true));
-      at::Tensor staged = staging_.narrow(0, 0, nbytes).view(prepared_dtype_).view(parameters[i].shape);
-      source_->read_into(*part, staged);
-      out = staged.to(device_, prepared_dtype_, /*non_blocking=*/true);
-      synchronise(device_);  // before the next read reuses the staging buffer
+      if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
+      stage(*part, out);
     }
   }
   synchronise(device_);
   return buffers;
+}
+
+// A streamed slot's parameter on the CPU, straight from the page cache: a read-only view of a
+// mapping of its bytes alone (storage::map_tensor) where the checkpoint holds it as it is
+// computed. The prefetch starts read-ahead; the op's threads map the pages as they touch them,
+// which costs them less than a copy on the prefetch thread would (on a machine with as many
+// op threads as cores, that copy takes a core from the op). Unmapped on release, so host
+// memory stays flat. Undefined where that cannot be: a resident slot (whose pages the kernel
+// could reclaim), O_DIRECT reads, a converter's expression, another dtype, misaligned data.
+at::Tensor WeightManager::mapped(const Slot& slot, const Assignment& part) const {
+  if (slot.resident || source_->direct || part.expr->op != convert::Expr::Op::Source) return {};
+  const storage::TensorInfo& info = source_->map.at(part.expr->source);
+  if (storage::scalar_type(source_->map, info) != prepared_dtype_) return {};
+  return storage::map_tensor(source_->map, info);
+}
+
+// `out`, on the device, from the checkpoint: a tensor stored in out's dtype is read a chunk at
+// a time into the staging buffers by turns, so that reading a chunk overlaps copying the one
+// before on the calling thread's stream. Anything else (a converter's expression, another
+// dtype) is read into host memory and copied from there.
+void WeightManager::stage(const Assignment& part, at::Tensor& out) const {
+  const storage::DiskMap& map = source_->map;
+  const storage::TensorInfo* info = part.expr->op == convert::Expr::Op::Source ? &map.at(part.expr->source) : nullptr;
+  if (!info || storage::scalar_type(map, *info) != out.scalar_type() || info->nbytes != out.nbytes()) {
+    out.copy_(source_->read(part, c10::kCPU, out.scalar_type(), false));
+    return;
+  }
+  const auto stream = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+  at::Tensor bytes = out.view({-1}).view(c10::kByte);
+  std::lock_guard lock(staging_mutex_);
+  if (!staging_) staging_ = std::make_unique<Staging>(device_.type());
+  Staging& staging = *staging_;
+  for (uint64_t done = 0; done < info->nbytes; done += kStagingChunk, staging.turn ^= 1) {
+    const uint64_t n = std::min(kStagingChunk, info->nbytes - done);
+    at::Tensor& buffer = staging.buffers[staging.turn];
+    if (!buffer.defined())
+      buffer = at::empty({static_cast<int64_t>(kStagingChunk)}, at::TensorOptions().dtype(c10::kByte).pinned_memory(true));
+    staging.copied[staging.turn].synchronize();  // the copy out of this buffer, a chunk ago, is done
+    map.read_file(info->file, {static_cast<std::byte*>(buffer.mutable_data_ptr()), n}, info->offset + done, source_->direct);
+    bytes.narrow(0, static_cast<int64_t>(done), static_cast<int64_t>(n))
+        .copy_(buffer.narrow(0, 0, static_cast<int64_t>(n)), /*non_blocking=*/true);
+    staging.copied[staging.turn].record(stream);
+  }
 }
 
 std::vector<at::Tensor> WeightManager::computation_copy(const std::vector<at::Tensor>& prepared,
@@ -286,10 +340,16 @@ bool WeightManager::claim_locked(std::unique_lock<std::mutex>& lock, const Slot&
   return false;
 }
 
+void WeightManager::count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors) {
+  stats_.bytes_streamed += slot.bytes;
+  for (const auto& t : tensors)
+    if (storage::is_mapped_view(t)) stats_.bytes_mapped += t.nbytes();
+}
+
 // Released weights become spares for the next streamed slots where nothing else holds them.
 void WeightManager::give_back_locked(std::vector<at::Tensor>& tensors) {
   for (auto& tensor : tensors) {
-    if (pool_ && tensor.use_count() == 1 && tensor.storage().use_count() == 1) {
+    if (pool_ && tensor.use_count() == 1 && tensor.storage().use_count() == 1 && !storage::is_mapped_view(tensor)) {
       stats_.staging += tensor.nbytes();
       spares_.push_back(tensor.view({-1}).view(c10::kByte));  // any slot of the same size can use it
     } else {
@@ -341,7 +401,7 @@ std::vector<at::Tensor> WeightManager::acquire(const Layer& layer) {
       }
       lock.lock();
       stats_.read_seconds += seconds_since(read_start);
-      stats_.bytes_streamed += slot.bytes;
+      count_streamed_locked(slot, tensors);
       slot.tensors = std::move(tensors);
     }
     stats_.loads++;
@@ -426,7 +486,7 @@ void WeightManager::prefetch_loop() {
     lock.lock();
     stats_.read_seconds += seconds_since(start);
     if (ok) {
-      stats_.bytes_streamed += slot->bytes;
+      count_streamed_locked(*slot, tensors);
       slot->tensors = std::move(tensors);
       slot->state = Slot::State::Ready;
       note_locked(*slot, "ready");
@@ -509,7 +569,8 @@ std::string WeightManager::describe(const VramStats& s) const {
     text += ", " + std::to_string(from_onload) + " streamed from " + config_.vram.onload.device + " (" +
             format_bytes(s.total - s.resident - s.disk) + ")";
   if (s.disk_slots)
-    text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) + ")";
+    text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) +
+            (source_->direct ? ", O_DIRECT" : "") + ")";
   text += "; room kept: " + format_bytes(s.streaming) + (prepared_dtype_ != dtype_ ? ", computed in " + dtype_text(dtype_) : "");
   return text + "; limit " + (s.limit ? format_bytes(s.limit) : std::string("none")) + ", peak " + format_bytes(s.peak);
 }

@@ -37,6 +37,7 @@ namespace vramd::model {
 
 class Model;
 struct WeightSource;
+struct Assignment;
 
 // One change of the bytes on the computation device, for plotting a forward.
 struct VramEvent {
@@ -75,6 +76,8 @@ class WeightManager : public LayerWeights {
   struct Slot;
   Slot& slot_of(const Layer& layer);
   std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
+  at::Tensor mapped(const Slot& slot, const Assignment& part) const;
+  void stage(const Assignment& part, at::Tensor& out) const;
   std::vector<at::Tensor> computation_copy(const std::vector<at::Tensor>& prepared, std::vector<at::Tensor> buffers) const;
   void materialise_plan();
   void prefetch_after(size_t position);
@@ -82,6 +85,7 @@ class WeightManager : public LayerWeights {
   bool reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed);
   bool claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype, uint64_t bytes,
                     std::vector<at::Tensor>& buffers, const Slot* needed);
+  void count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors);
   void give_back_locked(std::vector<at::Tensor>& tensors);
   void note_locked(const Slot& slot, const char* kind);
   std::string describe(const VramStats& stats) const;
@@ -110,8 +114,9 @@ class WeightManager : public LayerWeights {
   std::vector<VramEvent> trace_;
   bool stopping_ = false;
   std::thread prefetcher_;
-  mutable std::mutex staging_mutex_;  // CUDA: one pinned host buffer that reads go through
-  mutable at::Tensor staging_;
+  struct Staging;
+  mutable std::mutex staging_mutex_;  // CUDA: the pinned host buffers that reads go through
+  mutable std::unique_ptr<Staging> staging_;
 };
 
 }  // namespace vramd::model

@@ -20,6 +20,7 @@ struct VramStats {
   uint64_t staging = 0;          // of those, buffers kept for reuse by the next streamed layers
   uint64_t peak = 0;             // most bytes on the computation device at any moment
   uint64_t bytes_streamed = 0;   // brought in since load
+  uint64_t bytes_mapped = 0;     // of those, mapped from the page cache instead of copied (CPU)
   size_t loads = 0;              // streamed slot loads since load
   size_t prefetched = 0;         // of those, ready before their op asked
   double wait_seconds = 0;       // time ops waited for their weights

@@ -26,9 +26,11 @@ struct WeightSource {
   storage::DiskMap map;
   std::vector<Assignment> assignments;
   std::string where;  // the config, for errors
+  bool direct = false;  // reads bypass the page cache (O_DIRECT) where the file system allows it
 
   // One parameter's value, read with positioned reads into fresh memory (or, when `views`, as
   // a view of the file mapping where dtype and alignment allow), in `dtype` on `device`.
+  // Reads that are not views go around the page cache when `direct`.
   at::Tensor read(const Assignment& assignment, c10::Device device, c10::ScalarType dtype, bool views) const;
   // The same into `out` (contiguous, on the CPU, the parameter's shape, any dtype): a
   // positioned read straight into it when the checkpoint already holds that dtype.

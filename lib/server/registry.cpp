@@ -667,7 +667,8 @@ json Registry::entry_json(const Entry& e) const {
     j["vram"] = {{"offload", state_json(c.vram.offload)}, {"onload", state_json(c.vram.onload)},
                  {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation)},
                  {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)},
-                 {"onload_limit", c.vram.onload_limit ? json(*c.vram.onload_limit) : json(nullptr)}};
+                 {"onload_limit", c.vram.onload_limit ? json(*c.vram.onload_limit) : json(nullptr)},
+                 {"direct_io", c.vram.direct_io}};
     j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
                       {"preload", c.residency.preload}};
   }
@@ -676,7 +677,8 @@ json Registry::entry_json(const Entry& e) const {
     j["weights"] = {{"plan", v.plan}, {"limit", v.limit ? json(v.limit) : json(nullptr)}, {"resident", v.resident},
                     {"total", v.total}, {"onload", v.onload}, {"disk_layers", v.disk_slots}, {"held", v.held},
                     {"peak", v.peak}, {"loads", v.loads},
-                    {"prefetched", v.prefetched}, {"bytes_streamed", v.bytes_streamed}, {"wait_seconds", v.wait_seconds}};
+                    {"prefetched", v.prefetched}, {"bytes_streamed", v.bytes_streamed},
+                    {"bytes_mapped", v.bytes_mapped}, {"wait_seconds", v.wait_seconds}};
   }
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
   j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));

@@ -278,6 +278,17 @@ TEST_CASE("the daemon config's group table is read and its mistakes are reported
                                                  bad + ":3:1: unknown key 'word_size' in [group]; did you mean 'world_size'?");
 }
 
+TEST_CASE("direct reads are a boolean that defaults to off") {
+  TempDir dir;
+  auto on = dir.write("on.toml", "checkpoint = \"w\"\n[vram]\ndirect_io = true\n");
+  CHECK(load_model_config(on, default_daemon_config()).vram.direct_io);
+  auto unset = dir.write("unset.toml", "checkpoint = \"w\"\n[vram]\nlimit = \"1GiB\"\n");
+  CHECK_FALSE(load_model_config(unset, daemon_with({{"cpu", 8ull << 30}})).vram.direct_io);
+  auto bad = dir.write("bad.toml", "checkpoint = \"w\"\n[vram]\ndirect_io = \"yes\"\n");
+  CHECK(problems_of(bad, default_daemon_config()) ==
+        bad + ":3:13: vram.direct_io = 'yes': expected true or false, found a string");
+}
+
 TEST_CASE("an onload limit needs an onload device and room in its budget") {
   TempDir dir;
   auto on_disk = dir.write("a.toml", "checkpoint = \"w\"\n[vram]\nonload = { device = \"disk\" }\nlimit = \"1GiB\"\nonload_limit = \"2GiB\"\n");

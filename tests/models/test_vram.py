@@ -2,7 +2,9 @@
 with a limit well below its size gives the fully resident model's outputs bit for bit (and so
 transformers'), the limit holds by vramd's own accounting, host memory stays flat, and limits
 that cannot work are refused with the numbers."""
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -96,6 +98,61 @@ def test_an_onload_limit_keeps_the_first_streamed_layers_in_memory_and_reads_the
         assert torch.equal(got[name], resident[name]), name
 
 
+def cached_bytes(path):
+    """Bytes of the file in the page cache, from mincore(2) over a mapping of it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size, page = path.stat().st_size, mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        pages = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), pages) == 0
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(p & 1 for p in pages) * page
+
+
+def evict(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "cached"])
+def test_direct_reads_leave_the_page_cache_alone(witnesses, direct, tmp_path):
+    folder = witnesses["llama", "float32"]
+    resident, _ = run(folder, tmp_path)
+    checkpoint = folder / "model" / "model.safetensors"
+    try:
+        os.close(os.open(checkpoint, os.O_RDONLY | os.O_DIRECT))
+    except OSError as e:
+        pytest.skip(f"the file system under {checkpoint.parent} has no O_DIRECT ({e.strerror})")
+    evict(checkpoint)
+    if cached_bytes(checkpoint) > checkpoint.stat().st_size // 10:
+        pytest.skip(f"posix_fadvise cannot evict {checkpoint} from the page cache here (a memory file system?)")
+    limit = checkpoint.stat().st_size // 3
+    got, stats = run(folder, tmp_path, streamed(limit) + f"direct_io = {'true' if direct else 'false'}\n", repeat=3)
+    for name in got:
+        assert torch.equal(got[name], resident[name]), name
+    v = stats["vram"]
+    assert v["peak"] <= limit and v["bytes_streamed"] > 2 * v["total"], v
+    assert ("O_DIRECT" in v["plan"]) == direct, v["plan"]
+    # Without O_DIRECT, streamed weights on the CPU are views of the page cache, not copies.
+    assert v["bytes_mapped"] == (0 if direct else v["bytes_streamed"]), v
+    cached = cached_bytes(checkpoint)
+    if direct:  # the header, read through the cache when the index opens; no weights
+        assert cached <= 64 << 10, cached
+    else:
+        assert cached >= checkpoint.stat().st_size * 9 // 10, cached
+
+
 @pytest.mark.parametrize("vram", ["", streamed(1 << 20)], ids=["resident", "streamed"])
 def test_activations_are_measured_beside_the_weights(witnesses, vram, tmp_path):
     # The outputs are allocated by the forward, and the weights are not counted: a resident
@@ -187,15 +244,17 @@ def test_the_trace_shows_every_change_of_the_held_bytes(witnesses, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="no CUDA GPU here: the CUDA streaming path (pinned staging buffer, copy stream) is not run")
-@pytest.mark.parametrize("onload", ["disk", "cpu"])
-def test_streamed_on_cuda_equals_resident_on_cuda(witnesses, onload, tmp_path):
+                    reason="no CUDA GPU here: the CUDA streaming path (pinned staging buffers, copy stream) is not run")
+@pytest.mark.parametrize("onload,direct", [("disk", False), ("cpu", False), ("disk", True)],
+                         ids=["disk", "cpu", "disk-direct"])
+def test_streamed_on_cuda_equals_resident_on_cuda(witnesses, onload, direct, tmp_path):
     folder = witnesses["llama3", "bfloat16"]
     cuda = '[vram]\ncomputation = { device = "cuda:0" }\n'
     resident, _ = run(folder, tmp_path, cuda)
     sizes = [t.numel() * t.element_size() for t in load_file(folder / "model" / "model.safetensors").values()]
     limit = max(sum(sizes) // 3, max(sizes) * 5 // 4)
-    vram = (f'{cuda}offload = {{ device = "disk" }}\nonload = {{ device = "{onload}" }}\nlimit = {limit}\n')
+    vram = (f'{cuda}offload = {{ device = "disk" }}\nonload = {{ device = "{onload}" }}\nlimit = {limit}\n'
+            f'direct_io = {str(direct).lower()}\n')
     got, stats = run(folder, tmp_path, vram, repeat=3)
     assert stats["vram"]["peak"] <= limit and stats["vram"]["prefetched"] > 0, stats["vram"]
     assert stats["device_peak_allocated"] > 0 and "activations_peak" in stats
