@@ -54,11 +54,10 @@ def run_streamed(trace_path, workdir, forwards, tokens):
     limit = (folder / "model.safetensors").stat().st_size // 4
     subprocess.run(["cat", folder / "model.safetensors"], stdout=subprocess.DEVNULL, check=True)  # warm the cache
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            stats = vram.vramd_contender(folder, tokens, forwards, Path(tmp), vram.streamed_vram(limit),
-                                         extra_args=("--trace", trace_path))
-        except subprocess.CalledProcessError as e:
-            sys.exit(f"vramctl run failed:\n{e.stderr.decode(errors='replace').strip()}")
+        stats, error = vram.vramd_contender(folder, tokens, forwards, Path(tmp), vram.streamed_vram(limit),
+                                            extra_args=("--trace", trace_path))
+    if error:
+        sys.exit(f"vramctl run failed:\n{error}")
     if not Path(trace_path).exists():
         sys.exit(f"vramctl run wrote no trace to {trace_path}")
     print(f"vramd streamed: forward median {stats['forward_median_seconds']:.2f} s, "
