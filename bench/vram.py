@@ -277,7 +277,6 @@ def vramd_contender(folder, tokens, forwards, workdir, vram, extra_args=(), cap=
     config.write_text(f'checkpoint = "{folder}"\n{vram}')
     inputs = workdir / "in.safetensors"
     save_file({"input_ids": torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(0))}, inputs)
-    times = []
     stats = workdir / "stats.json"
     out = subprocess.run([VRAMCTL, "run", config, "--daemon-config", daemon_config, "--input", inputs,
                           "--stats-json", stats, "--repeat", str(forwards), "--copy", *extra_args],
