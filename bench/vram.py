@@ -83,8 +83,11 @@ def evict(path):
     os.close(fd)
 
 
-def killed(returncode):
-    return returncode in (-9, 137)
+def killed_by(cap, returncode):
+    """The error for a contender that the memory cap killed, else None."""
+    if cap and returncode in (-9, 137):
+        return f"killed: needs more than the {cap.nbytes / 2**30:.2f} GiB memory cap"
+    return None
 
 
 def accelerate_contender(folder, tokens, forwards, offload_dir):
@@ -254,8 +257,8 @@ def python_contender(function, *args, cap=None):
               f"print(json.dumps(vram.{function}(*json.loads({json.dumps(args)!r}))))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          preexec_fn=cap.enter if cap else None)
-    if killed(out.returncode) and cap:
-        return None, f"killed: needs more than the {cap.nbytes / 2**30:.2f} GiB memory cap"
+    if error := killed_by(cap, out.returncode):
+        return None, error
     if out.returncode != 0:
         return None, (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -281,8 +284,8 @@ def vramd_contender(folder, tokens, forwards, workdir, vram, extra_args=(), cap=
     out = subprocess.run([VRAMCTL, "run", config, "--daemon-config", daemon_config, "--input", inputs,
                           "--stats-json", stats, "--repeat", str(forwards), "--copy", *extra_args],
                          capture_output=True, text=True, preexec_fn=cap.enter if cap else None)
-    if killed(out.returncode) and cap:
-        return None, f"killed: needs more than the {cap.nbytes / 2**30:.2f} GiB memory cap"
+    if error := killed_by(cap, out.returncode):
+        return None, error
     if out.returncode != 0:
         return None, out.stderr.strip()
     return json.loads(stats.read_text()), None
@@ -338,7 +341,6 @@ def main():
 
 
 def run_contenders(args, folder, size, limit, cap, start_cache):
-
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

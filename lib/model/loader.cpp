@@ -201,14 +201,18 @@ at::Tensor WeightSource::read(const Assignment& a, c10::Device device, c10::Scal
   return device.is_cpu() ? value : value.to(device);
 }
 
+const storage::TensorInfo* WeightSource::stored(const Assignment& a, c10::ScalarType dtype) const {
+  if (a.expr->op != convert::Expr::Op::Source) return nullptr;
+  const auto& info = map.at(a.expr->source);
+  return storage::scalar_type(map, info) == dtype ? &info : nullptr;
+}
+
 void WeightSource::read_into(const Assignment& a, at::Tensor& out) const {
-  if (a.expr->op == convert::Expr::Op::Source) {
-    const auto& info = map.at(a.expr->source);
-    if (storage::scalar_type(map, info) == out.scalar_type() && out.is_contiguous() && out.nbytes() == info.nbytes) {
-      const std::span<std::byte> bytes(static_cast<std::byte*>(out.mutable_data_ptr()), info.nbytes);
-      direct ? map.read_direct(info, bytes) : map.read(info, bytes);
-      return;
-    }
+  const storage::TensorInfo* info = stored(a, out.scalar_type());
+  if (info && out.is_contiguous() && out.nbytes() == info->nbytes) {
+    const std::span<std::byte> bytes(static_cast<std::byte*>(out.mutable_data_ptr()), info->nbytes);
+    direct ? map.read_direct(*info, bytes) : map.read(*info, bytes);
+    return;
   }
   out.copy_(read(a, c10::kCPU, out.scalar_type(), false));
 }

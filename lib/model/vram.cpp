@@ -177,7 +177,7 @@ std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at:
       if (out.defined()) out.copy_(slot.held[i]);
       else out = slot.held[i].to(device_, prepared_dtype_, /*non_blocking=*/slot.held[i].is_pinned());
     } else if (device_.is_cpu()) {
-      if (at::Tensor view = mapped(slot, *part); view.defined() && view.sizes() == parameters[i].shape) {
+      if (at::Tensor view = mapped(slot, *part); view.defined()) {
         out = std::move(view);  // the buffer it replaces, if any, is freed
       } else {
         if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
@@ -200,10 +200,9 @@ std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at:
 // memory stays flat. Undefined where that cannot be: a resident slot (whose pages the kernel
 // could reclaim), O_DIRECT reads, a converter's expression, another dtype, misaligned data.
 at::Tensor WeightManager::mapped(const Slot& slot, const Assignment& part) const {
-  if (slot.resident || source_->direct || part.expr->op != convert::Expr::Op::Source) return {};
-  const storage::TensorInfo& info = source_->map.at(part.expr->source);
-  if (storage::scalar_type(source_->map, info) != prepared_dtype_) return {};
-  return storage::map_tensor(source_->map, info);
+  if (slot.resident || source_->direct) return {};
+  const storage::TensorInfo* info = source_->stored(part, prepared_dtype_);
+  return info ? storage::map_tensor(source_->map, *info) : at::Tensor();
 }
 
 // `out`, on the device, from the checkpoint: a tensor stored in out's dtype is read a chunk at
@@ -212,8 +211,8 @@ at::Tensor WeightManager::mapped(const Slot& slot, const Assignment& part) const
 // dtype) is read into host memory and copied from there.
 void WeightManager::stage(const Assignment& part, at::Tensor& out) const {
   const storage::DiskMap& map = source_->map;
-  const storage::TensorInfo* info = part.expr->op == convert::Expr::Op::Source ? &map.at(part.expr->source) : nullptr;
-  if (!info || storage::scalar_type(map, *info) != out.scalar_type() || info->nbytes != out.nbytes()) {
+  const storage::TensorInfo* info = source_->stored(part, out.scalar_type());
+  if (!info || info->nbytes != out.nbytes()) {
     out.copy_(source_->read(part, c10::kCPU, out.scalar_type(), false));
     return;
   }

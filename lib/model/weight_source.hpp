@@ -35,6 +35,9 @@ struct WeightSource {
   // The same into `out` (contiguous, on the CPU, the parameter's shape, any dtype): a
   // positioned read straight into it when the checkpoint already holds that dtype.
   void read_into(const Assignment& assignment, at::Tensor& out) const;
+  // The checkpoint tensor that fills the parameter as it is stored, when the expression is a
+  // plain source held in `dtype` (its shape is the parameter's, checked at load); else null.
+  const storage::TensorInfo* stored(const Assignment& assignment, c10::ScalarType dtype) const;
 };
 
 // A buffer for weights that come and go on `device`. On the CPU it is memory mapped for it
