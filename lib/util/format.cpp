@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "util/utf8.hpp"
+
 namespace vramd {
 
 std::string format_bytes(uint64_t bytes) {
@@ -43,18 +45,6 @@ std::vector<std::string> split_lines(std::string_view text) {
   return lines;
 }
 
-std::string quote(std::string_view text) {
-  std::string out = "'";
-  for (unsigned char c : text) {
-    if (c < 0x20 || c == 0x7f) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", c);
-      out += escaped;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "'";
-}
+std::string quote(std::string_view text) { return "'" + escape_invalid_utf8(text) + "'"; }
 
 }  // namespace vramd

@@ -21,7 +21,8 @@ std::string pad(std::string text, size_t width);
 // The lines of a multi-line message, without their newlines.
 std::vector<std::string> split_lines(std::string_view text);
 
-// Quotes a key for an error message: 'h.0.w', with control characters escaped.
+// Quotes a key or path for a message: 'h.0.w', escaped as escape_invalid_utf8 does (always
+// valid UTF-8).
 std::string quote(std::string_view text);
 
 }  // namespace vramd
