@@ -59,9 +59,7 @@ class Bert final : public Model {
     const Inputs inputs(tensors, device());
     const at::Tensor ids = inputs.token_ids("input_ids", vocabulary_);
     const int64_t batch = ids.size(0), length = ids.size(1);
-    if (length > positions_)
-      throw Error("input 'input_ids' has " + std::to_string(length) + " tokens; this model takes at most " +
-                  std::to_string(positions_));
+    check_sequence_length(ids, positions_, "max_position_embeddings", "the size of its position embeddings");
     const at::Tensor types = inputs.optional_ids("token_type_ids", ids, types_).value_or(at::zeros_like(ids));
     const at::Tensor positions = at::arange(length, ids.options()).expand({batch, length});
     const at::Tensor keep = inputs.attention_mask(ids);

@@ -50,9 +50,7 @@ class Gpt2 final : public Model {
     const int64_t batch = ids.size(0), length = ids.size(1);
     const at::Tensor positions = inputs.optional_ids("position_ids", ids, positions_)
                                      .value_or(at::arange(length, ids.options()).expand({batch, length}));
-    if (length > positions_)
-      throw Error("input 'input_ids' has " + std::to_string(length) + " tokens; this model takes at most " +
-                  std::to_string(positions_));
+    check_sequence_length(ids, positions_, "n_positions", "the size of its position embeddings");
     const at::Tensor mask = causal_mask(inputs.attention_mask(ids), dtype());
     const int64_t head_dim = hidden_ / heads_;
 

@@ -64,6 +64,7 @@ class Llama final : public Model {
         kv_heads_(h.integer("num_key_value_heads", heads_)),
         head_dim_(h.integer("head_dim", hidden_ / heads_)),
         vocabulary_(h.integer("vocab_size")),
+        positions_(h.integer("max_position_embeddings", default_positions(name))),
         act_(activation(h.string("hidden_act", "silu"), h.origin())) {
     if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_ != 0)
       fail(h.origin(), "num_attention_heads (" + std::to_string(heads_) + ") must be a positive multiple of "
@@ -103,6 +104,8 @@ class Llama final : public Model {
   storage::NamedTensors forward(const storage::NamedTensors& tensors) override {
     const Inputs inputs(tensors, device());
     const at::Tensor ids = inputs.token_ids("input_ids", vocabulary_);
+    check_sequence_length(ids, positions_, "max_position_embeddings",
+                          "rotary positions go further: set it higher in the model config's [arch] table");
     const int64_t batch = ids.size(0), length = ids.size(1);
     const at::Tensor positions =
         inputs.optional_ids("position_ids", ids, std::numeric_limits<int64_t>::max())
@@ -137,7 +140,13 @@ class Llama final : public Model {
   struct Block {
     Layer *input_norm, *q, *k, *v, *o, *post_norm, *gate, *up, *down;
   };
-  int64_t hidden_, heads_, kv_heads_, head_dim_, vocabulary_, window_ = 0;
+  // transformers' defaults when a config.json leaves max_position_embeddings out.
+  static int64_t default_positions(const std::string& family) {
+    if (family == "mistral") return 4096 * 32;
+    if (family == "qwen2") return 32768;
+    return 2048;
+  }
+  int64_t hidden_, heads_, kv_heads_, head_dim_, vocabulary_, positions_, window_ = 0;
   Activation act_;
   Rope rope_;
   Layer *embed_, *norm_, *head_;

@@ -107,14 +107,23 @@ std::string describe(const at::Tensor& tensor) {
   return std::string(c10::toString(tensor.scalar_type())) + " " + format_shape(tensor.sizes().vec());
 }
 
+// Ids of any integer dtype, as int64. A uint64 id past int64's range is refused as such.
 at::Tensor checked_ids(std::string_view name, const at::Tensor& tensor, int64_t vocabulary) {
   if (!c10::isIntegralType(tensor.scalar_type(), false) || tensor.dim() != 2 || tensor.numel() == 0)
     throw Error("input " + quote(name) + ": expected integer token ids [batch, sequence], found " + describe(tensor));
-  const int64_t low = tensor.min().item<int64_t>(), high = tensor.max().item<int64_t>();
+  at::Tensor ids;
+  if (tensor.scalar_type() == at::kUInt64) {
+    ids = tensor.view(at::kLong);  // the same bits: ids of 2^63 and more read as negative
+    if ((ids < 0).any().item<bool>())
+      throw Error("input " + quote(name) + " holds an id of 2^63 or more, outside [0, " + std::to_string(vocabulary) + ")");
+  } else {
+    ids = tensor.to(at::kLong);
+  }
+  const int64_t low = ids.min().item<int64_t>(), high = ids.max().item<int64_t>();
   if (low < 0 || high >= vocabulary)
     throw Error("input " + quote(name) + " holds id " + std::to_string(low < 0 ? low : high) + ", outside [0, " +
                 std::to_string(vocabulary) + ")");
-  return tensor.to(at::kLong);
+  return ids;
 }
 
 }  // namespace
@@ -137,6 +146,12 @@ std::optional<at::Tensor> Inputs::optional_ids(std::string_view name, const at::
     throw Error("input " + quote(name) + " is " + format_shape(ids.sizes().vec()) + " but input_ids is " +
                 format_shape(like.sizes().vec()));
   return ids.to(device_);
+}
+
+void check_sequence_length(const at::Tensor& ids, int64_t limit, std::string_view key, std::string_view remedy) {
+  if (ids.size(1) <= limit) return;
+  throw Error("input 'input_ids' has " + std::to_string(ids.size(1)) + " tokens; this model takes at most " +
+              std::to_string(limit) + " (" + std::string(key) + "; " + std::string(remedy) + ")");
 }
 
 at::Tensor Inputs::attention_mask(const at::Tensor& ids) const {

@@ -81,6 +81,10 @@ class Inputs {
   c10::Device device_;
 };
 
+// Refuses input_ids longer than `limit` tokens, naming the hyperparameter `key` it comes from
+// and, in `remedy`, what would raise it.
+void check_sequence_length(const at::Tensor& ids, int64_t limit, std::string_view key, std::string_view remedy);
+
 // Additive attention masks [batch, 1, query, key] in `dtype`: 0 where attention is allowed, the
 // dtype's lowest value where not. `window` > 0 keeps only the last `window` keys (sliding window).
 at::Tensor causal_mask(const at::Tensor& keep, c10::ScalarType dtype, int64_t window = 0);
