@@ -59,7 +59,7 @@ double forward_seconds(vramd::client::Client& client, const std::string& model) 
 }
 
 int forward(const std::string& socket, const std::string& model, const std::string& input_path, int n) {
-  const std::string input = vramd::read_whole_file(input_path).value();
+  const std::string input = vramd::read_regular_file(input_path, uint64_t{1} << 30);
   vramd::client::Client client(socket);
   client.request("POST", "/v1/models/" + model + "/forward", input);  // loads, warms up
   const double compute_before = forward_seconds(client, model);

@@ -26,8 +26,8 @@ namespace {
 int check(const vramd::config::DaemonConfig& config) {
   std::vector<fs::path> files;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(config.models, ec))
-    if (entry.path().extension() == ".toml") files.push_back(entry.path());
+  for (fs::directory_iterator it(config.models, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".toml") files.push_back(it->path());
   std::sort(files.begin(), files.end());
   if (ec) std::cout << "cannot read the model folder " << config.models << ": " << ec.message() << '\n';
   if (!ec && files.empty()) std::cout << "no model configs (*.toml) in " << config.models << '\n';
@@ -39,7 +39,7 @@ int check(const vramd::config::DaemonConfig& config) {
       std::cout << "valid    " << model.name << "  " << dry.architecture << ", " << dry.dtype << ", "
                 << vramd::format_bytes(dry.report.bytes) << " in " << dry.report.tensors << " tensors  ("
                 << file.string() << ")\n";
-    } catch (const vramd::Error& error) {
+    } catch (const std::exception& error) {
       ++invalid;
       std::cout << "invalid  " << file.string() << "\n";
       for (const auto& line : vramd::split_lines(error.what())) std::cout << "         " << line << '\n';

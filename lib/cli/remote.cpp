@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "client/client.hpp"
+#include "config/daemon_config.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/safetensors_writer.hpp"
 #include "util/error.hpp"
@@ -173,10 +174,8 @@ class ProgressView {
   int next_percent_ = 0;
 };
 
-}  // namespace
-
-int remote(const std::string& command, const RemoteOptions& o, std::ostream& out, std::ostream& err) {
-  client::Client client(client::socket_path(o.socket, o.daemon_config));
+int run_remote(client::Client& client, const std::string& command, const RemoteOptions& o, std::ostream& out,
+               std::ostream& err) {
   const std::string model_path = "/v1/models/" + o.model;
   std::string query;
   const auto add_query = [&](const std::string& key, const std::string& value) {
@@ -266,9 +265,9 @@ int remote(const std::string& command, const RemoteOptions& o, std::ostream& out
 
   if (command == "forward") {
     if (o.input.empty() == o.values.empty()) throw Error("give the inputs either with --input FILE or as name=values arguments");
-    const std::optional<std::string> body = o.input.empty() ? inputs_from_values(o.values) : read_whole_file(o.input);
-    if (!body) fail(o.input, "cannot read");
-    const auto response = client.request("POST", model_path + "/forward" + query, *body);
+    const std::string body = o.input.empty() ? inputs_from_values(o.values)
+                                             : read_regular_file(o.input, config::ServerLimits{}.max_body_bytes);
+    const auto response = client.request("POST", model_path + "/forward" + query, body);
     if (response.status != 200) return refused(response);
     if (!o.output.empty()) {
       std::ofstream file(o.output, std::ios::binary);
@@ -280,6 +279,18 @@ int remote(const std::string& command, const RemoteOptions& o, std::ostream& out
     return 0;
   }
   throw Error("unknown command " + command);
+}
+
+}  // namespace
+
+int remote(const std::string& command, const RemoteOptions& o, std::ostream& out, std::ostream& err) {
+  client::Client client(client::socket_path(o.socket, o.daemon_config));
+  try {
+    return run_remote(client, command, o, out, err);
+  } catch (const nlohmann::json::exception&) {  // a field missing or of another type
+    throw Error("the server at " + client.socket_path() + " answered `vramctl " + command +
+                "` with JSON that is not what docs/api.md documents; is it a vramd of this version?");
+  }
 }
 
 }  // namespace vramd::cli

@@ -5,9 +5,14 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "config/daemon_config.hpp"
 #include "util/error.hpp"
@@ -26,6 +31,27 @@ Client::~Client() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+namespace {
+
+// The daemon's user may be the client's own, root, or one listed in $VRAMD_TRUST_UIDS.
+std::vector<uid_t> trusted_server_uids() {
+  std::vector<uid_t> uids = {::getuid(), 0};
+  const char* listed = std::getenv("VRAMD_TRUST_UIDS");
+  for (std::string_view rest = listed ? listed : ""; !rest.empty();) {
+    const auto comma = rest.find(',');
+    const std::string item(rest.substr(0, comma));
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    char* end = nullptr;
+    const unsigned long uid = std::strtoul(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || uid > UINT32_MAX)
+      throw Error("VRAMD_TRUST_UIDS=" + std::string(listed) + ": expected numeric uids separated by commas");
+    uids.push_back(static_cast<uid_t>(uid));
+  }
+  return uids;
+}
+
+}  // namespace
+
 void Client::connect() {
   fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_un address{};
@@ -38,6 +64,23 @@ void Client::connect() {
     fd_ = -1;
     throw Error("cannot reach vramd at " + path_ + ": " + why +
                 "; is the daemon running? (start it with scripts/run, or pass --socket / set VRAMD_SOCKET)");
+  }
+  // Whoever listens on the path answers: send nothing to a server run by an untrusted user.
+  ucred server{};
+  socklen_t length = sizeof server;
+  if (::getsockopt(fd_, SOL_SOCKET, SO_PEERCRED, &server, &length) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd_);
+    fd_ = -1;
+    fail(path_, "cannot tell who serves this socket (SO_PEERCRED: " + why + "); refused");
+  }
+  const auto trusted = trusted_server_uids();
+  if (std::find(trusted.begin(), trusted.end(), server.uid) == trusted.end()) {
+    ::close(fd_);
+    fd_ = -1;
+    fail(path_, "served by uid " + std::to_string(server.uid) + " (pid " + std::to_string(server.pid) +
+                    "), which is neither you (uid " + std::to_string(::getuid()) +
+                    ") nor root; refused. If that user runs your vramd, set VRAMD_TRUST_UIDS=" + std::to_string(server.uid));
   }
 }
 

@@ -21,7 +21,9 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  // Throws Error when the daemon cannot be reached or the answer is not HTTP. `on_chunk`, when
+  // Throws Error when the daemon cannot be reached, when the socket is served by a user who is
+  // neither the caller, root, nor listed in $VRAMD_TRUST_UIDS (checked with SO_PEERCRED before a
+  // byte is sent), or when the answer is not HTTP. `on_chunk`, when
   // given, receives the body as it arrives instead of collecting it.
   Response request(std::string_view method, std::string_view target, std::string_view body = {},
                    const std::function<void(std::string_view)>& on_chunk = {});

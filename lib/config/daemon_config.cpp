@@ -24,8 +24,8 @@ std::string canonical_device(const std::string& device) { return device == "cuda
 DaemonConfig default_daemon_config() {
   DaemonConfig config;
   const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  config.socket = runtime && *runtime ? std::string(runtime) + "/vramd.sock"
-                                      : "/tmp/vramd-" + std::to_string(::getuid()) + ".sock";
+  config.socket = runtime && *runtime ? std::string(runtime) + "/vramd/vramd.sock"
+                                      : "/tmp/vramd-" + std::to_string(::getuid()) + "/vramd.sock";
   config.models = "models";
   return config;
 }
@@ -102,6 +102,7 @@ DaemonConfig load_daemon_config(const std::string& path) {
     ServerLimits& l = config.limits;
     l.max_header_bytes = limits->size("max_header_size").value_or(l.max_header_bytes);
     l.max_body_bytes = limits->size("max_body_size").value_or(l.max_body_bytes);
+    l.max_unsent_bytes = limits->size("max_unsent_size").value_or(l.max_unsent_bytes);
     l.max_connections = static_cast<uint32_t>(limits->integer("max_connections", 1, 65536).value_or(l.max_connections));
     l.queue_length = static_cast<uint32_t>(limits->integer("queue_length", 1, 1 << 20).value_or(l.queue_length));
     const auto finite = [&](std::string_view key, std::chrono::milliseconds& into) {

@@ -15,6 +15,7 @@ struct ServerLimits {
   uint64_t max_header_bytes = 64 << 10;     // request line and headers
   uint64_t max_body_bytes = uint64_t{2} << 30;
   uint32_t max_connections = 256;
+  uint64_t max_unsent_bytes = 4 << 20;  // answers a connection has not taken before it is read again
   std::chrono::milliseconds idle_timeout{60'000};     // a connection with no request under way
   std::chrono::milliseconds request_timeout{60'000};  // to receive one whole request
   uint32_t queue_length = 64;                         // requests waiting for one model
@@ -48,7 +49,8 @@ struct DaemonConfig {
 // problem found, each with file, line and column.
 DaemonConfig load_daemon_config(const std::string& path);
 
-// Defaults when there is no config file: socket in $XDG_RUNTIME_DIR (else /tmp), no budgets.
+// Defaults when there is no config file: no budgets, and the socket in a folder of its own
+// that only its user may enter: $XDG_RUNTIME_DIR/vramd/vramd.sock, else /tmp/vramd-UID/vramd.sock.
 DaemonConfig default_daemon_config();
 
 // For offline tools: `path` when given, else configs/vramd.toml when it exists, else defaults.

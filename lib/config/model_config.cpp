@@ -7,6 +7,7 @@
 
 #include "config/toml_schema.hpp"
 #include "util/error.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
 
 namespace vramd::config {
@@ -21,10 +22,13 @@ bool one_of(const std::string& value, const auto& list) {
   return std::find(std::begin(list), std::end(list), value) != std::end(list);
 }
 
+// Docker's rule for names: an ASCII letter or digit, then letters, digits, '-', '_' and '.';
+// a name is a path segment of the API (/v1/models/NAME) and a label in metrics.
 bool valid_name(const std::string& name) {
-  return !name.empty() && name.size() <= 128 &&
-         std::all_of(name.begin(), name.end(), [](unsigned char c) {
-           return std::isalnum(c) || c == '-' || c == '_' || c == '.';
+  const auto ascii_alnum = [](unsigned char c) { return c < 0x80 && std::isalnum(c); };
+  return !name.empty() && name.size() <= 128 && ascii_alnum(name[0]) &&
+         std::all_of(name.begin(), name.end(), [&](unsigned char c) {
+           return ascii_alnum(c) || c == '-' || c == '_' || c == '.';
          });
 }
 
@@ -115,8 +119,12 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
 bool is_known_dtype(const std::string& dtype) { return one_of(dtype, kDtypes); }
 
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon) {
+  return load_model_config(path, read_regular_file(path, kMaxConfigBytes), daemon);
+}
+
+ModelConfig load_model_config(const std::string& path, const std::string& text, const DaemonConfig& daemon) {
   Problems problems(path);
-  auto document = parse_toml_file(path, problems);
+  auto document = parse_toml_text(text, path, problems);
   problems.throw_if_any();
 
   ModelConfig config;
@@ -124,9 +132,11 @@ ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemo
   const fs::path folder = fs::absolute(path).parent_path();
   TableReader root(*document, "", problems);
 
-  config.name = root.string("name").value_or(fs::path(path).stem().string());
+  const auto name = root.string("name");
+  config.name = name.value_or(fs::path(path).stem().string());
   if (!valid_name(config.name))
-    root.bad_value("name", "a name is 1-128 letters, digits, '-', '_' or '.'");
+    root.bad_value("name", std::string(name ? "" : "the file's name " + quote(config.name) + " is no model name: ") +
+                               "a name is 1-128 ASCII letters, digits, '-', '_' or '.', starting with a letter or digit");
   config.architecture = root.string("architecture").value_or("");
 
   if (auto checkpoint = root.strings("checkpoint")) {
@@ -143,7 +153,10 @@ ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemo
     std::vector<fs::path> candidates = {folder / *converter};
     if (fs::path(*converter).is_relative())
       for (const auto& scripts : daemon.converters) candidates.push_back(fs::path(scripts) / *converter);
-    auto found = std::find_if(candidates.begin(), candidates.end(), [](const fs::path& p) { return fs::is_regular_file(p); });
+    auto found = std::find_if(candidates.begin(), candidates.end(), [](const fs::path& p) {
+      std::error_code ec;  // a looping link is no script, not an exception
+      return fs::is_regular_file(p, ec);
+    });
     if (found == candidates.end()) {
       std::string searched;
       for (const auto& candidate : candidates) searched += (searched.empty() ? "" : ", ") + candidate.lexically_normal().string();

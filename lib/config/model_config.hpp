@@ -61,6 +61,8 @@ struct ModelConfig {
 // Relative paths are resolved against the file's folder (a converter also against the daemon's
 // converter folders). Throws Error listing every problem, each with file, line and column.
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon);
+// The same, from the file's bytes as read once (the daemon compares them with what it serves).
+ModelConfig load_model_config(const std::string& path, const std::string& text, const DaemonConfig& daemon);
 
 // The dtypes configs may name, in LibTorch's spelling.
 bool is_known_dtype(const std::string& dtype);

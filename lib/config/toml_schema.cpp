@@ -6,7 +6,9 @@
 
 #include "config/units.hpp"
 #include "util/error.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::config {
 namespace {
@@ -56,6 +58,8 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 void Problems::add(const toml::source_region& where, const std::string& message) {
   lines_.push_back({where.begin.line, where.begin.column, position(file_, where) + ": " + message});
 }
+
+void Problems::add_whole_file(const std::string& message) { lines_.push_back({0, 0, message}); }
 
 void Problems::throw_if_any() const {
   if (lines_.empty()) return;
@@ -201,8 +205,19 @@ void TableReader::finish() {
 }
 
 std::optional<toml::table> parse_toml_file(const std::string& path, Problems& problems) {
+  std::string text;
   try {
-    return toml::parse_file(path);
+    text = read_regular_file(path, kMaxConfigBytes);
+  } catch (const Error& error) {
+    problems.add_whole_file(error.what());
+    return std::nullopt;
+  }
+  return parse_toml_text(text, path, problems);
+}
+
+std::optional<toml::table> parse_toml_text(std::string_view text, const std::string& path, Problems& problems) {
+  try {
+    return toml::parse(text, path);
   } catch (const toml::parse_error& error) {
     problems.add(error.source(), std::string(error.description()));
     return std::nullopt;

@@ -13,13 +13,16 @@
 #include <string>
 #include <vector>
 
+#include "util/utf8.hpp"
+
 namespace vramd::config {
 
 class Problems {
  public:
-  explicit Problems(std::string file) : file_(std::move(file)) {}
+  explicit Problems(const std::string& file) : file_(escape_invalid_utf8(file)) {}
   const std::string& file() const { return file_; }
   void add(const toml::source_region& where, const std::string& message);
+  void add_whole_file(const std::string& message);  // `message` names the file itself
   bool empty() const { return lines_.empty(); }
   // Throws Error with one line per problem, in the order they stand in the file.
   void throw_if_any() const;
@@ -72,6 +75,7 @@ class TableReader {
 
 // Parses a file, or reports its syntax error in `problems` and returns nullopt.
 std::optional<toml::table> parse_toml_file(const std::string& path, Problems& problems);
+std::optional<toml::table> parse_toml_text(std::string_view text, const std::string& path, Problems& problems);
 
 // The nearest of `candidates` to `word` when it is close enough to be a likely typo.
 std::optional<std::string> did_you_mean(std::string_view word, const std::vector<std::string_view>& candidates);

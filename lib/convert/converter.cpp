@@ -488,11 +488,7 @@ void push_json(lua_State* L, const nlohmann::json& value) {
   }
 }
 
-std::string read_script(const std::string& path) {
-  auto text = read_whole_file(path);
-  if (!text) fail(path, "cannot open the converter script");
-  return std::move(*text);
-}
+std::string read_script(const std::string& path) { return read_regular_file(path, kMaxConfigBytes); }
 
 }  // namespace
 

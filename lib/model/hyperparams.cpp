@@ -1,7 +1,6 @@
 #include "model/hyperparams.hpp"
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "util/error.hpp"
@@ -31,19 +30,24 @@ Json parse_object(const std::string& text, const std::string& origin) {
 }
 
 Json read_json_file(const fs::path& path) {
-  const auto text = read_whole_file(path.string());
-  if (!text) fail(path.string(), "cannot be read");
-  return parse_object(*text, path.string());
+  return parse_object(read_regular_file(path.string(), kMaxJsonBytes), path.string());
+}
+
+// Whether anything, a file or not, is at `path`: what is there but cannot be read is refused by
+// read_regular_file, naming what it is, rather than taken for absent.
+bool present(const fs::path& path) {
+  std::error_code ec;
+  return fs::exists(fs::symlink_status(path, ec));
 }
 
 // sentence-transformers keeps its pooling in modules.json and <module>/config.json.
 void read_sentence_transformers(const fs::path& folder, Json& values) {
   const fs::path modules_path = folder / "modules.json";
-  if (!fs::is_regular_file(modules_path)) return;
-  std::ifstream in(modules_path);
+  if (!present(modules_path)) return;
+  const std::string text = read_regular_file(modules_path.string(), kMaxJsonBytes);
   Json modules;
   try {
-    modules = Json::parse(in);
+    modules = Json::parse(text);
   } catch (const Json::exception& e) {
     fail(modules_path.string(), std::string("not valid JSON: ") + e.what());
   }
@@ -70,7 +74,7 @@ Hyperparams Hyperparams::for_checkpoint(const std::string& folder, const std::st
   const fs::path config_json = fs::path(folder) / "config.json";
   Json values = Json::object();
   std::string origin;
-  if (fs::is_regular_file(config_json)) {
+  if (present(config_json)) {
     values = read_json_file(config_json);
     origin = config_json.string();
   }

@@ -9,25 +9,20 @@
 #include <sstream>
 
 #include "config/units.hpp"
+#include "server/boundary.hpp"
 #include "server/http.hpp"
 #include "server/registry.hpp"
 #include "server/reply.hpp"
+#include "server/routes.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::server {
 namespace {
 
 using nlohmann::json;
-
-std::vector<std::string> split_path(const std::string& path) {
-  std::vector<std::string> parts;
-  std::istringstream in(path);
-  for (std::string part; std::getline(in, part, '/');)
-    if (!part.empty()) parts.push_back(part);
-  return parts;
-}
 
 class Daemon {
  public:
@@ -46,7 +41,9 @@ class Daemon {
     for (auto* signal : {&sigterm_, &sigint_}) {
       uv_signal_init(loop, signal);
       signal->data = this;
-      uv_signal_start(signal, [](uv_signal_t* s, int number) { static_cast<Daemon*>(s->data)->stop(number); },
+      uv_signal_start(signal, [](uv_signal_t* s, int number) {
+                        guarded("stopping", [&] { static_cast<Daemon*>(s->data)->stop(number); });
+                      },
                       signal == &sigterm_ ? SIGTERM : SIGINT);
     }
     uv_timer_init(loop, &timer_);
@@ -74,7 +71,7 @@ class Daemon {
               config::format_duration(config_.limits.shutdown_grace) + ")");
     server_.stop_listening();
     registry_.begin_shutdown();
-    uv_timer_start(&timer_, [](uv_timer_t* t) { static_cast<Daemon*>(t->data)->poll_stop(); }, 0, 20);
+    uv_timer_start(&timer_, [](uv_timer_t* t) { guarded("stopping", [&] { static_cast<Daemon*>(t->data)->poll_stop(); }); }, 0, 20);
   }
 
   void poll_stop() {
@@ -95,75 +92,33 @@ class Daemon {
 
   void handle(std::shared_ptr<Exchange> exchange) {
     const Request& request = exchange->request();
-    const auto parts = split_path(request.path);
-    const std::string& method = request.method;
-    log::debug(request.peer + ": " + method + " " + request.path);
-    const auto route = [&](const std::string& endpoint) { requests_[endpoint]++; };
-    const auto only = [&](const char* allowed) {
-      if (method == allowed) return true;
-      respond_error(*exchange, 405, method + " " + request.path + ": use " + allowed);
-      return false;
-    };
+    log::debug(request.peer + ": " + request.method + " " + quote(request.path));
+    const Route route = server::route(request);
+    requests_[route.endpoint]++;
+    switch (route.kind) {
+      case Route::Kind::Refused: return respond_error(*exchange, route.status, route.error);
+      case Route::Kind::Metrics: return exchange->respond(200, "text/plain; version=0.0.4", metrics());
+      case Route::Kind::Health:
+        return respond_json(*exchange, 200, {{"status", "ok"}, {"version", VRAMD_VERSION}, {"pid", ::getpid()}});
+      case Route::Kind::Status: return respond_json(*exchange, 200, status());
+      case Route::Kind::Reload: return registry_.scan(true, [this, exchange] { respond_json(*exchange, 200, models()); });
+      case Route::Kind::List: return respond_json(*exchange, 200, models());
+      case Route::Kind::Model:
+      case Route::Kind::Action: break;
+    }
+    Entry* entry = registry_.find(route.model);
+    if (!entry) return respond_error(*exchange, 404, "no model named " + quote(route.model) + "; GET /v1/models lists them");
+    if (route.kind == Route::Kind::Model) return respond_json(*exchange, 200, registry_.entry_json(*entry));
 
-    if (parts == std::vector<std::string>{"metrics"}) {
-      route("metrics");
-      if (only("GET")) exchange->respond(200, "text/plain; version=0.0.4", metrics());
-      return;
-    }
-    if (parts.empty() || parts[0] != "v1") {
-      route("unknown");
-      return respond_error(*exchange, 404, "no such endpoint: " + method + " " + request.path + " (the API is under /v1; see docs/api.md)");
-    }
-    if (parts.size() == 2 && parts[1] == "health") {
-      route("health");
-      if (only("GET")) respond_json(*exchange, 200, {{"status", "ok"}, {"version", VRAMD_VERSION}, {"pid", ::getpid()}});
-      return;
-    }
-    if (parts.size() == 2 && parts[1] == "status") {
-      route("status");
-      if (only("GET")) respond_json(*exchange, 200, status());
-      return;
-    }
-    if (parts.size() == 2 && parts[1] == "reload") {
-      route("reload");
-      if (!only("POST")) return;
-      return registry_.scan(true, [this, exchange] { respond_json(*exchange, 200, models()); });
-    }
-    if (parts.size() == 2 && parts[1] == "models") {
-      route("list");
-      if (only("GET")) respond_json(*exchange, 200, models());
-      return;
-    }
-    if (parts.size() < 3 || parts.size() > 4 || parts[1] != "models") {
-      route("unknown");
-      return respond_error(*exchange, 404, "no such endpoint: " + method + " " + request.path + " (see docs/api.md)");
-    }
-    Entry* entry = registry_.find(parts[2]);
-    if (!entry) {
-      route("unknown");
-      return respond_error(*exchange, 404, "no model named " + quote(parts[2]) + "; GET /v1/models lists them");
-    }
-    if (parts.size() == 3) {
-      route("model");
-      if (only("GET")) respond_json(*exchange, 200, registry_.entry_json(*entry));
-      return;
-    }
     static const std::map<std::string, Job::Kind> actions = {
         {"load", Job::Kind::Load},       {"unload", Job::Kind::Unload}, {"offload", Job::Kind::Offload},
         {"onload", Job::Kind::Onload},   {"forward", Job::Kind::Forward}};
-    const auto action = actions.find(parts[3]);
-    if (action == actions.end()) {
-      route("unknown");
-      return respond_error(*exchange, 404, "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward");
-    }
-    route(parts[3]);
-    if (!only("POST")) return;
-    Job job(action->second, exchange);
+    Job job(actions.at(route.action), exchange);
     if (auto it = request.query.find("keep_alive"); it != request.query.end()) {
       try {
         entry->keep_alive = config::parse_duration(it->second);  // until the config changes
       } catch (const Error& e) {
-        return respond_error(*exchange, 400, "keep_alive=" + it->second + ": " + e.what());
+        return respond_error(*exchange, 400, "keep_alive=" + escape_invalid_utf8(it->second) + ": " + e.what());
       }
     }
     if (auto it = request.query.find("stream"); it != request.query.end() && job.kind == Job::Kind::Load)

@@ -1,6 +1,5 @@
 #include "server/http.hpp"
 
-#include <http_parser.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -9,12 +8,16 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
+#include "server/boundary.hpp"
+#include "server/reply.hpp"
 #include "util/error.hpp"
 #include "util/log.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::server {
 
@@ -41,54 +44,18 @@ const char* status_text(int status) {
   }
 }
 
-const std::string* Request::header(std::string_view name) const {
-  for (const auto& [key, value] : headers)
-    if (key == name) return &value;
-  return nullptr;
-}
-
-namespace {
-
-std::string percent_decode(std::string_view text) {
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (text[i] == '+') {
-      out += ' ';
-    } else if (text[i] == '%' && i + 2 < text.size() && std::isxdigit(static_cast<unsigned char>(text[i + 1])) &&
-               std::isxdigit(static_cast<unsigned char>(text[i + 2]))) {
-      out += static_cast<char>(std::stoi(std::string(text.substr(i + 1, 2)), nullptr, 16));
-      i += 2;
-    } else {
-      out += text[i];
-    }
-  }
-  return out;
-}
-
-std::string error_body(const std::string& message) {
-  std::string escaped;
-  for (char c : message) {
-    if (c == '"' || c == '\\') escaped += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
-    escaped += c;
-  }
-  return "{\"error\":\"" + escaped + "\"}\n";
-}
-
-}  // namespace
-
 // One client connection: parses requests, hands each to the server's handler as an
-// Exchange, writes the answer, and enforces the limits.
+// Exchange, writes the answer, and enforces the limits. Reading stops while a request is being
+// answered, and while more than max_unsent_bytes of answers wait for the client to take them.
 class Connection {
  public:
-  Connection(Server& server, bool is_unix) : server_(server) {
+  Connection(Server& server, bool is_unix)
+      : server_(server), parser_({server.limits_.max_header_bytes, server.limits_.max_body_bytes}) {
     if (is_unix) uv_pipe_init(server.loop_, &handle_.pipe, 0);
     else uv_tcp_init(server.loop_, &handle_.tcp);
     handle_.stream.data = this;
     uv_timer_init(server.loop_, &timer_);
     timer_.data = this;
-    http_parser_init(&parser_, HTTP_REQUEST);
-    parser_.data = this;
   }
 
   uv_stream_t* stream() { return &handle_.stream; }
@@ -106,7 +73,7 @@ class Connection {
     log::debug("refused " + peer_ + ": " + std::to_string(status) + " " + message);
     keep_alive_ = false;
     uv_read_stop(stream());
-    std::string body = error_body(message);
+    std::string body = json_line({{"error", message}});
     write_head(status, "application/json", body.size(), false);
     write_raw(std::move(body));
     close_after_writes();
@@ -151,11 +118,13 @@ class Connection {
     exchange_.reset();
     if (!keep_alive_) return close_after_writes();
     arm(server_.limits_.idle_timeout);
-    http_parser_pause(&parser_, 0);
-    std::string rest = std::move(pending_);
-    pending_.clear();
-    if (!rest.empty()) feed(rest.data(), rest.size());
-    if (!closing_ && !exchange_) uv_read_start(stream(), on_alloc, on_read);
+    // A client that sends requests without taking the answers is not read until it takes them.
+    if (unsent() > server_.limits_.max_unsent_bytes) {
+      held_back_ = true;
+      log::debug(peer_ + ": " + std::to_string(unsent()) + " bytes of answers not taken; reading paused");
+      return;
+    }
+    if (!in_handler_) read_on();  // else feed()'s caller reads on
   }
 
  private:
@@ -175,20 +144,46 @@ class Connection {
     else arm(server_.limits_.idle_timeout);  // a client that never reads is dropped
   }
 
-  void feed(const char* data, size_t size) {
-    const size_t parsed = http_parser_execute(&parser_, &settings(), data, size);
-    const auto error = HTTP_PARSER_ERRNO(&parser_);
-    if (error == HPE_PAUSED) {  // a whole request: answer it before reading on
-      pending_.assign(data + parsed, size - parsed);
-      const auto exchange = exchange_;
-      server_.handler_(exchange);
-      return;
+  // Once an answer is written: the requests already read, one after another (a loop, not a
+  // recursion, however many a client pipelined), then the socket again.
+  void read_on() {
+    while (!closing_ && !closing_after_writes_ && !exchange_ && !held_back_) {
+      if (pending_.empty()) {
+        uv_read_start(stream(), on_alloc, on_read);
+        return;
+      }
+      const std::string rest = std::exchange(pending_, {});
+      feed(rest.data(), rest.size());
     }
-    if (error == HPE_OK) return;
-    if (refusal_status_) return refuse(refusal_status_, refusal_);
-    if (error == HPE_HEADER_OVERFLOW)
-      return refuse(431, "request headers exceed " + std::to_string(HTTP_MAX_HEADER_SIZE) + " bytes");
-    refuse(400, std::string("malformed HTTP request: ") + http_errno_description(error));
+  }
+
+  // Returns true when a whole request was read (and handed to the handler).
+  bool feed(const char* data, size_t size) {
+    const auto step = parser_.feed(data, size);
+    if (step.began) arm(server_.limits_.request_timeout);
+    if (step.wants_continue) write_raw("HTTP/1.1 100 Continue\r\n\r\n");
+    if (step.result == RequestParser::Result::More) return false;
+    if (step.result == RequestParser::Result::Refused) {
+      refuse(parser_.refusal_status(), parser_.refusal());
+      return false;
+    }
+    // A whole request: answer it before reading on.
+    keep_alive_ = parser_.keep_alive();
+    uv_timer_stop(&timer_);
+    uv_read_stop(stream());
+    pending_.assign(data + step.consumed, size - step.consumed);
+    Request request = parser_.take();
+    request.peer = peer_;
+    const auto exchange = exchange_ = std::make_shared<Exchange>(this, std::move(request));
+    const std::string where = "answering " + exchange->request().method + " " +
+                              escape_invalid_utf8(exchange->request().path) + " from " + peer_;
+    in_handler_ = true;
+    if (auto fault = guarded(where, [&] { server_.handler_(exchange); })) {
+      if (exchange->streaming()) exchange->end();
+      else exchange->respond(500, "application/json", json_line({{"error", "vramd failed while " + where + ": " + *fault}}));
+    }
+    in_handler_ = false;
+    return true;
   }
 
   static void on_alloc(uv_handle_t* handle, size_t, uv_buf_t* buf) {
@@ -200,7 +195,10 @@ class Connection {
     auto* self = static_cast<Connection*>(stream->data);
     if (nread < 0) return self->close();
     if (nread == 0 || self->closing_after_writes_) return;
-    self->feed(buf->base, static_cast<size_t>(nread));
+    const auto fault = guarded("reading from " + self->peer_, [&] {
+      if (self->feed(buf->base, static_cast<size_t>(nread))) self->read_on();
+    });
+    if (fault) self->close();
   }
 
   static void on_written(uv_write_t* req, int status) {
@@ -210,124 +208,27 @@ class Connection {
     if (status == UV_ECANCELED) return;  // the connection is closing; `self` may be gone
     if (status < 0) return self->close();
     if (self->closing_after_writes_ && self->unsent() == 0) return self->close();
+    if (self->held_back_ && self->unsent() <= self->server_.limits_.max_unsent_bytes / 2) {
+      self->held_back_ = false;
+      if (guarded("reading from " + self->peer_, [&] { self->read_on(); })) return self->close();
+    }
     // A client still taking its answer is not idle: only one that stops reading times out.
-    if (!self->exchange_ && !self->receiving_) self->arm(self->server_.limits_.idle_timeout);
+    if (!self->exchange_ && !self->parser_.receiving()) self->arm(self->server_.limits_.idle_timeout);
   }
 
   static void on_timeout(uv_timer_t* timer) {
     auto* self = static_cast<Connection*>(timer->data);
-    if (self->receiving_ && !self->exchange_)
+    if (self->parser_.receiving() && !self->exchange_)
       return self->refuse(408, "request not received within " +
                                    std::to_string(self->server_.limits_.request_timeout.count()) + " ms");
+    if (self->held_back_) log::info("closing the connection of " + self->peer_ + ": it took none of its " +
+                                    std::to_string(self->unsent()) + " bytes of answers in time");
     if (!self->exchange_) self->close();  // idle, or a client that does not read its answer
   }
 
   static void on_closed(uv_handle_t* handle) {
     auto* self = static_cast<Connection*>(handle->data);
     if (++self->closed_handles_ == 2) delete self;
-  }
-
-  // http-parser callbacks.
-  static Connection* of(http_parser* parser) { return static_cast<Connection*>(parser->data); }
-  bool count_header_bytes(size_t n) {
-    header_bytes_ += n;
-    if (header_bytes_ <= server_.limits_.max_header_bytes) return true;
-    refusal_status_ = 431;
-    refusal_ = "request line and headers exceed " + std::to_string(server_.limits_.max_header_bytes) + " bytes";
-    return false;
-  }
-  static int on_message_begin(http_parser* parser) {
-    auto* self = of(parser);
-    self->request_ = Request{};
-    self->request_.peer = self->peer_;
-    self->url_.clear();
-    self->header_bytes_ = 0;
-    self->last_was_value_ = false;
-    self->receiving_ = true;
-    self->arm(self->server_.limits_.request_timeout);
-    return 0;
-  }
-  static int on_url(http_parser* parser, const char* at, size_t length) {
-    auto* self = of(parser);
-    self->url_.append(at, length);
-    return self->count_header_bytes(length) ? 0 : 1;
-  }
-  static int on_header_field(http_parser* parser, const char* at, size_t length) {
-    auto* self = of(parser);
-    if (self->last_was_value_ || self->request_.headers.empty()) self->request_.headers.emplace_back();
-    self->last_was_value_ = false;
-    auto& name = self->request_.headers.back().first;
-    for (size_t i = 0; i < length; ++i) name += static_cast<char>(std::tolower(static_cast<unsigned char>(at[i])));
-    return self->count_header_bytes(length) ? 0 : 1;
-  }
-  static int on_header_value(http_parser* parser, const char* at, size_t length) {
-    auto* self = of(parser);
-    self->last_was_value_ = true;
-    self->request_.headers.back().second.append(at, length);
-    return self->count_header_bytes(length) ? 0 : 1;
-  }
-  static int on_headers_complete(http_parser* parser) {
-    auto* self = of(parser);
-    const uint64_t max = self->server_.limits_.max_body_bytes;
-    if ((parser->flags & F_CONTENTLENGTH) && parser->content_length > max) {
-      self->refusal_status_ = 413;
-      self->refusal_ = "request body of " + std::to_string(parser->content_length) + " bytes exceeds the limit of " +
-                       std::to_string(max) + " bytes";
-      return -1;
-    }
-    const std::string url = std::move(self->url_);
-    const auto question = url.find('?');
-    self->request_.method = http_method_str(static_cast<http_method>(parser->method));
-    self->request_.path = percent_decode(url.substr(0, question));
-    if (question != std::string::npos) {
-      std::istringstream pairs(url.substr(question + 1));
-      std::string pair;
-      while (std::getline(pairs, pair, '&')) {
-        const auto equals = pair.find('=');
-        self->request_.query[percent_decode(pair.substr(0, equals))] =
-            equals == std::string::npos ? "" : percent_decode(pair.substr(equals + 1));
-      }
-    }
-    const std::string* expect = self->request_.header("expect");
-    if (expect && (*expect == "100-continue" || *expect == "100-Continue")) self->write_raw("HTTP/1.1 100 Continue\r\n\r\n");
-    return 0;
-  }
-  static int on_body(http_parser* parser, const char* at, size_t length) {
-    auto* self = of(parser);
-    auto& body = self->request_.body;
-    if (body.size() + length > self->server_.limits_.max_body_bytes) {
-      self->refusal_status_ = 413;
-      self->refusal_ = "request body exceeds the limit of " + std::to_string(self->server_.limits_.max_body_bytes) + " bytes";
-      return -1;
-    }
-    if (body.empty() && (parser->flags & F_CONTENTLENGTH) && parser->content_length > length)
-      body.reserve(body.size() + parser->content_length + length);
-    body.append(at, length);
-    return 0;
-  }
-  static int on_message_complete(http_parser* parser) {
-    auto* self = of(parser);
-    self->receiving_ = false;
-    self->keep_alive_ = http_should_keep_alive(parser) != 0;
-    uv_timer_stop(&self->timer_);
-    uv_read_stop(self->stream());
-    http_parser_pause(parser, 1);
-    self->exchange_ = std::make_shared<Exchange>(self, std::move(self->request_));
-    return 0;
-  }
-  static const http_parser_settings& settings() {
-    static const http_parser_settings s = [] {
-      http_parser_settings s{};
-      s.on_message_begin = on_message_begin;
-      s.on_url = on_url;
-      s.on_header_field = on_header_field;
-      s.on_header_value = on_header_value;
-      s.on_headers_complete = on_headers_complete;
-      s.on_body = on_body;
-      s.on_message_complete = on_message_complete;
-      return s;
-    }();
-    return s;
   }
 
   Server& server_;
@@ -337,17 +238,13 @@ class Connection {
     uv_tcp_t tcp;
   } handle_;
   uv_timer_t timer_;
-  http_parser parser_;
+  RequestParser parser_;
   std::array<char, 64 << 10> buffer_;
   std::string peer_;
-  Request request_;
-  std::string url_, pending_;
-  size_t header_bytes_ = 0;
-  bool last_was_value_ = false, receiving_ = false, keep_alive_ = true;
+  std::string pending_;
+  bool keep_alive_ = true, held_back_ = false, in_handler_ = false;
   bool closing_ = false, closing_after_writes_ = false;
   int closed_handles_ = 0;
-  int refusal_status_ = 0;
-  std::string refusal_;
   std::shared_ptr<Exchange> exchange_;
 };
 
@@ -415,6 +312,29 @@ bool socket_is_live(const std::string& path) {
   return live;
 }
 
+// The socket's folder: made (0700) when missing, and used only when it is a folder of this
+// user or of root that nobody else may write, as tmux and ssh-agent insist: in a folder others
+// can write, another user could take the socket's name first and stand in for the daemon.
+void check_socket_folder(const std::string& socket_path) {
+  std::string folder = socket_path.substr(0, socket_path.rfind('/') == std::string::npos ? 0 : socket_path.rfind('/'));
+  if (folder.empty()) folder = socket_path.starts_with('/') ? "/" : ".";
+  if (::mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST)
+    fail(folder, std::string("cannot create the socket's folder: ") + std::strerror(errno));
+  struct stat info {};
+  if (::stat(folder.c_str(), &info) != 0) fail(folder, std::string("cannot use the socket's folder: ") + std::strerror(errno));
+  if (!S_ISDIR(info.st_mode)) fail(folder, "the socket's folder is not a folder");
+  if (info.st_uid != ::geteuid() && info.st_uid != 0)
+    fail(folder, "the socket's folder belongs to uid " + std::to_string(info.st_uid) +
+                     ", not to this daemon's user (uid " + std::to_string(::geteuid()) + ") or root; choose another socket path");
+  if (info.st_mode & (S_IWGRP | S_IWOTH)) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+    fail(folder, std::string("others may write the socket's folder (mode ") + mode +
+                     "), so they could take the socket's place; use a folder only its owner can write, such as "
+                     "the default ($XDG_RUNTIME_DIR/vramd/ or /tmp/vramd-UID/)");
+  }
+}
+
 void check_uv(int status, const std::string& what) {
   if (status < 0) throw Error(what + ": " + uv_strerror(status));
 }
@@ -423,9 +343,12 @@ void check_uv(int status, const std::string& what) {
 
 void Server::listen_unix(const std::string& path) {
   if (path.size() >= sizeof(sockaddr_un{}.sun_path)) fail(path, "socket path longer than " + std::to_string(sizeof(sockaddr_un{}.sun_path) - 1) + " bytes");
+  check_socket_folder(path);
   struct stat info {};
   if (::lstat(path.c_str(), &info) == 0) {
     if (!S_ISSOCK(info.st_mode)) fail(path, "exists and is not a socket; remove it or choose another socket path");
+    if (info.st_uid != ::geteuid())
+      fail(path, "a socket of uid " + std::to_string(info.st_uid) + " is in the way; vramd removes only its own");
     if (socket_is_live(path)) fail(path, "another vramd is serving this socket; stop it first or choose another socket path");
     log::info("replacing the stale socket " + path + " left by a daemon that did not exit cleanly");
     ::unlink(path.c_str());

@@ -1,8 +1,10 @@
-// HTTP/1.1 on libuv over a Unix socket (and optionally loopback TCP), parsed by Node's
-// http-parser. Every limit a client could abuse is enforced here and refused with a clear
-// HTTP error: header and body sizes, connections, idle and request timeouts. Requests on one
-// connection are answered in order; while one is being answered, the connection is not read
-// (backpressure), and a disconnect is reported to whoever is answering it.
+// HTTP/1.1 on libuv over a Unix socket (and optionally loopback TCP); requests are parsed by
+// server/request_parser. Every limit a client could abuse is enforced here and refused with a
+// clear HTTP error: header and body sizes, connections, idle and request timeouts. Requests on
+// one connection are answered in order; while one is being answered, or while the answers the
+// client has not taken pass max_unsent_bytes, the connection is not read (backpressure), and a
+// disconnect is reported to whoever is answering it. Whatever the handler throws is answered
+// with a 500 naming the request (server/boundary.hpp).
 //
 // Everything here runs on the loop thread, including every Exchange method.
 #pragma once
@@ -21,19 +23,9 @@
 #include <vector>
 
 #include "config/daemon_config.hpp"
+#include "server/request_parser.hpp"
 
 namespace vramd::server {
-
-struct Request {
-  std::string method;  // "GET"
-  std::string path;    // "/v1/models"
-  std::map<std::string, std::string> query;                 // decoded
-  std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
-  std::string body;
-  std::string peer;  // "uid 1000 pid 4242", or "tcp"
-
-  const std::string* header(std::string_view name) const;  // `name` in lower case
-};
 
 class Connection;
 
@@ -85,8 +77,9 @@ class Server {
   Server& operator=(const Server&) = delete;
 
   // Creates the socket (owner-only; group-writable with a group; open to all with listed uids,
-  // whom SO_PEERCRED then checks). A stale socket left by a dead daemon is replaced; a live
-  // one is not: throws Error.
+  // whom SO_PEERCRED then checks) in a folder only its owner can write, made 0700 when missing.
+  // A stale socket of this user's, left by a dead daemon, is replaced; a live one, one of
+  // another user's or a folder others can write is not: throws Error.
   void listen_unix(const std::string& path);
   void listen_tcp(const std::string& host_port);
 

@@ -1,5 +1,7 @@
 #include "server/mailbox.hpp"
 
+#include "server/boundary.hpp"
+
 namespace vramd::server {
 
 Mailbox::Mailbox(uv_loop_t* loop) : async_(new uv_async_t) {
@@ -31,7 +33,7 @@ void Mailbox::on_async(uv_async_t* async) {
     std::lock_guard lock(self->mutex_);
     work.swap(self->queue_);
   }
-  for (auto& item : work) item();
+  for (auto& item : work) guarded("work posted to the event loop", item);
 }
 
 Worker::Worker() : thread_([this] {
@@ -44,7 +46,7 @@ Worker::Worker() : thread_([this] {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    job();
+    guarded("a job on a worker thread", job);
   }
 }) {}
 

@@ -13,6 +13,8 @@
 
 namespace vramd::server {
 
+// What posted work and jobs throw is caught and logged (server/boundary.hpp): callers that
+// owe someone an answer catch their own errors first, as the registry's jobs do.
 class Mailbox {
  public:
   explicit Mailbox(uv_loop_t* loop);

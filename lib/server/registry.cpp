@@ -7,10 +7,12 @@
 #include "config/units.hpp"
 #include "dist/group.hpp"
 #include "model/loader.hpp"
+#include "server/boundary.hpp"
 #include "server/reply.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::server {
 namespace fs = std::filesystem;
@@ -90,37 +92,50 @@ Registry::Registry(uv_loop_t* loop, const config::DaemonConfig& config)
 
 Registry::~Registry() = default;
 
-Registry::Validation Registry::validate(const std::string& file, const config::DaemonConfig& daemon) {
-  Validation v;
-  v.file = file;
-  auto text = read_whole_file(file);
-  if (!text) {
-    v.exists = fs::exists(file);
-    v.error = file + ": cannot read";
-    return v;
+std::vector<Registry::Validation> Registry::examine(const config::DaemonConfig& daemon, const Texts& known,
+                                                    bool skip_unchanged) {
+  std::error_code ec;
+  std::set<std::string> files;
+  for (fs::directory_iterator it(daemon.models, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".toml") files.insert(it->path().string());
+  if (ec) {
+    log::warn("cannot read the model folder " + escape_invalid_utf8(daemon.models) + ": " + ec.message());
+    return {};
   }
-  v.text = std::move(*text);
-  try {
-    auto config = config::load_model_config(file, daemon);
-    v.dry = model::dry_run(config);
-    v.config = std::move(config);
-  } catch (const std::exception& e) {
-    v.error = e.what();
+  std::vector<Validation> out;
+  for (const auto& [file, text] : known)
+    if (!files.count(file)) out.push_back(Validation::gone(file));
+  for (const auto& file : files) {
+    Validation v;
+    v.file = file;
+    try {
+      v.text = read_regular_file(file, kMaxConfigBytes);
+    } catch (const Error& e) {
+      v.exists = fs::exists(fs::symlink_status(file, ec));  // a link to nowhere is there, and invalid
+      v.error = e.what();
+      out.push_back(std::move(v));
+      continue;
+    }
+    if (const auto it = known.find(file); skip_unchanged && it != known.end() && it->second == v.text) continue;
+    try {
+      auto config = config::load_model_config(file, v.text, daemon);
+      v.dry = model::dry_run(config);
+      v.config = std::move(config);
+    } catch (const std::exception& e) {
+      v.error = e.what();
+    }
+    out.push_back(std::move(v));
   }
-  return v;
+  return out;
 }
 
 void Registry::start() {
-  std::vector<std::string> files;
-  std::error_code ec;
-  for (const auto& item : fs::directory_iterator(config_.models, ec))
-    if (item.path().extension() == ".toml") files.push_back(item.path().string());
-  if (ec) log::warn("cannot read the model folder " + config_.models + ": " + ec.message());
-  else if (files.empty()) log::warn("no model configs (*.toml) in " + config_.models);
-  std::sort(files.begin(), files.end());
-  for (const auto& file : files) apply(validate(file, config_));
+  auto found = examine(config_, {}, false);
+  if (found.empty()) log::warn("no model configs (*.toml) in " + escape_invalid_utf8(config_.models));
+  for (auto& v : found) apply(std::move(v));
 
-  if (ec) return;
+  std::error_code ec;
+  if (!fs::is_directory(config_.models, ec)) return;
   watcher_ = new uv_fs_event_t;
   debounce_ = new uv_timer_t;
   uv_fs_event_init(loop_, watcher_);
@@ -131,39 +146,33 @@ void Registry::start() {
       [](uv_fs_event_t* handle, const char*, int, int) {
         auto* self = static_cast<Registry*>(handle->data);
         // Editors write a file in several steps: look once things have settled.
-        uv_timer_start(self->debounce_, [](uv_timer_t* t) { static_cast<Registry*>(t->data)->scan(false); }, 200, 0);
+        uv_timer_start(self->debounce_, [](uv_timer_t* t) {
+          guarded("scanning the model folder", [&] { static_cast<Registry*>(t->data)->scan(false); });
+        }, 200, 0);
       },
       config_.models.c_str(), 0);
 }
 
 void Registry::scan(bool force, std::function<void()> done) {
-  if (shutting_down_) return;
-  std::set<std::string> files;
-  std::error_code ec;
-  for (const auto& item : fs::directory_iterator(config_.models, ec))
-    if (item.path().extension() == ".toml") files.insert(item.path().string());
-  std::vector<std::string> gone;
-  for (auto& [name, entry] : entries_)
-    if (!entry->removed && !files.count(entry->file)) gone.push_back(entry->file);
-  for (const auto& file : gone) apply(Validation::gone(file));
-  for (const auto& file : files) {
-    if (!force) {
-      const auto known = std::find_if(entries_.begin(), entries_.end(), [&](auto& e) { return e.second->file == file; });
-      if (known != entries_.end() && known->second->text == read_whole_file(file).value_or("")) continue;
-    }
-    ++validations_in_flight_;
-    validator_.run([this, file, daemon = config_] {
-      auto v = std::make_shared<Validation>(validate(file, daemon));
-      mailbox_.post([this, v] {
-        apply(std::move(*v));
-        if (--validations_in_flight_ == 0)
-          for (auto callback : std::exchange(scan_done_, {})) callback();
-      });
-    });
+  if (shutting_down_) {
+    if (done) done();
+    return;
   }
-  if (!done) return;
-  if (validations_in_flight_ == 0) done();
-  else scan_done_.push_back(std::move(done));
+  // The folder is listed and read on the validator's thread, never here: a file may be slow,
+  // or not a file at all.
+  Texts known;
+  for (auto& [name, entry] : entries_)
+    if (!entry->removed) known[entry->file] = entry->text;
+  ++validations_in_flight_;
+  if (done) scan_done_.push_back(std::move(done));
+  validator_.run([this, force, known = std::move(known), daemon = config_] {
+    auto found = std::make_shared<std::vector<Validation>>(examine(daemon, known, !force));
+    mailbox_.post([this, found] {
+      for (auto& v : *found) apply(std::move(v));
+      if (--validations_in_flight_ == 0)
+        for (auto& callback : std::exchange(scan_done_, {})) callback();
+    });
+  });
 }
 
 Entry* Registry::find(const std::string& name) {
@@ -257,10 +266,10 @@ void Registry::apply(Validation v) {
     log::warn(current->name + " keeps serving its previous config; the edit is invalid: " + v.error);
     return;
   }
-  log::warn("invalid " + v.file + ": " + v.error);
+  log::warn("invalid " + escape_invalid_utf8(v.file) + ": " + v.error);
   if (!current) {
-    std::string name = fs::path(v.file).stem().string();
-    if (find(name)) name = v.file;  // the stem is another model's name
+    std::string name = escape_invalid_utf8(fs::path(v.file).stem().string());
+    if (find(name)) name = escape_invalid_utf8(v.file);  // the stem is another model's name
     current = &add_entry(name);
   }
   current->file = v.file;
@@ -278,7 +287,7 @@ void Registry::answer(Job& job, int status, const json& body) {
     json line = body;
     if (status >= 400) line["status"] = "failed";
     else if (!line.contains("status")) line["status"] = "ready";
-    job.exchange->write(line.dump() + "\n");
+    job.exchange->write(json_line(line));
     job.exchange->end();
   } else {
     respond_json(*job.exchange, status, body);
@@ -302,7 +311,7 @@ void Registry::submit(Entry& entry, Job job) {
     return refuse(429, "model " + quote(entry.name) + " has " + std::to_string(entry.queue.size()) +
                            " requests waiting (queue_length " + std::to_string(config_.limits.queue_length) + ")");
   if (job.stream && (entry.busy || !entry.queue.empty()))
-    job.exchange->write(json({{"status", "queued"}, {"position", entry.queue.size() + 1}}).dump() + "\n");
+    job.exchange->write(json_line({{"status", "queued"}, {"position", entry.queue.size() + 1}}));
   if (job.kind == Job::Kind::Unload || job.kind == Job::Kind::Offload) {
     // Daemon-initiated evictions go first; a user's unload waits for what is queued before it.
     if (!job.exchange) entry.queue.push_front(std::move(job));
@@ -502,6 +511,7 @@ void Registry::run_job(Entry& entry, Job job) {
             break;
         }
       }
+      if (runtime) outcome->bytes = runtime->bytes_by_device(), outcome->vram = runtime->vram();
     } catch (const dist::RankFailure& error) {
       outcome->status = 500;
       outcome->error = error.what();
@@ -510,7 +520,6 @@ void Registry::run_job(Entry& entry, Job job) {
       outcome->status = 500;
       outcome->error = error.what();
     }
-    if (runtime) outcome->bytes = runtime->bytes_by_device(), outcome->vram = runtime->vram();
     outcome->runtime = std::move(runtime);
     mailbox_.post([this, e, shared_job, outcome] { finish_job(*e, std::move(*shared_job), *outcome); });
   });
@@ -631,7 +640,7 @@ void Registry::send_progress(Entry& entry, bool force) {
   entry.progress_sent = now;
   json line = progress_json(entry.progress);
   line["status"] = "loading";
-  const std::string text = line.dump() + "\n";
+  const std::string text = json_line(line);
   for (auto& watcher : entry.load_watchers)
     if (watcher->unsent() < (64 << 10)) watcher->write(text);  // a slow reader skips updates
 }
@@ -644,10 +653,11 @@ void Registry::touch(Entry& entry) {
       entry.keep_alive_timer,
       [](uv_timer_t* timer) {
         auto* e = static_cast<Entry*>(timer->data);
-        if (!e->busy && e->queue.empty() && e->runtime) {
+        guarded("the keep_alive of " + e->name, [&] {
+          if (e->busy || !e->queue.empty() || !e->runtime) return;
           log::info("keep_alive of " + e->name + " ran out: unloading");
           e->registry->submit(*e, Job(Job::Kind::Unload));
-        }
+        });
       },
       static_cast<uint64_t>(entry.keep_alive->count()), 0);
 }

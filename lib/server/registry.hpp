@@ -112,7 +112,10 @@ class Registry {
 
  private:
   struct Validation;
-  static Validation validate(const std::string& file, const config::DaemonConfig& daemon);
+  using Texts = std::map<std::string, std::string>;  // file -> the content last seen
+  // Lists the folder and validates its configs, off the loop: every file that changed from
+  // `known` (all of them unless `skip_unchanged`), and those of `known` that are gone.
+  static std::vector<Validation> examine(const config::DaemonConfig& daemon, const Texts& known, bool skip_unchanged);
   void apply(Validation validation);
   Entry& add_entry(const std::string& name);
   void drop_entry(Entry& entry);

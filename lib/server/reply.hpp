@@ -8,8 +8,15 @@
 
 namespace vramd::server {
 
+// The one place the daemon's JSON becomes text: a line of it. Strings that are not valid UTF-8
+// (a path, a file name or a key from outside that no message escaped) get U+FFFD for each bad
+// byte instead of an exception from the serializer.
+inline std::string json_line(const nlohmann::json& value) {
+  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
 inline void respond_json(Exchange& exchange, int status, const nlohmann::json& body) {
-  exchange.respond(status, "application/json", body.dump() + "\n");
+  exchange.respond(status, "application/json", json_line(body));
 }
 
 inline void respond_error(Exchange& exchange, int status, const std::string& message) {

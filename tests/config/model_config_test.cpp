@@ -131,7 +131,7 @@ keep_alive = "10 minutes"
 pined = true
 )");
   const std::string expected =
-      path + ":1:8: name = 'bad model': a name is 1-128 letters, digits, '-', '_' or '.'\n" +
+      path + ":1:8: name = 'bad model': a name is 1-128 ASCII letters, digits, '-', '_' or '.', starting with a letter or digit\n" +
       path + ":2:14: checkpoint = 42: expected a string or an array of strings, found an integer\n" +
       path + ":3:9: dtype = 'bfloat17': expected auto, float32, bfloat16, float16, float8_e4m3fn or float8_e5m2\n" +
       path + ":5:1: unknown key 'ofload' in [vram]; did you mean 'offload'?\n" +

@@ -1,0 +1,74 @@
+#include "server/routes.hpp"
+
+#include <array>
+#include <vector>
+
+#include "util/format.hpp"
+
+namespace vramd::server {
+namespace {
+
+std::vector<std::string> split_path(const std::string& path) {
+  std::vector<std::string> parts;
+  for (size_t start = 0; start <= path.size();) {
+    size_t end = path.find('/', start);
+    if (end == std::string::npos) end = path.size();
+    if (end > start) parts.push_back(path.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
+Route refused(int status, std::string endpoint, std::string error) {
+  Route route;
+  route.endpoint = std::move(endpoint);
+  route.status = status;
+  route.error = std::move(error);
+  return route;
+}
+
+Route to(Route::Kind kind, std::string endpoint) {
+  Route route;
+  route.kind = kind;
+  route.endpoint = std::move(endpoint);
+  return route;
+}
+
+constexpr std::array<const char*, 5> kActions = {"load", "unload", "offload", "onload", "forward"};
+
+}  // namespace
+
+Route route(const Request& request) {
+  const auto parts = split_path(request.path);
+  const std::string what = request.method + " " + quote(request.path);
+  const auto only = [&](const char* method, Route route) {
+    if (request.method == method) return route;
+    return refused(405, route.endpoint, what + ": use " + method);
+  };
+  if (parts == std::vector<std::string>{"metrics"}) return only("GET", to(Route::Kind::Metrics, "metrics"));
+  if (parts.empty() || parts[0] != "v1")
+    return refused(404, "unknown", "no such endpoint: " + what + " (the API is under /v1; see docs/api.md)");
+  if (parts.size() == 2) {
+    if (parts[1] == "health") return only("GET", to(Route::Kind::Health, "health"));
+    if (parts[1] == "status") return only("GET", to(Route::Kind::Status, "status"));
+    if (parts[1] == "reload") return only("POST", to(Route::Kind::Reload, "reload"));
+    if (parts[1] == "models") return only("GET", to(Route::Kind::List, "list"));
+  }
+  if (parts.size() < 3 || parts.size() > 4 || parts[1] != "models")
+    return refused(404, "unknown", "no such endpoint: " + what + " (see docs/api.md)");
+  if (parts.size() == 3) {
+    Route model = only("GET", to(Route::Kind::Model, "model"));
+    model.model = parts[2];
+    return model;
+  }
+  for (const char* action : kActions) {
+    if (parts[3] != action) continue;
+    Route route = only("POST", to(Route::Kind::Action, action));
+    route.model = parts[2];
+    route.action = action;
+    return route;
+  }
+  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward");
+}
+
+}  // namespace vramd::server
