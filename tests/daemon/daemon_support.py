@@ -68,6 +68,34 @@ def raw(sock, data, timeout=10, shutdown=False):
     return received
 
 
+def as_user(uid, function, gid=None, wait=True):
+    """Runs `function` in a forked child as `uid` (root only). With `wait`, returns the bytes it
+    returned (or the repr of what it raised); else the child's pid, for the caller to kill."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setgid(gid if gid is not None else uid)
+            os.setuid(uid)
+            result = function()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            result = repr(e).encode()
+        os.write(write, result)
+        os._exit(0)
+    os.close(write)
+    if not wait:
+        os.close(read)
+        return pid
+    data = b""
+    while chunk := os.read(read, 65536):
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    return data
+
+
 def wait_for(predicate, timeout=20, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from daemon_support import Daemon, get_json, model, raw, request, vramctl, wait_for
+from daemon_support import Daemon, as_user, get_json, model, raw, request, vramctl, wait_for
 import hf_models
 
 MINILM_INPUT = {"input_ids": torch.tensor([[101, 7570, 2024, 2017, 102]])}
@@ -404,25 +404,7 @@ def test_other_uids_are_refused_unless_listed(tmp_path, checkpoints):
         assert oct(d.sock.stat().st_mode & 0o777) == "0o666"  # open: SO_PEERCRED decides
 
         def as_uid(uid, gid=None):
-            read, write = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(read)
-                try:
-                    os.setgroups([])
-                    os.setgid(gid if gid is not None else uid)
-                    os.setuid(uid)
-                    answer = raw(d.sock, b"GET /v1/health HTTP/1.1\r\nConnection: close\r\n\r\n")
-                except Exception as e:
-                    answer = repr(e).encode()
-                os.write(write, answer)
-                os._exit(0)
-            os.close(write)
-            data = b""
-            while chunk := os.read(read, 65536):
-                data += chunk
-            os.waitpid(pid, 0)
-            return data
+            return as_user(uid, lambda: raw(d.sock, b"GET /v1/health HTTP/1.1\r\nConnection: close\r\n\r\n"), gid)
 
         refused = as_uid(65534)
         assert refused.startswith(b"HTTP/1.1 403 ") and b"uid 65534 may not use this daemon" in refused
