@@ -15,6 +15,7 @@ struct LuaSandbox::State {
   void* inner_state = nullptr;
   size_t used = 0;
   bool out_of_memory = false;
+  std::string timed_out;  // the time limit's error, once it has fired
   std::chrono::steady_clock::time_point deadline;
   std::vector<std::string> printed;
   std::string chunk;  // the name of the last chunk run, for errors that have no position
@@ -54,7 +55,46 @@ void watch_clock(lua_State* L, lua_Debug* where) {
   lua_getinfo(L, "Sl", where);
   lua_pushfstring(L, "%s:%d: ran past its time limit of %d ms", where->short_src, where->currentline,
                   static_cast<int>(state->limits.timeout.count()));
+  if (state->timed_out.empty()) state->timed_out = lua_tostring(L, -1);
   lua_error(L);
+}
+
+// Once the time or the memory limit has fired, the script is over: raises that error again,
+// whatever a pcall in between made of it (as Redis keeps its kill error from being caught).
+void stop_if_over(lua_State* L) {
+  const auto* state = state_of(L);
+  if (!state->timed_out.empty()) {
+    lua_pushstring(L, state->timed_out.c_str());
+    lua_error(L);
+  }
+  if (state->out_of_memory) {
+    lua_pushliteral(L, "not enough memory");
+    lua_error(L);
+  }
+}
+
+// pcall(f, ...) and xpcall(f, handler, ...) as Lua's, except that they cannot catch the stop.
+int sandbox_pcall(lua_State* L) {
+  // [f, arguments...]
+  luaL_checkany(L, 1);
+  const int status = lua_pcall(L, lua_gettop(L) - 1, LUA_MULTRET, 0);  // [results...] or [error]
+  stop_if_over(L);
+  lua_pushboolean(L, status == 0);
+  lua_insert(L, 1);  // [ok, results...]
+  return lua_gettop(L);
+}
+
+int sandbox_xpcall(lua_State* L) {
+  // [f, handler, arguments...]
+  luaL_checktype(L, 2, LUA_TFUNCTION);
+  lua_pushvalue(L, 2);
+  lua_remove(L, 2);
+  lua_insert(L, 1);  // [handler, f, arguments...]
+  const int status = lua_pcall(L, lua_gettop(L) - 2, LUA_MULTRET, 1);  // [handler, results...]
+  stop_if_over(L);
+  lua_pushboolean(L, status == 0);
+  lua_replace(L, 1);  // [ok, results...]
+  return lua_gettop(L);
 }
 
 int traceback(lua_State* L) {
@@ -149,6 +189,10 @@ LuaSandbox::LuaSandbox(SandboxLimits limits) : state_(std::make_unique<State>())
   lua_setfield(L, LUA_REGISTRYINDEX, "vramd.tostring");
   lua_pushcfunction(L, print_to_log);
   lua_setglobal(L, "print");
+  lua_pushcfunction(L, sandbox_pcall);
+  lua_setglobal(L, "pcall");
+  lua_pushcfunction(L, sandbox_xpcall);
+  lua_setglobal(L, "xpcall");
 
   // Strings share one metatable whose __index is the string library: hide it.
   lua_pushliteral(L, "");
@@ -196,6 +240,7 @@ void LuaSandbox::call(int arguments, int results) {
   lua_insert(L, base);  // [traceback, function, arguments...]
   state_->deadline = std::chrono::steady_clock::now() + state_->limits.timeout;
   state_->out_of_memory = false;
+  state_->timed_out.clear();
   lua_sethook(L, watch_clock, LUA_MASKCOUNT, kHookEvery);
   const int status = lua_pcall(L, arguments, results, base);
   lua_sethook(L, nullptr, 0, 0);

@@ -65,6 +65,34 @@ TEST_CASE("a runaway loop is stopped at the time limit even in a loop the JIT wo
   CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
+TEST_CASE("the limits end a script whatever it wraps its work in") {
+  const SandboxLimits limits{200ms, 16u << 20};
+  auto start = std::chrono::steady_clock::now();
+  CHECK(error_of("while true do pcall(function() while true do end end) end", limits) ==
+        "escape.lua:1: ran past its time limit of 200 ms");
+  CHECK(error_of("while true do xpcall(function() while true do end end, function(e) return e end) end", limits) ==
+        "escape.lua:1: ran past its time limit of 200 ms");
+  CHECK(error_of("local function f() pcall(f) while true do end end f()", limits) ==
+        "escape.lua:1: ran past its time limit of 200 ms");
+  CHECK(error_of("while true do pcall(error, {}) end", limits) == "escape.lua:1: ran past its time limit of 200 ms");
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+  const SandboxLimits memory{10s, 16u << 20};
+  CHECK(error_of("while true do pcall(string.rep, 'x', 1e9) end", memory) ==
+        "escape.lua: not enough memory (exceeded the memory limit of 16.00 MiB)");
+  CHECK(error_of("local t = {} while true do pcall(function() t[#t + 1] = table.concat({'x', #t}, string.rep('z', 1e6)) end) end",
+                 memory) == "escape.lua: not enough memory (exceeded the memory limit of 16.00 MiB)");
+}
+
+TEST_CASE("pcall and xpcall still catch a script's own errors") {
+  LuaSandbox sandbox;
+  sandbox.run("local ok, e = pcall(error, {code = 7})\n"
+              "local ok2, r = xpcall(function(a) return a * 2 end, print, 21)\n"
+              "local ok3, h = xpcall(function() error('x') end, function(m) return 'handled ' .. m end)\n"
+              "return (not ok and e.code == 7 and ok2 and r == 42 and not ok3 and h:find('handled') ~= nil)",
+              "ok.lua", 0, 1);
+  CHECK(lua_toboolean(sandbox.state(), -1));
+}
+
 TEST_CASE("the memory cap and stack overflow are errors and the process carries on") {
   CHECK(error_of("local t = {} for i = 1, 1e8 do t[i] = string.rep('x', 1000) .. i end", {10s, 16u << 20}) ==
         "escape.lua: not enough memory (exceeded the memory limit of 16.00 MiB)");

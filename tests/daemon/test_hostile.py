@@ -194,6 +194,15 @@ def test_names_sizes_and_nesting_that_are_not_configs(hostile):
     assert_unharmed(hostile, drop_config=True)
 
 
+def test_a_converter_that_catches_its_time_limit_holds_nothing_up(hostile):
+    (hostile.models / "evil.lua").write_text("while true do pcall(function() while true do end end) end\n")
+    (hostile.models / "evil.toml").write_text(f'checkpoint = "{hostile.llama_dir / "model"}"\nconverter = "evil.lua"\n')
+    assert "ran past its time limit" in invalid_reason(hostile, "evil", timeout=30)
+    for name in ["evil.toml", "evil.lua"]:
+        (hostile.models / name).unlink()
+    assert_unharmed(hostile, drop_config=True)
+
+
 def test_a_file_that_changes_while_it_is_read(hostile):
     path = hostile.models / "churn.toml"
     good = f'checkpoint = "{hostile.llama_dir / "model"}"\n'
