@@ -235,8 +235,23 @@ int source_items(lua_State* L) {
   lua_pushcclosure(L, source_next, 3);
   return 1;
 }
+// The three source names nearest to `name`, quoted, for an error about a missing one.
+std::string nearest_names(const storage::DiskMap& map, std::string_view name) {
+  std::vector<std::pair<size_t, std::string_view>> scored;
+  for (const auto& tensor : map.tensors()) {
+    const std::string_view candidate = tensor.name();
+    const size_t gap = candidate.size() > name.size() ? candidate.size() - name.size() : name.size() - candidate.size();
+    if (gap <= 16) scored.emplace_back(edit_distance(candidate, name), candidate);
+  }
+  const size_t shown = std::min<size_t>(3, scored.size());
+  std::partial_sort(scored.begin(), scored.begin() + static_cast<std::ptrdiff_t>(shown), scored.end());
+  std::string text;
+  for (size_t i = 0; i < shown; ++i) text += (i ? ", " : "") + quote(scored[i].second);
+  return text.empty() ? "none" : text;
+}
+
 int source_index(lua_State* L) {
-  // [source, key]: a method, else the tensor of that name, else nil
+  // [source, key]: a method, else the tensor of that name, else an error naming the nearest
   auto& source = check_source(L, 1);
   const std::string key = luaL_checkstring(L, 2);
   luaL_getmetatable(L, kSourceType);
@@ -244,8 +259,9 @@ int source_index(lua_State* L) {
   lua_getfield(L, -1, key.c_str());
   if (!lua_isnil(L, -1)) return 1;
   lua_pop(L, 3);
-  if (!push_source_tensor(L, source, key)) lua_pushnil(L);
-  return 1;
+  if (push_source_tensor(L, source, key)) return 1;
+  return luaL_error(L, "the checkpoint has no tensor %s (nearest: %s); src:get(name) gives nil for a name that may be missing",
+                    quote(key).c_str(), nearest_names(*source.map, key).c_str());
 }
 int source_len(lua_State* L) {
   lua_pushnumber(L, static_cast<lua_Number>(check_source(L, 1).map->tensors().size()));

@@ -21,6 +21,9 @@ std::string pad(std::string text, size_t width);
 // The lines of a multi-line message, without their newlines.
 std::vector<std::string> split_lines(std::string_view text);
 
+// Levenshtein distance, for "did you mean" suggestions.
+size_t edit_distance(std::string_view a, std::string_view b);
+
 // Quotes a key or path for a message: 'h.0.w', escaped as escape_invalid_utf8 does (always
 // valid UTF-8).
 std::string quote(std::string_view text);
