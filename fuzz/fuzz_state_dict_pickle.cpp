@@ -1,18 +1,32 @@
-// libFuzzer target: any bytes given to the restricted unpickler are either a state dict whose
-// tensors are byte ranges inside their storages, or refused with vramd::Error.
+// libFuzzer target for torch.save checkpoints. Input that starts like a zip goes through the
+// whole indexer (zip layer, unpickler, rebuilds, byte-range checks): it is either refused with
+// vramd::Error or every tensor is a byte range inside the input. Any other input goes to the
+// unpickler alone (a mutated data.pkl inside a zip fails its CRC, so this reaches deeper): every
+// tensor must lie inside its storage.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
 
 #include "storage/state_dict_pickle.hpp"
+#include "storage/torch_pickle.hpp"
 #include "util/error.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string_view bytes(reinterpret_cast<const char*>(data), size);
   try {
-    auto state = vramd::storage::read_state_dict_pickle({reinterpret_cast<const char*>(data), size});
-    for (const auto& tensor : state.tensors)
-      if (tensor.end < tensor.begin || tensor.end > tensor.storage_bytes) std::abort();
+    if (bytes.starts_with("PK")) {
+      auto index = vramd::storage::index_torch_pickle(bytes, "");
+      for (const auto& tensor : index.tensors)
+        if (tensor.end < tensor.begin || tensor.end > size) std::abort();
+    } else {
+      auto state = vramd::storage::read_state_dict_pickle(bytes);
+      for (const auto& tensor : state.tensors) {
+        if (tensor.storage >= state.storages.size()) std::abort();
+        if (tensor.unservable.empty() && (tensor.end < tensor.begin || tensor.end > state.storages[tensor.storage].bytes))
+          std::abort();
+      }
+    }
   } catch (const vramd::Error&) {
   }
   return 0;

@@ -219,7 +219,8 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
       info.format = FileFormat::TorchPickle;
       PickleIndex index;
       try {
-        index = index_torch_pickle(part.path, handle->size());
+        const auto bytes = handle->mapping();
+        index = index_torch_pickle({reinterpret_cast<const char*>(bytes.data()), bytes.size()}, options.prefix);
       } catch (const Error& e) {
         fail(part.path, e.what());
       }

@@ -1,351 +1,704 @@
 #include "storage/state_dict_pickle.hpp"
 
 #include <cstdio>
-#include <cstring>
 #include <deque>
-#include <optional>
+#include <span>
 #include <unordered_map>
-#include <variant>
+#include <unordered_set>
 
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::storage {
 namespace {
 
+enum class Kind : uint8_t { None, Bool, Int, Float, Str, Tuple, List, Dict, Global, Storage, Tensor, Other };
 
-struct Value;
-// Values live in the unpickler's arena: a pickle can build cycles (a dict that holds itself),
-// which reference counting would leak.
-using ValuePtr = Value*;
-
-struct None {};
-struct MarkTag {};
-struct Global {
-  std::string module, name;
-  std::string full() const { return module + "." + name; }
-};
-struct Storage {
-  std::string key;
-  DType dtype;
-  uint64_t elements = 0;
-};
-struct Tensor {
-  Storage storage;
-  int64_t offset = 0;
-  std::vector<int64_t> shape, stride;
-};
-struct Sequence {  // tuple or list
-  std::vector<ValuePtr> items;
-};
-struct Dict {
-  std::vector<std::pair<ValuePtr, ValuePtr>> items;
+// The globals torch.load(weights_only=True) allows that vramd reads; any other global is refused
+// where it is named, and a global torch allows but vramd does not read is refused when called.
+enum class Callable : uint8_t {
+  OrderedDict, Counter, Parameter, Size, Device, Encode, Bytearray, Set, Complex, Layout,
+  DTypeName, TypedStorage, UntypedStorage, RebuildTensor, RebuildTensorV2, RebuildTensorV3,
+  RebuildParameter, RebuildParameterWithState, RebuildFromTypeV2, TensorType, Unread,
 };
 
 struct Value {
-  std::variant<None, MarkTag, bool, int64_t, double, std::string, Sequence, Dict, Global, Storage, Tensor> v;
+  Kind kind = Kind::None;
+  Callable callable = Callable::Unread;  // Global
+  bool ordered = false;                  // Dict: an OrderedDict, whose attributes BUILD may set
+  DType dtype = DType::U8;               // Global of a dtype or a typed storage
+  uint32_t index = 0;                    // Storage, Tensor: into the unpickler's tables
+  int64_t number = 0;                    // Int, Bool
+  std::string_view text, name;           // Str; Global: module and name; Other: what it is
+  std::vector<Value*> items;             // Tuple, List; Dict: key, value, key, value, ...
 };
 
-
 std::string describe(const Value& value) {
-  static constexpr const char* kNames[] = {"None", "mark", "bool", "int", "float", "string",
-                                           "sequence", "dict", "global", "storage", "tensor"};
-  return kNames[value.v.index()];
+  switch (value.kind) {
+    case Kind::None: return "None";
+    case Kind::Bool: return "bool";
+    case Kind::Int: return "int";
+    case Kind::Float: return "float";
+    case Kind::Str: return "str";
+    case Kind::Tuple: return "tuple";
+    case Kind::List: return "list";
+    case Kind::Dict: return value.ordered ? "OrderedDict" : "dict";
+    case Kind::Global: return std::string(value.text) + "." + std::string(value.name);
+    case Kind::Storage: return "storage";
+    case Kind::Tensor: return "tensor";
+    case Kind::Other: return std::string(value.text);
+  }
+  return "value";
 }
 
-template <typename T>
-const T& as(const ValuePtr& value, const char* what) {
-  if (const T* typed = std::get_if<T>(&value->v)) return *typed;
-  throw Error(std::string("data.pkl: expected ") + what + ", found " + describe(*value));
-}
+struct AllowedGlobal {
+  std::string_view module, name;
+  Callable callable;
+};
 
-std::vector<int64_t> int_list(const ValuePtr& value, const char* what) {
-  std::vector<int64_t> out;
-  for (const auto& item : as<Sequence>(value, what).items) out.push_back(as<int64_t>(item, what));
-  return out;
-}
+constexpr AllowedGlobal kGlobals[] = {
+    {"collections", "OrderedDict", Callable::OrderedDict},
+    {"collections", "Counter", Callable::Counter},
+    {"torch.nn.parameter", "Parameter", Callable::Parameter},
+    {"torch", "Size", Callable::Size},
+    {"torch", "device", Callable::Device},
+    {"torch", "Tensor", Callable::TensorType},
+    {"_codecs", "encode", Callable::Encode},
+    {"builtins", "bytearray", Callable::Bytearray},
+    {"builtins", "set", Callable::Set},
+    {"builtins", "complex", Callable::Complex},
+    {"torch.serialization", "_get_layout", Callable::Layout},
+    {"torch.storage", "UntypedStorage", Callable::UntypedStorage},
+    {"torch._utils", "_rebuild_tensor", Callable::RebuildTensor},
+    {"torch._utils", "_rebuild_tensor_v2", Callable::RebuildTensorV2},
+    {"torch._utils", "_rebuild_tensor_v3", Callable::RebuildTensorV3},
+    {"torch._utils", "_rebuild_parameter", Callable::RebuildParameter},
+    {"torch._utils", "_rebuild_parameter_with_state", Callable::RebuildParameterWithState},
+    {"torch._tensor", "_rebuild_from_type_v2", Callable::RebuildFromTypeV2},
+    // Allowed by torch, not read by vramd: refused when called, with their names.
+    {"torch._utils", "_rebuild_qtensor", Callable::Unread},
+    {"torch._utils", "_rebuild_sparse_tensor", Callable::Unread},
+    {"torch._utils", "_rebuild_meta_tensor_no_storage", Callable::Unread},
+    {"torch._utils", "_rebuild_wrapper_subclass", Callable::Unread},
+    {"torch._utils", "_rebuild_device_tensor_from_numpy", Callable::Unread},
+    {"torch._utils", "_rebuild_device_tensor_from_cpu_tensor", Callable::Unread},
+    {"torch.storage", "TypedStorage", Callable::Unread},
+};
 
-std::optional<DType> storage_dtype(std::string_view name) {
-  static const std::unordered_map<std::string_view, DType> kStorages = {
-      {"FloatStorage", DType::F32},        {"DoubleStorage", DType::F64},
-      {"HalfStorage", DType::F16},         {"BFloat16Storage", DType::BF16},
-      {"LongStorage", DType::I64},         {"IntStorage", DType::I32},
-      {"ShortStorage", DType::I16},        {"CharStorage", DType::I8},
-      {"ByteStorage", DType::U8},          {"BoolStorage", DType::BOOL},
-      {"ComplexFloatStorage", DType::C64}, {"UInt16Storage", DType::U16},
-      {"UInt32Storage", DType::U32},       {"UInt64Storage", DType::U64},
-      {"Float8_e4m3fnStorage", DType::F8_E4M3}, {"Float8_e5m2Storage", DType::F8_E5M2},
-      {"Float8_e8m0fnuStorage", DType::F8_E8M0},
-  };
-  auto it = kStorages.find(name);
-  if (it == kStorages.end()) return std::nullopt;
-  return it->second;
-}
+// torch.<dtype> as str(dtype) spells it, and the legacy torch.<Name>Storage classes.
+constexpr std::pair<std::string_view, DType> kDTypeNames[] = {
+    {"float32", DType::F32}, {"float64", DType::F64}, {"float16", DType::F16}, {"bfloat16", DType::BF16},
+    {"int64", DType::I64}, {"int32", DType::I32}, {"int16", DType::I16}, {"int8", DType::I8},
+    {"uint8", DType::U8}, {"bool", DType::BOOL}, {"complex64", DType::C64}, {"uint16", DType::U16},
+    {"uint32", DType::U32}, {"uint64", DType::U64}, {"float8_e4m3fn", DType::F8_E4M3},
+    {"float8_e5m2", DType::F8_E5M2}, {"float8_e8m0fnu", DType::F8_E8M0},
+};
+constexpr std::pair<std::string_view, DType> kStorageNames[] = {
+    {"FloatStorage", DType::F32}, {"DoubleStorage", DType::F64}, {"HalfStorage", DType::F16},
+    {"BFloat16Storage", DType::BF16}, {"LongStorage", DType::I64}, {"IntStorage", DType::I32},
+    {"ShortStorage", DType::I16}, {"CharStorage", DType::I8}, {"ByteStorage", DType::U8},
+    {"BoolStorage", DType::BOOL}, {"ComplexFloatStorage", DType::C64},
+};
 
-// A pickle machine that knows only what state dicts are made of.
+// The opcodes of torch's weights_only unpickler; the names of the others, for refusals.
+constexpr std::pair<uint8_t, std::string_view> kRefusedOpcodes[] = {
+    {0x95, "FRAME"}, {0x93, "STACK_GLOBAL"}, {0x94, "MEMOIZE"}, {0x8c, "SHORT_BINUNICODE"},
+    {0x8d, "BINUNICODE8"}, {'B', "BINBYTES"}, {'C', "SHORT_BINBYTES"}, {0x8e, "BINBYTES8"},
+    {0x96, "BYTEARRAY8"}, {'0', "POP"}, {'1', "POP_MARK"}, {'2', "DUP"}, {'I', "INT"}, {'L', "LONG"},
+    {0x8b, "LONG4"}, {'S', "STRING"}, {'V', "UNICODE"}, {'F', "FLOAT"}, {'T', "BINSTRING"},
+    {'P', "PERSID"}, {'g', "GET"}, {'p', "PUT"}, {'l', "LIST"}, {'d', "DICT"}, {'i', "INST"},
+    {'o', "OBJ"}, {0x82, "EXT1"}, {0x83, "EXT2"}, {0x84, "EXT4"}, {0x92, "NEWOBJ_EX"},
+    {0x90, "ADDITEMS"}, {0x91, "FROZENSET"}, {0x97, "NEXT_BUFFER"}, {0x98, "READONLY_BUFFER"},
+};
+
+struct StorageEntry {
+  std::string_view key, type;
+  bool untyped = false;
+  bool dtype_fixed = false;  // by its type, or by the first tensor that uses an untyped one
+  DType dtype = DType::U8;
+  uint64_t declared = 0;  // the size the persistent id gives: elements, or bytes when untyped
+  uint64_t bytes = 0;
+};
+
+struct TensorEntry {
+  uint32_t storage = 0;
+  DType dtype = DType::U8;
+  int64_t offset = 0;
+  std::vector<int64_t> shape, stride;
+};
+
+// A pickle machine that knows only what torch.load(weights_only=True) knows.
 class Unpickler {
  public:
-  explicit Unpickler(std::string_view data) : data_(data) {}
-
-  template <typename T>
-  ValuePtr make(T value) {
-    if (arena_.size() >= kMaxValues) throw Error("data.pkl: more than " + std::to_string(kMaxValues) + " values");
-    return &arena_.emplace_back(Value{std::move(value)});
+  explicit Unpickler(std::string_view data) : data_(data) {
+    none_.kind = Kind::None;
+    true_.kind = false_.kind = Kind::Bool;
+    true_.number = 1;
   }
 
-  ValuePtr run() {
+  std::vector<StorageEntry> storages;
+  std::vector<TensorEntry> tensors;
+
+  Value* run() {
     while (true) {
+      op_at_ = position_;
       const uint8_t op = byte();
       switch (op) {
-        case 0x80: byte(); break;                      // PROTO
-        case 0x95: bytes(8); break;                    // FRAME
-        case '(': push(make(MarkTag{})); break;        // MARK
-        case '.': return pop();                        // STOP
-        case '0': pop(); break;                        // POP
-        case '1': pop_to_mark(); break;                // POP_MARK
-        case '2': push(top()); break;                  // DUP
-        case 'N': push(make(None{})); break;
-        case 0x88: push(make(true)); break;            // NEWTRUE
-        case 0x89: push(make(false)); break;           // NEWFALSE
-        case 'J': push(make(static_cast<int64_t>(static_cast<int32_t>(little(4))))); break;
-        case 'K': push(make(static_cast<int64_t>(little(1)))); break;
-        case 'M': push(make(static_cast<int64_t>(little(2)))); break;
-        case 0x8a: push(make(long_int(byte()))); break;  // LONG1
-        case 'G': push(make(binary_float())); break;     // BINFLOAT
-        case 'X': push(make(std::string(bytes(little(4))))); break;  // BINUNICODE
-        case 0x8c: push(make(std::string(bytes(byte())))); break;    // SHORT_BINUNICODE
-        case 0x8d: push(make(std::string(bytes(little(8))))); break; // BINUNICODE8
-        case 'T': case 'B': push(make(std::string(bytes(little(4))))); break;  // BINSTRING, BINBYTES
-        case 'U': case 'C': push(make(std::string(bytes(byte())))); break;     // SHORT_BINSTRING/BYTES
-        case ')': push(make(Sequence{})); break;       // EMPTY_TUPLE
-        case 't': push(make(Sequence{pop_to_mark()})); break;  // TUPLE
+        case 0x80: {  // PROTO
+          const uint8_t protocol = byte();
+          if (protocol < 2 || protocol > 5) refuse("pickle protocol " + std::to_string(protocol) + " is not one Python writes");
+          break;
+        }
+        case '.': return pop();  // STOP
+        case '(': mark(); break;
+        case 'N': push(&none_); break;
+        case 0x88: push(&true_); break;   // NEWTRUE
+        case 0x89: push(&false_); break;  // NEWFALSE
+        case 'J': push(integer(static_cast<int32_t>(little(4)))); break;  // BININT
+        case 'K': push(integer(static_cast<int64_t>(little(1)))); break;  // BININT1
+        case 'M': push(integer(static_cast<int64_t>(little(2)))); break;  // BININT2
+        case 0x8a: push(integer(long_int(byte()))); break;                 // LONG1
+        case 'G': bytes(8); push(make(Kind::Float)); break;                // BINFLOAT
+        case 'X': push(text(bytes(little(4)))); break;                    // BINUNICODE
+        case 'U': push(text(bytes(byte()))); break;  // SHORT_BINSTRING, decoded as UTF-8 as torch.load does
+        case ')': push(make(Kind::Tuple)); break;    // EMPTY_TUPLE
+        case 't': push(sequence(Kind::Tuple, pop_mark())); break;  // TUPLE
         case 0x85: tuple_of(1); break;
         case 0x86: tuple_of(2); break;
         case 0x87: tuple_of(3); break;
-        case ']': push(make(Sequence{})); break;       // EMPTY_LIST
-        case 'l': push(make(Sequence{pop_to_mark()})); break;  // LIST
-        case 'a': { auto item = pop(); list_items(top()).push_back(item); break; }  // APPEND
-        case 'e': { auto items = pop_to_mark(); auto& list = list_items(top());
-                    list.insert(list.end(), items.begin(), items.end()); break; }  // APPENDS
-        case '}': push(make(Dict{})); break;           // EMPTY_DICT
-        case 'd': { auto dict = make(Dict{}); set_items(dict, pop_to_mark()); push(dict); break; }
-        case 's': { auto value = pop(); auto key = pop(); set_items(top(), {key, value}); break; }
-        case 'u': { auto items = pop_to_mark(); set_items(top(), items); break; }  // SETITEMS
-        case 'c': { auto module = line(); auto name = line(); push(make(Global{module, name})); break; }
-        case 0x93: { auto name = pop(); auto module = pop();  // STACK_GLOBAL
-                     push(make(Global{as<std::string>(module, "a module name"), as<std::string>(name, "a name")})); break; }
-        case 'R': { auto args = pop(); auto callable = pop(); push(reduce(callable, args)); break; }
-        case 'b': pop(); break;                        // BUILD: attributes such as _metadata
-        case 'Q': push(persistent(pop())); break;      // BINPERSID
-        case 'q': memo_[little(1)] = top(); break;     // BINPUT
-        case 'r': memo_[little(4)] = top(); break;     // LONG_BINPUT
-        case 0x94: memo_[memo_.size()] = top(); break; // MEMOIZE
-        case 'h': push(memo(little(1))); break;        // BINGET
-        case 'j': push(memo(little(4))); break;        // LONG_BINGET
-        default:
-          throw Error("data.pkl: pickle opcode 0x" + hex(op) + " at byte " + std::to_string(position_ - 1) +
-                      " is not used by state dicts; refused");
+        case ']': push(make(Kind::List)); break;  // EMPTY_LIST
+        case '}': push(make(Kind::Dict)); break;  // EMPTY_DICT
+        case 0x8f: push(other("set")); break;     // EMPTY_SET
+        case 'a': { Value* item = pop(); add_items(list_target("APPEND"), {&item, 1}); break; }
+        case 'e': { auto items = pop_mark(); add_items(list_target("APPENDS"), items); break; }
+        case 's': { Value* items[2]; items[1] = pop(); items[0] = pop(); add_items(dict_target("SETITEM"), items); break; }
+        case 'u': { auto items = pop_mark(); if (items.size() % 2) refuse("SETITEMS with an odd number of items");
+                    add_items(dict_target("SETITEMS"), items); break; }
+        case 'c': global(); break;
+        case 'R': { Value* args = pop(); Value* callable = pop(); push(call(*callable, *args)); break; }  // REDUCE
+        case 0x81: { Value* args = pop(); Value* cls = pop(); push(new_object(*cls, *args)); break; }   // NEWOBJ
+        case 'b': { Value* state = pop(); build(*top(), *state); break; }                                // BUILD
+        case 'Q': push(persistent(*pop())); break;  // BINPERSID
+        case 'q': remember(little(1)); break;       // BINPUT
+        case 'r': remember(little(4)); break;       // LONG_BINPUT
+        case 'h': push(recall(little(1))); break;   // BINGET
+        case 'j': push(recall(little(4))); break;   // LONG_BINGET
+        default: {
+          std::string name = "0x" + hex(op);
+          for (const auto& [code, opcode] : kRefusedOpcodes)
+            if (code == op) name = std::string(opcode) + " (0x" + hex(op) + ")";
+          refuse("opcode " + name + " is refused, as torch.load(weights_only=True) refuses it");
+        }
       }
     }
   }
 
- private:
-  static std::string hex(uint8_t value) {
-    char text[3];
-    std::snprintf(text, sizeof text, "%02x", value);
-    return text;
+  // "data.pkl at byte N: what", N the offset of the opcode being run.
+  [[noreturn]] void refuse(const std::string& what) const {
+    throw Error("data.pkl at byte " + std::to_string(op_at_) + ": " + what);
   }
 
-  uint8_t byte() { return static_cast<uint8_t>(bytes(1)[0]); }
+ private:
+  static std::string hex(uint8_t value) {
+    char out[3];
+    std::snprintf(out, sizeof out, "%02x", value);
+    return out;
+  }
 
+  // Values.
+  Value* make(Kind kind) {
+    count_objects(1);
+    Value& value = arena_.emplace_back();
+    value.kind = kind;
+    return &value;
+  }
+  Value* integer(int64_t number) {
+    Value* value = make(Kind::Int);
+    value->number = number;
+    return value;
+  }
+  Value* text(std::string_view raw) {
+    if (!valid_utf8(raw)) refuse("a string is not valid UTF-8: " + quote(raw.substr(0, 64)));
+    Value* value = make(Kind::Str);
+    value->text = raw;
+    return value;
+  }
+  Value* other(std::string_view what) {
+    Value* value = make(Kind::Other);
+    value->text = what;
+    return value;
+  }
+  Value* sequence(Kind kind, std::vector<Value*> items) {
+    Value* value = make(kind);
+    count_objects(items.size());
+    value->items = std::move(items);
+    return value;
+  }
+  void count_objects(size_t count) {
+    objects_ += count;
+    if (objects_ > kMaxPickleObjects)
+      refuse("more than " + std::to_string(kMaxPickleObjects) + " objects built (the limit)");
+  }
+
+  // Input.
+  uint8_t byte() { return static_cast<uint8_t>(bytes(1)[0]); }
   std::string_view bytes(uint64_t count) {
-    if (count > data_.size() - position_) throw Error("data.pkl: truncated pickle");
+    if (count > data_.size() - position_)
+      refuse("truncated: " + std::to_string(count) + " bytes wanted, " + std::to_string(data_.size() - position_) + " left");
     auto out = data_.substr(position_, count);
     position_ += count;
     return out;
   }
-
   uint64_t little(int count) {
     auto raw = bytes(count);
     uint64_t value = 0;
     for (int i = count - 1; i >= 0; --i) value = (value << 8) | static_cast<uint8_t>(raw[i]);
     return value;
   }
-
   int64_t long_int(uint8_t count) {
     if (count == 0) return 0;
-    if (count > 8) throw Error("data.pkl: integer wider than 64 bits");
+    if (count > 8) refuse("an integer of " + std::to_string(count) + " bytes, wider than 64 bits");
     uint64_t value = little(count);
     if (count < 8 && (value >> (8 * count - 1)) & 1) value |= ~uint64_t{0} << (8 * count);  // sign
     return static_cast<int64_t>(value);
   }
-
-  double binary_float() {
-    auto raw = bytes(8);
-    uint64_t bits = 0;
-    for (char c : raw) bits = (bits << 8) | static_cast<uint8_t>(c);  // big-endian
-    double value;
-    std::memcpy(&value, &bits, 8);
-    return value;
-  }
-
-  std::string line() {
-    auto end = data_.find('\n', position_);
-    if (end == std::string_view::npos) throw Error("data.pkl: truncated pickle");
-    std::string out(data_.substr(position_, end - position_));
+  std::string_view line() {
+    const auto end = data_.find('\n', position_);
+    if (end == std::string_view::npos) refuse("truncated: a GLOBAL without its line");
+    auto out = data_.substr(position_, end - position_);
     position_ = end + 1;
     return out;
   }
 
-  void push(ValuePtr value) {
-    if (stack_.size() > kMaxStack) throw Error("data.pkl: pickle stack too deep");
-    stack_.push_back(std::move(value));
+  // The stack: MARK records its height, and nothing pops below the latest mark.
+  void push(Value* value) {
+    if (stack_.size() + marks_.size() >= kMaxPickleStack)
+      refuse("the stack holds " + std::to_string(kMaxPickleStack) + " items and marks (the limit)");
+    stack_.push_back(value);
   }
-  ValuePtr pop() {
-    if (stack_.empty()) throw Error("data.pkl: pickle stack underflow");
-    auto value = std::move(stack_.back());
+  void mark() {
+    if (stack_.size() + marks_.size() >= kMaxPickleStack)
+      refuse("the stack holds " + std::to_string(kMaxPickleStack) + " items and marks (the limit)");
+    marks_.push_back(stack_.size());
+  }
+  size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  Value* top() {
+    if (stack_.size() <= floor()) refuse("the stack is empty");
+    return stack_.back();
+  }
+  Value* pop() {
+    Value* value = top();
     stack_.pop_back();
     return value;
   }
-  const ValuePtr& top() {
-    if (stack_.empty()) throw Error("data.pkl: pickle stack underflow");
-    return stack_.back();
-  }
-  std::vector<ValuePtr> pop_to_mark() {
-    for (size_t i = stack_.size(); i-- > 0;) {
-      if (std::holds_alternative<MarkTag>(stack_[i]->v)) {
-        std::vector<ValuePtr> items(stack_.begin() + static_cast<std::ptrdiff_t>(i) + 1, stack_.end());
-        stack_.resize(i);
-        return items;
-      }
-    }
-    throw Error("data.pkl: pickle has no mark to pop to");
+  std::vector<Value*> pop_mark() {
+    if (marks_.empty()) refuse("no MARK to pop to");
+    std::vector<Value*> items(stack_.begin() + static_cast<std::ptrdiff_t>(marks_.back()), stack_.end());
+    stack_.resize(marks_.back());
+    marks_.pop_back();
+    return items;
   }
   void tuple_of(size_t count) {
-    if (stack_.size() < count) throw Error("data.pkl: pickle stack underflow");
-    Sequence tuple{std::vector<ValuePtr>(stack_.end() - static_cast<std::ptrdiff_t>(count), stack_.end())};
+    if (stack_.size() - floor() < count) refuse("the stack holds fewer than " + std::to_string(count) + " items");
+    std::vector<Value*> items(stack_.end() - static_cast<std::ptrdiff_t>(count), stack_.end());
     stack_.resize(stack_.size() - count);
-    push(make(std::move(tuple)));
+    push(sequence(Kind::Tuple, std::move(items)));
   }
-  ValuePtr memo(uint64_t index) {
-    auto it = memo_.find(index);
-    if (it == memo_.end()) throw Error("data.pkl: pickle refers to memo " + std::to_string(index) + ", never stored");
-    return it->second;
+  Value* list_target(const char* opcode) {
+    Value* target = top();
+    if (target->kind != Kind::List) refuse(std::string(opcode) + " to a " + describe(*target) + ", not a list");
+    return target;
   }
-  std::vector<ValuePtr>& list_items(const ValuePtr& list) {
-    if (auto* sequence = std::get_if<Sequence>(&list->v)) return sequence->items;
-    throw Error("data.pkl: append to a " + describe(*list));
+  Value* dict_target(const char* opcode) {
+    Value* target = top();
+    if (target->kind != Kind::Dict) refuse(std::string(opcode) + " on a " + describe(*target) + ", not a dict");
+    return target;
   }
-  void set_items(const ValuePtr& target, const std::vector<ValuePtr>& items) {
-    auto* dict = std::get_if<Dict>(&target->v);
-    if (!dict) throw Error("data.pkl: set items of a " + describe(*target));
-    if (items.size() % 2) throw Error("data.pkl: odd number of dict items");
-    for (size_t i = 0; i < items.size(); i += 2) dict->items.emplace_back(items[i], items[i + 1]);
-  }
-
-  ValuePtr persistent(const ValuePtr& id) {
-    const auto& fields = as<Sequence>(id, "a persistent id tuple").items;
-    if (fields.size() != 5 || as<std::string>(fields[0], "'storage'") != "storage")
-      throw Error("data.pkl: unknown persistent id (not a storage)");
-    const auto& type = as<Global>(fields[1], "a storage type");
-    auto dtype = type.module == "torch" ? storage_dtype(type.name) : std::nullopt;
-    if (!dtype) throw Error("data.pkl: storage type " + type.full() + " is not supported");
-    int64_t elements = as<int64_t>(fields[4], "a storage size");
-    if (elements < 0) throw Error("data.pkl: negative storage size");
-    return make(Storage{as<std::string>(fields[2], "a storage key"), *dtype, static_cast<uint64_t>(elements)});
+  void add_items(Value* target, std::span<Value* const> items) {
+    count_objects(items.size());
+    target->items.insert(target->items.end(), items.begin(), items.end());
   }
 
-  ValuePtr reduce(const ValuePtr& callable, const ValuePtr& args_value) {
-    const auto& function = as<Global>(callable, "a callable");
-    const auto& args = as<Sequence>(args_value, "an argument tuple").items;
-    const std::string name = function.full();
-    if (name == "collections.OrderedDict") return make(Dict{});
-    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor") {
-      if (args.size() < 4) throw Error("data.pkl: " + name + " with too few arguments");
-      return make(Tensor{as<Storage>(args[0], "a storage"), as<int64_t>(args[1], "a storage offset"),
-                         int_list(args[2], "a shape"), int_list(args[3], "strides")});
-    }
-    if (name == "torch._utils._rebuild_parameter" || name == "torch._utils._rebuild_parameter_with_state") {
-      if (args.empty()) throw Error("data.pkl: " + name + " without a tensor");
-      as<Tensor>(args[0], "a tensor");
-      return args[0];
-    }
-    if (name == "torch._tensor._rebuild_from_type_v2") {
-      if (args.size() < 3) throw Error("data.pkl: " + name + " with too few arguments");
-      const auto& type = as<Global>(args[1], "a tensor type").full();
-      if (type != "torch.Tensor" && type != "torch.nn.parameter.Parameter")
-        throw Error("data.pkl: tensor subclass " + type + " is not supported");
-      return reduce(args[0], args[2]);
-    }
-    throw Error("data.pkl: calls " + name + ", which a state dict does not need; refused");
+  // The memo.
+  void remember(uint64_t slot) {
+    if (slot >= kMaxPickleMemo)
+      refuse("memo slot " + std::to_string(slot) + " is past the limit of " + std::to_string(kMaxPickleMemo));
+    if (slot >= memo_.size()) memo_.resize(slot + 1, nullptr);
+    memo_[slot] = top();
+  }
+  Value* recall(uint64_t slot) {
+    if (slot >= memo_.size() || !memo_[slot]) refuse("memo slot " + std::to_string(slot) + " was never stored");
+    return memo_[slot];
   }
 
-  static constexpr size_t kMaxStack = 1 << 20;
-  static constexpr size_t kMaxValues = 1 << 24;
-  std::deque<Value> arena_;
+  void global() {
+    std::string_view module = line();
+    const std::string_view name = line();
+    if (module == "__builtin__") module = "builtins";  // protocol 2 spells it the Python 2 way
+    Value* value = make(Kind::Global);
+    value->text = module;
+    value->name = name;
+    for (const auto& allowed : kGlobals)
+      if (allowed.module == module && allowed.name == name) {
+        value->callable = allowed.callable;
+        return push(value);
+      }
+    if (module == "torch") {
+      for (const auto& [spelling, dtype] : kDTypeNames)
+        if (spelling == name) {
+          value->callable = Callable::DTypeName;
+          value->dtype = dtype;
+          return push(value);
+        }
+      for (const auto& [spelling, dtype] : kStorageNames)
+        if (spelling == name) {
+          value->callable = Callable::TypedStorage;
+          value->dtype = dtype;
+          return push(value);
+        }
+    }
+    refuse("GLOBAL " + quote(std::string(module) + "." + std::string(name)) +
+           " is not a global torch.load(weights_only=True) allows that vramd reads; refused without loading it");
+  }
+
+  const Value& arg(const Value& args, size_t i) { return *args.items[i]; }
+  int64_t as_int(const Value& value, const char* what) {
+    if (value.kind != Kind::Int) refuse(std::string(what) + " is a " + describe(value) + ", not an int");
+    return value.number;
+  }
+  std::string_view as_text(const Value& value, const char* what) {
+    if (value.kind != Kind::Str) refuse(std::string(what) + " is a " + describe(value) + ", not a str");
+    return value.text;
+  }
+  std::vector<int64_t> int_tuple(const Value& value, const char* what) {
+    if (value.kind != Kind::Tuple) refuse(std::string(what) + " is a " + describe(value) + ", not a tuple");
+    std::vector<int64_t> out;
+    out.reserve(value.items.size());
+    for (const Value* item : value.items) out.push_back(as_int(*item, what));
+    return out;
+  }
+  void arity(const Value& args, std::string_view name, size_t least, size_t most) {
+    if (args.items.size() < least || args.items.size() > most)
+      refuse(std::string(name) + " called with " + std::to_string(args.items.size()) + " arguments");
+  }
+
+  Value* call(const Value& callable, const Value& args) {
+    if (callable.kind != Kind::Global) refuse("REDUCE calls a " + describe(callable));
+    if (args.kind != Kind::Tuple) refuse("REDUCE with a " + describe(args) + " of arguments, not a tuple");
+    const std::string name = describe(callable);
+    switch (callable.callable) {
+      case Callable::OrderedDict:
+      case Callable::Counter: return dict_from(callable.callable == Callable::OrderedDict, args, name);
+      case Callable::Size: {
+        arity(args, name, 1, 1);
+        int_tuple(arg(args, 0), "torch.Size's argument");
+        return args.items[0];
+      }
+      case Callable::Device:
+        arity(args, name, 1, 2);
+        as_text(arg(args, 0), "a device type");
+        if (args.items.size() == 2) as_int(arg(args, 1), "a device index");
+        return other("device");
+      case Callable::Encode:
+        arity(args, name, 2, 2);
+        as_text(arg(args, 0), "the text of bytes");
+        if (as_text(arg(args, 1), "an encoding") != "latin1") refuse(name + " with an encoding other than latin1");
+        return other("bytes");
+      case Callable::Bytearray:
+        arity(args, name, 0, 1);
+        if (!args.items.empty() && (arg(args, 0).kind != Kind::Other || arg(args, 0).text != "bytes"))
+          refuse(name + " of a " + describe(arg(args, 0)));
+        return other("bytearray");
+      case Callable::Set:
+        arity(args, name, 0, 1);
+        if (!args.items.empty() && arg(args, 0).kind != Kind::List) refuse(name + " of a " + describe(arg(args, 0)));
+        return other("set");
+      case Callable::Complex:
+        arity(args, name, 2, 2);
+        for (const Value* part : args.items)
+          if (part->kind != Kind::Float && part->kind != Kind::Int) refuse(name + " of a " + describe(*part));
+        return other("complex");
+      case Callable::Layout:
+        arity(args, name, 1, 1);
+        if (as_text(arg(args, 0), "a layout") != "torch.strided") refuse("layout " + quote(arg(args, 0).text) + " is not read");
+        return other("layout");
+      case Callable::RebuildTensor: return rebuild_tensor(args, name, 4, 4, false);
+      case Callable::RebuildTensorV2: return rebuild_tensor(args, name, 6, 7, false);
+      case Callable::RebuildTensorV3: return rebuild_tensor(args, name, 7, 8, true);
+      case Callable::RebuildParameter:
+      case Callable::RebuildParameterWithState: {
+        const bool with_state = callable.callable == Callable::RebuildParameterWithState;
+        arity(args, name, with_state ? 4 : 3, with_state ? 4 : 3);
+        if (arg(args, 0).kind != Kind::Tensor) refuse(name + " of a " + describe(arg(args, 0)) + ", not a tensor");
+        if (arg(args, 1).kind != Kind::Bool) refuse(name + ": requires_grad is a " + describe(arg(args, 1)));
+        no_hooks(arg(args, 2), name);
+        if (with_state && arg(args, 3).kind != Kind::Dict && arg(args, 3).kind != Kind::None && arg(args, 3).kind != Kind::Tuple)
+          refuse(name + ": its state is a " + describe(arg(args, 3)));
+        return args.items[0];
+      }
+      case Callable::RebuildFromTypeV2: {
+        arity(args, name, 4, 4);
+        const Value& type = arg(args, 1);
+        if (type.kind != Kind::Global || (type.callable != Callable::TensorType && type.callable != Callable::Parameter))
+          refuse("tensor subclass " + describe(type) + " is not read");
+        if (arg(args, 3).kind != Kind::Dict && arg(args, 3).kind != Kind::None && arg(args, 3).kind != Kind::Tuple)
+          refuse(name + ": its state is a " + describe(arg(args, 3)));
+        const Value& rebuild = arg(args, 0);
+        if (rebuild.kind == Kind::Global && rebuild.callable == Callable::RebuildFromTypeV2)
+          refuse(name + " nested in itself");
+        Value* tensor = call(rebuild, arg(args, 2));
+        if (tensor->kind != Kind::Tensor) refuse(name + " rebuilds a " + describe(*tensor) + ", not a tensor");
+        return tensor;
+      }
+      case Callable::Parameter: return new_object(callable, args);
+      case Callable::Unread:
+        refuse("calls " + name + ", which torch allows but vramd does not read (quantized, sparse, meta or subclass "
+               "tensors); refused");
+      default: refuse("calls " + name + ", which cannot be called in a checkpoint");
+    }
+  }
+
+  Value* dict_from(bool ordered, const Value& args, const std::string& name) {
+    arity(args, name, 0, 1);
+    Value* dict = make(Kind::Dict);
+    dict->ordered = ordered;
+    if (args.items.empty()) return dict;
+    const Value& source = arg(args, 0);
+    if (source.kind == Kind::Dict) {
+      add_items(dict, source.items);
+    } else if (source.kind == Kind::List || source.kind == Kind::Tuple) {
+      for (const Value* pair : source.items) {
+        if ((pair->kind != Kind::Tuple && pair->kind != Kind::List) || pair->items.size() != 2)
+          refuse(name + " of an item that is a " + describe(*pair) + ", not a pair");
+        add_items(dict, pair->items);
+      }
+    } else {
+      refuse(name + " of a " + describe(source));
+    }
+    return dict;
+  }
+
+  void no_hooks(const Value& hooks, const std::string& name) {
+    if (hooks.kind != Kind::Dict || !hooks.items.empty())
+      refuse(name + ": backward hooks must be an empty OrderedDict, found a " + describe(hooks) +
+             (hooks.kind == Kind::Dict ? " of " + std::to_string(hooks.items.size() / 2) + " items" : ""));
+  }
+
+  Value* new_object(const Value& cls, const Value& args) {
+    if (cls.kind != Kind::Global || cls.callable != Callable::Parameter)
+      refuse("NEWOBJ of " + describe(cls) + "; only torch.nn.Parameter is built this way");
+    if (args.kind != Kind::Tuple || args.items.empty() || args.items.size() > 2 || arg(args, 0).kind != Kind::Tensor ||
+        (args.items.size() == 2 && arg(args, 1).kind != Kind::Bool))
+      refuse("torch.nn.Parameter built from something other than (tensor[, requires_grad])");
+    return args.items[0];
+  }
+
+  // torch's weights_only BUILD sets an OrderedDict's attributes (its _metadata); a legacy
+  // tensor or Parameter state would change what the tensor holds, which vramd does not model.
+  void build(const Value& target, const Value& state) {
+    if (target.kind != Kind::Dict || !target.ordered)
+      refuse("BUILD on a " + describe(target) + "; only an OrderedDict's attributes may be set");
+    if (state.kind == Kind::None) return;
+    if (state.kind != Kind::Dict) refuse("BUILD on an OrderedDict with a " + describe(state) + " of attributes");
+    for (size_t i = 0; i < state.items.size(); i += 2) {
+      const std::string_view attribute = as_text(*state.items[i], "an attribute name");
+      if (attribute.starts_with("__"))
+        refuse("BUILD sets the attribute " + quote(attribute) + " on an OrderedDict; only plain attributes such as "
+               "_metadata may be set");
+    }
+  }
+
+  Value* persistent(const Value& id) {
+    if (id.kind != Kind::Tuple || id.items.size() != 5 || id.items[0]->kind != Kind::Str || id.items[0]->text != "storage")
+      refuse("persistent id " + describe(id) + (id.kind == Kind::Tuple ? " of " + std::to_string(id.items.size()) + " items" : "") +
+             " is not ('storage', type, key, location, size)");
+    const Value& type = arg(id, 1);
+    if (type.kind != Kind::Global || (type.callable != Callable::TypedStorage && type.callable != Callable::UntypedStorage))
+      refuse("storage type " + describe(type) + " is not read (vramd reads " +
+             "torch.storage.UntypedStorage and the typed storages of the dtypes it supports)");
+    const std::string_view key = as_text(arg(id, 2), "a storage key");
+    as_text(arg(id, 3), "a storage location");
+    const int64_t size = as_int(arg(id, 4), "a storage size");
+    if (size < 0) refuse("storage " + quote(key) + " has a negative size");
+    const std::string_view type_name = type.name;
+
+    auto [known, fresh] = storage_index_.try_emplace(key, static_cast<uint32_t>(storages.size()));
+    if (!fresh) {
+      const StorageEntry& entry = storages[known->second];
+      if (entry.type != type_name || entry.declared != static_cast<uint64_t>(size))
+        refuse("storage " + quote(key) + " is declared as " + std::string(entry.type) + " of " +
+               std::to_string(entry.declared) + ", then as " + std::string(type_name) + " of " + std::to_string(size));
+    } else {
+      StorageEntry entry;
+      entry.key = key;
+      entry.type = type_name;
+      entry.untyped = type.callable == Callable::UntypedStorage;
+      entry.dtype_fixed = !entry.untyped;
+      entry.dtype = entry.untyped ? DType::U8 : type.dtype;
+      entry.declared = static_cast<uint64_t>(size);
+      if (__builtin_mul_overflow(entry.declared, uint64_t{dtype_bits(entry.dtype) / 8}, &entry.bytes))
+        refuse("storage " + quote(key) + " has a size that overflows");
+      storages.push_back(entry);
+    }
+    Value* value = make(Kind::Storage);
+    value->index = known->second;
+    return value;
+  }
+
+  Value* rebuild_tensor(const Value& args, const std::string& name, size_t least, size_t most, bool explicit_dtype) {
+    arity(args, name, least, most);
+    if (arg(args, 0).kind != Kind::Storage) refuse(name + " of a " + describe(arg(args, 0)) + ", not a storage");
+    TensorEntry tensor;
+    tensor.storage = arg(args, 0).index;
+    StorageEntry& storage = storages[tensor.storage];
+    tensor.offset = as_int(arg(args, 1), "a storage offset");
+    tensor.shape = int_tuple(arg(args, 2), "a shape");
+    tensor.stride = int_tuple(arg(args, 3), "strides");
+    if (args.items.size() > 4) {
+      if (arg(args, 4).kind != Kind::Bool) refuse(name + ": requires_grad is a " + describe(arg(args, 4)));
+      no_hooks(arg(args, 5), name);
+    }
+    DType dtype = storage.dtype;
+    if (explicit_dtype) {
+      const Value& given = arg(args, 6);
+      if (given.kind != Kind::Global || given.callable != Callable::DTypeName)
+        refuse(name + ": dtype " + describe(given) + " is not one vramd reads");
+      dtype = given.dtype;
+    }
+    const size_t metadata = explicit_dtype ? 7 : 6;
+    if (args.items.size() > metadata) {
+      const Value& extra = arg(args, metadata);
+      if (extra.kind != Kind::None && (extra.kind != Kind::Dict || !extra.items.empty()))
+        refuse(name + ": tensor metadata (" + describe(extra) + ") would change how the data reads; not supported");
+    }
+    const std::string what = "tensor in storage " + quote(storage.key);
+    if (!storage.dtype_fixed) {
+      storage.dtype = dtype;
+      storage.dtype_fixed = true;
+    } else if (storage.dtype != dtype) {
+      refuse(what + " is read as " + std::string(dtype_name(dtype)) + ", but the storage is " +
+             std::string(dtype_name(storage.dtype)));
+    }
+    tensor.dtype = dtype;
+    const uint64_t item = dtype_bits(dtype) / 8;
+    if (storage.bytes % item)
+      refuse(what + ": its " + std::to_string(storage.bytes) + " bytes are not a whole number of " +
+             std::string(dtype_name(dtype)) + " elements");
+    if (tensor.shape.size() != tensor.stride.size())
+      refuse(what + " has " + std::to_string(tensor.shape.size()) + " sizes but " + std::to_string(tensor.stride.size()) +
+             " strides");
+    if (tensor.offset < 0) refuse(what + " has a negative storage offset");
+    // The last element it reaches, checked against the storage on every use of the key.
+    bool empty = false;
+    for (int64_t size : tensor.shape) {
+      if (size < 0) refuse(what + " has a negative size in " + format_shape(tensor.shape));
+      empty = empty || size == 0;
+    }
+    if (!empty) {
+      uint64_t last = static_cast<uint64_t>(tensor.offset);
+      for (size_t i = 0; i < tensor.shape.size(); ++i) {
+        if (tensor.stride[i] < 0) refuse(what + " has a negative stride in " + format_shape(tensor.stride));
+        uint64_t reach = 0;
+        if (__builtin_mul_overflow(static_cast<uint64_t>(tensor.shape[i] - 1), static_cast<uint64_t>(tensor.stride[i]), &reach) ||
+            __builtin_add_overflow(last, reach, &last))
+          refuse(what + " with shape " + format_shape(tensor.shape) + " reaches past any storage");
+      }
+      if (last >= storage.bytes / item)
+        refuse(what + " (offset " + std::to_string(tensor.offset) + ", shape " + format_shape(tensor.shape) + ", strides " +
+               format_shape(tensor.stride) + ") reaches element " + std::to_string(last) + ", past the storage's " +
+               std::to_string(storage.bytes / item) + " " + std::string(dtype_name(dtype)) + " elements");
+    }
+    tensors.push_back(std::move(tensor));
+    Value* value = make(Kind::Tensor);
+    value->index = static_cast<uint32_t>(tensors.size() - 1);
+    return value;
+  }
+
+  std::deque<Value> arena_;  // owns every value: a pickle may build cycles
+  Value none_, true_, false_;
   std::string_view data_;
-  size_t position_ = 0;
-  std::vector<ValuePtr> stack_;
-  std::unordered_map<uint64_t, ValuePtr> memo_;
+  size_t position_ = 0, op_at_ = 0, objects_ = 0;
+  std::vector<Value*> stack_;
+  std::vector<size_t> marks_;
+  std::vector<Value*> memo_;
+  std::unordered_map<std::string_view, uint32_t> storage_index_;
 };
 
-// The tensor's bytes within its storage; only contiguous tensors are a byte range.
-PickledTensor byte_range(const std::string& name, const Tensor& tensor) {
-  const uint64_t item = dtype_bits(tensor.storage.dtype) / 8;
-  if (tensor.shape.size() != tensor.stride.size())
-    throw Error("tensor " + quote(name) + " has " + std::to_string(tensor.shape.size()) + " sizes but " +
-                std::to_string(tensor.stride.size()) + " strides");
-  uint64_t elements = 1;
-  int64_t expected_stride = 1;
-  for (size_t i = tensor.shape.size(); i-- > 0;) {
-    if (tensor.shape[i] < 0) throw Error("tensor " + quote(name) + " has a negative size");
-    if (tensor.shape[i] != 1 && tensor.stride[i] != expected_stride)
-      throw Error("tensor " + quote(name) + " is not contiguous in its storage (shape " + format_shape(tensor.shape) +
-                  ", strides " + format_shape(tensor.stride) + "); save it with .contiguous() or as safetensors");
-    if (__builtin_mul_overflow(elements, static_cast<uint64_t>(tensor.shape[i]), &elements) ||
-        __builtin_mul_overflow(expected_stride, tensor.shape[i], &expected_stride))
-      throw Error("tensor " + quote(name) + " has a size that overflows");
-  }
-  uint64_t storage_bytes = 0;
-  if (tensor.offset < 0 || elements > tensor.storage.elements ||
-      static_cast<uint64_t>(tensor.offset) > tensor.storage.elements - elements ||
-      __builtin_mul_overflow(tensor.storage.elements, item, &storage_bytes))
-    throw Error("tensor " + quote(name) + " reaches past the end of its storage " + quote(tensor.storage.key));
-  PickledTensor out;
-  out.name = name;
-  out.dtype = tensor.storage.dtype;
-  out.shape = tensor.shape;
-  out.storage = tensor.storage.key;
-  out.storage_bytes = storage_bytes;
-  out.begin = static_cast<uint64_t>(tensor.offset) * item;
-  out.end = out.begin + elements * item;
-  return out;
-}
+class Flattener {
+ public:
+  Flattener(const Unpickler& unpickler, PickledStateDict& out) : unpickler_(unpickler), out_(out) {}
 
-void flatten(const std::string& prefix, const Dict& dict, int depth, PickledStateDict& out) {
-  if (depth > 8) throw Error("data.pkl: dicts nested too deeply");
-  for (const auto& [key_value, value] : dict.items) {
-    const auto* key = std::get_if<std::string>(&key_value->v);
-    if (!key) throw Error("data.pkl: a state-dict key is a " + describe(*key_value) + ", not a string");
-    const std::string name = prefix + *key;
-    if (const auto* nested = std::get_if<Dict>(&value->v))
-      flatten(name + ".", *nested, depth + 1, out);
-    else if (const auto* tensor = std::get_if<Tensor>(&value->v))
-      out.tensors.push_back(byte_range(name, *tensor));
-    else
-      ++out.skipped;
+  void dict(const std::string& prefix, const Value& dict, int depth) {
+    if (depth > kMaxStateDictDepth)
+      throw Error("data.pkl: dicts nested deeper than " + std::to_string(kMaxStateDictDepth) + " (the limit) under " +
+                  quote(prefix));
+    // A key set twice keeps its last value, as a Python dict does.
+    std::unordered_set<std::string_view> seen;
+    for (size_t i = dict.items.size(); i >= 2; i -= 2) {
+      if (++entries_ > kMaxStateDictEntries)
+        throw Error("data.pkl: more than " + std::to_string(kMaxStateDictEntries) + " entries (the limit) once flattened");
+      const Value &key = *dict.items[i - 2], &value = *dict.items[i - 1];
+      if (key.kind != Kind::Str) {  // an optimizer's parameter ids: not a model's state
+        ++out_.skipped;
+        continue;
+      }
+      if (!seen.insert(key.text).second) continue;
+      const std::string name = prefix + std::string(key.text);
+      name_bytes_ += name.size();
+      if (name_bytes_ > kMaxStateDictNameBytes)
+        throw Error("data.pkl: the flattened names exceed " + std::to_string(kMaxStateDictNameBytes) + " bytes (the limit)");
+      if (value.kind == Kind::Dict)
+        this->dict(name + ".", value, depth + 1);
+      else if (value.kind == Kind::Tensor)
+        tensor(name, unpickler_.tensors[value.index]);
+      else
+        ++out_.skipped;
+    }
   }
-}
+
+ private:
+  // The tensor's bytes within its storage; only a tensor laid out densely is one byte range.
+  void tensor(const std::string& name, const TensorEntry& tensor) {
+    PickledTensor out;
+    out.name = name;
+    out.dtype = tensor.dtype;
+    out.shape = tensor.shape;
+    out.storage = tensor.storage;
+    const uint64_t item = dtype_bits(tensor.dtype) / 8;
+    uint64_t elements = 1;
+    int64_t expected_stride = 1;
+    for (size_t i = tensor.shape.size(); i-- > 0;) {
+      if (tensor.shape[i] != 1 && tensor.stride[i] != expected_stride && out.unservable.empty())
+        out.unservable = "tensor " + quote(name) + " is not contiguous in its storage (shape " + format_shape(tensor.shape) +
+                         ", strides " + format_shape(tensor.stride) + "); save it with .contiguous() or as safetensors";
+      elements *= static_cast<uint64_t>(tensor.shape[i]);  // bounded by the storage: checked when rebuilt
+      expected_stride *= tensor.shape[i] == 0 ? 1 : tensor.shape[i];
+    }
+    if (elements == 0) {
+      out.unservable.clear();  // no bytes, whatever its strides
+    } else if (out.unservable.empty()) {
+      out.begin = static_cast<uint64_t>(tensor.offset) * item;
+      out.end = out.begin + elements * item;
+    }
+    out_.tensors.push_back(std::move(out));
+  }
+
+  const Unpickler& unpickler_;
+  PickledStateDict& out_;
+  size_t entries_ = 0, name_bytes_ = 0;
+};
 
 }  // namespace
 
 PickledStateDict read_state_dict_pickle(std::string_view data) {
   Unpickler unpickler(data);  // owns every value until the state dict is flattened
-  auto root = unpickler.run();
-  const auto* dict = std::get_if<Dict>(&root->v);
-  if (!dict) throw Error("holds a " + describe(*root) + ", not a state dict");
+  const Value* root = unpickler.run();
+  if (root->kind != Kind::Dict) throw Error("data.pkl holds a " + describe(*root) + ", not a state dict");
   PickledStateDict state;
-  flatten("", *dict, 0, state);
+  for (const auto& storage : unpickler.storages)
+    state.storages.push_back(PickledStorage{std::string(storage.key), storage.dtype, storage.bytes});
+  Flattener(unpickler, state).dict("", *root, 0);
   return state;
 }
 

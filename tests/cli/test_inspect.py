@@ -107,8 +107,8 @@ class RunsCode:
 
 
 PICKLES_REFUSED = [
-    ("runs-code", lambda: {"w": torch.zeros(1), "evil": RunsCode()}, {}, "calls posix.system, which a state dict does not need; refused"),
-    ("not-a-dict", lambda: [torch.zeros(2)], {}, "holds a sequence, not a state dict"),
+    ("runs-code", lambda: {"w": torch.zeros(1), "evil": RunsCode()}, {}, "GLOBAL 'posix.system' is not a global torch.load(weights_only=True) allows"),
+    ("not-a-dict", lambda: [torch.zeros(2)], {}, "data.pkl holds a list, not a state dict"),
     ("no-tensors", lambda: {"epoch": 1}, {}, "holds no tensors"),
     ("transposed", lambda: {"t": torch.zeros(3, 4).t()}, {}, "tensor 't' is not contiguous in its storage"),
     ("legacy", lambda: {"w": torch.zeros(2)}, {"_use_new_zipfile_serialization": False}, "not a torch.save zip checkpoint"),
