@@ -562,8 +562,10 @@ def test_inspect_reads_every_file_torch_accepts_or_refuses_it_in_one_line(corpus
     heaviest = max(peaks, key=peaks.get)
     print(f"corpus: {len(files)} files; peak RSS {baseline >> 20} MiB for a small file, "
           f"{peaks[heaviest] >> 20} MiB at most ({heaviest})")
-    problems += [f"{name}: peak RSS {peak >> 20} MiB, over {baseline >> 20} MiB + {MEMORY_BOUND >> 20} MiB"
-                 for name, peak in peaks.items() if peak > baseline + MEMORY_BOUND]
+    # Under AddressSanitizer the peak is mostly its quarantine and shadow memory, not vramd's.
+    if "ASAN_OPTIONS" not in os.environ:
+        problems += [f"{name}: peak RSS {peak >> 20} MiB, over {baseline >> 20} MiB + {MEMORY_BOUND >> 20} MiB"
+                     for name, peak in peaks.items() if peak > baseline + MEMORY_BOUND]
     assert not problems, "\n".join(problems)
     assert not marker.exists()
 
