@@ -139,12 +139,14 @@ class Daemon {
 
   json status() const {
     json models = json::array();
-    for (const Entry* e : registry_.entries())
+    for (const Entry* e : registry_.entries()) {
       models.push_back({{"name", e->name}, {"state", state_name(e->state)}, {"devices", e->bytes},
                         {"busy", e->busy}, {"queued", e->queue.size()},
                         {"vram", e->config ? json({{"computation", e->config->vram.computation.device},
                                                    {"offload", e->config->vram.offload.device}})
                                            : json(nullptr)}});
+      if (auto weights = Registry::weights_json(*e); !weights.is_null()) models.back()["weights"] = std::move(weights);
+    }
     return {{"version", VRAMD_VERSION}, {"pid", ::getpid()},
             {"uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},
             {"socket", config_.socket}, {"devices", registry_.devices_json()}, {"models", models},

@@ -662,6 +662,16 @@ void Registry::touch(Entry& entry) {
       static_cast<uint64_t>(entry.keep_alive->count()), 0);
 }
 
+json Registry::weights_json(const Entry& e) {
+  if (!e.vram || !e.runtime) return nullptr;
+  const auto& v = *e.vram;
+  return {{"plan", v.plan}, {"limit", v.limit ? json(v.limit) : json(nullptr)}, {"resident", v.resident},
+          {"total", v.total}, {"onload", v.onload}, {"disk_layers", v.disk_slots}, {"held", v.held},
+          {"peak", v.peak}, {"loads", v.loads},
+          {"prefetched", v.prefetched}, {"bytes_streamed", v.bytes_streamed},
+          {"bytes_mapped", v.bytes_mapped}, {"wait_seconds", v.wait_seconds}};
+}
+
 json Registry::entry_json(const Entry& e) const {
   json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
             {"busy", e.busy}, {"queued", e.queue.size()}};
@@ -682,14 +692,7 @@ json Registry::entry_json(const Entry& e) const {
     j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
                       {"preload", c.residency.preload}};
   }
-  if (e.vram && e.runtime) {
-    const auto& v = *e.vram;
-    j["weights"] = {{"plan", v.plan}, {"limit", v.limit ? json(v.limit) : json(nullptr)}, {"resident", v.resident},
-                    {"total", v.total}, {"onload", v.onload}, {"disk_layers", v.disk_slots}, {"held", v.held},
-                    {"peak", v.peak}, {"loads", v.loads},
-                    {"prefetched", v.prefetched}, {"bytes_streamed", v.bytes_streamed},
-                    {"bytes_mapped", v.bytes_mapped}, {"wait_seconds", v.wait_seconds}};
-  }
+  if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
   j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
   j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},

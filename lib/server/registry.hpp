@@ -104,6 +104,8 @@ class Registry {
   // Budgets and use per device.
   nlohmann::json devices_json() const;
   nlohmann::json entry_json(const Entry& entry) const;
+  // With [vram] management and loaded: the plan, bytes held, peak and streaming counters; else null.
+  static nlohmann::json weights_json(const Entry& entry);
 
   // SIGTERM: refuse queued work, cancel loads; `idle()` says when in-flight work has ended.
   void begin_shutdown();

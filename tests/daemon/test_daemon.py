@@ -124,6 +124,8 @@ def test_a_model_streamed_under_its_limit_serves_sleeps_and_wakes(tmp_path, chec
         assert w["limit"] == 400 << 10 and 0 < w["peak"] <= w["limit"] and w["resident"] < w["total"], w
         assert w["loads"] > 0 and "streamed from disk" in w["plan"] and "limit 400.00 KiB" in w["plan"], w
         assert "weights" not in model(d.sock, "gpt2")
+        printed = vramctl(d.sock, "status").stdout  # the plan under the model, as docs/api.md says
+        assert w["plan"] in printed and printed.index("streamed") < printed.index(w["plan"]), printed
         slept = json.loads(request(d.sock, "POST", "/v1/models/streamed/offload")[1])
         assert slept["state"] == "offloaded" and slept["devices"] == {}
         again = forward(d.sock, "streamed", inputs)
