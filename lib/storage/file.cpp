@@ -40,7 +40,8 @@ struct AlignedFree {
 }  // namespace
 
 File::File(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO with no writer must be refused below, not waited on in open().
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd_ < 0) fail(path_, "cannot open: " + errno_text());
   struct stat info {};
   if (::fstat(fd_, &info) != 0) {
@@ -50,7 +51,7 @@ File::File(std::string path) : path_(std::move(path)) {
   }
   if (!S_ISREG(info.st_mode)) {
     ::close(fd_);
-    fail(path_, "not a regular file");
+    fail(path_, "not a regular file (a FIFO, a device, a socket or a folder); refused");
   }
   size_ = static_cast<uint64_t>(info.st_size);
 }

@@ -165,8 +165,13 @@ def test_files_that_are_not_regular_files_are_invalid_within_a_second(hostile, t
     for i in range(3):
         (models / f"touch{i}.txt").write_text("x")
         assert request(hostile.sock, "GET", "/v1/health", timeout=2)[0] == 200
+    # A config whose checkpoint is a FIFO: invalid at once, the folder's other files still validated.
+    os.mkfifo(tmp_path / "checkpoint.safetensors")
+    (models / "fifock.toml").write_text(f'checkpoint = "{tmp_path / "checkpoint.safetensors"}"\n')
+    assert "not a regular file" in invalid_reason(hostile, "fifock")
+    assert time.monotonic() - started < 5
     listener.close()
-    for name in ["loop", "zero", "dangling", "fifo", "sock"]:
+    for name in ["loop", "zero", "dangling", "fifo", "sock", "fifock"]:
         os.unlink(models / f"{name}.toml")
     (models / "folder.toml").rmdir()
     assert_unharmed(hostile, drop_config=True)
