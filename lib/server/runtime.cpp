@@ -110,7 +110,8 @@ storage::NamedTensors parse_inputs(std::string_view body) {
       throw BadInput("input " + quote(record.name) + ": " + e.what());
     }
     at::Tensor tensor = at::empty(record.shape, at::TensorOptions().dtype(type));
-    std::memcpy(tensor.data_ptr(), bytes + header.data_offset + record.begin, record.end - record.begin);
+    if (record.end > record.begin)  // an empty tensor may have no storage at all
+      std::memcpy(tensor.data_ptr(), bytes + header.data_offset + record.begin, record.end - record.begin);
     inputs.emplace_back(record.name, std::move(tensor));
   }
   return inputs;
