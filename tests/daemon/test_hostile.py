@@ -160,7 +160,8 @@ def test_files_that_are_not_regular_files_are_invalid_within_a_second(hostile, t
     assert "a folder" in invalid_reason(hostile, "folder")
     assert "a socket" in invalid_reason(hostile, "sock")
     assert time.monotonic() - started < 3  # each within a second of the folder event settling
-    assert hostile.rss() - rss_before < 32 << 20
+    if "ASAN_OPTIONS" not in os.environ:  # see the pipelining test
+        assert hostile.rss() - rss_before < 32 << 20
     # The FIFO never blocks the loop, however often the folder changes around it.
     for i in range(3):
         (models / f"touch{i}.txt").write_text("x")
@@ -257,7 +258,9 @@ def test_a_client_that_pipelines_and_never_reads_cannot_swell_the_daemon(hostile
     assert request(hostile.sock, "GET", "/v1/health", timeout=2)[0] == 200
     assert time.monotonic() - started < 2
     s.close()
-    assert grown < 32 << 20, f"RSS grew {grown >> 20} MiB with {sent} bytes of requests unanswered"
+    # AddressSanitizer's quarantine holds freed memory (up to 256 MiB): the bound means nothing there.
+    if "ASAN_OPTIONS" not in os.environ:
+        assert grown < 32 << 20, f"RSS grew {grown >> 20} MiB with {sent} bytes of requests unanswered"
     if closed:
         assert "it took none of its" in hostile.log.read_text()
     assert_unharmed(hostile)
