@@ -7,14 +7,17 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "util/log.hpp"
 
 namespace vramd::server {
 
-// Runs `work`; returns nullopt when it returned, or the message of what it threw.
-template <typename Work>
-std::optional<std::string> guarded(std::string_view where, Work&& work) noexcept {
+// Runs `work`; returns nullopt when it returned, or the message of what it threw. `where` is
+// text, or a function that makes it, called only when something was thrown (for callbacks on
+// every request or read, which should not build a string each time).
+template <typename Where, typename Work>
+std::optional<std::string> guarded(const Where& where, Work&& work) noexcept {
   std::string message;
   try {
     work();
@@ -25,7 +28,8 @@ std::optional<std::string> guarded(std::string_view where, Work&& work) noexcept
     message = "an exception that is not a std::exception";
   }
   try {
-    log::error("internal error in " + std::string(where) + ": " + message);
+    if constexpr (std::is_invocable_v<const Where&>) log::error("internal error in " + where() + ": " + message);
+    else log::error("internal error in " + std::string(where) + ": " + message);
   } catch (...) {  // out of memory even for the log line: the message is still returned
   }
   return message;

@@ -175,15 +175,22 @@ class Connection {
     Request request = parser_.take();
     request.peer = peer_;
     const auto exchange = exchange_ = std::make_shared<Exchange>(this, std::move(request));
-    const std::string where = "answering " + exchange->request().method + " " +
-                              escape_invalid_utf8(exchange->request().path) + " from " + peer_;
+    const auto where = [&] {
+      return "answering " + exchange->request().method + " " + escape_invalid_utf8(exchange->request().path) +
+             " from " + peer_;
+    };
     in_handler_ = true;
     if (auto fault = guarded(where, [&] { server_.handler_(exchange); })) {
       if (exchange->streaming()) exchange->end();
-      else exchange->respond(500, "application/json", json_line({{"error", "vramd failed while " + where + ": " + *fault}}));
+      else exchange->respond(500, "application/json", json_line({{"error", "vramd failed while " + where() + ": " + *fault}}));
     }
     in_handler_ = false;
     return true;
+  }
+
+  // What guarded() names when reading from this client fails.
+  auto reading_from() const {
+    return [this] { return "reading from " + peer_; };
   }
 
   static void on_alloc(uv_handle_t* handle, size_t, uv_buf_t* buf) {
@@ -195,7 +202,7 @@ class Connection {
     auto* self = static_cast<Connection*>(stream->data);
     if (nread < 0) return self->close();
     if (nread == 0 || self->closing_after_writes_) return;
-    const auto fault = guarded("reading from " + self->peer_, [&] {
+    const auto fault = guarded(self->reading_from(), [&] {
       if (self->feed(buf->base, static_cast<size_t>(nread))) self->read_on();
     });
     if (fault) self->close();
@@ -210,7 +217,7 @@ class Connection {
     if (self->closing_after_writes_ && self->unsent() == 0) return self->close();
     if (self->held_back_ && self->unsent() <= self->server_.limits_.max_unsent_bytes / 2) {
       self->held_back_ = false;
-      if (guarded("reading from " + self->peer_, [&] { self->read_on(); })) return self->close();
+      if (guarded(self->reading_from(), [&] { self->read_on(); })) return self->close();
     }
     // A client still taking its answer is not idle: only one that stops reading times out.
     if (!self->exchange_ && !self->parser_.receiving()) self->arm(self->server_.limits_.idle_timeout);
