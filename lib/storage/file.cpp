@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "util/error.hpp"
+#include "util/file.hpp"
 
 namespace vramd::storage {
 namespace {
@@ -40,20 +41,9 @@ struct AlignedFree {
 }  // namespace
 
 File::File(std::string path) : path_(std::move(path)) {
-  // O_NONBLOCK: a FIFO with no writer must be refused below, not waited on in open().
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd_ < 0) fail(path_, "cannot open: " + errno_text());
-  struct stat info {};
-  if (::fstat(fd_, &info) != 0) {
-    int saved = errno;
-    ::close(fd_);
-    fail(path_, std::string("cannot stat: ") + std::strerror(saved));
-  }
-  if (!S_ISREG(info.st_mode)) {
-    ::close(fd_);
-    fail(path_, "not a regular file (a FIFO, a device, a socket or a folder); refused");
-  }
-  size_ = static_cast<uint64_t>(info.st_size);
+  const OpenedFile opened = open_regular_file(path_);  // a FIFO is refused, not waited on
+  fd_ = opened.fd;
+  size_ = opened.size;
 }
 
 File::~File() {

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -31,6 +32,7 @@ class Descriptor {
     if (fd_ >= 0) ::close(fd_);
   }
   int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
 
  private:
   int fd_;
@@ -38,24 +40,31 @@ class Descriptor {
 
 }  // namespace
 
-std::string read_regular_file(const std::string& path, uint64_t max_bytes) {
-  const std::string name = escape_invalid_utf8(path);
+OpenedFile open_regular_file(const std::string& path) {
+  const auto refuse = [&](const std::string& why) { fail(escape_invalid_utf8(path), why); };
+  const auto not_regular = [&](mode_t mode) { refuse(std::string("is ") + kind_of(mode) + ", not a regular file; refused"); };
   // O_NONBLOCK: opening a FIFO with no writer must not wait for one.
-  const Descriptor fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  Descriptor fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
   struct stat info {};
   if (fd.get() < 0) {
     const int error = errno;
-    if (::stat(path.c_str(), &info) == 0 && !S_ISREG(info.st_mode))  // a socket cannot be opened at all
-      fail(name, std::string("is ") + kind_of(info.st_mode) + ", not a regular file; refused");
-    fail(name, std::string("cannot open: ") + std::strerror(error));
+    if (::stat(path.c_str(), &info) == 0 && !S_ISREG(info.st_mode)) not_regular(info.st_mode);  // a socket cannot be opened
+    refuse(std::string("cannot open: ") + std::strerror(error));
   }
-  if (::fstat(fd.get(), &info) != 0) fail(name, std::string("cannot stat: ") + std::strerror(errno));
-  if (!S_ISREG(info.st_mode)) fail(name, std::string("is ") + kind_of(info.st_mode) + ", not a regular file; refused");
+  if (::fstat(fd.get(), &info) != 0) refuse(std::string("cannot stat: ") + std::strerror(errno));
+  if (!S_ISREG(info.st_mode)) not_regular(info.st_mode);
+  return {fd.release(), static_cast<uint64_t>(info.st_size)};
+}
+
+std::string read_regular_file(const std::string& path, uint64_t max_bytes) {
+  const OpenedFile opened = open_regular_file(path);
+  const Descriptor fd(opened.fd);
+  const std::string name = escape_invalid_utf8(path);
   const auto too_large = [&] {
     fail(name, "is larger than " + format_bytes(max_bytes) + ", the most a file of its kind may hold; refused");
   };
-  if (static_cast<uint64_t>(info.st_size) > max_bytes) too_large();
-  std::string bytes(static_cast<size_t>(info.st_size) + 1, '\0');  // one more: a file that grew shows it
+  if (opened.size > max_bytes) too_large();
+  std::string bytes(static_cast<size_t>(opened.size) + 1, '\0');  // one more: a file that grew shows it
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
@@ -64,7 +73,7 @@ std::string read_regular_file(const std::string& path, uint64_t max_bytes) {
     if (n == 0) break;
     done += static_cast<size_t>(n);
   }
-  if (done > static_cast<size_t>(info.st_size)) {
+  if (done > opened.size) {
     if (done > max_bytes) too_large();
     fail(name, "changed while it was read; try again once it is written");
   }
