@@ -1,11 +1,14 @@
 """Starting a real vramd on a temporary folder and talking to it over its real socket."""
+import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,6 +97,43 @@ def as_user(uid, function, gid=None, wait=True):
     os.close(read)
     os.waitpid(pid, 0)
     return data
+
+
+@contextlib.contextmanager
+def squatter(uid, answer):
+    """A server run by `uid` (root only) on a socket in a folder that user owns, answering every
+    request with the bytes `answer` until the block ends: what a client must refuse. Yields the
+    socket's path."""
+    public = Path(tempfile.mkdtemp(prefix="vramd-squat-"))  # a folder other users can reach
+    public.chmod(0o755)
+    folder = public / "squat"
+    folder.mkdir()
+    os.chown(folder, uid, uid)
+    sock = folder / "vramd.sock"
+
+    def serve():  # until killed (or 20 s idle)
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(sock))
+        os.chmod(sock, 0o666)
+        server.listen(8)
+        server.settimeout(20)
+        while True:
+            client, _ = server.accept()
+            client.settimeout(5)
+            try:
+                client.recv(65536)
+                client.sendall(answer)
+            except OSError:
+                pass
+            client.close()
+    pid = as_user(uid, serve, wait=False)
+    try:
+        wait_for(sock.exists, what="the fake daemon")
+        yield sock
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        shutil.rmtree(public)
 
 
 def wait_for(predicate, timeout=20, what="condition"):

@@ -7,20 +7,17 @@ fault of vramd's own.
 One daemon serves the whole module (it must survive everything anyway)."""
 import json
 import os
-import shutil
 import socket
 import stat
 import subprocess
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load, load_file, save
 
-from daemon_support import Daemon, as_user, model, raw, request, vramctl, wait_for
+from daemon_support import Daemon, model, raw, request, squatter, vramctl, wait_for
 import hf_models
 
 
@@ -289,31 +286,7 @@ FAKE_ANSWER = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Le
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_a_socket_served_by_another_user_is_refused(hostile, tmp_path):
     nobody = 65534
-    public = Path(tempfile.mkdtemp(prefix="vramd-squat-"))  # a folder other users can reach
-    public.chmod(0o755)
-    folder = public / "squat"
-    folder.mkdir()
-    os.chown(folder, nobody, nobody)
-    sock = folder / "vramd.sock"
-
-    def fake_daemon():  # answers anything with a made-up model, until killed (or 20 s idle)
-        server = socket.socket(socket.AF_UNIX)
-        server.bind(str(sock))
-        os.chmod(sock, 0o666)
-        server.listen(8)
-        server.settimeout(20)
-        while True:
-            client, _ = server.accept()
-            client.settimeout(5)
-            try:
-                client.recv(65536)
-                client.sendall(FAKE_ANSWER)
-            except OSError:
-                pass
-            client.close()
-    pid = as_user(nobody, fake_daemon, wait=False)
-    try:
-        wait_for(sock.exists, what="the fake daemon")
+    with squatter(nobody, FAKE_ANSWER) as sock:
         refused = vramctl(sock, "list", check=False)
         assert refused.returncode != 0
         assert f"served by uid {nobody}" in refused.stderr and str(sock) in refused.stderr, refused.stderr
@@ -329,9 +302,6 @@ def test_a_socket_served_by_another_user_is_refused(hostile, tmp_path):
         assert d.process.wait(30) != 0 and f"belongs to uid {nobody}" in d.log.read_text()
         d.log_file.close()
         assert sock.exists()
-    finally:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
     # ...nor removes a socket of another user's, even a stale one in its own folder.
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
@@ -344,7 +314,6 @@ def test_a_socket_served_by_another_user_is_refused(hostile, tmp_path):
     assert d.process.wait(30) != 0 and f"a socket of uid {nobody} is in the way" in d.log.read_text()
     d.log_file.close()
     assert (mine / "vramd.sock").exists()
-    shutil.rmtree(public)
     assert_unharmed(hostile)
 
 
