@@ -1,0 +1,192 @@
+"""The daemon's endpoints (docs/api.md) as methods of one client."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from urllib.parse import quote
+
+import torch
+
+from . import _shape
+from ._errors import DaemonError
+from ._http import Connection, Response, refusal
+from ._safetensors import dumps, loads
+from ._socket import open_socket, socket_path
+from .lease import Lease, request_lease
+
+
+class Client:
+    """One connection to vramd, kept alive between requests; not to be shared between threads.
+
+    socket: the daemon's socket; else $VRAMD_SOCKET, else the default vramctl uses
+        ($XDG_RUNTIME_DIR/vramd/vramd.sock, else /tmp/vramd-UID/vramd.sock).
+    timeout: seconds to wait for any one read or write (None: as long as it takes).
+
+    Connects at once and checks who serves the socket (SO_PEERCRED) before sending a byte: the
+    server must run as this user, root, or a uid in $VRAMD_TRUST_UIDS. Raises DaemonUnreachable
+    (a ConnectionError) when nothing answers, DaemonError when the server is refused. Every
+    method raises DaemonError with the daemon's message and status when it refuses."""
+
+    def __init__(self, socket: str | os.PathLike | None = None, timeout: float | None = None):
+        self.socket_path = socket_path(socket)
+        self.timeout = timeout
+        self._connection = Connection(self.socket_path, timeout)
+        self._connection.open()
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<vramd.Client {self.socket_path}>"
+
+    # The daemon.
+
+    def health(self) -> dict:
+        """{"status": "ok", "version": ..., "pid": ...}."""
+        return self._json("GET", "/v1/health", lambda body: _shape.field(body, "status", str))
+
+    def status(self, name: str | None = None) -> dict:
+        """Model `name`'s object (state, devices, residency, ...), or without a name the daemon's
+        status: budgets and use per device, every model's residency."""
+        if name is not None:
+            return self._json("GET", _model_path(name), _check_model)
+        return self._json("GET", "/v1/status", _check_status)
+
+    def list(self) -> list[dict]:
+        """Every model's object, as `status(name)` gives one."""
+        return self._json("GET", "/v1/models", _check_models)["models"]
+
+    def reload(self) -> list[dict]:
+        """Re-reads the model folder now; every model's object once each config is validated."""
+        return self._json("POST", "/v1/reload", _check_models)["models"]
+
+    # A model's life.
+
+    def load(self, name: str, keep_alive: str | None = None,
+             progress: Callable[[dict], None] | None = None) -> dict:
+        """Loads model `name` (at once when it is loaded); its object once ready.
+
+        keep_alive: how long it stays loaded after its last use ("5m", "0", "-1": forever).
+        progress: called with each progress line as the load streams them: {"status":
+            "loading", "bytes_done", "bytes_total", "tensors_done", "tensors_total"}, or
+            {"status": "queued", "position"}."""
+        if progress is None:
+            return self._json("POST", _model_path(name, "load", keep_alive=keep_alive), _check_model)
+        target = _model_path(name, "load", keep_alive=keep_alive, stream="true")
+        request = f"POST {target}"
+        pending = bytearray()
+        last = None
+
+        def on_chunk(chunk):
+            nonlocal last
+            pending.extend(chunk)
+            *complete, rest = pending.split(b"\n")
+            pending[:] = rest
+            for line in complete:
+                if line.strip():
+                    last = self._documented(line, _check_load_line, request)
+                    if last["status"] in ("queued", "loading"):
+                        progress(last)
+
+        self._call("POST", target, on_chunk=on_chunk)
+        on_chunk(b"\n")  # a last line without its newline
+        if last is not None and last["status"] == "ready":
+            del last["status"]
+            return last
+        error = last.get("error") if last is not None else None
+        raise DaemonError(error if isinstance(error, str) else "the load did not finish", request=request)
+
+    def unload(self, name: str) -> dict:
+        """Frees model `name`'s weights once the requests queued before are done; its object."""
+        return self._json("POST", _model_path(name, "unload"), _check_model)
+
+    def offload(self, name: str) -> dict:
+        """Puts model `name` to sleep (weights to its offload state); its object with `moved`."""
+        return self._json("POST", _model_path(name, "offload"), _check_model)
+
+    def onload(self, name: str) -> dict:
+        """Wakes model `name` (weights back to its computation state); its object with `moved`."""
+        return self._json("POST", _model_path(name, "onload"), _check_model)
+
+    def forward(self, name: str, inputs: Mapping[str, torch.Tensor],
+                keep_alive: str | None = None) -> dict[str, torch.Tensor]:
+        """Runs one forward of model `name` (loading or waking it first) on named input tensors
+        (any device, dtype among those safetensors names); its named outputs, on the CPU."""
+        target = _model_path(name, "forward", keep_alive=keep_alive)
+        response = self._call("POST", target, dumps(inputs), "application/octet-stream")
+        try:
+            return loads(response.body)
+        except ValueError as e:
+            raise DaemonError(f"vramd at {self.socket_path} answered with a safetensors file that is "
+                              f"malformed: {e}", request=f"POST {target}") from None
+
+    def lease(self, name: str, device: str = "cpu", wait: bool = True) -> Lease:
+        """Leases model `name`'s weights on `device` as read-only, zero-copy tensors, on a
+        connection of its own; see Lease. `wait`: wait for the model to load rather than refuse."""
+        sock = open_socket(self.socket_path, self.timeout)
+        return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}")
+
+    # One boundary for every request.
+
+    def _call(self, method: str, target: str, body: bytes = b"", content_type: str | None = None,
+              on_chunk=None) -> Response:
+        """The daemon's 200 answer; any other status raises its refusal."""
+        response = self._connection.request(method, target, body, content_type, on_chunk)
+        if response.status != 200:
+            raise refusal(response, f"{method} {target}")
+        return response
+
+    def _json(self, method: str, target: str, check: Callable) -> dict:
+        """The JSON object of a 200 answer, passed through `check`."""
+        return self._documented(self._call(method, target).body, check, f"{method} {target}")
+
+    def _documented(self, text: bytes, check: Callable, request: str):
+        try:
+            body = json.loads(text)
+            check(body)
+            return body
+        except ValueError:
+            raise DaemonError(f"vramd at {self.socket_path} answered with a body that is not JSON: "
+                              f"{bytes(text[:200]).decode('utf-8', 'replace')}", request=request) from None
+        except _shape.NotAsDocumented as e:
+            raise DaemonError(f"the server at {self.socket_path} answered with JSON that is not what "
+                              f"docs/api.md documents ({e}); is it a vramd of this version?",
+                              request=request) from None
+
+
+def connect(socket: str | os.PathLike | None = None, timeout: float | None = None) -> Client:
+    """A Client connected to vramd; see Client."""
+    return Client(socket, timeout)
+
+
+def _model_path(name: str, action: str | None = None, **query: str | None) -> str:
+    path = f"/v1/models/{quote(name, safe='')}" + (f"/{action}" if action else "")
+    pairs = [f"{key}={quote(value, safe='')}" for key, value in query.items() if value is not None]
+    return path + ("?" + "&".join(pairs) if pairs else "")
+
+
+def _check_model(body) -> None:
+    _shape.field(body, "name", str)
+    _shape.field(body, "state", str)
+
+
+def _check_load_line(body) -> None:
+    if _shape.field(body, "status", str) == "ready":
+        _check_model(body)
+
+
+def _check_models(body) -> None:
+    for model in _shape.objects(body, "models"):
+        _check_model(model)
+
+
+def _check_status(body) -> None:
+    _shape.field(body, "devices", dict)
+    _shape.objects(body, "models")

@@ -1,0 +1,208 @@
+"""Leases: a model's weights, as the daemon holds them, mapped read-only into this process.
+
+One connection is one lease. The client sends `POST /v1/models/NAME/lease` with
+{"device": ..., "wait": ...}; the daemon answers an HTTP error, or `101 Switching Protocols`
+(`Upgrade: vramd-lease/1`) and one line of JSON, the manifest, with one file descriptor per
+region passed beside those bytes (SCM_RIGHTS). The lease lasts as long as the connection."""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import socket
+import sys
+import warnings
+from urllib.parse import quote
+
+import torch
+
+from . import _shape
+from ._errors import ProtocolError
+from ._http import Reader, as_daemon_error, read_body, read_head, refusal, send_request
+from ._safetensors import TORCH_DTYPES
+
+UPGRADE = "vramd-lease/1"
+MANIFEST_LIMIT = 256 << 20
+# Before Python 3.13 every mmap object keeps a duplicate of its descriptor until it is freed.
+_UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
+class Lease:
+    """A model's weights leased from vramd: `state_dict` maps each tensor's name (in the
+    manifest's order) to a zero-copy, read-only view of the daemon's memory.
+
+    Writing to one of these tensors faults (SIGSEGV: the pages are mapped read-only); `.clone()`
+    gives a writable copy. The daemon counts the leased memory in its budgets and keeps it from
+    being freed or changed only while the lease is open: after close() the tensors still read the
+    mapped pages (they keep the mappings alive), but the daemon may then unload or reload the
+    model, and what they hold is no longer its weights' promise.
+
+    Used as a context manager, `with client.lease("minilm") as state_dict:` closes at the end."""
+
+    def __init__(self, sock: socket.socket, manifest: dict, state_dict: dict[str, torch.Tensor]):
+        self._sock = sock
+        self.manifest = manifest
+        self.state_dict = state_dict
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        """Ends the lease (closes its connection). The tensors stay readable."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> dict[str, torch.Tensor]:
+        return self.state_dict
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<vramd.Lease {self.manifest.get('model')!r} #{self.manifest.get('lease')} "
+                f"{len(self.state_dict)} tensors{' closed' if self.closed else ''}>")
+
+
+def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: bool = True,
+                  where: str = "vramd") -> Lease:
+    """Asks for a lease of model `name` on `sock`, a fresh connection to a trusted server, which
+    the Lease then owns (closed here on any error). `where` names the server in messages."""
+    target = f"/v1/models/{quote(name, safe='')}/lease"
+    request = f"POST {target}"
+    fds: list[int] = []
+    try:
+        send_request(sock, "POST", target, json.dumps({"device": device, "wait": wait}).encode(), "application/json")
+        reader = Reader(sock, fds)  # every read from here on keeps the descriptors passed beside the bytes
+        response = read_head(reader)
+        if response.status != 101:
+            read_body(reader, response)
+            raise refusal(response, request)
+        if response.headers.get("upgrade", "").lower() != UPGRADE:
+            raise ProtocolError(f"switched to {response.headers.get('upgrade')!r}, not {UPGRADE!r}")
+        line = reader.until(b"\n", MANIFEST_LIMIT)
+        try:
+            manifest = json.loads(line)
+        except ValueError as e:
+            raise ProtocolError(f"sent a lease manifest that is not JSON: {e}") from None
+        regions, tensors = _check_manifest(manifest)
+        if len(fds) != len(regions):
+            raise ProtocolError(f"sent {len(fds)} file descriptors for a manifest of {len(regions)} regions")
+        lengths = [_length(region, fd, i) for i, (region, fd) in enumerate(zip(regions, fds))]
+        for t in tensors:  # every check before the first mapping
+            _check_bounds(t, lengths)
+        mappings = _map_all(regions, fds, lengths)
+        state_dict = {t["name"]: _view(t, mappings) for t in tensors}
+    except BaseException as e:
+        timeout = sock.gettimeout()
+        sock.close()
+        failure = as_daemon_error(e, where, request, timeout)
+        if failure is e:
+            raise
+        raise failure from None
+    finally:
+        for fd in fds:  # a mapping outlives its descriptor
+            os.close(fd)
+    return Lease(sock, manifest, state_dict)
+
+
+def _check_manifest(manifest) -> tuple[list[dict], list[dict]]:
+    """The manifest's regions and tensors, each field checked (dtype names made torch dtypes)."""
+    if not isinstance(manifest, dict):
+        raise _shape.NotAsDocumented("sent a lease manifest that is not a JSON object")
+    where = "sent a lease manifest whose "
+    for key in ("model", "device"):
+        _shape.field(manifest, key, str, where)
+    for key in ("lease", "bytes"):
+        _shape.natural(manifest, key, where)
+    regions = _shape.objects(manifest, "regions", where)
+    for i, region in enumerate(regions):
+        at = f"{where}region {i}'s "
+        kind = _shape.field(region, "kind", str, at)
+        if kind not in ("memfd", "file"):
+            raise _shape.NotAsDocumented(f"{at}kind {kind!r} is neither 'memfd' nor 'file'")
+        _shape.natural(region, "size", at)
+        if kind == "file":
+            _shape.field(region, "path", str, at)
+    tensors = _shape.objects(manifest, "tensors", where)
+    names = set()
+    for t in tensors:
+        name = _shape.field(t, "name", str, f"{where}tensor ")
+        at = f"{where}tensor {name!r}'s "
+        if name in names:
+            raise _shape.NotAsDocumented(f"{where}tensor {name!r} appears twice")
+        names.add(name)
+        dtype = _shape.field(t, "dtype", str, at)
+        if dtype not in TORCH_DTYPES:
+            raise _shape.NotAsDocumented(f"{at}dtype {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
+        shape, strides = _shape.naturals(t, "shape", at), _shape.naturals(t, "strides", at)
+        if len(strides) != len(shape):
+            raise _shape.NotAsDocumented(f"{at}strides {strides} do not match its shape {shape}")
+        if _shape.natural(t, "region", at) >= len(regions):
+            raise _shape.NotAsDocumented(f"{at}region {t['region']} is not one of the {len(regions)} regions")
+        _shape.natural(t, "offset", at)
+    return regions, tensors
+
+
+def _describe(region: dict, index: int) -> str:
+    return f"region {index} ({region['kind']}{' ' + region['path'] if region['kind'] == 'file' else ''})"
+
+
+def _length(region: dict, fd: int, index: int) -> int:
+    """How many bytes of region `index` to map: its size, or the whole file when that is larger."""
+    what = _describe(region, index)
+    try:
+        held = os.fstat(fd).st_size
+    except OSError as e:
+        raise ProtocolError(f"sent a descriptor for {what} that cannot be read: {e.strerror}") from None
+    if held < region["size"]:
+        raise ProtocolError(f"sent {what} holding {held} bytes, fewer than its size {region['size']}")
+    return max(held, region["size"]) if region["kind"] == "file" else region["size"]
+
+
+def _check_bounds(tensor: dict, lengths: list[int]) -> None:
+    """Raises unless every element of `tensor` lies inside its region."""
+    shape, strides = tensor["shape"], tensor["strides"]
+    if math.prod(shape) == 0:
+        return
+    itemsize = TORCH_DTYPES[tensor["dtype"]].itemsize
+    end = tensor["offset"] + _span(shape, strides) * itemsize
+    if end > lengths[tensor["region"]]:
+        raise _shape.NotAsDocumented(f"sent a lease manifest whose tensor {tensor['name']!r} ends at byte {end} "
+                                     f"of region {tensor['region']}, which holds {lengths[tensor['region']]}")
+
+
+def _span(shape: list[int], strides: list[int]) -> int:
+    """Elements from a strided tensor's first to its last, both included."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+
+
+def _map_all(regions: list[dict], fds: list[int], lengths: list[int]) -> list[mmap.mmap | None]:
+    """Each region mapped read-only and shared: the daemon's pages, not a copy (None when empty)."""
+    mappings: list[mmap.mmap | None] = []
+    try:
+        for fd, length in zip(fds, lengths):
+            mappings.append(mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, **_UNTRACKED)
+                            if length else None)
+    except (OSError, ValueError) as e:
+        for mapping in mappings:
+            if mapping is not None:
+                mapping.close()
+        failed = len(mappings)
+        raise ProtocolError(f"sent {_describe(regions[failed], failed)}, which cannot be mapped: {e}") from None
+    return mappings
+
+
+def _view(tensor: dict, mappings: list[mmap.mmap | None]) -> torch.Tensor:
+    """A tensor of the manifest (bounds checked) as a strided view of its region's mapping; the
+    view keeps the mapping alive."""
+    dtype, shape, strides = TORCH_DTYPES[tensor["dtype"]], tensor["shape"], tensor["strides"]
+    if math.prod(shape) == 0:
+        return torch.empty_strided(shape, strides, dtype=dtype)
+    with warnings.catch_warnings():  # read-only on purpose: a write faults instead of reaching the daemon
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        flat = torch.frombuffer(mappings[tensor["region"]], dtype=dtype, count=_span(shape, strides),
+                                offset=tensor["offset"])
+    return flat.as_strided(shape, strides)
