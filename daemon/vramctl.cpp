@@ -118,8 +118,13 @@ int main(int argc, char** argv) {
   auto* load_cmd = add_remote("load", "Load a model, showing progress", true);
   load_cmd->add_option("--keep-alive", remote.keep_alive, "Unload after this long unused (\"5m\", \"-1\": never)");
   load_cmd->add_flag("!--no-progress", remote.progress, "Print only the result");
-  add_remote("unload", "Unload a model (after the requests queued before it)", true);
-  add_remote("offload", "Put a loaded model to sleep: weights to its offload state", true);
+  auto* unload_cmd = add_remote("unload", "Unload a model (after the requests queued before it and its leases)", true);
+  auto* offload_cmd = add_remote("offload", "Put a loaded model to sleep: weights to its offload state", true);
+  for (auto* command : {unload_cmd, offload_cmd})
+    command->add_flag("!--no-wait", remote.wait, "Refuse at once (naming the holders) while the model is leased");
+  auto* lease_cmd = add_remote("lease", "Take a lease of a model's weights and describe it (docs/api.md, Leases)", true);
+  lease_cmd->add_option("--device", remote.device, "Where the weights are wanted: cpu (cuda:N is not built yet)");
+  lease_cmd->add_flag("--hold", remote.hold, "Keep the lease until standard input ends");
   add_remote("onload", "Wake a sleeping model: weights back to its computation state", true);
   auto* forward_cmd = add_remote("forward", "Run one forward on the daemon (loads the model when needed)", true);
   forward_cmd->add_option("--input,-i", remote.input, "safetensors file of named inputs");

@@ -48,6 +48,14 @@ std::string devices_text(const json& devices) {
   return text.empty() ? "-" : text;
 }
 
+// "    leased by pid 42 (uid 1000, cpu, since 2026-11-23T12:00:00Z)" for each of a model's leases.
+void print_leases(const json& model, std::ostream& out) {
+  if (!model.contains("leases")) return;
+  for (const auto& lease : model["leases"])
+    out << "    leased by pid " << lease["pid"] << " (uid " << lease["uid"] << ", " << lease["device"].get<std::string>()
+        << ", since " << lease["since"].get<std::string>() << ")\n";
+}
+
 void print_models(const json& models, std::ostream& out) {
   out << std::left << std::setw(20) << "NAME" << std::setw(11) << "STATE" << std::setw(8) << "ARCH" << std::setw(10)
       << "DTYPE" << std::setw(12) << "SIZE" << "WHERE\n";
@@ -57,6 +65,7 @@ void print_models(const json& models, std::ostream& out) {
         << (m.contains("bytes") ? format_bytes(m["bytes"].get<uint64_t>()) : "-") << devices_text(m["devices"]) << '\n';
     if (m.contains("reason")) out << "    " << m["reason"].get<std::string>() << '\n';
     if (m.contains("config_error")) out << "    edit not applied: " << m["config_error"].get<std::string>() << '\n';
+    print_leases(m, out);
   }
   out << std::right;
 }
@@ -209,6 +218,7 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
             << m["state"].get<std::string>() << std::right << devices_text(m["devices"])
             << (m["busy"].get<bool>() ? "  (busy)" : "") << '\n'
             << (m.contains("weights") ? "    " + m["weights"]["plan"].get<std::string>() + "\n" : "");
+      for (const auto& m : body["models"]) print_leases(m, out);
     } else {
       print_models(body["models"], out);
     }
@@ -251,7 +261,7 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
   }
 
   if (command == "unload" || command == "offload" || command == "onload") {
-    const auto response = client.request("POST", model_path + "/" + command);
+    const auto response = client.request("POST", model_path + "/" + command + (o.wait ? "" : "?wait=false"));
     if (response.status != 200) return refused(response);
     if (o.json) return out << response.body, 0;
     const json body = parse_json(response);
@@ -260,6 +270,30 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
       out << " (moved " << format_bytes(body["moved"]["bytes"].get<uint64_t>()) << " in " << std::fixed
           << std::setprecision(3) << body["moved"]["seconds"].get<double>() << " s)" << std::defaultfloat;
     out << "; weights on " << devices_text(body["devices"]) << '\n';
+    return 0;
+  }
+
+  if (command == "lease") {
+    const auto lease = client.lease(o.model, o.device);
+    if (o.json) {
+      out << lease.manifest << std::endl;
+    } else {
+      const json manifest = json::parse(lease.manifest);
+      std::string regions;
+      for (const auto& region : manifest["regions"])
+        regions += (regions.empty() ? "" : ", ") + region["kind"].get<std::string>() + " " +
+                   format_bytes(region["size"].get<uint64_t>()) +
+                   (region.contains("path") ? " " + region["path"].get<std::string>() : "");
+      out << "lease " << manifest["lease"] << " of " << o.model << ": " << manifest["tensors"].size() << " tensors, "
+          << format_bytes(manifest["bytes"].get<uint64_t>()) << " on " << manifest["device"].get<std::string>() << " in "
+          << manifest["regions"].size() << " regions (" << regions << ")" << std::endl;
+    }
+    if (o.hold) {
+      err << "holding the lease until standard input ends (Ctrl-D) or vramctl is stopped" << std::endl;
+      char buffer[4096];
+      while (::read(0, buffer, sizeof buffer) > 0) {
+      }
+    }
     return 0;
   }
 

@@ -1,5 +1,5 @@
 // vramctl's commands that talk to the daemon: list, status, load, unload, offload, onload,
-// forward, reload. Each prints a human summary, or with --json the daemon's answer as it is.
+// forward, lease, reload. Each prints a human summary, or with --json the daemon's answer as it is.
 #pragma once
 
 #include <iosfwd>
@@ -19,6 +19,10 @@ struct RemoteOptions {
   std::string input;                // safetensors file of named inputs
   std::vector<std::string> values;  // or name=1,2,3 (rows separated by ';')
   std::string output;               // write the outputs here; else print them
+  bool wait = true;                 // unload, offload: wait for the model's leases to end (else refused)
+  // lease
+  std::string device = "cpu";
+  bool hold = false;  // keep the lease until standard input ends
 };
 
 // Returns the exit status; throws Error when the daemon cannot be reached.

@@ -1,6 +1,7 @@
 #include "client/client.hpp"
 
 #include <http_parser.h>
+#include <nlohmann/json.hpp>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -52,36 +53,36 @@ std::vector<uid_t> trusted_server_uids() {
 
 }  // namespace
 
-void Client::connect() {
-  fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+void Client::connect() { fd_ = open_connection(); }
+
+int Client::open_connection() const {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   if (path_.size() >= sizeof address.sun_path) fail(path_, "socket path too long");
   std::strncpy(address.sun_path, path_.c_str(), sizeof address.sun_path - 1);
-  if (::connect(fd_, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
     const std::string why = std::strerror(errno);
-    ::close(fd_);
-    fd_ = -1;
+    ::close(fd);
     throw Error("cannot reach vramd at " + path_ + ": " + why +
                 "; is the daemon running? (start it with scripts/run, or pass --socket / set VRAMD_SOCKET)");
   }
   // Whoever listens on the path answers: send nothing to a server run by an untrusted user.
   ucred server{};
   socklen_t length = sizeof server;
-  if (::getsockopt(fd_, SOL_SOCKET, SO_PEERCRED, &server, &length) != 0) {
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &server, &length) != 0) {
     const std::string why = std::strerror(errno);
-    ::close(fd_);
-    fd_ = -1;
+    ::close(fd);
     fail(path_, "cannot tell who serves this socket (SO_PEERCRED: " + why + "); refused");
   }
   const auto trusted = trusted_server_uids();
   if (std::find(trusted.begin(), trusted.end(), server.uid) == trusted.end()) {
-    ::close(fd_);
-    fd_ = -1;
+    ::close(fd);
     fail(path_, "served by uid " + std::to_string(server.uid) + " (pid " + std::to_string(server.pid) +
                     "), which is neither you (uid " + std::to_string(::getuid()) +
                     ") nor root; refused. If that user runs your vramd, set VRAMD_TRUST_UIDS=" + std::to_string(server.uid));
   }
+  return fd;
 }
 
 namespace {
@@ -178,6 +179,66 @@ Response Client::request(std::string_view method, std::string_view target, std::
     // A reused connection the daemon had closed (idle timeout): try once more on a new one.
     if (reused && received == 0 && attempt == 0) continue;
     throw Error("vramd at " + path_ + " closed the connection before answering");
+  }
+}
+
+Lease Client::lease(const std::string& model, const std::string& device) {
+  Lease lease;
+  lease.connection = UniqueFd(open_connection());
+  const int fd = lease.connection.get();
+  const std::string body = "{\"device\": \"" + device + "\"}";
+  send_all(fd, "POST /v1/models/" + model + "/lease HTTP/1.1\r\nHost: vramd\r\nContent-Type: application/json\r\n"
+               "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+  // Descriptors ride on the bytes they were sent with, and a plain recv() would drop them:
+  // every read is a recvmsg() that keeps them.
+  std::string received;
+  size_t head_end = std::string::npos;
+  uint64_t content_length = 0;
+  for (;;) {
+    char buffer[64 << 10];
+    alignas(cmsghdr) char control[CMSG_SPACE(253 * sizeof(int))];
+    iovec data{buffer, sizeof buffer};
+    msghdr message{};
+    message.msg_iov = &data;
+    message.msg_iovlen = 1;
+    message.msg_control = control;
+    message.msg_controllen = sizeof control;
+    const ssize_t n = ::recvmsg(fd, &message, MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw Error("reading the lease of " + model + " from vramd failed: " + std::strerror(errno));
+    for (cmsghdr* c = CMSG_FIRSTHDR(&message); c; c = CMSG_NXTHDR(&message, c))
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+        for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+          int received_fd;
+          std::memcpy(&received_fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          lease.regions.emplace_back(received_fd);
+        }
+    if (message.msg_flags & MSG_CTRUNC) throw Error("the lease of " + model + " carried more descriptors than expected");
+    if (n == 0) throw Error("vramd closed the connection before handing over the lease of " + model);
+    received.append(buffer, static_cast<size_t>(n));
+    if (head_end == std::string::npos) {
+      head_end = received.find("\r\n\r\n");
+      if (head_end == std::string::npos) continue;
+      head_end += 4;
+      if (!received.starts_with("HTTP/1.1 101")) {
+        std::string lower = received.substr(0, head_end);
+        for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+        const auto at = lower.find("content-length:");
+        content_length = at == std::string::npos ? 0 : std::strtoull(lower.c_str() + at + 15, nullptr, 10);
+      }
+    }
+    if (received.starts_with("HTTP/1.1 101")) {
+      const auto newline = received.find('\n', head_end);
+      if (newline == std::string::npos) continue;
+      lease.manifest = received.substr(head_end, newline - head_end);
+      return lease;
+    }
+    if (received.size() - head_end < content_length) continue;
+    const std::string status = received.substr(9, 3), answer = received.substr(head_end, content_length);
+    const auto error = nlohmann::json::parse(answer, nullptr, false);
+    const bool documented = error.is_object() && error.contains("error") && error["error"].is_string();
+    throw Error("lease of " + model + " refused (HTTP " + status + "): " +
+                (documented ? error["error"].get<std::string>() : answer.substr(0, 200)));
   }
 }
 

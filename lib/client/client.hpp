@@ -5,6 +5,9 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include "util/unique_fd.hpp"
 
 namespace vramd::client {
 
@@ -12,6 +15,14 @@ struct Response {
   int status = 0;
   std::string content_type;
   std::string body;  // empty when streamed to on_chunk
+};
+
+// A model's weights held from the daemon (docs/api.md, "Leases"): the manifest and one descriptor
+// per region, in the manifest's order. The lease lasts as long as this object (its connection).
+struct Lease {
+  std::string manifest;  // JSON: model, lease, device, bytes, regions, tensors
+  std::vector<UniqueFd> regions;
+  UniqueFd connection;
 };
 
 class Client {
@@ -28,9 +39,14 @@ class Client {
   Response request(std::string_view method, std::string_view target, std::string_view body = {},
                    const std::function<void(std::string_view)>& on_chunk = {});
 
+  // Takes a lease of `model` on `device` on a connection of its own. Throws Error with the
+  // daemon's message (and HTTP status) when it refuses.
+  Lease lease(const std::string& model, const std::string& device = "cpu");
+
   const std::string& socket_path() const { return path_; }
 
  private:
+  int open_connection() const;
   void connect();
   std::string path_;
   int fd_ = -1;

@@ -112,8 +112,28 @@ class Daemon {
 
     static const std::map<std::string, Job::Kind> actions = {
         {"load", Job::Kind::Load},       {"unload", Job::Kind::Unload}, {"offload", Job::Kind::Offload},
-        {"onload", Job::Kind::Onload},   {"forward", Job::Kind::Forward}};
+        {"onload", Job::Kind::Onload},   {"forward", Job::Kind::Forward}, {"lease", Job::Kind::Lease}};
     Job job(actions.at(route.action), exchange);
+    if (auto it = request.query.find("wait"); it != request.query.end()) {
+      if (job.kind != Job::Kind::Unload && job.kind != Job::Kind::Offload && job.kind != Job::Kind::Lease)
+        return respond_error(*exchange, 400, "wait= applies to unload, offload and lease, not " + route.action);
+      if (it->second != "true" && it->second != "false")
+        return respond_error(*exchange, 400, "wait=" + escape_invalid_utf8(it->second) + ": expected true or false");
+      job.wait = it->second == "true";
+    }
+    if (job.kind == Job::Kind::Lease) {
+      try {
+        read_lease_request(request, job);
+      } catch (const Error& e) {
+        return respond_error(*exchange, 400, e.what());
+      }
+      if (job.hold && request.peer_pid < 0)
+        return respond_error(*exchange, 400, "a lease hands over file descriptors, which only the Unix socket carries; "
+                                             "GET " + escape_invalid_utf8(request.path) + " shows the manifest alone");
+      if (!job.wait && (entry->state != ModelState::Ready || entry->busy || !entry->queue.empty()))
+        return respond_error(*exchange, 409, "model " + quote(entry->name) + " is " + state_name(entry->state) +
+                                                 (entry->busy ? " and busy" : "") + "; leave out wait=false to load or wait for it");
+    }
     if (auto it = request.query.find("keep_alive"); it != request.query.end()) {
       try {
         entry->keep_alive = config::parse_duration(it->second);  // until the config changes
@@ -131,6 +151,22 @@ class Daemon {
     registry_.submit(*entry, std::move(job));
   }
 
+  // POST .../lease: an optional JSON object {"device": "cpu", "wait": true}; GET: the manifest alone.
+  static void read_lease_request(const Request& request, Job& job) {
+    job.hold = request.method == "POST";
+    if (auto it = request.query.find("device"); it != request.query.end()) job.device = it->second;
+    if (request.body.empty()) return;
+    const json body = json::parse(request.body, nullptr, false);
+    if (!body.is_object()) throw Error("a lease's body must be a JSON object such as {\"device\": \"cpu\"}");
+    for (const auto& [key, value] : body.items()) {
+      if (key == "device" && value.is_string()) job.device = value.get<std::string>();
+      else if (key == "wait" && value.is_boolean()) job.wait = value.get<bool>();
+      else if (key == "device" || key == "wait")
+        throw Error("lease: " + key + " must be a " + (key == "device" ? "string" : "boolean"));
+      else throw Error("lease: unknown key " + quote(key) + " (device, wait)");
+    }
+  }
+
   json models() const {
     json list = json::array();
     for (const Entry* entry : registry_.entries()) list.push_back(registry_.entry_json(*entry));
@@ -145,6 +181,7 @@ class Daemon {
                         {"vram", e->config ? json({{"computation", e->config->vram.computation.device},
                                                    {"offload", e->config->vram.offload.device}})
                                            : json(nullptr)}});
+      models.back()["leases"] = Registry::leases_json(*e);
       if (auto weights = Registry::weights_json(*e); !weights.is_null()) models.back()["weights"] = std::move(weights);
     }
     return {{"version", VRAMD_VERSION}, {"pid", ::getpid()},

@@ -24,6 +24,7 @@ namespace vramd::server {
 const char* status_text(int status) {
   switch (status) {
     case 100: return "Continue";
+    case 101: return "Switching Protocols";
     case 200: return "OK";
     case 400: return "Bad Request";
     case 403: return "Forbidden";
@@ -50,7 +51,7 @@ const char* status_text(int status) {
 class Connection {
  public:
   Connection(Server& server, bool is_unix)
-      : server_(server), parser_({server.limits_.max_header_bytes, server.limits_.max_body_bytes}) {
+      : server_(server), is_unix_(is_unix), parser_({server.limits_.max_header_bytes, server.limits_.max_body_bytes}) {
     if (is_unix) uv_pipe_init(server.loop_, &handle_.pipe, 0);
     else uv_tcp_init(server.loop_, &handle_.tcp);
     handle_.stream.data = this;
@@ -62,8 +63,10 @@ class Connection {
   bool busy() const { return exchange_ != nullptr; }
   size_t unsent() const { return uv_stream_get_write_queue_size(&handle_.stream); }
 
-  void start(const std::string& peer) {
+  void start(const std::string& peer, int64_t uid = -1, int64_t pid = -1) {
     peer_ = peer;
+    peer_uid_ = uid;
+    peer_pid_ = pid;
     arm(server_.limits_.idle_timeout);
     uv_read_start(stream(), on_alloc, on_read);
   }
@@ -83,6 +86,10 @@ class Connection {
     if (closing_) return;
     closing_ = true;
     uv_read_stop(stream());
+    if (auto on_end = std::move(on_upgrade_end_)) {
+      log::debug(peer_ + ": the handed-over connection closed");
+      on_end();
+    }
     if (exchange_) {
       auto exchange = std::move(exchange_);
       exchange->disconnect();
@@ -114,6 +121,41 @@ class Connection {
       close();
     }
   }
+  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end) {
+    if (closing_ || closing_after_writes_ || !is_unix_ || unsent() > 0 || bytes.empty()) return false;
+    uv_os_fd_t fd = -1;
+    if (uv_fileno(reinterpret_cast<uv_handle_t*>(stream()), &fd) != 0) return false;
+    iovec data{const_cast<char*>(bytes.data()), bytes.size()};
+    msghdr message{};
+    message.msg_iov = &data;
+    message.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+    if (!fds.empty()) {
+      message.msg_control = control.data();
+      message.msg_controllen = control.size();
+      cmsghdr* header = CMSG_FIRSTHDR(&message);
+      header->cmsg_level = SOL_SOCKET;
+      header->cmsg_type = SCM_RIGHTS;
+      header->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(header), fds.data(), sizeof(int) * fds.size());
+    }
+    ssize_t sent;
+    do sent = ::sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (sent < 0 && errno == EINTR);
+    if (sent < 0) {
+      log::info(peer_ + ": could not hand over the connection: " + std::strerror(errno));
+      return false;
+    }
+    upgraded_ = true;
+    exchange_.reset();
+    uv_timer_stop(&timer_);
+    on_upgrade_end_ = std::move(on_end);
+    write_raw(bytes.substr(static_cast<size_t>(sent)));
+    pending_.clear();
+    if (!closing_) uv_read_start(stream(), on_alloc, on_read);  // to see it close
+    return true;
+  }
+
   void finish_exchange() {
     exchange_.reset();
     if (!keep_alive_) return close_after_writes();
@@ -174,6 +216,8 @@ class Connection {
     pending_.assign(data + step.consumed, size - step.consumed);
     Request request = parser_.take();
     request.peer = peer_;
+    request.peer_uid = peer_uid_;
+    request.peer_pid = peer_pid_;
     const auto exchange = exchange_ = std::make_shared<Exchange>(this, std::move(request));
     const auto where = [&] {
       return "answering " + exchange->request().method + " " + escape_invalid_utf8(exchange->request().path) +
@@ -201,7 +245,7 @@ class Connection {
   static void on_read(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buf) {
     auto* self = static_cast<Connection*>(stream->data);
     if (nread < 0) return self->close();
-    if (nread == 0 || self->closing_after_writes_) return;
+    if (nread == 0 || self->closing_after_writes_ || self->upgraded_) return;
     const auto fault = guarded(self->reading_from(), [&] {
       if (self->feed(buf->base, static_cast<size_t>(nread))) self->read_on();
     });
@@ -220,11 +264,12 @@ class Connection {
       if (guarded(self->reading_from(), [&] { self->read_on(); })) return self->close();
     }
     // A client still taking its answer is not idle: only one that stops reading times out.
-    if (!self->exchange_ && !self->parser_.receiving()) self->arm(self->server_.limits_.idle_timeout);
+    if (!self->exchange_ && !self->parser_.receiving() && !self->upgraded_) self->arm(self->server_.limits_.idle_timeout);
   }
 
   static void on_timeout(uv_timer_t* timer) {
     auto* self = static_cast<Connection*>(timer->data);
+    if (self->upgraded_) return;
     if (self->parser_.receiving() && !self->exchange_)
       return self->refuse(408, "request not received within " +
                                    std::to_string(self->server_.limits_.request_timeout.count()) + " ms");
@@ -239,6 +284,7 @@ class Connection {
   }
 
   Server& server_;
+  bool is_unix_;
   union {
     uv_stream_t stream;
     uv_pipe_t pipe;
@@ -248,8 +294,10 @@ class Connection {
   RequestParser parser_;
   std::array<char, 64 << 10> buffer_;
   std::string peer_;
+  int64_t peer_uid_ = -1, peer_pid_ = -1;
   std::string pending_;
-  bool keep_alive_ = true, held_back_ = false, in_handler_ = false;
+  bool keep_alive_ = true, held_back_ = false, in_handler_ = false, upgraded_ = false;
+  std::function<void()> on_upgrade_end_;
   bool closing_ = false, closing_after_writes_ = false;
   int closed_handles_ = 0;
   std::shared_ptr<Exchange> exchange_;
@@ -287,6 +335,14 @@ void Exchange::end() {
   connection_->write_raw("0\r\n\r\n");
   auto* connection = std::exchange(connection_, nullptr);
   connection->finish_exchange();
+}
+
+bool Exchange::upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end) {
+  if (state_ != State::Waiting || !connection_) return false;
+  if (!connection_->upgrade(bytes, fds, std::move(on_end))) return false;
+  state_ = State::Done;
+  connection_ = nullptr;
+  return true;
 }
 
 size_t Exchange::unsent() const { return connection_ ? connection_->unsent() : 0; }
@@ -422,8 +478,7 @@ void Server::on_connection(uv_stream_t* listener, int status) {
   static_cast<Server*>(listener->data)->accept(listener, listener->type == UV_NAMED_PIPE);
 }
 
-bool Server::allowed(int fd, std::string& peer, std::string& refusal) const {
-  ucred credentials{};
+bool Server::allowed(int fd, ucred& credentials, std::string& peer, std::string& refusal) const {
   socklen_t length = sizeof credentials;
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
     refusal = "cannot identify the client (SO_PEERCRED failed)";
@@ -458,12 +513,14 @@ void Server::accept(uv_stream_t* listener, bool is_unix) {
     connection->start(peer);
     return connection->refuse(503, "too many connections (limit " + std::to_string(limits_.max_connections) + ")");
   }
-  if (is_unix && !allowed(fd, peer, refusal)) {
+  ucred credentials{0, static_cast<uid_t>(-1), static_cast<gid_t>(-1)};
+  if (is_unix && !allowed(fd, credentials, peer, refusal)) {
     connection->start(peer);
     log::warn("refused a connection from " + peer + ": " + refusal);
     return connection->refuse(403, refusal);
   }
-  connection->start(peer);
+  if (is_unix) connection->start(peer, credentials.uid, credentials.pid);
+  else connection->start(peer);
 }
 
 }  // namespace vramd::server

@@ -9,6 +9,7 @@
 // Everything here runs on the loop thread, including every Exchange method.
 #pragma once
 
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <uv.h>
 
@@ -48,6 +49,13 @@ class Exchange {
   size_t unsent() const;
   // Called once if the client disconnects before the answer is complete.
   void on_gone(std::function<void()> callback) { on_gone_ = std::move(callback); }
+
+  // Answers by handing the connection over (a lease): writes `bytes` with `fds` attached
+  // (SCM_RIGHTS; the caller keeps its own descriptors), after which the connection carries no
+  // more HTTP: what the client sends is ignored, no timeout applies, and `on_end` runs once when
+  // it closes, whoever closes it. Returns false, keeping nothing, when the client is gone, the
+  // connection is not a Unix socket, or the kernel would not take the descriptors now.
+  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end);
 
  private:
   friend class Connection;
@@ -96,7 +104,7 @@ class Server {
   friend class Connection;
   static void on_connection(uv_stream_t* listener, int status);
   void accept(uv_stream_t* listener, bool is_unix);
-  bool allowed(int fd, std::string& peer, std::string& refusal) const;
+  bool allowed(int fd, ucred& credentials, std::string& peer, std::string& refusal) const;
 
   uv_loop_t* loop_;
   config::ServerLimits limits_;

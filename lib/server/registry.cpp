@@ -1,6 +1,7 @@
 #include "server/registry.hpp"
 
 #include <algorithm>
+#include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -40,6 +41,7 @@ const char* kind_name(Job::Kind kind) {
     case Job::Kind::Onload: return "onload";
     case Job::Kind::Unload: return "unload";
     case Job::Kind::Replace: return "replace";
+    case Job::Kind::Lease: return "lease";
   }
   return "?";
 }
@@ -52,6 +54,29 @@ json progress_json(const LoadProgress& p) {
 }
 
 json state_json(const config::DeviceState& state) { return {{"device", state.device}, {"dtype", state.dtype}}; }
+
+std::string clock_text(std::chrono::system_clock::time_point when, const char* format) {
+  const std::time_t t = std::chrono::system_clock::to_time_t(when);
+  std::tm parts{};
+  ::gmtime_r(&t, &parts);
+  char text[32];
+  std::strftime(text, sizeof text, format, &parts);
+  return text;
+}
+
+// What a client maps: regions in the order their descriptors travel, and every tensor's place.
+json manifest_json(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease) {
+  json regions = json::array(), tensors = json::array();
+  for (const auto& region : manifest.regions) {
+    regions.push_back({{"kind", region.kind}, {"size", region.size}});
+    if (!region.path.empty()) regions.back()["path"] = region.path;
+  }
+  for (const auto& t : manifest.tensors)
+    tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"strides", t.strides},
+                       {"region", t.region ? json(*t.region) : json(nullptr)}, {"offset", t.offset}});
+  return {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
+          {"bytes", manifest.bytes}, {"regions", regions}, {"tensors", tensors}};
+}
 
 }  // namespace
 
@@ -83,6 +108,7 @@ struct Registry::Outcome {
   int status = 200;        // of the job's own answer
   std::string error;
   std::string output;      // forward: safetensors bytes
+  std::shared_ptr<weights::Manifest> manifest;  // lease
   double seconds = 0, load_seconds = 0;
   Moved moved;
 };
@@ -332,7 +358,8 @@ uint64_t Registry::used(const std::string& device) const {
 }
 
 bool Registry::evictable(const Entry& e) const {
-  return !e.busy && e.queue.empty() && !e.waiting_for_room && e.runtime && e.config && !e.config->residency.pinned;
+  return !e.busy && e.queue.empty() && !e.waiting_for_room && e.runtime && e.config && !e.config->residency.pinned &&
+         e.leases.empty();
 }
 
 bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
@@ -366,7 +393,10 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
     for (auto& [name, e] : entries_) {
       const uint64_t held = (e->bytes.count(device) ? e->bytes[device] : 0) + (e->reserved.count(device) ? e->reserved[device] : 0);
       if (!held || e.get() == &entry) continue;
-      const char* why = e->config && e->config->residency.pinned ? "pinned" : e->busy || !e->queue.empty() ? "busy" : "idle";
+      const char* why = e->config && e->config->residency.pinned ? "pinned"
+                        : !e->leases.empty()                       ? "leased"
+                        : e->busy || !e->queue.empty()             ? "busy"
+                                                                   : "idle";
       holders += (holders.empty() ? "" : ", ") + name + " " + format_bytes(held) + " (" + why + ")";
     }
     throw Error(what + " but only " + format_bytes(free + planned) + " of its budget of " + format_bytes(budget) +
@@ -393,6 +423,17 @@ void Registry::pump(Entry& entry) {
       entry.queue.pop_front();
       answer(finished, status, body);
     };
+    // Nothing takes a leased model's weights from under its clients: wait for the leases to end
+    // (end_lease pumps again), or refuse at once when asked not to wait.
+    const bool takes_weights = job.kind == Job::Kind::Unload || job.kind == Job::Kind::Offload || job.kind == Job::Kind::Replace;
+    if (takes_weights && !entry.leases.empty()) {
+      if (job.exchange && !job.wait) {
+        done_now(409, {{"error", "model " + quote(entry.name) + " is leased by " + holders(entry) + "; " + kind_name(job.kind) +
+                                     " it once they end, or leave out wait=false to wait for them"}});
+        continue;
+      }
+      return;
+    }
     switch (job.kind) {
       case Job::Kind::Load:
         if (resident) { done_now(200, entry_json(entry)); continue; }
@@ -415,12 +456,14 @@ void Registry::pump(Entry& entry) {
         break;
       case Job::Kind::Forward:
       case Job::Kind::Replace:
+      case Job::Kind::Lease:
         break;
     }
     if (!entry.config) { done_now(409, {{"error", "model " + quote(entry.name) + " has no valid config"}}); continue; }
 
     // Room for the weights on the computation device.
-    const bool needs_weights = job.kind == Job::Kind::Load || job.kind == Job::Kind::Onload || job.kind == Job::Kind::Forward;
+    const bool needs_weights = job.kind == Job::Kind::Load || job.kind == Job::Kind::Onload || job.kind == Job::Kind::Forward ||
+                               job.kind == Job::Kind::Lease;
     if (needs_weights && !resident) {
       const std::string& device = entry.config->vram.computation.device;
       const auto& limit = entry.config->vram.limit;  // a streamed model never holds more than its limit
@@ -449,7 +492,8 @@ void Registry::pump(Entry& entry) {
 void Registry::run_job(Entry& entry, Job job) {
   entry.busy = true;
   if (!entry.worker) entry.worker = std::make_unique<Worker>();
-  const bool loads = !entry.runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward);
+  const bool loads =
+      !entry.runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward || job.kind == Job::Kind::Lease);
   if (loads) {
     entry.state = ModelState::Loading;
     entry.progress = {};
@@ -467,7 +511,7 @@ void Registry::run_job(Entry& entry, Job job) {
     const auto start = Clock::now();
     Job& job = *shared_job;
     try {
-      if (!runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward)) {
+      if (!runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward || job.kind == Job::Kind::Lease)) {
         auto last = Clock::now();
         try {
           runtime = Runtime::load(config, [&](const LoadProgress& p) {
@@ -508,6 +552,17 @@ void Registry::run_job(Entry& entry, Job job) {
           case Job::Kind::Replace: runtime.reset(); break;
           case Job::Kind::Load:
             if (runtime->offloaded()) outcome->moved = runtime->onload();  // a load wakes a sleeping model
+            break;
+          case Job::Kind::Lease:
+            try {
+              outcome->manifest = std::make_shared<weights::Manifest>(runtime->lease(job.device));
+            } catch (const BadInput& error) {
+              outcome->status = 400;
+              outcome->error = error.what();
+            } catch (const weights::NotLeasable& error) {
+              outcome->status = 409;
+              outcome->error = error.what();
+            }
             break;
         }
       }
@@ -588,7 +643,8 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
         if (was_loaded || entry.config->residency.preload) submit(entry, Job(Job::Kind::Load));
         break;
       }
-      case Job::Kind::Load: entry.state = ModelState::Ready; break;
+      case Job::Kind::Load:
+      case Job::Kind::Lease: entry.state = ModelState::Ready; break;
     }
     if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
       log::info(what + ": " + format_bytes(outcome.moved.bytes) + " in " + std::to_string(outcome.moved.seconds) + " s");
@@ -600,6 +656,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   // Answer the job (unless it is a load, answered below with everyone following it).
   if (job.exchange && std::find(watchers.begin(), watchers.end(), job.exchange) == watchers.end()) {
     if (job.kind == Job::Kind::Forward && status == 200) job.exchange->respond(200, "application/octet-stream", outcome.output);
+    else if (job.kind == Job::Kind::Lease && status == 200) hand_over(entry, job, *outcome.manifest);
     else answer(job, status, body);
   }
   // Followers hear how the load went, whatever became of the forward that started it.
@@ -654,12 +711,60 @@ void Registry::touch(Entry& entry) {
       [](uv_timer_t* timer) {
         auto* e = static_cast<Entry*>(timer->data);
         guarded("the keep_alive of " + e->name, [&] {
-          if (e->busy || !e->queue.empty() || !e->runtime) return;
+          if (e->busy || !e->queue.empty() || !e->runtime || !e->leases.empty()) return;  // a lease's end touches it again
           log::info("keep_alive of " + e->name + " ran out: unloading");
           e->registry->submit(*e, Job(Job::Kind::Unload));
         });
       },
       static_cast<uint64_t>(entry.keep_alive->count()), 0);
+}
+
+void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manifest) {
+  if (!job.hold) return respond_json(*job.exchange, 200, manifest_json(manifest, entry.name, std::nullopt));
+  const uint64_t id = ++leases_made_;
+  const auto& request = job.exchange->request();
+  entry.leases[id] = {.id = id, .pid = request.peer_pid, .uid = request.peer_uid, .device = job.device,
+                      .since = std::chrono::system_clock::now()};
+  std::vector<int> fds;
+  for (const auto& region : manifest.regions) fds.push_back(region.fd.get());
+  const std::string bytes = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: vramd-lease/1\r\nConnection: Upgrade\r\n\r\n" +
+                            json_line(manifest_json(manifest, entry.name, id));
+  const std::weak_ptr<int> alive = alive_;
+  const bool handed = job.exchange->upgrade(bytes, fds, [this, alive, name = entry.name, id] {
+    if (alive.lock()) end_lease(name, id);
+  });
+  if (!handed) {
+    entry.leases.erase(id);
+    if (!job.exchange->gone()) respond_error(*job.exchange, 500, "could not hand the lease of " + quote(entry.name) + " over");
+    return;
+  }
+  log::info("lease " + std::to_string(id) + " of " + entry.name + " to " + request.peer + ": " +
+            std::to_string(manifest.tensors.size()) + " tensors, " + format_bytes(manifest.bytes) + " in " +
+            std::to_string(manifest.regions.size()) + " regions");
+}
+
+void Registry::end_lease(const std::string& name, uint64_t id) {
+  Entry* entry = find(name);
+  if (!entry || !entry->leases.erase(id)) return;
+  log::info("lease " + std::to_string(id) + " of " + name + " ended");
+  touch(*entry);
+  pump(*entry);
+}
+
+std::string Registry::holders(const Entry& entry) {
+  std::string text;
+  for (const auto& [id, lease] : entry.leases)
+    text += (text.empty() ? "" : ", ") + std::string("pid ") + std::to_string(lease.pid) + " (uid " + std::to_string(lease.uid) +
+            ", " + lease.device + ", since " + clock_text(lease.since, "%H:%M:%S") + " UTC)";
+  return text;
+}
+
+json Registry::leases_json(const Entry& e) {
+  json leases = json::array();
+  for (const auto& [id, lease] : e.leases)
+    leases.push_back({{"id", lease.id}, {"pid", lease.pid}, {"uid", lease.uid}, {"device", lease.device},
+                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}});
+  return leases;
 }
 
 json Registry::weights_json(const Entry& e) {
@@ -693,6 +798,7 @@ json Registry::entry_json(const Entry& e) const {
                       {"preload", c.residency.preload}};
   }
   if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
+  j["leases"] = leases_json(e);
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
   j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
   j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},

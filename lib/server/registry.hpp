@@ -37,16 +37,27 @@ const char* state_name(ModelState state);
 using Clock = std::chrono::steady_clock;
 
 struct Job {
-  enum class Kind { Load, Forward, Offload, Onload, Unload, Replace } kind;
+  enum class Kind { Load, Forward, Offload, Onload, Unload, Replace, Lease } kind;
   std::shared_ptr<Exchange> exchange;  // null for the daemon's own jobs
   bool stream = false;                 // load: progress as newline-delimited JSON
   std::string input;                   // forward: safetensors bytes
+  bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
+  bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
+  std::string device = "cpu";          // lease: where the client wants the weights
 
   explicit Job(Kind kind, std::shared_ptr<Exchange> exchange = {}, bool stream = false)
       : kind(kind), exchange(std::move(exchange)), stream(stream) {}
 };
 
 class Registry;
+
+// A client holding a model's weights (weights/lease.hpp): one per handed-over connection.
+struct Lease {
+  uint64_t id = 0;
+  int64_t pid = -1, uid = -1;
+  std::string device;
+  std::chrono::system_clock::time_point since;
+};
 
 struct Entry {
   Registry* registry = nullptr;
@@ -79,6 +90,8 @@ struct Entry {
   std::optional<std::chrono::milliseconds> keep_alive;
   uv_timer_t* keep_alive_timer = nullptr;
   bool removed = false;  // its file is gone: unload, then drop the entry
+  // While any lease is held the model is never evicted, unloaded, offloaded or replaced.
+  std::map<uint64_t, Lease> leases;
 
   uint64_t forwards = 0, forward_errors = 0, loads = 0;
   double forward_seconds = 0, load_seconds = 0;
@@ -106,6 +119,8 @@ class Registry {
   nlohmann::json entry_json(const Entry& entry) const;
   // With [vram] management and loaded: the plan, bytes held, peak and streaming counters; else null.
   static nlohmann::json weights_json(const Entry& entry);
+  // The model's leases: [{"id", "pid", "uid", "device", "since"}].
+  static nlohmann::json leases_json(const Entry& entry);
 
   // SIGTERM: refuse queued work, cancel loads; `idle()` says when in-flight work has ended.
   void begin_shutdown();
@@ -135,6 +150,10 @@ class Registry {
   bool evictable(const Entry& entry) const;
 
   void touch(Entry& entry);
+  void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);
+  void end_lease(const std::string& name, uint64_t id);
+  // "pid 42 (uid 1000, cpu, since 12:00:01), ...": who holds the model's leases.
+  static std::string holders(const Entry& entry);
   void follow_load(Entry& entry, const std::shared_ptr<Exchange>& exchange);
   void send_progress(Entry& entry, bool force);
 
@@ -149,6 +168,8 @@ class Registry {
   size_t validations_in_flight_ = 0;
   bool rescan_after_drop_ = false;
   std::vector<std::function<void()>> scan_done_;
+  uint64_t leases_made_ = 0;
+  std::shared_ptr<int> alive_ = std::make_shared<int>();  // lease connections outliving the registry see it gone
 };
 
 }  // namespace vramd::server

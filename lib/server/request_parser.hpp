@@ -22,6 +22,7 @@ struct Request {
   std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
   std::string body;
   std::string peer;  // "uid 1000 pid 4242", or "tcp"
+  int64_t peer_uid = -1, peer_pid = -1;  // of a Unix-socket client, from SO_PEERCRED
 
   const std::string* header(std::string_view name) const;  // `name` in lower case
 };

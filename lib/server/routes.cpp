@@ -34,7 +34,7 @@ Route to(Route::Kind kind, std::string endpoint) {
   return route;
 }
 
-constexpr std::array<const char*, 5> kActions = {"load", "unload", "offload", "onload", "forward"};
+constexpr std::array<const char*, 6> kActions = {"load", "unload", "offload", "onload", "forward", "lease"};
 
 }  // namespace
 
@@ -63,12 +63,14 @@ Route route(const Request& request) {
   }
   for (const char* action : kActions) {
     if (parts[3] != action) continue;
-    Route route = only("POST", to(Route::Kind::Action, action));
+    // A lease is POSTed; GET shows its manifest alone (curl can read it).
+    const bool get_too = parts[3] == "lease" && request.method == "GET";
+    Route route = get_too ? to(Route::Kind::Action, action) : only("POST", to(Route::Kind::Action, action));
     route.model = parts[2];
     route.action = action;
     return route;
   }
-  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward");
+  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward, lease");
 }
 
 }  // namespace vramd::server

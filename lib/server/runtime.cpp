@@ -51,6 +51,7 @@ struct Runtime::Impl {
   bool offloaded = false;
   std::shared_ptr<dist::Group> group;  // partitioned: the ranks it is split across
   std::string partition;               // and its name among them
+  weights::LeaseMemory lease_memory;
   void tell(const std::string& op, std::string_view input = {}) {
     if (group) send(*group, op, partition, {}, input);
   }
@@ -135,6 +136,15 @@ std::string Runtime::forward(std::string_view safetensors) {
     throw BadInput(e.what());  // the model's checks of its inputs
   }
   return storage::serialize_tensors(outputs, {{"model", impl_->config.name}, {"produced_by", "vramd"}});
+}
+
+weights::Manifest Runtime::lease(const std::string& device) {
+  if (device.starts_with("cuda"))
+    throw BadInput("device " + quote(device) + ": leases of CUDA memory are not built yet, only of host memory; lease with "
+                   "device \"cpu\"");
+  if (device != "cpu") throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
+  if (impl_->offloaded) onload();
+  return impl_->lease_memory.share(impl_->loaded, impl_->config.name);
 }
 
 Moved Runtime::offload() {

@@ -15,6 +15,7 @@
 #include "model/dry_run.hpp"
 #include "model/vram_stats.hpp"
 #include "util/error.hpp"
+#include "weights/lease.hpp"
 
 namespace vramd::dist {
 class Group;
@@ -56,6 +57,11 @@ class Runtime {
   // Safetensors bytes of named inputs to safetensors bytes of the outputs. Throws BadInput
   // naming the input at fault, Error when the forward itself fails. Wakes an offloaded model.
   std::string forward(std::string_view safetensors);
+
+  // A lease's manifest on `device`: every weight in memory a client can map (weights/lease.hpp),
+  // waking an offloaded model first. Throws BadInput for a device leases cannot use,
+  // weights::NotLeasable for a model whose weights cannot all be shared.
+  weights::Manifest lease(const std::string& device);
 
   Moved offload();  // every weight to the config's offload state
   Moved onload();   // back to the computation state

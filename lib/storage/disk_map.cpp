@@ -307,4 +307,16 @@ std::pair<void*, size_t> DiskMap::map_range(const TensorInfo& info) const {
   return impl_->handles.at(info.file)->map_range(info.offset, info.nbytes);
 }
 
+std::optional<std::pair<uint32_t, uint64_t>> DiskMap::locate(const void* p, uint64_t n) const {
+  const auto* byte = static_cast<const std::byte*>(p);
+  for (uint32_t i = 0; i < impl_->handles.size(); ++i) {
+    const auto mapping = impl_->handles[i]->mapping();
+    if (byte >= mapping.data() && byte < mapping.data() + mapping.size() && n <= static_cast<uint64_t>(mapping.data() + mapping.size() - byte))
+      return std::pair{i, static_cast<uint64_t>(byte - mapping.data())};
+  }
+  return std::nullopt;
+}
+
+int DiskMap::descriptor(uint32_t file) const { return impl_->handles.at(file)->fd(); }
+
 }  // namespace vramd::storage

@@ -79,6 +79,11 @@ class DiskMap {
   std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;
   // The tensor's bytes in a read-only mapping of their own, as File::map_range.
   std::pair<void*, size_t> map_range(const TensorInfo& info) const;
+  // Where bytes [p, p + n) lie in the private mapping bytes() hands out: the file and the
+  // offset in it; nullopt when they lie elsewhere.
+  std::optional<std::pair<uint32_t, uint64_t>> locate(const void* p, uint64_t n) const;
+  // The read-only descriptor of files()[file], valid while the map lives.
+  int descriptor(uint32_t file) const;
 
   struct Impl;
 

@@ -103,13 +103,15 @@ class Client:
         error = last.get("error") if last is not None else None
         raise DaemonError(error if isinstance(error, str) else "the load did not finish", request=request)
 
-    def unload(self, name: str) -> dict:
-        """Frees model `name`'s weights once the requests queued before are done; its object."""
-        return self._json("POST", _model_path(name, "unload"), _check_model)
+    def unload(self, name: str, wait: bool = True) -> dict:
+        """Frees model `name`'s weights once the requests queued before are done and its leases
+        have ended; its object. `wait=False`: refuse at once (409, naming the holders) while leased."""
+        return self._json("POST", _model_path(name, "unload", wait=None if wait else "false"), _check_model)
 
-    def offload(self, name: str) -> dict:
-        """Puts model `name` to sleep (weights to its offload state); its object with `moved`."""
-        return self._json("POST", _model_path(name, "offload"), _check_model)
+    def offload(self, name: str, wait: bool = True) -> dict:
+        """Puts model `name` to sleep (weights to its offload state) once its leases have ended; its
+        object with `moved`. `wait=False` as for unload."""
+        return self._json("POST", _model_path(name, "offload", wait=None if wait else "false"), _check_model)
 
     def onload(self, name: str) -> dict:
         """Wakes model `name` (weights back to its computation state); its object with `moved`."""

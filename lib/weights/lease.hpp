@@ -1,0 +1,63 @@
+// What a lease hands a client: every weight of a loaded model as a region of shared memory and
+// a place in it. Regions are sealed memfds (weights/shared_region.hpp) or, for weights that
+// are plain views of a checkpoint, the checkpoint file itself, read-only: the same page cache,
+// nothing copied. LibTorch-free; weights/lease_memory.cpp builds it from a loaded model.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "util/error.hpp"
+#include "weights/shared_region.hpp"
+
+namespace vramd::model {
+struct LoadedModel;
+}
+
+namespace vramd::weights {
+
+// The model cannot be leased as configured (the message says why and what to change): 409.
+class NotLeasable : public Error {
+ public:
+  using Error::Error;
+};
+
+struct LeaseRegion {
+  std::string kind;  // "memfd" or "file"
+  std::string path;  // of a file region
+  uint64_t size = 0;
+  UniqueFd fd;       // a duplicate, the manifest's own
+};
+
+struct LeaseTensor {
+  std::string name;   // the architecture's (Hugging Face) name
+  std::string dtype;  // torch's name: "bfloat16"
+  std::vector<int64_t> shape, strides;  // strides in elements
+  std::optional<size_t> region;  // none for a tensor with no elements
+  uint64_t offset = 0;           // bytes into the region
+};
+
+struct Manifest {
+  std::string device = "cpu";
+  uint64_t bytes = 0;  // of the tensors, tied ones counted once
+  std::vector<LeaseRegion> regions;
+  std::vector<LeaseTensor> tensors;
+};
+
+// The shared memory of one loaded model, kept beside it for as long as it is loaded.
+class LeaseMemory {
+ public:
+  // Moves every weight that is neither in a region made before nor a view of a checkpoint into
+  // one new sealed region (the model then computes from it too), and describes them all. Runs
+  // where the model's jobs run (they must not overlap). Throws NotLeasable for a model whose
+  // weights are streamed, partitioned or not in host memory.
+  Manifest share(model::LoadedModel& loaded, const std::string& name);
+
+ private:
+  std::vector<std::weak_ptr<SharedRegion>> regions_;
+};
+
+}  // namespace vramd::weights
