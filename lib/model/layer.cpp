@@ -24,6 +24,7 @@ const char* kind_name(LayerKind kind) {
     case LayerKind::LayerNorm: return "LayerNorm";
     case LayerKind::RMSNorm: return "RMSNorm";
     case LayerKind::Conv2d: return "Conv2d";
+    case LayerKind::Tensors: return "Tensors";
   }
   return "?";
 }
@@ -37,7 +38,7 @@ Layer::Layer(std::string path, LayerKind kind, std::vector<Parameter> parameters
 
 Parameter& Layer::parameter(std::string_view short_name) {
   for (auto& parameter : parameters_)
-    if (std::string_view(parameter.name).substr(path_.size() + 1) == short_name) return parameter;
+    if (std::string_view(parameter.name).substr(path_.empty() ? 0 : path_.size() + 1) == short_name) return parameter;
   throw Error("layer " + quote(path_) + " has no parameter " + quote(short_name));
 }
 
@@ -86,6 +87,7 @@ at::Tensor Layer::apply(const std::vector<at::Tensor>& w, const at::Tensor& inpu
     }
     case LayerKind::Conv2d:
       return at::conv2d(input, w[0], bias, {options_.stride, options_.stride}, {options_.padding, options_.padding});
+    case LayerKind::Tensors: throw Error("layer " + quote(path_) + " holds tensors for leases and is never applied");
   }
   throw Error("unknown layer kind");
 }

@@ -25,7 +25,8 @@ class LayerWeights {
   virtual void release(const Layer& layer) = 0;
 };
 
-enum class LayerKind { Linear, Conv1D, Embedding, LayerNorm, RMSNorm, Conv2d };
+// Tensors: parameters held for leases alone, never applied (the "weights" architecture).
+enum class LayerKind { Linear, Conv1D, Embedding, LayerNorm, RMSNorm, Conv2d, Tensors };
 const char* kind_name(LayerKind kind);
 
 struct Parameter {

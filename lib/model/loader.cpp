@@ -110,7 +110,10 @@ Prepared prepare(const config::ModelConfig& config) {
   const c10::ScalarType dtype = dtype_name == "auto" ? dominant_dtype(plan) : state_dtype(dtype_name, c10::kFloat);
   std::unique_ptr<Model> model;
   try {
-    model = build_model(architecture, hyperparams, dtype);
+    TensorShapes shapes;
+    if (architecture == "weights")
+      for (const auto& [target, expr] : plan.tensors) shapes.emplace_back(target, expr->shape);
+    model = build_model(architecture, hyperparams, dtype, shapes);
   } catch (const Error& e) {
     fail(where, e.what());
   }

@@ -37,7 +37,8 @@ std::vector<Parameter*> Model::parameters() {
 
 Parameter* Model::find(std::string_view name) {
   for (auto& layer : layers_)
-    if (name.starts_with(layer->path()) && name.size() > layer->path().size() && name[layer->path().size()] == '.')
+    if (layer->path().empty() ||
+        (name.starts_with(layer->path()) && name.size() > layer->path().size() && name[layer->path().size()] == '.'))
       for (auto& parameter : layer->parameters())
         if (parameter.name == name) return &parameter;
   return nullptr;
@@ -54,7 +55,7 @@ Layer& Model::add(const std::string& path, LayerKind kind,
   std::vector<Parameter> parameters;
   for (auto& [name, shape] : shapes) {
     at::Tensor meta = at::empty(shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
-    parameters.push_back(Parameter{path + "." + name, std::move(shape), std::move(meta)});
+    parameters.push_back(Parameter{path.empty() ? name : path + "." + name, std::move(shape), std::move(meta)});
   }
   layers_.push_back(std::make_unique<Layer>(path, kind, std::move(parameters), options));
   return *layers_.back();
@@ -76,6 +77,10 @@ Layer& Model::embedding(const std::string& path, int64_t count, int64_t dim) {
 Layer& Model::layer_norm(const std::string& path, int64_t dim, double eps, bool bias) {
   if (bias) return add(path, LayerKind::LayerNorm, {{"weight", {dim}}, {"bias", {dim}}}, {.eps = eps});
   return add(path, LayerKind::LayerNorm, {{"weight", {dim}}}, {.eps = eps});
+}
+
+Layer& Model::tensors(const std::string& path, std::vector<std::pair<std::string, std::vector<int64_t>>> shapes) {
+  return add(path, LayerKind::Tensors, std::move(shapes), {});
 }
 
 Layer& Model::rms_norm(const std::string& path, int64_t dim, double eps) {

@@ -48,6 +48,9 @@ class Model {
   Layer& embedding(const std::string& path, int64_t count, int64_t dim);
   Layer& layer_norm(const std::string& path, int64_t dim, double eps, bool bias = true);
   Layer& rms_norm(const std::string& path, int64_t dim, double eps);
+  // Parameters held and never applied (LayerKind::Tensors), named `path`.`name` (`name` when
+  // `path` is empty).
+  Layer& tensors(const std::string& path, std::vector<std::pair<std::string, std::vector<int64_t>>> shapes);
   // `follower`'s weight is `leader`'s: one storage, loaded once.
   static void tie(Layer& follower, const Layer& leader);
 

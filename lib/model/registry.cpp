@@ -1,5 +1,7 @@
 #include "model/registry.hpp"
 
+#include <map>
+
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -10,6 +12,29 @@ using Builder = std::unique_ptr<Model> (*)(const std::string& name, const Hyperp
 std::unique_ptr<Model> build_llama(const std::string&, const Hyperparams&, c10::ScalarType);
 std::unique_ptr<Model> build_gpt2(const std::string&, const Hyperparams&, c10::ScalarType);
 std::unique_ptr<Model> build_bert(const std::string&, const Hyperparams&, c10::ScalarType);
+
+namespace {
+
+class WeightsOnly : public Model {
+ public:
+  WeightsOnly(const TensorShapes& checkpoint, c10::ScalarType dtype) : Model("weights", dtype, "", {}) {
+    // One layer per prefix ("down.0.conv" holds "down.0.conv.weight" and ".bias").
+    std::map<std::string, TensorShapes> layers;
+    for (const auto& [name, shape] : checkpoint) {
+      const auto dot = name.rfind('.');
+      const std::string path = dot == std::string::npos ? "" : name.substr(0, dot);
+      layers[path].emplace_back(dot == std::string::npos ? name : name.substr(dot + 1), shape);
+    }
+    for (auto& [path, shapes] : layers) tensors(path, std::move(shapes));
+  }
+
+  storage::NamedTensors forward(const storage::NamedTensors&) override {
+    throw Error("architecture \"weights\" has no forward: it holds a checkpoint's tensors for leases "
+                "(POST /v1/models/NAME/lease; the Python package's lease())");
+  }
+};
+
+}  // namespace
 
 namespace {
 
@@ -28,11 +53,12 @@ constexpr Entry kArchitectures[] = {
 std::string known_architectures() {
   std::string known;
   for (const auto& entry : kArchitectures) known += (known.empty() ? "" : ", ") + std::string(entry.name);
-  return known;
+  return known + ", weights";
 }
 
 std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperparams& hyperparams,
-                                   c10::ScalarType dtype) {
+                                   c10::ScalarType dtype, const TensorShapes& tensors) {
+  if (architecture == "weights") return std::make_unique<WeightsOnly>(tensors, dtype);
   for (const auto& entry : kArchitectures)
     if (architecture == entry.name) return entry.build(architecture, hyperparams, dtype);
   throw Error("unknown architecture " + quote(architecture) + " (known: " + known_architectures() + ")");

