@@ -6,7 +6,7 @@
 
 #include "config/units.hpp"
 #include "dist/group.hpp"
-#include "model/loader.hpp"
+#include "model/progress.hpp"
 #include "server/boundary.hpp"
 #include "server/reply.hpp"
 #include "util/file.hpp"
