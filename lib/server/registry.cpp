@@ -654,12 +654,7 @@ void Registry::touch(Entry& entry) {
 
 json Registry::weights_json(const Entry& e) {
   if (!e.vram || !e.runtime) return nullptr;
-  const auto& v = *e.vram;
-  return {{"plan", v.plan}, {"limit", v.limit ? json(v.limit) : json(nullptr)}, {"resident", v.resident},
-          {"total", v.total}, {"onload", v.onload}, {"disk_layers", v.disk_slots}, {"held", v.held},
-          {"peak", v.peak}, {"loads", v.loads},
-          {"prefetched", v.prefetched}, {"bytes_streamed", v.bytes_streamed},
-          {"bytes_mapped", v.bytes_mapped}, {"wait_seconds", v.wait_seconds}};
+  return *e.vram;
 }
 
 json Registry::entry_json(const Entry& e) const {
