@@ -161,12 +161,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   }
   if (const auto managed = model::vram_stats(loaded)) {
     const auto& v = *managed;
-    stats["vram"] = {{"limit", v.limit}, {"total", v.total}, {"resident", v.resident}, {"streaming_room", v.streaming},
-                     {"layers", v.slots}, {"resident_layers", v.resident_slots}, {"peak", v.peak},
-                     {"onload", v.onload}, {"disk_layers", v.disk_slots},
-                     {"bytes_streamed", v.bytes_streamed}, {"bytes_mapped", v.bytes_mapped}, {"loads", v.loads}, {"prefetched", v.prefetched},
-                     {"wait_seconds", v.wait_seconds}, {"read_seconds", v.read_seconds}, {"order_learned", v.order_learned},
-                     {"held", v.held}, {"staging", v.staging}, {"plan", v.plan}};
+    stats["vram"] = v;
     if (!options.trace.empty() && loaded.vram) {
       nlohmann::json events = nlohmann::json::array();
       for (const auto& e : loaded.vram->take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});

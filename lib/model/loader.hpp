@@ -8,12 +8,12 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "config/model_config.hpp"
 #include "model/dry_run.hpp"
 #include "model/model.hpp"
+#include "model/progress.hpp"
 #include "model/vram_stats.hpp"
 #include "util/error.hpp"
 
@@ -22,12 +22,6 @@ class Group;
 }
 
 namespace vramd::model {
-
-struct Progress {
-  std::string_view tensor;  // the parameter just loaded
-  uint64_t bytes_done = 0, bytes_total = 0;
-  size_t tensors_done = 0, tensors_total = 0;
-};
 
 struct LoadOptions {
   // Called after each tensor; returning false (before the last one) cancels the load, which then throws Cancelled
@@ -59,16 +53,6 @@ struct LoadedModel {
 
 // The weight manager's or the partition's figures and plan; nullopt when neither manages the model.
 std::optional<VramStats> vram_stats(const LoadedModel& loaded);
-
-struct Transition {
-  uint64_t bytes = 0;  // of weights moved, read or released
-  double seconds = 0;
-};
-
-class Cancelled : public Error {
- public:
-  using Error::Error;
-};
 
 // dry_run (model/dry_run.hpp), keeping the model it built on the meta device: names, shapes and
 // ties, no tensor data. For planning where the weights would go (vramctl plan).

@@ -1,8 +1,10 @@
-// What the weight manager (model/vram.hpp) reports, without LibTorch, for the daemon's status.
+// What the weight manager (model/vram.hpp) reports, without LibTorch, for the daemon's status
+// and `vramctl run --stats-json`.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 
 namespace vramd::model {
@@ -28,5 +30,9 @@ struct VramStats {
   bool order_learned = false;
   std::string plan;  // one line: what is resident, what streams from where, room, limit, peak
 };
+
+// The one JSON form of these figures, for the daemon's `weights` (docs/api.md) and vramctl run's
+// `vram`: `limit` is null when there is none.
+void to_json(nlohmann::json& out, const VramStats& stats);
 
 }  // namespace vramd::model

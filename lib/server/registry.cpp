@@ -7,8 +7,9 @@
 
 #include "config/units.hpp"
 #include "dist/group.hpp"
-#include "model/loader.hpp"
+#include "model/progress.hpp"
 #include "server/boundary.hpp"
+#include "server/eviction.hpp"
 #include "server/reply.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
@@ -357,57 +358,43 @@ uint64_t Registry::used(const std::string& device) const {
   return total;
 }
 
-bool Registry::evictable(const Entry& e) const {
-  return !e.busy && e.queue.empty() && !e.waiting_for_room && e.runtime && e.config && !e.config->residency.pinned &&
-         e.leases.empty();
+namespace {
+
+// What the eviction planner needs to know of `e` on `device`.
+Holder holder_on(const Entry& e, const std::string& device) {
+  const auto held = [&](const std::map<std::string, uint64_t>& bytes) {
+    const auto it = bytes.find(device);
+    return it == bytes.end() ? 0 : it->second;
+  };
+  return {.name = e.name,
+          .bytes = held(e.bytes),
+          .reserved = held(e.reserved),
+          .last_used = e.last_used,
+          .loaded = e.runtime && e.config,
+          .ready = e.state == ModelState::Ready,
+          .offload_device = e.config ? e.config->vram.offload.device : "",
+          .pinned = e.config && e.config->residency.pinned,
+          .leased = !e.leases.empty(),
+          .busy = e.busy || !e.queue.empty(),
+          .waiting_for_room = e.waiting_for_room};
 }
 
-bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
-  const auto budget_it = config_.budgets.find(device);
-  if (budget_it == config_.budgets.end()) return true;  // no budget: the device's own size is the limit
-  const uint64_t budget = budget_it->second;
-  const std::string what = "model " + quote(entry.name) + " needs " + format_bytes(need) + " on " + device;
-  if (need > budget) throw Error(what + ", more than the daemon's whole budget for it (" + format_bytes(budget) + ")");
-  const uint64_t in_use = used(device);
-  const uint64_t free = budget - std::min(budget, in_use);
-  if (free >= need) return true;
+}  // namespace
 
-  std::vector<Entry*> candidates;
-  for (auto& [name, e] : entries_)
-    if (e.get() != &entry && evictable(*e) && e->bytes.count(device) && e->bytes[device] > 0) candidates.push_back(e.get());
-  std::sort(candidates.begin(), candidates.end(), [](Entry* a, Entry* b) { return a->last_used < b->last_used; });
-  std::vector<std::pair<Entry*, Job::Kind>> plan;
-  uint64_t planned = 0;
-  for (Entry* e : candidates)  // first sleep models whose offload state is elsewhere
-    if (free + planned < need && e->state == ModelState::Ready && e->config->vram.offload.device != device) {
-      planned += e->bytes[device];
-      plan.emplace_back(e, Job::Kind::Offload);
-    }
-  for (Entry* e : candidates)  // then unload, least recently used first
-    if (free + planned < need && std::none_of(plan.begin(), plan.end(), [&](auto& p) { return p.first == e; })) {
-      planned += e->bytes[device];
-      plan.emplace_back(e, Job::Kind::Unload);
-    }
-  if (free + planned < need) {
-    std::string holders;
-    for (auto& [name, e] : entries_) {
-      const uint64_t held = (e->bytes.count(device) ? e->bytes[device] : 0) + (e->reserved.count(device) ? e->reserved[device] : 0);
-      if (!held || e.get() == &entry) continue;
-      const char* why = e->config && e->config->residency.pinned ? "pinned"
-                        : !e->leases.empty()                       ? "leased"
-                        : e->busy || !e->queue.empty()             ? "busy"
-                                                                   : "idle";
-      holders += (holders.empty() ? "" : ", ") + name + " " + format_bytes(held) + " (" + why + ")";
-    }
-    throw Error(what + " but only " + format_bytes(free + planned) + " of its budget of " + format_bytes(budget) +
-                " can be freed; in use: " + (holders.empty() ? "nothing else" : holders));
+bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
+  const auto budget = config_.budgets.find(device);
+  if (budget == config_.budgets.end()) return true;  // no budget: the device's own size is the limit
+  std::vector<Holder> holders;
+  for (const auto& [name, e] : entries_) holders.push_back(holder_on(*e, device));
+  const RoomPlan plan = plan_room({entry.name, device, need, budget->second}, holders);
+  if (!plan.error.empty()) throw Error(plan.error);
+  for (const auto& eviction : plan.evictions) {
+    const Job::Kind kind = eviction.kind == Eviction::Kind::Offload ? Job::Kind::Offload : Job::Kind::Unload;
+    log::info("making room for " + entry.name + " on " + device + ": " + kind_name(kind) + " " + eviction.model +
+              " (" + format_bytes(eviction.bytes) + ")");
+    submit(*find(eviction.model), Job(kind));
   }
-  for (auto& [victim, kind] : plan) {
-    log::info("making room for " + entry.name + " on " + device + ": " + kind_name(kind) + " " + victim->name + " (" +
-              format_bytes(victim->bytes[device]) + ")");
-    submit(*victim, Job(kind));
-  }
-  return false;
+  return plan.evictions.empty();
 }
 
 void Registry::pump(Entry& entry) {
@@ -769,12 +756,7 @@ json Registry::leases_json(const Entry& e) {
 
 json Registry::weights_json(const Entry& e) {
   if (!e.vram || !e.runtime) return nullptr;
-  const auto& v = *e.vram;
-  return {{"plan", v.plan}, {"limit", v.limit ? json(v.limit) : json(nullptr)}, {"resident", v.resident},
-          {"total", v.total}, {"onload", v.onload}, {"disk_layers", v.disk_slots}, {"held", v.held},
-          {"peak", v.peak}, {"loads", v.loads},
-          {"prefetched", v.prefetched}, {"bytes_streamed", v.bytes_streamed},
-          {"bytes_mapped", v.bytes_mapped}, {"wait_seconds", v.wait_seconds}};
+  return *e.vram;
 }
 
 json Registry::entry_json(const Entry& e) const {

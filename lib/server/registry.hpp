@@ -1,8 +1,8 @@
 // The daemon's models: one entry per config file in the watched folder, each with its state,
 // its queue of requests and a worker thread that runs them in order (so forwards on different
 // models run in parallel and those on one model in order). Residency is decided here: device
-// budgets, making room by offloading and then unloading idle models least recently used first
-// (never pinned ones, never busy ones), keep-alive, preload.
+// budgets, making room by offloading and then unloading idle models (server/eviction.hpp plans
+// which), keep-alive, preload.
 //
 // Everything here runs on the loop thread except the jobs on the workers, which touch only
 // their own model's Runtime and report back through the Mailbox.
@@ -147,7 +147,6 @@ class Registry {
   // is pumped again when they end); throws Error with the numbers when it cannot fit.
   bool make_room(Entry& entry, const std::string& device, uint64_t bytes);
   uint64_t used(const std::string& device) const;
-  bool evictable(const Entry& entry) const;
 
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);

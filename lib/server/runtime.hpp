@@ -41,7 +41,7 @@ struct Moved {
 
 class Runtime {
  public:
-  // Throws Error; model::Cancelled when `progress` returns false.
+  // Throws Error; model::Cancelled (model/progress.hpp) when `progress` returns false.
   static std::unique_ptr<Runtime> load(const config::ModelConfig& config,
                                        const std::function<bool(const LoadProgress&)>& progress);
   ~Runtime();

@@ -1,0 +1,29 @@
+#include "model/vram_stats.hpp"
+
+#include <nlohmann/json.hpp>
+
+namespace vramd::model {
+
+void to_json(nlohmann::json& out, const VramStats& v) {
+  out = {{"plan", v.plan},
+         {"limit", v.limit ? nlohmann::json(v.limit) : nlohmann::json(nullptr)},
+         {"total", v.total},
+         {"resident", v.resident},
+         {"streaming_room", v.streaming},
+         {"layers", v.slots},
+         {"resident_layers", v.resident_slots},
+         {"onload", v.onload},
+         {"disk_layers", v.disk_slots},
+         {"held", v.held},
+         {"staging", v.staging},
+         {"peak", v.peak},
+         {"loads", v.loads},
+         {"prefetched", v.prefetched},
+         {"bytes_streamed", v.bytes_streamed},
+         {"bytes_mapped", v.bytes_mapped},
+         {"wait_seconds", v.wait_seconds},
+         {"read_seconds", v.read_seconds},
+         {"order_learned", v.order_learned}};
+}
+
+}  // namespace vramd::model
