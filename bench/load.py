@@ -40,6 +40,13 @@ def make_checkpoint(folder):
     config.save_pretrained(folder)
 
 
+def warm_checkpoint(folder):
+    """Makes the checkpoint when missing and reads it once, so that the page cache holds it; its size."""
+    make_checkpoint(folder)
+    subprocess.run(["cat", str(folder / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
+    return (folder / "model.safetensors").stat().st_size
+
+
 def rss_now():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -113,9 +120,7 @@ def main():
         print(json.dumps(python_contender(args.contender, folder, args.tokens, args.repeat)))
         return
 
-    make_checkpoint(folder)
-    size = (folder / "model.safetensors").stat().st_size
-    subprocess.run(["cat", str(folder / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)  # warm
+    size = warm_checkpoint(folder)
     results = {"vramd": vramd_contender(folder, args.tokens, args.repeat, workdir),
                "vramd --copy": vramd_contender(folder, args.tokens, args.repeat, workdir, "--copy")}
     for kind in ["transformers", "transformers-device-map", "accelerate"]:
