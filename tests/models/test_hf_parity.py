@@ -173,7 +173,7 @@ def test_bad_inputs_are_named(witnesses, tmp_path, inputs, message):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ('architecture = "gpt3"\n', "unknown architecture 'gpt3' (known: llama, mistral, qwen2, gpt2, bert)"),
+    ('architecture = "gpt3"\n', "unknown architecture 'gpt3' (known: llama, mistral, qwen2, gpt2, bert, weights)"),
     ('[arch]\nn_head = 5\n', "n_embd (64) must be a multiple of n_head (5)"),
     ('[arch]\nn_layer = "two"\n', "hyperparameter 'n_layer' must be an integer, found \"two\""),
     ('[arch]\nactivation_function = "swiglu"\n', "activation 'swiglu' is not supported"),
