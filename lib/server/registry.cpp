@@ -281,6 +281,7 @@ void Registry::apply(Validation v) {
       entry.config_error.clear();
       log::info("valid " + name + ": " + entry.dry->architecture + ", " + entry.dry->dtype + ", " +
                 format_bytes(entry.dry->report.bytes) + " (" + v.file + ")");
+      for (const auto& warning : entry.dry->report.warnings) log::warn(name + ": " + warning);
       if (entry.config->residency.preload) submit(entry, Job(Job::Kind::Load));
       return;
     }
@@ -771,6 +772,7 @@ json Registry::entry_json(const Entry& e) const {
     j["bytes"] = e.dry->report.bytes;
     j["tensors"] = e.dry->report.tensors;
     j["checkpoint"] = e.dry->report.checkpoint;
+    if (!e.dry->report.warnings.empty()) j["warnings"] = e.dry->report.warnings;
     j["vram"] = {{"offload", state_json(c.vram.offload)}, {"onload", state_json(c.vram.onload)},
                  {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation)},
                  {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)},

@@ -95,43 +95,68 @@ void add_index(const std::string& index_path, std::vector<Part>& parts) {
   }
 }
 
-void add_source(const std::string& source, std::vector<Part>& parts) {
+// A folder's checkpoint as Hugging Face finds it: the index of its shards, else the one file
+// named as the libraries save it (model.safetensors, diffusion_pytorch_model.safetensors,
+// pytorch_model.bin), else the folder's only checkpoint file. Other checkpoint files beside the
+// one chosen are left out with a warning; several and none chosen is an error saying how to
+// name them.
+void add_folder(const std::string& folder, std::vector<Part>& parts, std::vector<std::string>& warnings) {
+  const auto index = [&](const char* suffix) {
+    auto indexes = sorted_matches(folder, suffix);
+    if (indexes.size() > 1)
+      fail(folder, "holds several index files (" + indexes[0] + ", " + indexes[1] + "); name the one to load");
+    if (indexes.size() == 1) add_index(indexes[0], parts);
+    return indexes.size() == 1;
+  };
+  const auto pick = [&](std::vector<std::string> files, std::initializer_list<const char*> known, const char* glob) {
+    if (files.empty()) return false;
+    std::string chosen = files.size() == 1 ? files[0] : "";
+    for (const char* name : known)
+      if (chosen.empty() && std::find(files.begin(), files.end(), (fs::path(folder) / name).string()) != files.end())
+        chosen = (fs::path(folder) / name).string();
+    std::string others;
+    for (const auto& file : files)
+      if (file != chosen) others += (others.empty() ? "" : ", ") + fs::path(file).filename().string();
+    if (chosen.empty())
+      fail(folder, "holds " + std::to_string(files.size()) + " checkpoint files (" + others + ") and neither an index " +
+                       "naming its shards nor a file named as Hugging Face saves one (" + *known.begin() +
+                       "); name the file to load, or load them together with checkpoint = \"" +
+                       (fs::path(folder) / glob).string() + "\"");
+    if (!others.empty())
+      warnings.push_back(folder + ": loading " + fs::path(chosen).filename().string() + " as Hugging Face would; " +
+                         others + " beside it left out (checkpoint = \"" + (fs::path(folder) / glob).string() +
+                         "\" loads them all)");
+    parts.push_back(Part{chosen, {}, std::nullopt});
+    return true;
+  };
+  if (index(".safetensors.index.json") ||
+      pick(sorted_matches(folder, ".safetensors"), {"model.safetensors", "diffusion_pytorch_model.safetensors"},
+           "*.safetensors") ||
+      index(".bin.index.json"))
+    return;
+  std::vector<std::string> pickles;
+  for (const char* suffix : {".bin", ".pt", ".pth", ".ckpt"})
+    for (auto& path : sorted_matches(folder, suffix)) pickles.push_back(std::move(path));
+  std::sort(pickles.begin(), pickles.end());
+  if (!pick(pickles, {"pytorch_model.bin", "diffusion_pytorch_model.bin"}, "*.bin"))
+    fail(folder, "holds no checkpoint (looked for *.safetensors.index.json, *.bin.index.json, *.safetensors, "
+                 "*.bin, *.pt, *.pth, *.ckpt)");
+}
+
+void add_source(const std::string& source, std::vector<Part>& parts, std::vector<std::string>& warnings) {
   if (is_glob(source)) {
     glob_t matches{};
     int status = ::glob(source.c_str(), 0, nullptr, &matches);
     std::vector<std::string> paths(matches.gl_pathv, matches.gl_pathv + matches.gl_pathc);
     ::globfree(&matches);
     if (status != 0 || paths.empty()) fail(source, "no file matches this pattern");
-    for (const auto& path : paths) add_source(path, parts);
+    for (const auto& path : paths) add_source(path, parts, warnings);
     return;
   }
   std::error_code ec;
   auto status = fs::status(source, ec);
   if (ec || !fs::exists(status)) fail(source, "no such file or folder");
-  if (fs::is_directory(status)) {
-    for (const char* index_suffix : {".safetensors.index.json", ".bin.index.json"}) {
-      auto indexes = sorted_matches(source, index_suffix);
-      if (indexes.size() > 1)
-        fail(source, "holds several index files (" + indexes[0] + ", " + indexes[1] +
-                         "); name the one to load");
-      if (indexes.size() == 1) return add_index(indexes[0], parts);
-      if (std::string_view(index_suffix) == ".safetensors.index.json") {
-        auto shards = sorted_matches(source, ".safetensors");
-        if (!shards.empty()) {
-          for (auto& shard : shards) parts.push_back(Part{std::move(shard), {}, std::nullopt});
-          return;
-        }
-      }
-    }
-    std::vector<std::string> pickles;
-    for (const char* suffix : {".bin", ".pt", ".pth", ".ckpt"})
-      for (auto& path : sorted_matches(source, suffix)) pickles.push_back(std::move(path));
-    if (pickles.empty())
-      fail(source, "holds no checkpoint (looked for *.safetensors.index.json, *.safetensors, "
-                   "*.bin.index.json, *.bin, *.pt, *.pth, *.ckpt)");
-    for (auto& path : pickles) parts.push_back(Part{std::move(path), {}, std::nullopt});
-    return;
-  }
+  if (fs::is_directory(status)) return add_folder(source, parts, warnings);
   if (ends_with(source, ".index.json")) return add_index(source, parts);
   parts.push_back(Part{source, {}, std::nullopt});
 }
@@ -207,7 +232,7 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
   if (sources.empty()) throw Error("no checkpoint given");
 
   std::vector<Part> parts;
-  for (const auto& source : sources) add_source(source, parts);
+  for (const auto& source : sources) add_source(source, parts, impl->warnings);
 
   Indexer indexer{*impl, options, 0, {}};
   for (const auto& part : parts) {

@@ -1,9 +1,9 @@
 // DiskMap: a lazy index  name -> (file, dtype, shape, byte range)  over all of a model's
 // checkpoint files, built from headers alone. Reading a tensor touches only its byte range.
 //
-// Sources: a safetensors file, a folder (its *.safetensors.index.json, else its *.safetensors
-// shards, else its *.bin.index.json, else PyTorch *.bin / *.pt files), an index.json, a glob,
-// or a list of these. PyTorch zip checkpoints are indexed lazily too (storage/torch_pickle.hpp).
+// Sources: a safetensors file, an index.json, a glob (every match), a list of these, or a folder
+// read as Hugging Face reads one (its index, else model.safetensors or its only .safetensors...:
+// add_folder in disk_map.cpp). PyTorch zip checkpoints are indexed lazily (storage/torch_pickle.hpp).
 //
 // A prefix restricts the map to one model inside files that hold several: only keys that
 // start with it are indexed, and it is stripped from their names unless asked to be kept.

@@ -79,6 +79,24 @@ def test_inspect_reads_a_sharded_checkpoint_through_its_index(tmp_path):
     assert len(doc["files"]) == 2
 
 
+def test_a_folder_is_read_as_hugging_face_reads_it(tmp_path):
+    weights = {"w": torch.ones(4)}
+    save_file({"input_ids": torch.tensor([[1, 2]])}, tmp_path / "inputs.safetensors")
+    save_file(weights, tmp_path / "optimizer.safetensors")
+    refused = vramctl("inspect", tmp_path)
+    assert refused.returncode == 1
+    assert "holds 2 checkpoint files (inputs.safetensors, optimizer.safetensors)" in refused.stderr
+    assert f'checkpoint = "{tmp_path}/*.safetensors"' in refused.stderr
+    save_file(weights, tmp_path / "model.safetensors")
+    result = vramctl("inspect", tmp_path, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert list(report["tensors"]) == ["w"]
+    assert report["warnings"] == [f"{tmp_path}: loading model.safetensors as Hugging Face would; inputs.safetensors, "
+                                  f'optimizer.safetensors beside it left out (checkpoint = "{tmp_path}/*.safetensors" '
+                                  "loads them all)"]
+
+
 def test_inspect_reads_a_pytorch_state_dict_lazily(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Embedding(5, 2).to(torch.bfloat16))
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # an OrderedDict with _metadata

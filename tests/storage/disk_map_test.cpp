@@ -140,14 +140,13 @@ TEST_CASE("an index that names keys or shards that are not there is refused with
   }
 }
 
-TEST_CASE("a folder of shards or a glob or a list are merged and a key in two files is refused") {
+TEST_CASE("a glob or a list are merged and a key in two files is refused") {
   TempDir dir;
   Tensors a, b;
   a.add("x", 4);
   b.add("y", 4);
   write_safetensors(dir / "a.safetensors", a.data);
   write_safetensors(dir / "b.safetensors", b.data);
-  CHECK(DiskMap::open(dir.path().string()).tensors().size() == 2);
   CHECK(DiskMap::open(dir / "*.safetensors").tensors().size() == 2);
   CHECK(DiskMap::open(std::vector<std::string>{dir / "a.safetensors", dir / "b.safetensors"}).tensors().size() == 2);
   CHECK(error_of([&] { DiskMap::open(dir / "*.nothing"); }) == dir / "*.nothing" + ": no file matches this pattern");
@@ -155,8 +154,33 @@ TEST_CASE("a folder of shards or a glob or a list are merged and a key in two fi
         dir / "absent.safetensors" + ": no such file or folder");
 
   write_safetensors(dir / "c.safetensors", a.data);
-  CHECK(error_of([&] { DiskMap::open(dir.path().string()); }) ==
+  CHECK(error_of([&] { DiskMap::open(dir / "*.safetensors"); }) ==
         dir / "c.safetensors" + ": holds the key 'x', which " + dir / "a.safetensors" + " holds too");
+}
+
+TEST_CASE("a folder is read as Hugging Face reads one") {
+  TempDir dir;
+  Tensors weights, stray;
+  weights.add("w", 4);
+  stray.add("input_ids", 2);
+  write_safetensors(dir / "inputs.safetensors", stray.data);
+  // The only checkpoint file is the checkpoint.
+  CHECK(DiskMap::open(dir.path().string()).tensors()[0].name() == "input_ids");
+  // Two, and neither named as Hugging Face saves one: an error saying how to name them.
+  write_safetensors(dir / "weights.safetensors", weights.data);
+  CHECK(error_of([&] { DiskMap::open(dir.path().string()); }) ==
+        dir.path().string() + ": holds 2 checkpoint files (inputs.safetensors, weights.safetensors) and neither an " +
+            "index naming its shards nor a file named as Hugging Face saves one (model.safetensors); name the file to " +
+            "load, or load them together with checkpoint = \"" + dir / "*.safetensors" + "\"");
+  // model.safetensors is the checkpoint; what lies beside it is left out, with a warning.
+  write_safetensors(dir / "model.safetensors", weights.data);
+  const auto map = DiskMap::open(dir.path().string());
+  REQUIRE(map.files().size() == 1);
+  CHECK(map.files()[0].path == dir / "model.safetensors");
+  REQUIRE(map.warnings().size() == 1);
+  CHECK(map.warnings()[0] == dir.path().string() + ": loading model.safetensors as Hugging Face would; " +
+                                 "inputs.safetensors, weights.safetensors beside it left out (checkpoint = \"" +
+                                 dir / "*.safetensors" + "\" loads them all)");
 }
 
 TEST_CASE("a bad shard is reported with its path") {
