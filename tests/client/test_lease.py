@@ -234,6 +234,9 @@ def test_bad_leases_get_clear_errors_and_harm_nothing(served):
         cuda = refused("minilm", device="cuda:0")
         assert cuda.status == 400 and "CUDA" in str(cuda)
         assert refused("minilm", device="tpu").status == 400
+        not_loaded = refused("unet", wait=False)  # not loaded yet, and not to be waited for
+        assert not_loaded.status == 409 and "leave out wait=false" in str(not_loaded)
+        assert model(sock, "unet")["state"] == "unloaded"
 
     for body in (b"[1]", b'{"device": 7}', b'{"colour": "red"}', b"not json"):
         status, answer = request(sock, "POST", "/v1/models/minilm/lease", body)
