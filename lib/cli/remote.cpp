@@ -31,16 +31,6 @@ json parse_json(const client::Response& response) {
   }
 }
 
-// The daemon's own words for a refusal.
-std::string error_of(const client::Response& response) {
-  try {
-    const json body = json::parse(response.body);
-    if (body.contains("error")) return body["error"].get<std::string>();
-  } catch (const json::exception&) {
-  }
-  return "HTTP " + std::to_string(response.status) + ": " + response.body.substr(0, 200);
-}
-
 std::string devices_text(const json& devices) {
   std::string text;
   for (const auto& [device, bytes] : devices.items())
@@ -194,7 +184,7 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
 
   const auto refused = [&](const client::Response& response) {
     if (o.json) out << response.body;
-    err << "vramctl " << command << ": " << error_of(response) << '\n';
+    err << "vramctl " << command << ": " << client::error_text(response) << '\n';
     return 1;
   };
 

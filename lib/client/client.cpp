@@ -119,6 +119,41 @@ int on_message_complete(http_parser* p) {
   return 0;
 }
 
+// One response, parsed as its bytes arrive.
+class ResponseReader {
+ public:
+  explicit ResponseReader(const std::function<void(std::string_view)>& on_chunk) : parse_{{}, &on_chunk, {}, false, false} {
+    http_parser_init(&parser_, HTTP_RESPONSE);
+    parser_.data = &parse_;
+    settings_.on_header_field = on_header_field;
+    settings_.on_header_value = on_header_value;
+    settings_.on_body = on_body;
+    settings_.on_message_complete = on_message_complete;
+  }
+  ResponseReader(const ResponseReader&) = delete;
+  ResponseReader& operator=(const ResponseReader&) = delete;
+
+  // Feeds `n` bytes (0: the connection ended); true once the response is complete. Throws Error
+  // naming `where` when the bytes are not HTTP.
+  bool feed(const char* data, size_t n, const std::string& where) {
+    http_parser_execute(&parser_, &settings_, data, n);
+    const auto error = HTTP_PARSER_ERRNO(&parser_);
+    if (error != HPE_OK && error != HPE_PAUSED)
+      throw Error("vramd at " + where + " sent a malformed answer: " + http_errno_description(error));
+    return parse_.complete;
+  }
+  bool keep_alive() const { return http_should_keep_alive(&parser_); }
+  Response take() {
+    parse_.response.status = static_cast<int>(parser_.status_code);
+    return std::move(parse_.response);
+  }
+
+ private:
+  Parse parse_;
+  http_parser parser_;
+  http_parser_settings settings_{};
+};
+
 void send_all(int fd, std::string_view data) {
   while (!data.empty()) {
     const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
@@ -144,35 +179,24 @@ Response Client::request(std::string_view method, std::string_view target, std::
     } catch (const Error&) {
       sent = false;
     }
-    Parse parse{{}, &on_chunk, {}, false, false};
-    http_parser parser;
-    http_parser_init(&parser, HTTP_RESPONSE);
-    parser.data = &parse;
-    http_parser_settings settings{};
-    settings.on_header_field = on_header_field;
-    settings.on_header_value = on_header_value;
-    settings.on_body = on_body;
-    settings.on_message_complete = on_message_complete;
+    ResponseReader reader(on_chunk);
+    bool complete = false;
     char buffer[64 << 10];
     size_t received = 0;
-    while (sent && !parse.complete) {
+    while (sent && !complete) {
       const ssize_t n = ::recv(fd_, buffer, sizeof buffer, 0);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) break;
       received += static_cast<size_t>(n);
-      http_parser_execute(&parser, &settings, buffer, static_cast<size_t>(n));
+      complete = reader.feed(buffer, static_cast<size_t>(n), path_);
       if (n == 0) break;
-      const auto error = HTTP_PARSER_ERRNO(&parser);
-      if (error != HPE_OK && error != HPE_PAUSED)
-        throw Error("vramd at " + path_ + " sent a malformed answer: " + http_errno_description(error));
     }
-    if (parse.complete) {
-      parse.response.status = static_cast<int>(parser.status_code);
-      if (!http_should_keep_alive(&parser)) {
+    if (complete) {
+      if (!reader.keep_alive()) {
         ::close(fd_);
         fd_ = -1;
       }
-      return parse.response;
+      return reader.take();
     }
     ::close(fd_);
     fd_ = -1;
@@ -186,14 +210,13 @@ Lease Client::lease(const std::string& model, const std::string& device) {
   Lease lease;
   lease.connection = UniqueFd(open_connection());
   const int fd = lease.connection.get();
-  const std::string body = "{\"device\": \"" + device + "\"}";
+  const std::string body = nlohmann::json{{"device", device}}.dump();
   send_all(fd, "POST /v1/models/" + model + "/lease HTTP/1.1\r\nHost: vramd\r\nContent-Type: application/json\r\n"
                "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
   // Descriptors ride on the bytes they were sent with, and a plain recv() would drop them:
   // every read is a recvmsg() that keeps them.
   std::string received;
   size_t head_end = std::string::npos;
-  uint64_t content_length = 0;
   for (;;) {
     char buffer[64 << 10];
     alignas(cmsghdr) char control[CMSG_SPACE(253 * sizeof(int))];
@@ -216,30 +239,30 @@ Lease Client::lease(const std::string& model, const std::string& device) {
     if (message.msg_flags & MSG_CTRUNC) throw Error("the lease of " + model + " carried more descriptors than expected");
     if (n == 0) throw Error("vramd closed the connection before handing over the lease of " + model);
     received.append(buffer, static_cast<size_t>(n));
-    if (head_end == std::string::npos) {
-      head_end = received.find("\r\n\r\n");
-      if (head_end == std::string::npos) continue;
-      head_end += 4;
-      if (!received.starts_with("HTTP/1.1 101")) {
-        std::string lower = received.substr(0, head_end);
-        for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-        const auto at = lower.find("content-length:");
-        content_length = at == std::string::npos ? 0 : std::strtoull(lower.c_str() + at + 15, nullptr, 10);
-      }
-    }
-    if (received.starts_with("HTTP/1.1 101")) {
-      const auto newline = received.find('\n', head_end);
-      if (newline == std::string::npos) continue;
-      lease.manifest = received.substr(head_end, newline - head_end);
-      return lease;
-    }
-    if (received.size() - head_end < content_length) continue;
-    const std::string status = received.substr(9, 3), answer = received.substr(head_end, content_length);
-    const auto error = nlohmann::json::parse(answer, nullptr, false);
-    const bool documented = error.is_object() && error.contains("error") && error["error"].is_string();
-    throw Error("lease of " + model + " refused (HTTP " + status + "): " +
-                (documented ? error["error"].get<std::string>() : answer.substr(0, 200)));
+    if (head_end == std::string::npos && (head_end = received.find("\r\n\r\n")) == std::string::npos) continue;
+    if (!received.starts_with("HTTP/1.1 101")) break;  // a refusal: an HTTP answer like any other
+    const auto newline = received.find('\n', head_end + 4);
+    if (newline == std::string::npos) continue;
+    lease.manifest = received.substr(head_end + 4, newline - head_end - 4);
+    return lease;
   }
+  const std::function<void(std::string_view)> whole;
+  ResponseReader reader(whole);
+  for (bool complete = reader.feed(received.data(), received.size(), path_); !complete;) {
+    char buffer[64 << 10];
+    const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw Error("vramd closed the connection before answering the lease of " + model);
+    complete = reader.feed(buffer, static_cast<size_t>(n), path_);
+  }
+  const Response refusal = reader.take();
+  throw Error("lease of " + model + " refused (HTTP " + std::to_string(refusal.status) + "): " + error_text(refusal));
+}
+
+std::string error_text(const Response& response) {
+  const auto body = nlohmann::json::parse(response.body, nullptr, false);
+  if (body.is_object() && body.contains("error") && body["error"].is_string()) return body["error"].get<std::string>();
+  return "HTTP " + std::to_string(response.status) + ": " + response.body.substr(0, 200);
 }
 
 }  // namespace vramd::client

@@ -52,6 +52,9 @@ class Client {
   int fd_ = -1;
 };
 
+// The daemon's own words for a refusal (its {"error": "..."}), else the status and the body's start.
+std::string error_text(const Response& response);
+
 // --socket when given, else $VRAMD_SOCKET, else the daemon config's socket.
 std::string socket_path(const std::string& flag, const std::string& daemon_config);
 
