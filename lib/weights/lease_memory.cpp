@@ -99,8 +99,21 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name)
   }
 
   Manifest manifest;
-  std::map<size_t, size_t> region_index;   // into `regions` -> manifest.regions
-  std::map<uint32_t, size_t> file_index;   // checkpoint file -> manifest.regions
+  // A region of ours or a checkpoint file -> its index in manifest.regions, added when first used.
+  std::map<std::pair<bool, size_t>, size_t> index;
+  const auto region_of = [&](const Place& place) {
+    const auto [it, added] = index.emplace(std::pair{place.region.has_value(), place.region.value_or(*place.file)},
+                                           manifest.regions.size());
+    if (!added) return it->second;
+    if (place.region) {
+      const auto& region = *regions[*place.region];
+      manifest.regions.push_back({"memfd", "", region.size(), UniqueFd::duplicate(region.fd(), "model " + quote(name))});
+    } else {
+      const auto& file = map.files()[*place.file];
+      manifest.regions.push_back({"file", file.path, file.size, UniqueFd::duplicate(map.descriptor(*place.file), file.path)});
+    }
+    return it->second;
+  };
   for (const auto* p : loaded.model->parameters()) {
     const at::Tensor& value = value_of(*p);
     if (!value.defined() || value.is_meta()) continue;  // missing from the checkpoint (strict = false)
@@ -111,21 +124,7 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name)
     if (value.numel() > 0) {
       const auto place = locate(value);
       if (!place) throw Error("model " + quote(name) + ": weight " + quote(p->name) + " is not in shareable memory");
-      if (place->region) {
-        auto [it, added] = region_index.emplace(*place->region, manifest.regions.size());
-        if (added) {
-          const auto& region = *regions[*place->region];
-          manifest.regions.push_back({"memfd", "", region.size(), UniqueFd::duplicate(region.fd(), "model " + quote(name))});
-        }
-        tensor.region = it->second;
-      } else {
-        auto [it, added] = file_index.emplace(*place->file, manifest.regions.size());
-        if (added) {
-          const auto& file = map.files()[*place->file];
-          manifest.regions.push_back({"file", file.path, file.size, UniqueFd::duplicate(map.descriptor(*place->file), file.path)});
-        }
-        tensor.region = it->second;
-      }
+      tensor.region = region_of(*place);
       tensor.offset = place->offset;
     }
     manifest.tensors.push_back(std::move(tensor));
