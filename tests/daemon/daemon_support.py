@@ -188,6 +188,8 @@ class Daemon:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout)
         self.log_file.close()
+        if self.process.returncode != 0:  # pytest shows this when the test's assertion fails
+            print(f"vramd exited with {self.process.returncode}; the end of its log:\n{self.log.read_text()[-20000:]}")
         return self.process.returncode
 
     def rss(self):
