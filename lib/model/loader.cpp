@@ -211,13 +211,21 @@ const storage::TensorInfo* WeightSource::stored(const Assignment& a, c10::Scalar
 }
 
 void WeightSource::read_into(const Assignment& a, at::Tensor& out) const {
-  const storage::TensorInfo* info = stored(a, out.scalar_type());
-  if (info && out.is_contiguous() && out.nbytes() == info->nbytes) {
-    const std::span<std::byte> bytes(static_cast<std::byte*>(out.mutable_data_ptr()), info->nbytes);
-    direct ? map.read_direct(*info, bytes) : map.read(*info, bytes);
-    return;
+  const Assignment* const one = &a;
+  read_into({&one, 1}, {&out, 1});
+}
+
+void WeightSource::read_into(std::span<const Assignment* const> parts, std::span<at::Tensor> outs) const {
+  std::vector<storage::DiskMap::Range> reads;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    at::Tensor& out = outs[i];
+    const storage::TensorInfo* info = stored(*parts[i], out.scalar_type());
+    if (info && out.is_contiguous() && out.nbytes() == info->nbytes)
+      reads.push_back({info->file, info->offset, {static_cast<std::byte*>(out.mutable_data_ptr()), info->nbytes}});
+    else
+      out.copy_(read(*parts[i], c10::kCPU, out.scalar_type(), false));
   }
-  out.copy_(read(a, c10::kCPU, out.scalar_type(), false));
+  map.read_ranges(reads, {.direct = direct});
 }
 
 namespace {

@@ -16,6 +16,7 @@
 
 #include "model/model.hpp"
 #include "model/weight_source.hpp"
+#include "storage/file.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -35,15 +36,18 @@ void synchronise(c10::Device device) {
 
 }  // namespace
 
-at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device) {
+at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase) {
   if (!device.is_cpu()) return at::empty(shape, at::TensorOptions().device(device).dtype(dtype));
   size_t nbytes = c10::elementSize(dtype);
   for (const int64_t n : shape) nbytes *= static_cast<size_t>(n);
   if (nbytes == 0) return at::empty(shape, at::TensorOptions().dtype(dtype));
-  void* memory = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (memory == MAP_FAILED) throw Error("cannot map " + format_bytes(nbytes) + " for streamed weights: " + std::strerror(errno));
-  madvise(memory, nbytes, MADV_HUGEPAGE);
-  return at::from_blob(memory, shape, [nbytes](void* p) { munmap(p, nbytes); }, at::TensorOptions().dtype(dtype));
+  const size_t length = nbytes + phase;
+  void* memory = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED) throw Error("cannot map " + format_bytes(length) + " for streamed weights: " + std::strerror(errno));
+  madvise(memory, length, MADV_HUGEPAGE);
+  return at::from_blob(static_cast<std::byte*>(memory) + phase, shape,
+                       [phase, length](void* p) { munmap(static_cast<std::byte*>(p) - phase, length); },
+                       at::TensorOptions().dtype(dtype));
 }
 
 struct WeightManager::Slot {
@@ -161,12 +165,25 @@ WeightManager::~WeightManager() {
   for (const auto& layer : model_.layers()) layer->set_manager(nullptr);
 }
 
+// Where a buffer for the slot's parameter `i` should begin within a page: its offset in the
+// checkpoint modulo 4096, when it is read there as stored with O_DIRECT (so the reads go
+// straight into it); else 0.
+uint64_t WeightManager::phase(const Slot& slot, size_t i) const {
+  if (!source_->direct || !slot.parts[i]) return 0;
+  const storage::TensorInfo* info = source_->stored(*slot.parts[i], prepared_dtype_);
+  const uint64_t phase = info ? info->offset % storage::File::kDirectAlignment : 0;
+  return phase % c10::elementSize(prepared_dtype_) == 0 ? phase : 0;
+}
+
 // The slot's weights on the computation device in the preparing dtype, read into `buffers`
-// where given (the rest freshly allocated). On CUDA, reads go through pinned staging buffers
-// and are copied on the calling thread's current stream, then waited for.
+// where given (the rest freshly allocated). On the CPU the reads of all of them are in flight
+// together. On CUDA, reads go through pinned staging buffers and are copied on the calling
+// thread's current stream, then waited for.
 std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at::Tensor> buffers) const {
   buffers.resize(slot.parts.size());
   const auto parameters = slot.layer->parameters();
+  std::vector<const Assignment*> reads;
+  std::vector<at::Tensor> outs;
   for (size_t i = 0; i < slot.parts.size(); ++i) {
     const Assignment* part = slot.parts[i];
     if (!part)
@@ -180,14 +197,18 @@ std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at:
       if (at::Tensor view = mapped(slot, *part); view.defined()) {
         out = std::move(view);  // the buffer it replaces, if any, is freed
       } else {
-        if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
-        source_->read_into(*part, out);
+        const uint64_t want = phase(slot, i);
+        if (!out.defined() || reinterpret_cast<uintptr_t>(out.const_data_ptr()) % storage::File::kDirectAlignment != want)
+          out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_, want);
+        reads.push_back(part);
+        outs.push_back(out);
       }
     } else {
       if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
       stage(*part, out);
     }
   }
+  source_->read_into(reads, outs);
   synchronise(device_);
   return buffers;
 }
@@ -325,7 +346,10 @@ bool WeightManager::claim_locked(std::unique_lock<std::mutex>& lock, const Slot&
   const auto parameters = slot.layer->parameters();
   for (size_t i = 0; i < buffers.size() && !spares_.empty(); ++i) {
     const auto nbytes = static_cast<int64_t>(parameters[i].elements() * c10::elementSize(dtype));
-    auto it = std::find_if(spares_.begin(), spares_.end(), [&](const at::Tensor& t) { return t.numel() == nbytes; });
+    const uint64_t want = dtype == prepared_dtype_ ? phase(slot, i) : 0;
+    auto it = std::find_if(spares_.begin(), spares_.end(), [&](const at::Tensor& t) {
+      return t.numel() == nbytes && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % storage::File::kDirectAlignment == want;
+    });
     if (it == spares_.end()) continue;
     taken += nbytes;
     stats_.staging -= nbytes;

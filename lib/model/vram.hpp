@@ -77,6 +77,7 @@ class WeightManager : public LayerWeights {
   Slot& slot_of(const Layer& layer);
   std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
   at::Tensor mapped(const Slot& slot, const Assignment& part) const;
+  uint64_t phase(const Slot& slot, size_t i) const;
   void stage(const Assignment& part, at::Tensor& out) const;
   std::vector<at::Tensor> computation_copy(const std::vector<at::Tensor>& prepared, std::vector<at::Tensor> buffers) const;
   void materialise_plan();

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,9 @@ struct WeightSource {
   // The same into `out` (contiguous, on the CPU, the parameter's shape, any dtype): a
   // positioned read straight into it when the checkpoint already holds that dtype.
   void read_into(const Assignment& assignment, at::Tensor& out) const;
+  // Several parameters at once into their `outs`, as read_into, the plain stored ones with
+  // their reads in flight together (storage::read_ranges).
+  void read_into(std::span<const Assignment* const> assignments, std::span<at::Tensor> outs) const;
   // The checkpoint tensor that fills the parameter as it is stored, when the expression is a
   // plain source held in `dtype` (its shape is the parameter's, checked at load); else null.
   const storage::TensorInfo* stored(const Assignment& assignment, c10::ScalarType dtype) const;
@@ -44,7 +48,9 @@ struct WeightSource {
 // alone and unmapped when released: had it come from malloc, freeing it (on another thread
 // than the one that filled it, or between allocations of other sizes) would leave the heap
 // fragmented and host memory growing forward after forward.
-at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device);
+// On the CPU its data begins `phase` bytes into a page: a tensor read from a file offset with
+// that remainder modulo 4096 then goes straight into it with O_DIRECT (storage/reader.hpp).
+at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase = 0);
 
 // A state's dtype by name; "auto" or none: `otherwise`.
 c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise);

@@ -1,14 +1,10 @@
-// load_tensors(): many tensors in one allocation, read in large parallel chunks.
+// load_tensors(): many tensors in one allocation, read with many reads in flight.
 #include <sys/mman.h>
 
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
-#include <atomic>
-#include <exception>
-#include <mutex>
 #include <numeric>
-#include <thread>
 
 #include "storage/file.hpp"
 #include "storage/tensor_io.hpp"
@@ -18,7 +14,6 @@ namespace vramd::storage {
 namespace {
 
 constexpr uint64_t kBlock = File::kDirectAlignment;
-constexpr uint64_t kChunk = 16u << 20;   // bytes per read
 constexpr uint64_t kMaxGap = 1u << 20;   // neighbours closer than this are read together
 
 uint64_t align_down(uint64_t value) { return value & ~(kBlock - 1); }
@@ -31,39 +26,11 @@ struct Run {
   uint64_t arena_offset;
 };
 
-struct Chunk {
-  uint32_t file;
-  uint64_t file_offset, arena_offset, size;
-};
-
 std::shared_ptr<void> map_arena(uint64_t size) {
   void* address = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (address == MAP_FAILED) throw Error("cannot allocate " + std::to_string(size) + " bytes of host memory");
   ::madvise(address, size, MADV_HUGEPAGE);  // fewer page faults while the reads fill it
   return std::shared_ptr<void>(address, [size](void* p) { ::munmap(p, size); });
-}
-
-template <typename Work>
-void run_parallel(size_t count, unsigned threads, const Work& work) {
-  std::atomic<size_t> next{0};
-  std::exception_ptr failure;
-  std::mutex failure_mutex;
-  auto worker = [&] {
-    for (size_t i = next++; i < count; i = next++) {
-      try {
-        work(i);
-      } catch (...) {
-        std::lock_guard lock(failure_mutex);
-        if (!failure) failure = std::current_exception();
-        next = count;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& thread : pool) thread.join();
-  if (failure) std::rethrow_exception(failure);
 }
 
 // Converts in place of `tensors`, into one more arena: fresh memory for every output would
@@ -117,22 +84,16 @@ std::vector<at::Tensor> load_tensors(const DiskMap& map, std::span<const TensorI
   }
   if (!runs.empty()) arena_size += runs.back().end - runs.back().begin;
 
-  std::vector<Chunk> chunks;
-  for (const auto& run : runs)
-    for (uint64_t at = run.begin; at < run.end; at += kChunk)
-      chunks.push_back(Chunk{run.file, at, run.arena_offset + (at - run.begin), std::min(kChunk, run.end - at)});
-
   auto arena = arena_size ? map_arena(arena_size) : nullptr;
   auto* base = static_cast<std::byte*>(arena.get());
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const unsigned threads = options.threads ? options.threads : options.direct ? 4 : cores;
-  run_parallel(chunks.size(), std::min<size_t>(threads, std::max<size_t>(chunks.size(), 1)), [&](size_t i) {
-    const auto& chunk = chunks[i];
-    const uint64_t file_size = map.files()[chunk.file].size;
-    // Past the end of the file only with O_DIRECT, which may read whole blocks.
-    const uint64_t size = options.direct ? chunk.size : std::min(chunk.size, file_size - chunk.file_offset);
-    map.read_file(chunk.file, {base + chunk.arena_offset, size}, chunk.file_offset, options.direct);
-  });
+  std::vector<DiskMap::Range> reads;
+  for (const auto& run : runs) {
+    const uint64_t size = std::min(run.end, map.files()[run.file].size) - run.begin;
+    reads.push_back({run.file, run.begin, {base + run.arena_offset, size}});
+  }
+  ReaderOptions read_options{.direct = options.direct};
+  if (options.threads) read_options.depth = options.threads;
+  map.read_ranges(reads, read_options);
 
   std::vector<at::Tensor> tensors;
   tensors.reserve(infos.size());

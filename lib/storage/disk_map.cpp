@@ -316,11 +316,15 @@ void DiskMap::read_direct(const TensorInfo& info, std::span<std::byte> dst) cons
 }
 
 void DiskMap::read_file(uint32_t file, std::span<std::byte> dst, uint64_t offset, bool direct) const {
-  const auto& handle = *impl_->handles.at(file);
-  if (direct)
-    handle.read_direct(dst, offset);
-  else
-    handle.read(dst, offset);
+  const Range range{file, offset, dst};
+  read_ranges({&range, 1}, {.direct = direct});
+}
+
+void DiskMap::read_ranges(std::span<const Range> ranges, const ReaderOptions& options) const {
+  std::vector<ReadRange> resolved;
+  resolved.reserve(ranges.size());
+  for (const auto& range : ranges) resolved.push_back({impl_->handles.at(range.file).get(), range.offset, range.dst});
+  storage::read_ranges(resolved, options);
 }
 
 std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const TensorInfo& info) const {

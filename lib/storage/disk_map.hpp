@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "storage/dtype.hpp"
+#include "storage/reader.hpp"
 
 namespace vramd::storage {
 
@@ -72,8 +73,16 @@ class DiskMap {
   void read(const TensorInfo& info, std::span<std::byte> dst) const;
   // The same, bypassing the page cache where the file system allows it.
   void read_direct(const TensorInfo& info, std::span<std::byte> dst) const;
-  // Bytes [offset, offset + dst.size()) of one of files(), as File::read or File::read_direct.
+  // Bytes [offset, offset + dst.size()) of one of files(), in reads of up to 8 MiB of which
+  // several are in flight (storage::read_ranges), with O_DIRECT when `direct`.
   void read_file(uint32_t file, std::span<std::byte> dst, uint64_t offset, bool direct) const;
+  // Many such ranges at once, several reads in flight: storage::read_ranges.
+  struct Range {
+    uint32_t file;
+    uint64_t offset;
+    std::span<std::byte> dst;
+  };
+  void read_ranges(std::span<const Range> ranges, const ReaderOptions& options) const;
   // The tensor's bytes in place, in a private mapping of its file, and an owner that keeps
   // them valid for as long as it lives.
   std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;

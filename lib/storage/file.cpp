@@ -5,19 +5,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 
+#include "storage/reader.hpp"
 #include "util/error.hpp"
 #include "util/file.hpp"
 
 namespace vramd::storage {
 namespace {
-
-constexpr size_t kDirectAlignment = File::kDirectAlignment;
-constexpr size_t kDirectChunk = 8u << 20;
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -27,16 +23,12 @@ void pread_exact(int fd, std::byte* dst, size_t size, uint64_t offset, const std
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) fail(path, "read of " + std::to_string(size) + " bytes at offset " +
                                 std::to_string(offset) + " failed: " + errno_text());
-    if (got == 0) fail(path, "unexpected end of file at offset " + std::to_string(offset));
+    if (got == 0) fail(path, "unexpected end of file at offset " + std::to_string(offset) + " (was it cut short while in use?)");
     dst += got;
     size -= static_cast<size_t>(got);
     offset += static_cast<uint64_t>(got);
   }
 }
-
-struct AlignedFree {
-  void operator()(std::byte* p) const { std::free(p); }
-};
 
 }  // namespace
 
@@ -57,54 +49,13 @@ void File::read(std::span<std::byte> dst, uint64_t offset) const {
 }
 
 void File::read_direct(std::span<std::byte> dst, uint64_t offset) const {
-  std::call_once(direct_once_, [this] {
-    direct_fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  });
-  if (direct_fd_ < 0) return read(dst, offset);  // e.g. tmpfs has no O_DIRECT
+  const ReadRange range{this, offset, dst};
+  read_ranges({&range, 1}, {.direct = true});
+}
 
-  const bool aligned = (reinterpret_cast<uintptr_t>(dst.data()) | offset | dst.size()) % kDirectAlignment == 0;
-  if (aligned) {
-    // Straight into the caller's buffer; the last block may end past the end of the file.
-    uint64_t position = offset;
-    std::byte* out = dst.data();
-    const uint64_t last = offset + dst.size();
-    while (position < last && position < size_) {
-      ssize_t got = ::pread(direct_fd_, out, last - position, static_cast<off_t>(position));
-      if (got < 0 && errno == EINTR) continue;
-      if (got < 0 && errno == EINVAL) return read(dst.first(std::min<uint64_t>(dst.size(), size_ - offset)), offset);
-      if (got < 0) fail(path_, "direct read at offset " + std::to_string(position) + " failed: " + errno_text());
-      if (got == 0) fail(path_, "unexpected end of file at offset " + std::to_string(position));
-      out += got;
-      position += static_cast<uint64_t>(got);
-    }
-    return;
-  }
-
-  const uint64_t first = offset & ~static_cast<uint64_t>(kDirectAlignment - 1);
-  const uint64_t last = offset + dst.size();
-  const size_t chunk = static_cast<size_t>(std::min<uint64_t>(
-      kDirectChunk, (last - first + kDirectAlignment - 1) & ~static_cast<uint64_t>(kDirectAlignment - 1)));
-  std::unique_ptr<std::byte, AlignedFree> bounce(
-      static_cast<std::byte*>(std::aligned_alloc(kDirectAlignment, std::max(chunk, kDirectAlignment))));
-  if (!bounce) fail(path_, "cannot allocate a buffer for direct reads");
-
-  uint64_t position = first;
-  std::byte* out = dst.data();
-  while (position < last) {
-    ssize_t got = ::pread(direct_fd_, bounce.get(), chunk, static_cast<off_t>(position));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0 && errno == EINVAL) return read(dst, offset);
-    if (got < 0) fail(path_, "direct read at offset " + std::to_string(position) + " failed: " + errno_text());
-    if (got == 0) fail(path_, "unexpected end of file at offset " + std::to_string(position));
-    const uint64_t got_end = position + static_cast<uint64_t>(got);
-    const uint64_t from = std::max(position, offset);
-    const uint64_t to = std::min(got_end, last);
-    if (to > from) {
-      std::memcpy(out, bounce.get() + (from - position), to - from);
-      out += to - from;
-    }
-    position = got_end;
-  }
+int File::direct_fd() const {
+  std::call_once(direct_once_, [this] { direct_fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT); });
+  return direct_fd_;
 }
 
 std::span<std::byte> File::mapping() const {

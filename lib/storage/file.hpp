@@ -29,10 +29,11 @@ class File {
   void read(std::span<std::byte> dst, uint64_t offset) const;
 
   // The same bytes, read with O_DIRECT (bypassing the page cache) where the file system allows
-  // it, else through the page cache. When dst's address and size and the offset are all
-  // multiples of 4096 the data goes straight into dst, and dst may reach past the end of the
-  // file (the bytes there are left as they are); otherwise through a bounce buffer.
+  // it, else through the page cache: storage::read_ranges with one range.
   void read_direct(std::span<std::byte> dst, uint64_t offset) const;
+  // A descriptor of the file opened with O_DIRECT (on first use), or -1 where the file system
+  // refuses that (tmpfs, for one).
+  int direct_fd() const;
 
   // The whole file, mapped privately on first use; writes to it never reach the file.
   std::span<std::byte> mapping() const;

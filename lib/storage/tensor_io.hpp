@@ -47,11 +47,11 @@ bool is_mapped_view(const at::Tensor& tensor);
 struct LoadOptions {
   std::optional<c10::ScalarType> dtype;  // convert after reading
   bool direct = false;                   // O_DIRECT: for cold data, keeps the page cache clean
-  unsigned threads = 0;                  // readers; 0: one per core (four for direct reads)
+  unsigned threads = 0;                  // reads in flight; 0: storage::ReaderOptions' default
 };
 
 // Reads many tensors at once: one host allocation laid out as the files are, filled by large
-// positioned reads on several threads, so that neighbouring tensors cost one read. Returns
+// reads with several in flight (storage::read_ranges), so that neighbouring tensors cost one. Returns
 // the tensors in the order given; they share the allocation, which lives while any of them
 // does. The fastest way to bring a whole model into host memory.
 std::vector<at::Tensor> load_tensors(const DiskMap& map, std::span<const TensorInfo* const> infos,
