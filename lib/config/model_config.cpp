@@ -110,7 +110,12 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
     else
       within_budget("onload_limit", vram.onload.device, *vram.onload_limit);
   }
-  vram.direct_io = table->boolean("direct_io").value_or(false);
+  if (const toml::node* direct_io = table->node("direct_io")) {
+    if (direct_io->is_boolean())
+      vram.direct_io = *direct_io->value<bool>();
+    else if (direct_io->value<std::string>() != "auto")
+      table->bad_value("direct_io", "expected true, false or \"auto\"");
+  }
   table->finish();
 }
 

@@ -24,8 +24,9 @@ struct VramConfig {
   // rest there, the rest on disk (GPUs first, then host, then disk, as a device map places them).
   std::optional<uint64_t> onload_limit;
   // Weights read from the checkpoint after loading bypass the page cache (O_DIRECT): for a
-  // checkpoint streamed from disk that the page cache cannot keep.
-  bool direct_io = false;
+  // checkpoint streamed from disk that the page cache cannot keep. Unset ("auto"): chosen at
+  // load from the checkpoint's size and the memory the page cache can have.
+  std::optional<bool> direct_io;
 };
 
 struct ResidencyConfig {

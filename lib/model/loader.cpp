@@ -15,6 +15,7 @@
 #include "model/registry.hpp"
 #include "model/vram.hpp"
 #include "model/weight_source.hpp"
+#include "storage/page_cache.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
 
@@ -287,12 +288,24 @@ std::shared_ptr<PartitionedWeights> load_partitioned(const config::ModelConfig& 
   return partition;
 }
 
+// direct_io as the config sets it, or (unset: "auto") chosen for this checkpoint: O_DIRECT when
+// the page cache cannot keep it beside the weights the model holds in host memory.
+storage::DirectChoice direct_io_for(const config::ModelConfig& config, const storage::DiskMap& map) {
+  if (const auto forced = config.vram.direct_io)
+    return {*forced, *forced ? "O_DIRECT: direct_io = true" : "page cache: direct_io = false"};
+  uint64_t held = 0;
+  if (config.vram.computation.device == "cpu") held += config.vram.limit.value_or(0);
+  if (config.vram.onload.device == "cpu") held += config.vram.onload_limit.value_or(0);
+  return storage::choose_direct_io(map.total_bytes(), held, storage::page_cache_room());
+}
+
 }  // namespace
 
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {
   auto [map, architecture, model, assignments, report] = prepare(config);
+  auto direct = direct_io_for(config, map);
   auto source = std::make_shared<WeightSource>(
-      WeightSource{std::move(map), std::move(assignments), config.path, config.vram.direct_io});
+      WeightSource{std::move(map), std::move(assignments), config.path, direct.direct, std::move(direct.why)});
   const c10::Device device(config.vram.computation.device);
   const auto load_start = Clock::now();
   std::shared_ptr<WeightManager> vram;

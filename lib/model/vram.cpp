@@ -592,8 +592,8 @@ std::string WeightManager::describe(const VramStats& s) const {
     text += ", " + std::to_string(from_onload) + " streamed from " + config_.vram.onload.device + " (" +
             format_bytes(s.total - s.resident - s.disk) + ")";
   if (s.disk_slots)
-    text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) +
-            (source_->direct ? ", O_DIRECT" : "") + ")";
+    text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) + "; " +
+            source_->direct_why + ")";
   text += "; room kept: " + format_bytes(s.streaming) + (prepared_dtype_ != dtype_ ? ", computed in " + dtype_text(dtype_) : "");
   return text + "; limit " + (s.limit ? format_bytes(s.limit) : std::string("none")) + ", peak " + format_bytes(s.peak);
 }

@@ -28,6 +28,7 @@ struct WeightSource {
   std::vector<Assignment> assignments;
   std::string where;  // the config, for errors
   bool direct = false;  // reads bypass the page cache (O_DIRECT) where the file system allows it
+  std::string direct_why;  // which path reads take and why, for the plan (storage::DirectChoice)
 
   // One parameter's value, read with positioned reads into fresh memory (or, when `views`, as
   // a view of the file mapping where dtype and alignment allow), in `dtype` on `device`.

@@ -777,7 +777,7 @@ json Registry::entry_json(const Entry& e) const {
                  {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation)},
                  {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)},
                  {"onload_limit", c.vram.onload_limit ? json(*c.vram.onload_limit) : json(nullptr)},
-                 {"direct_io", c.vram.direct_io}};
+                 {"direct_io", c.vram.direct_io ? json(*c.vram.direct_io) : json("auto")}};
     j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
                       {"preload", c.residency.preload}};
   }

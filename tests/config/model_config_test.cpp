@@ -278,15 +278,18 @@ TEST_CASE("the daemon config's group table is read and its mistakes are reported
                                                  bad + ":3:1: unknown key 'word_size' in [group]; did you mean 'world_size'?");
 }
 
-TEST_CASE("direct reads are a boolean that defaults to off") {
+TEST_CASE("direct reads are on, off or chosen at load, the default") {
   TempDir dir;
   auto on = dir.write("on.toml", "checkpoint = \"w\"\n[vram]\ndirect_io = true\n");
-  CHECK(load_model_config(on, default_daemon_config()).vram.direct_io);
+  CHECK(load_model_config(on, default_daemon_config()).vram.direct_io == true);
+  auto off = dir.write("off.toml", "checkpoint = \"w\"\n[vram]\ndirect_io = false\n");
+  CHECK(load_model_config(off, default_daemon_config()).vram.direct_io == false);
   auto unset = dir.write("unset.toml", "checkpoint = \"w\"\n[vram]\nlimit = \"1GiB\"\n");
-  CHECK_FALSE(load_model_config(unset, daemon_with({{"cpu", 8ull << 30}})).vram.direct_io);
+  CHECK_FALSE(load_model_config(unset, daemon_with({{"cpu", 8ull << 30}})).vram.direct_io.has_value());
+  auto automatic = dir.write("auto.toml", "checkpoint = \"w\"\n[vram]\ndirect_io = \"auto\"\n");
+  CHECK_FALSE(load_model_config(automatic, default_daemon_config()).vram.direct_io.has_value());
   auto bad = dir.write("bad.toml", "checkpoint = \"w\"\n[vram]\ndirect_io = \"yes\"\n");
-  CHECK(problems_of(bad, default_daemon_config()) ==
-        bad + ":3:13: vram.direct_io = 'yes': expected true or false, found a string");
+  CHECK(problems_of(bad, default_daemon_config()) == bad + ":3:13: vram.direct_io = 'yes': expected true, false or \"auto\"");
 }
 
 TEST_CASE("an onload limit needs an onload device and room in its budget") {
