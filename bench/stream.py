@@ -1,0 +1,547 @@
+"""Streaming a checkpoint larger than memory at the storage's speed (issue #26): a LLaMA-13B-shaped
+bfloat16 checkpoint (about 24.2 GiB, random weights, Hugging Face sharded safetensors: 41 shards
+of about 635 MB) computed on the CPU under a 2 GiB weight limit, its layers read from disk at every
+forward. The checkpoint's pages are dropped from the page cache (posix_fadvise DONTNEED on every
+shard) before each contender, and every contender runs in a fresh process on the same files and
+the same input ids.
+
+    .venv/bin/python bench/stream.py [--workdir /tmp/vramd-stream] [--vramctl build/bin/vramctl]
+                                     [--tokens 16] [--forwards 1] [--limit 2GiB] [--only NAME]
+    # developing: a small checkpoint (a few hundred MB) and a proportionally smaller limit
+    .venv/bin/python bench/stream.py --layers 8 --hidden 1024 --intermediate 2816 \\
+                                     --shard-size 50MB --limit 100MiB --bound-seconds 5
+
+What it measures, in one run:
+
+  read bound          fio, ioengine=io_uring, iodepth=16, bs=8M, direct=1, reading the shards in
+                      order (file_service_type=sequential, looping over them) for --bound-seconds
+                      (20 s): the device's speed on these files. Without fio (or --fio ""), a
+                      Python reader: 16 threads of os.preadv with O_DIRECT into 8 MiB mmap-allocated
+                      (page-aligned) buffers, over the same blocks in the same order.
+  compute estimate    the forward with every layer resident cannot run here (24 GiB), so vramd
+                      runs it resident (no [vram], --copy: weights read at load, none during the
+                      forward) on two checkpoints of the same shape with 2 and 4 decoder layers;
+                      per layer = (t4 - t2) / 2, fixed (embedding, final norm, head) = t2 - 2 x per
+                      layer, compute(N) = fixed + N x per layer.
+  vramd direct_io=true / false / "auto"
+                      vramctl run on the checkpoint folder, [vram] offload = onload = "disk",
+                      computation = cpu bfloat16, limit = --limit; the daemon's default zero-copy
+                      loading (no --copy). "auto" is new in issue #26: a vramctl that does not know
+                      it fails with a config error, which is reported, and the run goes on.
+  accelerate          transformers' AutoModelForCausalLM.from_pretrained(folder, device_map="auto",
+                      max_memory={"cpu": limit}, offload_folder=WORKDIR/accelerate-offload,
+                      dtype=torch.bfloat16): the layers that do not fit in the limit on "disk".
+                      With a safetensors checkpoint, transformers (5.x, accelerate_disk_offload)
+                      points the offload index at the shards themselves, so nothing is rewritten
+                      (the run prints what was written to the offload folder and to disk to show
+                      it), and accelerate's hooks read each offloaded weight from the shard (a
+                      memory mapping) when its layer runs. But loading still copies the offloaded
+                      tensors into memory once and drops them (transformers' spawn_materialize),
+                      so its load reads nearly the whole checkpoint ("read during load"): in a
+                      small run, every decoder layer's bytes.
+
+Per contender: wall (process start to exit: load, the forwards, writing the logits), load (vramd:
+plan + load; accelerate: the from_pretrained call), forward (--forwards 1: the one forward; more:
+vramd's is vramctl's median of all of them, sorted[n // 2], which is the median of those after
+the first when the first is the slowest and n is odd; accelerate's is the median of those after
+the first), waited on reads (vramd's wait_seconds, per forward), peak RSS (VmHWM, read by the
+contender's own process: getrusage's ru_maxrss would count the parent's memory through vfork),
+bytes read from and written to the disk by the whole process (ru_inblock and ru_oublock of
+wait4 on that child, in 512-byte blocks: reads below the page cache, O_DIRECT included), and the
+effective read speed: bytes streamed per forward over the forward time. For vramd those are its
+bytes_streamed (layers brought in, whether the page cache held them or not; with --forwards > 1,
+the average); for accelerate, what /proc/self/io counts as read from the disk during the forwards,
+which the page cache it filled while loading can make smaller than what its forward uses.
+
+Logits: vramctl writes each vramd run's outputs, the accelerate contender saves its logits; all
+are saved in the workdir (logits-NAME.safetensors) and compared with the first vramd run's:
+bit-exact equality is expected across vramd runs; against accelerate the max abs difference is
+printed (equal bit for bit when the issue was filed).
+
+Goals (issue #26), for each vramd run: streamed bytes read at >= 90% of the read bound; forward
+within 1.1x of max(the bound's time for the bytes streamed, compute); "auto" no slower than the
+better of true and false; >= 2x accelerate's wall time; peak RSS <= accelerate's. A markdown table
+ready for docs/benchmarks.md and the machine (CPU, cores, memory, the disk under the workdir)
+close the output.
+
+The checkpoint is made once, layer by layer (one shard in memory at a time), in a folder of the
+workdir whose name encodes its shape, so a small test checkpoint is never taken for the big one.
+Every tensor, norms included, is randn * 0.02 in bfloat16. Making the full one writes 24.2 GiB and
+takes several minutes; the benchmark then needs some 5 GB more for the 2- and 4-layer ones.
+"""
+import argparse
+import json
+import mmap
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import vram as vram_bench  # noqa: E402  (evict, status_bytes, streamed_vram)
+
+GIB = 2**30
+BLOCK = 8 << 20  # the read bound's block size
+DIRECT_IO = {"vramd direct_io=true": "true", "vramd direct_io=false": "false", "vramd direct_io=auto": '"auto"'}
+
+
+def parse_size(text):
+    """A size as vramd reads one (docs/config.md): KiB, MiB, GiB, TiB and K, M, G, T are powers of
+    1024; KB, MB, GB, TB of 1000; a bare number counts bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(?:([KMGT])(i?B)?|B)?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2GiB, 600MB)")
+    number, prefix, suffix = match.groups()
+    power = "KMGT".index(prefix) + 1 if prefix else 0
+    return int(float(number) * (1000 if suffix == "B" else 1024) ** power)
+
+
+def gb(nbytes):
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+# --- the checkpoint -----------------------------------------------------------------------------
+
+def llama_config(shape):
+    import transformers
+    return transformers.LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                                    intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+                                    num_attention_heads=shape["heads"], num_key_value_heads=shape["heads"],
+                                    max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16")
+
+
+def checkpoint_folder(workdir, shape):
+    return Path(workdir) / ("llama-bf16-h{hidden}-i{intermediate}-l{layers}-a{heads}-v{vocab}".format(**shape))
+
+
+def shard_files(folder):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return [folder / name for name in sorted(set(index["weight_map"].values()))]
+
+
+def make_checkpoint(folder, shape, shard_bytes):
+    """Writes a random LLaMA checkpoint of this shape as Hugging Face sharded safetensors, one shard
+    in memory at a time, unless the folder already holds one (the index is written last)."""
+    if (folder / "model.safetensors.index.json").exists() and (folder / "config.json").exists():
+        return
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    config = llama_config(shape)
+    with torch.device("meta"):
+        names = [(name, tuple(p.shape)) for name, p in transformers.LlamaForCausalLM(config).state_dict().items()]
+    shards, size = [[]], 0
+    for name, tensor_shape in names:  # in model order: a shard holds consecutive tensors
+        nbytes = 2 * torch.Size(tensor_shape).numel()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor_shape))
+        size += nbytes
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    start = time.perf_counter()
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: (torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16) for name, s in shard}
+        save_file(tensors, folder / (file + ".partial"), metadata={"format": "pt"})
+        os.replace(folder / (file + ".partial"), folder / file)
+        total += sum(t.numel() * 2 for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+        print(f"  {file}: {gb(total)} written, {time.perf_counter() - start:.0f} s", flush=True)
+    config.save_pretrained(folder)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def evict(files):
+    for file in files:
+        vram_bench.evict(file)
+
+
+# --- the read bound -----------------------------------------------------------------------------
+
+def fio_bound(fio, files, seconds, workdir):
+    """GB/s of fio's sequential O_DIRECT reads over the shards: io_uring, 16 reads of 8 MiB in flight."""
+    command = [fio, "--name=bound", "--ioengine=io_uring", "--iodepth=16", "--bs=8M", "--direct=1", "--rw=read",
+               "--filename=" + ":".join(str(f).replace(":", "\\:") for f in files), "--file_service_type=sequential",
+               "--time_based", f"--runtime={seconds}", "--output-format=json"]
+    out = subprocess.run(command, capture_output=True, text=True)
+    (workdir / "fio.json").write_text(out.stdout)
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed: {out.stderr.strip()}")
+    read = json.loads(out.stdout)["jobs"][0]["read"]
+    return read["io_bytes"] / (read["runtime"] / 1e3), read["io_bytes"], read["runtime"] / 1e3
+
+
+def python_bound(files, seconds, threads=16):
+    """The same reads without fio: `threads` threads of os.preadv with O_DIRECT, each into its own
+    8 MiB mmap-allocated (so page-aligned) buffer, taking the shards' 8 MiB blocks in order, over
+    and over, until `seconds` have passed."""
+    fds = [os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files]
+    blocks = [(fd, offset) for fd in fds for offset in range(0, os.fstat(fd).st_size, BLOCK)]
+    lock, state = threading.Lock(), {"next": 0, "bytes": 0}
+    start = time.perf_counter()
+
+    def reader():
+        buffer = mmap.mmap(-1, BLOCK)
+        done = 0
+        while time.perf_counter() - start < seconds:
+            with lock:
+                fd, offset = blocks[state["next"] % len(blocks)]
+                state["next"] += 1
+            done += os.preadv(fd, [buffer], offset)
+        with lock:
+            state["bytes"] += done
+        buffer.close()
+    workers = [threading.Thread(target=reader) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - start
+    for fd in fds:
+        os.close(fd)
+    return state["bytes"] / elapsed, state["bytes"], elapsed
+
+
+# --- running a contender ------------------------------------------------------------------------
+
+def run_measured(command, log):
+    """Runs `command` with its output in `log`: exit code, wall seconds from start to exit, and the
+    child's own rusage (wait4: ru_inblock and ru_oublock count its reads and writes below the page
+    cache, in 512-byte blocks)."""
+    with open(log, "w") as out:
+        start = time.perf_counter()
+        process = subprocess.Popen([str(c) for c in command], stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, wall, usage
+
+
+def last_lines(log, n=3):
+    lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+    return " | ".join(lines[-n:]) or "no output"
+
+
+def write_vramd_configs(workdir, name, folder, vram):
+    daemon = workdir / "vramd.toml"
+    daemon.write_text('[budgets]\ncpu = "64GiB"\n')
+    config = workdir / f"{name}.toml"
+    config.write_text(f'checkpoint = "{folder}"\ndtype = "bfloat16"\n{vram}')
+    return daemon, config
+
+
+def vramd_run(vramctl, workdir, name, folder, vram, inputs, forwards, extra=()):
+    """One `vramctl run` in a fresh process: its stats (plus wall, disk bytes, logits file), or None
+    and the error."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+    daemon, config = write_vramd_configs(workdir, slug, folder, vram)
+    stats, logits, log = workdir / f"stats-{slug}.json", workdir / f"logits-{slug}.safetensors", workdir / f"{slug}.log"
+    for stale in (stats, logits):
+        stale.unlink(missing_ok=True)
+    code, wall, usage = run_measured([vramctl, "run", config, "--daemon-config", daemon, "--input", inputs,
+                                      "--output", logits, "--stats-json", stats, "--repeat", forwards, *extra], log)
+    if code != 0:
+        return None, f"exit status {code}: {last_lines(log)}"
+    s = json.loads(stats.read_text())
+    v = s.get("vram", {})
+    forwards = s["forwards"]
+    return {"wall": wall, "load": s["plan_seconds"] + s["load_seconds"],
+            "forward": s["forward_first_seconds"] if forwards == 1 else s["forward_median_seconds"],
+            "forward_first": s["forward_first_seconds"], "peak_rss": s["peak_rss"],
+            "disk_read": usage.ru_inblock * 512, "disk_written": usage.ru_oublock * 512,
+            "streamed": v.get("bytes_streamed", 0) / forwards, "waited": v.get("wait_seconds", 0) / forwards,
+            "read_seconds": v.get("read_seconds", 0) / forwards, "mapped": v.get("bytes_mapped", 0) / forwards,
+            "peak_weights": v.get("peak"), "plan": v.get("plan", ""), "logits": logits}, None
+
+
+def accelerate_contender(spec):
+    """Runs in its own process (--contender): from_pretrained with the layers beyond the limit on
+    "disk", then the forwards; writes its figures as JSON and its logits as safetensors."""
+    def io(key):
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    ids = load_file(spec["inputs"])["input_ids"]
+    read_before = io("read_bytes")
+    start = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec["folder"], device_map="auto", max_memory={"cpu": spec["limit"]}, offload_folder=spec["offload"],
+        dtype=torch.bfloat16)
+    load = time.perf_counter() - start
+    read_loaded = io("read_bytes")
+    model.eval()
+    times = []
+    with torch.no_grad():
+        for _ in range(spec["forwards"]):
+            start = time.perf_counter()
+            logits = model(input_ids=ids).logits
+            times.append(time.perf_counter() - start)
+    read_end = io("read_bytes")
+    save_file({"logits": logits.contiguous()}, spec["logits"])
+    placed = {}  # bytes of parameters per device of the device map
+    for module_name, device in model.hf_device_map.items():
+        module = model.get_submodule(module_name) if module_name else model
+        nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        placed[str(device)] = placed.get(str(device), 0) + nbytes
+    Path(spec["result"]).write_text(json.dumps({
+        "load": load, "times": times, "peak_rss": vram_bench.status_bytes("VmHWM:"),
+        "read_during_load": read_loaded - read_before, "read_during_forwards": read_end - read_loaded,
+        "device_map": placed, "versions": {m.__name__: m.__version__ for m in (torch, transformers)}}))
+
+
+def accelerate_run(workdir, folder, limit, inputs, forwards):
+    spec = {"folder": str(folder), "limit": limit, "inputs": str(inputs), "forwards": forwards,
+            "offload": str(workdir / "accelerate-offload"), "logits": str(workdir / "logits-accelerate.safetensors"),
+            "result": str(workdir / "result-accelerate.json")}
+    for stale in (spec["logits"], spec["result"]):
+        Path(stale).unlink(missing_ok=True)
+    code, wall, usage = run_measured([sys.executable, __file__, "--contender", json.dumps(spec)],
+                                     workdir / "accelerate.log")
+    if code != 0:
+        return None, f"exit status {code}: {last_lines(workdir / 'accelerate.log')}"
+    r = json.loads(Path(spec["result"]).read_text())
+    offload = Path(spec["offload"])
+    forward = r["times"][0] if forwards == 1 else statistics.median(r["times"][1:])
+    return {"wall": wall, "load": r["load"], "forward": forward, "forward_first": r["times"][0],
+            "peak_rss": r["peak_rss"], "disk_read": usage.ru_inblock * 512, "disk_written": usage.ru_oublock * 512,
+            "streamed": r["read_during_forwards"] / forwards, "read_during_load": r["read_during_load"],
+            "offload_folder_bytes": sum(f.stat().st_size for f in offload.rglob("*") if f.is_file()),
+            "device_map": r["device_map"], "versions": r["versions"],
+            "logits": Path(spec["logits"])}, None
+
+
+# --- the compute estimate -----------------------------------------------------------------------
+
+def compute_estimate(shape, vramctl, workdir, inputs, shard_bytes):
+    """Resident forwards (vramctl --copy, median of 3) of the 2- and 4-layer checkpoints of this shape."""
+    seconds = {}
+    for layers in (2, 4):
+        folder = checkpoint_folder(workdir, {**shape, "layers": layers})
+        make_checkpoint(folder, {**shape, "layers": layers}, shard_bytes)
+        r, error = vramd_run(vramctl, workdir, f"resident {layers} layers", folder, "", inputs, 3, ["--copy"])
+        evict(shard_files(folder))
+        if not r:
+            raise RuntimeError(f"the resident {layers}-layer forward failed: {error}")
+        seconds[layers] = r["forward"]  # vramctl's median of the 3
+    per_layer = (seconds[4] - seconds[2]) / 2
+    fixed = seconds[2] - 2 * per_layer
+    return fixed + shape["layers"] * per_layer, seconds, per_layer, fixed
+
+
+# --- the machine --------------------------------------------------------------------------------
+
+def machine(folder):
+    model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    mem = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    df = subprocess.run(["df", "--output=source,fstype", str(folder)], capture_output=True, text=True).stdout.split()
+    return {"cpu": model, "cores": os.cpu_count(), "memory": mem, "disk": " ".join(df[-2:]) if len(df) >= 4 else "?"}
+
+
+# --- printing -----------------------------------------------------------------------------------
+
+def print_contender(name, r, size):
+    first = f" (first {r['forward_first']:.2f} s)" if r["forward_first"] != r["forward"] else ""
+    waited = f", waited on reads {r['waited']:.2f} s" if "waited" in r else ""
+    print(f"{name}: wall {r['wall']:.2f} s, load {r['load']:.2f} s, forward {r['forward']:.2f} s{first}{waited}, "
+          f"peak RSS {r['peak_rss'] / GIB:.2f} GiB, disk read {gb(r['disk_read'])} written {gb(r['disk_written'])}, "
+          f"streamed {gb(r['streamed'])} a forward = {r['streamed'] / r['forward'] / 1e9:.3f} GB/s over the forward")
+    if "plan" in r:
+        speed = r["streamed"] / r["read_seconds"] / 1e9 if r["read_seconds"] else 0
+        print(f"  {speed:.3f} GB/s over its read_seconds ({r['read_seconds']:.2f} s a forward); {gb(r['mapped'])} "
+              f"mapped; peak weights {r['peak_weights'] / GIB:.3f} GiB; plan: {r['plan']}")
+    else:
+        rewritten = r["offload_folder_bytes"] > size // 10
+        print(f"  {r['versions']}; device map: {', '.join(f'{gb(n)} on {d}' for d, n in r['device_map'].items())}; "
+              f"read during load {gb(r['read_during_load'])}; the offload folder holds {r['offload_folder_bytes']} "
+              f"bytes: {'offloaded weights rewritten' if rewritten else 'read straight from the shards'}")
+    sys.stdout.flush()
+
+
+def compare_logits(results):
+    """Every contender's logits against the first vramd run's: {name: bit-exact}, and that name."""
+    import torch
+    from safetensors.torch import load_file
+    print("logits (WORKDIR/logits-*.safetensors):")
+    reference_name = next((n for n in results if n in DIRECT_IO), None)
+    if not reference_name:
+        print("  no vramd run to compare with")
+        return {}, None
+    reference = load_file(results[reference_name]["logits"])["logits"]
+    print(f"  reference: {reference_name}, {reference.dtype} {tuple(reference.shape)}, "
+          f"max |logit| {reference.float().abs().max().item():.4g}")
+    equal = {}
+    for name, r in results.items():
+        if name == reference_name:
+            continue
+        logits = load_file(r["logits"])["logits"]
+        equal[name] = logits.dtype == reference.dtype and torch.equal(logits, reference)
+        diff = (logits.float() - reference.float()).abs().max().item()
+        expected = "expected bit-exact" if name in DIRECT_IO else "bit for bit in the issue"
+        print(f"  {name}: {'EQUAL bit for bit' if equal[name] else 'DIFFERENT'} ({logits.dtype}), "
+              f"max abs difference {diff:.4g} ({expected})")
+    return equal, reference_name
+
+
+def print_goals(results, errors, bound, compute):
+    def verdict(ok):
+        return "met" if ok else "NOT met"
+    print("goals:")
+    accelerate = results.get("accelerate")
+    for name in (n for n in DIRECT_IO if n in results):
+        r = results[name]
+        efficiency = r["streamed"] / r["forward"] / bound
+        read_time = r["streamed"] / bound
+        overlap = r["forward"] / max(read_time, compute)
+        print(f"  {name}: reads at {efficiency:.2f} of the bound (goal >= 0.90: {verdict(efficiency >= 0.9)}); "
+              f"forward {r['forward']:.2f} s / max(read {read_time:.2f} s, compute {compute:.2f} s) = {overlap:.2f} "
+              f"(goal <= 1.10: {verdict(overlap <= 1.1)})")
+        if accelerate:
+            print(f"    wall {accelerate['wall'] / r['wall']:.2f}x faster than accelerate's "
+                  f"(goal >= 2: {verdict(accelerate['wall'] >= 2 * r['wall'])}); "
+                  f"peak RSS {r['peak_rss'] / accelerate['peak_rss']:.2f}x accelerate's "
+                  f"(goal <= 1: {verdict(r['peak_rss'] <= accelerate['peak_rss'])})")
+    auto = "vramd direct_io=auto"
+    pair = [results[n]["forward"] for n in ("vramd direct_io=true", "vramd direct_io=false") if n in results]
+    if auto in results and pair:
+        ratio = results[auto]["forward"] / min(pair)
+        print(f"  {auto}: forward {ratio:.2f}x the better of true and false (goal <= 1.00: {verdict(ratio <= 1)})")
+    elif auto in errors:
+        print(f"  {auto}: did not run ({errors[auto]})")
+
+
+def print_table(names, results, errors, equal, reference_name, bound):
+    print("| contender | wall | load | forward | waited on reads | peak RSS | read from disk | streamed a forward "
+          "| effective read | of the bound | logits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        if name in errors:
+            print(f"| {name} | failed: {errors[name].replace('|', '/')} | | | | | | | | | |")
+        if name not in results:
+            continue
+        r = results[name]
+        effective = r["streamed"] / r["forward"]
+        waited = f"{r['waited']:.2f} s" if "waited" in r else "n/a"
+        logits = ("reference" if name == reference_name else "" if name not in equal
+                  else "equal" if equal[name] else "differ")
+        print(f"| {name} | {r['wall']:.1f} s | {r['load']:.2f} s | {r['forward']:.2f} s | {waited} | "
+              f"{r['peak_rss'] / GIB:.2f} GiB | {gb(r['disk_read'])} | {gb(r['streamed'])} | "
+              f"{effective / 1e9:.2f} GB/s | {effective / bound:.2f} | {logits} |")
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/tmp/vramd-stream", help="checkpoints, configs, logits, logs")
+    parser.add_argument("--vramctl", default=str(ROOT / "build" / "bin" / "vramctl"), help="default: ROOT/build/bin")
+    parser.add_argument("--tokens", type=int, default=16, help="input ids in the one sequence")
+    parser.add_argument("--forwards", type=int, default=1, help="per contender; more: median of all but the first")
+    parser.add_argument("--limit", type=parse_size, default=parse_size("2GiB"),
+                        help='[vram] limit of the vramd runs and accelerate\'s max_memory["cpu"] (default 2GiB)')
+    parser.add_argument("--layers", type=int, default=40, help="decoder layers (the shape: LLaMA-13B by default)")
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--intermediate", type=int, default=13824)
+    parser.add_argument("--heads", type=int, default=0, help="attention heads (default: hidden / 128)")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--shard-size", type=parse_size, default=parse_size("700MB"),
+                        help="most bytes in a shard (default 700MB: 41 shards of 635 MB on average, as in the issue)")
+    parser.add_argument("--bound-seconds", type=int, default=20, help="how long the read bound reads")
+    parser.add_argument("--fio", default=shutil.which("fio") or "", help='fio to run ("": the Python reader)')
+    parser.add_argument("--only", default="", help="run only the contenders whose name contains this")
+    parser.add_argument("--contender", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.contender:
+        return accelerate_contender(json.loads(args.contender))
+
+    import torch
+    from safetensors.torch import save_file
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    vramctl = Path(args.vramctl).resolve()
+    shape = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+             "heads": args.heads or args.hidden // 128, "vocab": args.vocab}
+    folder = checkpoint_folder(workdir, shape)
+    print(f"checkpoint: {folder}", flush=True)
+    make_checkpoint(folder, shape, args.shard_size)
+    files = shard_files(folder)
+    size = sum(f.stat().st_size for f in files)
+    info = machine(folder)
+    print(f"  {len(files)} shards, {size / GIB:.2f} GiB; limit {args.limit / GIB:.3f} GiB; {args.tokens} tokens, "
+          f"{args.forwards} forward(s) per contender", flush=True)
+    if size < info["memory"]:
+        print(f"WARNING: the checkpoint ({size / GIB:.2f} GiB) is smaller than MemTotal "
+              f"({info['memory'] / GIB:.2f} GiB): it is not larger than memory, not the issue's case", flush=True)
+    inputs = workdir / f"inputs-{args.tokens}-v{args.vocab}.safetensors"
+    ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, inputs)
+
+    # 1. The read bound.
+    evict(files)
+    if args.fio and Path(args.fio).exists():
+        bound, bound_bytes, bound_seconds = fio_bound(args.fio, files, args.bound_seconds, workdir)
+        bound_tool, bound_how = "fio", f"fio ({args.fio}: io_uring, iodepth 16, bs 8M, direct, sequential)"
+    else:
+        bound, bound_bytes, bound_seconds = python_bound(files, args.bound_seconds)
+        bound_tool = "Python O_DIRECT reader"
+        bound_how = "the Python reader (no fio: 16 threads of os.preadv, O_DIRECT, 8 MiB aligned buffers)"
+    print(f"read bound: {bound / 1e9:.3f} GB/s, {gb(bound_bytes)} in {bound_seconds:.1f} s, by {bound_how}",
+          flush=True)
+
+    # 2. Compute with the same layers resident, estimated from 2 and 4 layers.
+    compute, measured, per_layer, fixed = compute_estimate(shape, vramctl, workdir, inputs, args.shard_size)
+    print(f"compute estimate: {compute:.3f} s for {args.layers} layers resident = fixed {fixed:.3f} s + "
+          f"{args.layers} x {per_layer:.3f} s a layer, from resident vramd forwards (--copy, median of 3) of this "
+          f"shape with 2 layers ({measured[2]:.3f} s) and 4 layers ({measured[4]:.3f} s)", flush=True)
+
+    # 3. The contenders, each in a fresh process, the checkpoint evicted before each.
+    results, errors = {}, {}
+    names = [*DIRECT_IO, "accelerate"]
+    for name in names:
+        if args.only and args.only not in name:
+            continue
+        evict(files)
+        if name in DIRECT_IO:
+            vram = (vram_bench.streamed_vram(args.limit) + 'computation = { device = "cpu", dtype = "bfloat16" }\n'
+                    f"direct_io = {DIRECT_IO[name]}\n")
+            r, error = vramd_run(vramctl, workdir, name, folder, vram, inputs, args.forwards)
+        else:
+            r, error = accelerate_run(workdir, folder, args.limit, inputs, args.forwards)
+        if r:
+            results[name] = r
+            print_contender(name, r, size)
+        else:
+            errors[name] = error
+            print(f"{name}: failed: {error}", flush=True)
+    evict(files)
+
+    # 4. Logits, goals, and the table for docs/benchmarks.md.
+    equal, reference_name = compare_logits(results)
+    print_goals(results, errors, bound, compute)
+    print(f"\nmachine: {info['cpu']}, {info['cores']} cores, MemTotal {info['memory'] / GIB:.1f} GiB, "
+          f"disk {info['disk']}\n")
+    print(f"{len(files)} shards, {size / GIB:.2f} GiB bfloat16 (hidden {shape['hidden']}, intermediate "
+          f"{shape['intermediate']}, {shape['layers']} layers, vocab {shape['vocab']}), "
+          f"limit {args.limit / GIB:.3f} GiB, {args.tokens} tokens, {args.forwards} forward(s) per contender, "
+          f"page cache emptied before each. Read bound "
+          f"{bound / 1e9:.2f} GB/s ({bound_tool}); compute estimate "
+          f"{compute:.2f} s (fixed {fixed:.3f} s + {per_layer:.3f} s a layer).\n")
+    print_table(names, results, errors, equal, reference_name, bound)
+
+
+if __name__ == "__main__":
+    main()
