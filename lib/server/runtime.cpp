@@ -17,6 +17,7 @@
 #include "model/loader.hpp"
 #include "model/partition.hpp"
 #include "model/vram.hpp"
+#include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
@@ -132,6 +133,8 @@ std::string Runtime::forward(std::string_view safetensors) {
     throw Error(std::string("forward failed: ") + e.what_without_backtrace());
   } catch (const dist::RankFailure&) {
     throw;
+  } catch (const storage::ReadFailure&) {
+    throw;  // the checkpoint's fault, not the request's
   } catch (const Error& e) {
     throw BadInput(e.what());  // the model's checks of its inputs
   }

@@ -21,9 +21,12 @@ void pread_exact(int fd, std::byte* dst, size_t size, uint64_t offset, const std
   while (size > 0) {
     ssize_t got = ::pread(fd, dst, size, static_cast<off_t>(offset));
     if (got < 0 && errno == EINTR) continue;
-    if (got < 0) fail(path, "read of " + std::to_string(size) + " bytes at offset " +
-                                std::to_string(offset) + " failed: " + errno_text());
-    if (got == 0) fail(path, "unexpected end of file at offset " + std::to_string(offset) + " (was it cut short while in use?)");
+    if (got < 0)
+      throw ReadFailure(path + ": read of " + std::to_string(size) + " bytes at offset " + std::to_string(offset) +
+                        " failed: " + errno_text());
+    if (got == 0)
+      throw ReadFailure(path + ": unexpected end of file at offset " + std::to_string(offset) +
+                        " (was it cut short while in use?)");
     dst += got;
     size -= static_cast<size_t>(got);
     offset += static_cast<uint64_t>(got);
@@ -71,14 +74,14 @@ std::span<std::byte> File::mapping() const {
 std::pair<void*, size_t> File::map_range(uint64_t offset, uint64_t n) const {
   static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) fail(path_, "cannot stat: " + errno_text());
+  if (::fstat(fd_, &st) != 0) throw ReadFailure(path_ + ": cannot stat: " + errno_text());
   if (offset + n > static_cast<uint64_t>(st.st_size))
-    fail(path_, "now " + std::to_string(st.st_size) + " bytes, too short for bytes " + std::to_string(offset) +
-                    " to " + std::to_string(offset + n) + " (was it changed while in use?)");
+    throw ReadFailure(path_ + ": now " + std::to_string(st.st_size) + " bytes, too short for bytes " +
+                      std::to_string(offset) + " to " + std::to_string(offset + n) + " (was it changed while in use?)");
   const uint64_t start = offset - offset % page;
   const size_t length = offset + n - start;
   void* address = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd_, static_cast<off_t>(start));
-  if (address == MAP_FAILED) fail(path_, "cannot map " + std::to_string(length) + " bytes: " + errno_text());
+  if (address == MAP_FAILED) throw ReadFailure(path_ + ": cannot map " + std::to_string(length) + " bytes: " + errno_text());
   ::madvise(address, length, MADV_WILLNEED);
   return {address, length};
 }

@@ -10,7 +10,16 @@
 #include <string>
 #include <utility>
 
+#include "util/error.hpp"
+
 namespace vramd::storage {
+
+// A read of a checkpoint that failed: an I/O error, or a file cut short while in use. The
+// machine's fault or the files', never the request's (a forward answers it with a 500).
+class ReadFailure : public Error {
+ public:
+  using Error::Error;
+};
 
 class File {
  public:

@@ -85,11 +85,12 @@ void plan(const ReadRange& range, const ReaderOptions& options, std::vector<Piec
   if (body_end < end) bounce(body_end, end);
 }
 
-// Accounts for `got` more bytes of the piece. Returns true when it is complete; throws Error
+// Accounts for `got` more bytes of the piece. Returns true when it is complete; throws ReadFailure
 // at an end of file before the piece's needed bytes.
 bool advance(Piece& piece, uint64_t got) {
-  if (got == 0) fail(piece.file->path(), "unexpected end of file at offset " + std::to_string(piece.offset + piece.done) +
-                                             " (was it cut short while in use?)");
+  if (got == 0)
+    throw ReadFailure(piece.file->path() + ": unexpected end of file at offset " +
+                      std::to_string(piece.offset + piece.done) + " (was it cut short while in use?)");
   piece.done += got;
   if (piece.done < piece.needed()) return false;
   if (piece.out) std::memcpy(piece.out, piece.bounce.get() + piece.skip, piece.out_size);
@@ -110,7 +111,8 @@ void finish_buffered(Piece& piece) {
 void allocate_bounce(Piece& piece) {
   if (!piece.out || piece.bounce) return;
   piece.bounce.reset(static_cast<std::byte*>(std::aligned_alloc(kAlign, piece.size)));
-  if (!piece.bounce) fail(piece.file->path(), "cannot allocate " + std::to_string(piece.size) + " bytes for a direct read");
+  if (!piece.bounce)
+    throw ReadFailure(piece.file->path() + ": cannot allocate " + std::to_string(piece.size) + " bytes for a direct read");
 }
 
 // One piece with positioned reads, on the calling thread.
@@ -121,7 +123,7 @@ void read_piece(Piece& piece) {
                                 static_cast<off_t>(piece.offset + piece.done));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0 && errno == EINVAL && piece.direct) return finish_buffered(piece);
-    if (got < 0) fail(piece.file->path(), read_error(piece, errno));
+    if (got < 0) throw ReadFailure(piece.file->path() + ": " + read_error(piece, errno));
     if (advance(piece, static_cast<uint64_t>(got))) return;
     if (piece.direct && piece.done % kAlign) return finish_buffered(piece);
   }
@@ -180,7 +182,7 @@ thread_local std::unique_ptr<Ring> Ring::current;
 void read_with_uring(std::vector<Piece>& pieces, Ring& ring, unsigned depth) {
   std::vector<size_t> queue;  // pieces to (re)submit, last first
   for (size_t i = pieces.size(); i-- > 0;) queue.push_back(i);
-  std::optional<Error> failure;
+  std::optional<ReadFailure> failure;
   unsigned in_flight = 0;
   auto failed = [&](const std::exception& error) {
     if (!failure) failure.emplace(error.what());
@@ -190,7 +192,7 @@ void read_with_uring(std::vector<Piece>& pieces, Ring& ring, unsigned depth) {
       Piece& piece = pieces[queue.back()];
       try {
         allocate_bounce(piece);
-      } catch (const Error& error) {
+      } catch (const ReadFailure& error) {
         failed(error);
         break;
       }
@@ -210,7 +212,7 @@ void read_with_uring(std::vector<Piece>& pieces, Ring& ring, unsigned depth) {
         if (io_uring_wait_cqe(ring.get(), &cqe) == 0) io_uring_cqe_seen(ring.get(), cqe);
       }
       Ring::drop();
-      throw Error(std::string("io_uring submission failed: ") + std::strerror(-submitted));
+      throw ReadFailure(std::string("io_uring submission failed: ") + std::strerror(-submitted));
     }
     io_uring_cqe* cqe = nullptr;
     unsigned head = 0, seen = 0;
@@ -226,12 +228,12 @@ void read_with_uring(std::vector<Piece>& pieces, Ring& ring, unsigned depth) {
         } else if (res == -EINVAL && piece.direct) {
           finish_buffered(piece);
         } else if (res < 0) {
-          fail(piece.file->path(), read_error(piece, -res));
+          throw ReadFailure(piece.file->path() + ": " + read_error(piece, -res));
         } else if (!advance(piece, static_cast<uint64_t>(res))) {
           if (piece.direct && piece.done % kAlign) finish_buffered(piece);
           else queue.push_back(index);
         }
-      } catch (const Error& error) {
+      } catch (const ReadFailure& error) {
         failed(error);
       }
     }
@@ -262,7 +264,7 @@ void read_ranges(std::span<const ReadRange> ranges, const ReaderOptions& options
   const bool uring = options.engine == Engine::Uring || (options.engine == Engine::Auto && any_direct);
   if (uring && io_uring_available())
     if (Ring* ring = Ring::get(depth)) return read_with_uring(pieces, *ring, depth);
-  if (options.engine == Engine::Uring) throw Error("io_uring is not available to this process");
+  if (options.engine == Engine::Uring) throw ReadFailure("io_uring is not available to this process");
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   read_with_threads(pieces, any_direct ? std::min(depth, 8u) : std::min(depth, cores));
 }

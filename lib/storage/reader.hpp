@@ -27,7 +27,7 @@ struct ReaderOptions {
   enum class Engine { Auto, Uring, Threads } engine = Engine::Auto;  // Auto: io_uring for direct reads
 };
 
-// Fills every range. On failure throws Error naming the file, the offset and the cause (the
+// Fills every range. On failure throws ReadFailure (storage/file.hpp) naming the file, the offset and the cause (the
 // first read that failed; a file shorter than a range is "unexpected end of file"), and only
 // after every request in flight has finished: no buffer is written once this returns.
 //
