@@ -115,17 +115,24 @@ void allocate_bounce(Piece& piece) {
     throw ReadFailure(piece.file->path() + ": cannot allocate " + std::to_string(piece.size) + " bytes for a direct read");
 }
 
+// Takes in what a read of the piece from piece.done returned (bytes, or -errno), from either
+// engine. Returns true when the piece is complete, false when it is to be read on.
+bool settle(Piece& piece, int64_t result) {
+  if (result == -EINTR || result == -EAGAIN) return false;
+  if (result == -EINVAL && piece.direct) return finish_buffered(piece), true;
+  if (result < 0) throw ReadFailure(piece.file->path() + ": " + read_error(piece, static_cast<int>(-result)));
+  if (advance(piece, static_cast<uint64_t>(result))) return true;
+  if (piece.direct && piece.done % kAlign) return finish_buffered(piece), true;  // a short read: the end is near
+  return false;
+}
+
 // One piece with positioned reads, on the calling thread.
 void read_piece(Piece& piece) {
   allocate_bounce(piece);
-  for (;;) {
+  for (bool complete = false; !complete;) {
     const ssize_t got = ::pread(piece.fd, piece.target() + piece.done, piece.size - piece.done,
                                 static_cast<off_t>(piece.offset + piece.done));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0 && errno == EINVAL && piece.direct) return finish_buffered(piece);
-    if (got < 0) throw ReadFailure(piece.file->path() + ": " + read_error(piece, errno));
-    if (advance(piece, static_cast<uint64_t>(got))) return;
-    if (piece.direct && piece.done % kAlign) return finish_buffered(piece);
+    complete = settle(piece, got < 0 ? -errno : got);
   }
 }
 
@@ -220,19 +227,9 @@ void read_with_uring(std::vector<Piece>& pieces, Ring& ring, unsigned depth) {
       ++seen;
       --in_flight;
       const size_t index = io_uring_cqe_get_data64(cqe);
-      Piece& piece = pieces[index];
       const int res = cqe->res;
       try {
-        if (res == -EINTR || res == -EAGAIN) {
-          queue.push_back(index);
-        } else if (res == -EINVAL && piece.direct) {
-          finish_buffered(piece);
-        } else if (res < 0) {
-          throw ReadFailure(piece.file->path() + ": " + read_error(piece, -res));
-        } else if (!advance(piece, static_cast<uint64_t>(res))) {
-          if (piece.direct && piece.done % kAlign) finish_buffered(piece);
-          else queue.push_back(index);
-        }
+        if (!settle(pieces[index], res)) queue.push_back(index);
       } catch (const ReadFailure& error) {
         failed(error);
       }
