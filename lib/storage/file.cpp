@@ -8,7 +8,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include "storage/reader.hpp"
 #include "util/error.hpp"
 #include "util/file.hpp"
 
@@ -49,11 +48,6 @@ File::~File() {
 
 void File::read(std::span<std::byte> dst, uint64_t offset) const {
   pread_exact(fd_, dst.data(), dst.size(), offset, path_);
-}
-
-void File::read_direct(std::span<std::byte> dst, uint64_t offset) const {
-  const ReadRange range{this, offset, dst};
-  read_ranges({&range, 1}, {.direct = true});
 }
 
 int File::direct_fd() const {

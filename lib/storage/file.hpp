@@ -1,5 +1,5 @@
-// A read-only checkpoint file: positioned reads, O_DIRECT reads for cold data, and a lazy
-// copy-on-write mapping for zero-copy views. Safe to use from several threads at once.
+// A read-only checkpoint file: positioned reads, a descriptor for O_DIRECT reads of cold data
+// (storage::read_ranges), and a lazy copy-on-write mapping for zero-copy views. Safe to use from several threads at once.
 #pragma once
 
 #include <cstddef>
@@ -37,9 +37,6 @@ class File {
   // Reads exactly dst.size() bytes at `offset` through the page cache.
   void read(std::span<std::byte> dst, uint64_t offset) const;
 
-  // The same bytes, read with O_DIRECT (bypassing the page cache) where the file system allows
-  // it, else through the page cache: storage::read_ranges with one range.
-  void read_direct(std::span<std::byte> dst, uint64_t offset) const;
   // A descriptor of the file opened with O_DIRECT (on first use), or -1 where the file system
   // refuses that (tmpfs, for one).
   int direct_fd() const;
