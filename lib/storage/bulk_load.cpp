@@ -13,11 +13,7 @@
 namespace vramd::storage {
 namespace {
 
-constexpr uint64_t kBlock = File::kDirectAlignment;
 constexpr uint64_t kMaxGap = 1u << 20;   // neighbours closer than this are read together
-
-uint64_t align_down(uint64_t value) { return value & ~(kBlock - 1); }
-uint64_t align_up(uint64_t value) { return (value + kBlock - 1) & ~(kBlock - 1); }
 
 // A stretch of one file read as a whole into the arena.
 struct Run {
@@ -74,10 +70,10 @@ std::vector<at::Tensor> load_tensors(const DiskMap& map, std::span<const TensorI
   uint64_t arena_size = 0;
   for (size_t index : order) {
     const auto& info = *infos[index];
-    const uint64_t end = align_up(info.offset + info.nbytes);
+    const uint64_t end = File::align_up(info.offset + info.nbytes);
     if (runs.empty() || runs.back().file != info.file || info.offset > runs.back().end + kMaxGap) {
       if (!runs.empty()) arena_size += runs.back().end - runs.back().begin;
-      runs.push_back(Run{info.file, align_down(info.offset), end, arena_size});
+      runs.push_back(Run{info.file, File::align_down(info.offset), end, arena_size});
     }
     runs.back().end = std::max(runs.back().end, end);
     run_of[index] = runs.size() - 1;

@@ -24,6 +24,8 @@ class ReadFailure : public Error {
 class File {
  public:
   static constexpr size_t kDirectAlignment = 4096;  // of offsets, sizes and buffers for O_DIRECT
+  static constexpr uint64_t align_down(uint64_t n) { return n & ~uint64_t{kDirectAlignment - 1}; }
+  static constexpr uint64_t align_up(uint64_t n) { return align_down(n + kDirectAlignment - 1); }
 
   explicit File(std::string path);  // throws Error naming the path
   ~File();

@@ -24,9 +24,6 @@ namespace {
 constexpr uint64_t kAlign = File::kDirectAlignment;
 constexpr uint64_t kBounce = 1u << 20;  // bytes per bounced read
 
-uint64_t align_down(uint64_t n) { return n & ~(kAlign - 1); }
-uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
-
 struct FreeAligned {
   void operator()(std::byte* p) const { std::free(p); }
 };
@@ -68,8 +65,8 @@ void plan(const ReadRange& range, const ReaderOptions& options, std::vector<Piec
       pieces.emplace_back(file, direct ? direct_fd : file.fd(), direct, at, std::min(options.block, to - at), dst + (at - begin));
   };
   auto bounce = [&](uint64_t from, uint64_t to) {  // aligned reads covering [from, to), copied out
-    for (uint64_t at = align_down(from); at < to; at += kBounce) {
-      Piece& piece = pieces.emplace_back(file, direct_fd, true, at, std::min(kBounce, align_up(to) - at), nullptr);
+    for (uint64_t at = File::align_down(from); at < to; at += kBounce) {
+      Piece& piece = pieces.emplace_back(file, direct_fd, true, at, std::min(kBounce, File::align_up(to) - at), nullptr);
       piece.skip = std::max(at, from) - at;
       piece.out = dst + (at + piece.skip - begin);
       piece.out_size = std::min(at + piece.size, to) - at - piece.skip;
@@ -78,7 +75,7 @@ void plan(const ReadRange& range, const ReaderOptions& options, std::vector<Piec
   if (begin == end) return;
   if (direct_fd < 0) return add(begin, end, false);
   const bool agrees = (reinterpret_cast<uintptr_t>(dst) - begin) % kAlign == 0;
-  const uint64_t body_begin = align_up(begin), body_end = align_down(end);
+  const uint64_t body_begin = File::align_up(begin), body_end = File::align_down(end);
   if (!agrees || body_begin >= body_end) return bounce(begin, end);
   if (begin < body_begin) bounce(begin, body_begin);
   add(body_begin, body_end, true);
