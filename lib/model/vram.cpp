@@ -197,9 +197,8 @@ std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at:
       if (at::Tensor view = mapped(slot, *part); view.defined()) {
         out = std::move(view);  // the buffer it replaces, if any, is freed
       } else {
-        const uint64_t want = phase(slot, i);
-        if (!out.defined() || reinterpret_cast<uintptr_t>(out.const_data_ptr()) % storage::File::kDirectAlignment != want)
-          out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_, want);
+        // A spare from claim_locked already has the phase.
+        if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_, phase(slot, i));
         reads.push_back(part);
         outs.push_back(out);
       }
