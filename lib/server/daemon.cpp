@@ -14,6 +14,7 @@
 #include "server/registry.hpp"
 #include "server/reply.hpp"
 #include "server/routes.hpp"
+#include "storage/mapping.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
@@ -232,6 +233,7 @@ class Daemon {
 
 int serve(const config::DaemonConfig& config) {
   std::signal(SIGPIPE, SIG_IGN);
+  storage::survive_cut_files();  // Runtime checks every model's mappings after reading through them
   log::set_level(config.log_level);
   Daemon daemon(config);
   return daemon.run();

@@ -11,6 +11,7 @@
 #include "server/boundary.hpp"
 #include "server/eviction.hpp"
 #include "server/reply.hpp"
+#include "storage/file.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
@@ -105,7 +106,9 @@ struct Registry::Outcome {
   bool loaded = false;     // the job loaded the model
   std::string load_error;  // loading failed (the model is then unloaded)
   bool cancelled = false;
-  bool rank_failed = false;  // a rank of a partitioned model died or stopped answering
+  // The model's weights are not whole: a rank of a partitioned model died or stopped answering,
+  // or a checkpoint was cut short under its mapped weights (storage::MappingLost).
+  bool weights_lost = false;
   int status = 200;        // of the job's own answer
   std::string error;
   std::string output;      // forward: safetensors bytes
@@ -558,7 +561,11 @@ void Registry::run_job(Entry& entry, Job job) {
     } catch (const dist::RankFailure& error) {
       outcome->status = 500;
       outcome->error = error.what();
-      outcome->rank_failed = true;
+      outcome->weights_lost = true;
+    } catch (const storage::MappingLost& error) {
+      outcome->status = 500;
+      outcome->error = error.what();
+      outcome->weights_lost = true;
     } catch (const std::exception& error) {
       outcome->status = 500;
       outcome->error = error.what();
@@ -597,9 +604,9 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   } else if (status != 200) {
     body = {{"error", outcome.error}};
     if (job.kind == Job::Kind::Forward) entry.forward_errors++;
-    if (outcome.rank_failed) {
-      // The ranks it is split across are not all there: it is unloaded (freed on the worker, off
-      // the event loop), and the next request loads it again, with the rank started again where
+    if (outcome.weights_lost) {
+      // It is unloaded (freed on the worker, off the event loop), and the next request loads it
+      // again: from the checkpoint once it is whole, with a rank that died started again where
       // the daemon started it (dist::LocalRankSupervisor).
       entry.worker->run([doomed = std::move(entry.runtime)] {});
       entry.bytes.clear();
@@ -607,7 +614,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
       entry.state = ModelState::Unloaded;
       entry.reason = outcome.error;
     }
-    log::warn(what + ": " + outcome.error + (outcome.rank_failed ? "; unloaded" : ""));
+    log::warn(what + ": " + outcome.error + (outcome.weights_lost ? "; unloaded" : ""));
   } else {
     switch (job.kind) {
       case Job::Kind::Offload: entry.state = ModelState::Offloaded; break;

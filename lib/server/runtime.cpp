@@ -17,6 +17,7 @@
 #include "model/loader.hpp"
 #include "model/partition.hpp"
 #include "model/vram.hpp"
+#include "model/weight_source.hpp"
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
@@ -53,6 +54,8 @@ struct Runtime::Impl {
   std::shared_ptr<dist::Group> group;  // partitioned: the ranks it is split across
   std::string partition;               // and its name among them
   weights::LeaseMemory lease_memory;
+  // After reading weights through the checkpoint's mappings: MappingLost if one lost pages.
+  void check_mappings() const { loaded.source->map.check_mappings(); }
   void tell(const std::string& op, std::string_view input = {}) {
     if (group) send(*group, op, partition, {}, input);
   }
@@ -89,6 +92,7 @@ std::unique_ptr<Runtime> Runtime::load(const config::ModelConfig& config,
       return progress({p.bytes_done, p.bytes_total, p.tensors_done, p.tensors_total});
     };
   impl->loaded = model::load_model(config, options);
+  impl->check_mappings();
   impl->dtype = convert::dtype_torch_name(storage::dtype_of(impl->loaded.model->dtype()));
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
@@ -130,14 +134,18 @@ std::string Runtime::forward(std::string_view safetensors) {
     c10::InferenceMode inference;
     outputs = impl_->loaded.model->forward(inputs);
   } catch (const c10::Error& e) {
+    impl_->check_mappings();  // a file cut short explains the failure better than its symptom
     throw Error(std::string("forward failed: ") + e.what_without_backtrace());
   } catch (const dist::RankFailure&) {
     throw;
   } catch (const storage::ReadFailure&) {
-    throw;  // the checkpoint's fault, not the request's
+    impl_->check_mappings();  // weights mapped before the cut may have lost pages too
+    throw;                    // the checkpoint's fault, not the request's
   } catch (const Error& e) {
+    impl_->check_mappings();
     throw BadInput(e.what());  // the model's checks of its inputs
   }
+  impl_->check_mappings();  // weights read from a file cut short: no answer from them
   return storage::serialize_tensors(outputs, {{"model", impl_->config.name}, {"produced_by", "vramd"}});
 }
 
@@ -147,7 +155,9 @@ weights::Manifest Runtime::lease(const std::string& device) {
                    "device \"cpu\"");
   if (device != "cpu") throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
   if (impl_->offloaded) onload();
-  return impl_->lease_memory.share(impl_->loaded, impl_->config.name);
+  auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name);
+  impl_->check_mappings();
+  return manifest;
 }
 
 Moved Runtime::offload() {
@@ -163,6 +173,7 @@ Moved Runtime::onload() {
   impl_->tell("onload");
   const auto moved = model::onload(impl_->loaded);
   impl_->offloaded = false;
+  impl_->check_mappings();
   return {moved.bytes, moved.seconds};
 }
 

@@ -246,7 +246,11 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
       try {
         const auto bytes = handle->mapping();
         index = index_torch_pickle({reinterpret_cast<const char*>(bytes.data()), bytes.size()}, options.prefix);
+        handle->check_mappings();
+      } catch (const MappingLost&) {
+        throw;
       } catch (const Error& e) {
+        handle->check_mappings();  // zeros where the file was cut short: say that, not what they look like
         fail(part.path, e.what());
       }
       if (index.skipped)
@@ -332,8 +336,12 @@ std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const Tens
   return {mapping.subspan(info.offset, info.nbytes), impl_};
 }
 
-std::pair<void*, size_t> DiskMap::map_range(const TensorInfo& info) const {
+std::unique_ptr<Mapping> DiskMap::map_range(const TensorInfo& info) const {
   return impl_->handles.at(info.file)->map_range(info.offset, info.nbytes);
+}
+
+void DiskMap::check_mappings() const {
+  for (const auto& handle : impl_->handles) handle->check_mappings();
 }
 
 std::optional<std::pair<uint32_t, uint64_t>> DiskMap::locate(const void* p, uint64_t n) const {

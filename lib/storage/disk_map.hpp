@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "storage/dtype.hpp"
+#include "storage/mapping.hpp"
 #include "storage/reader.hpp"
 
 namespace vramd::storage {
@@ -87,7 +88,10 @@ class DiskMap {
   // them valid for as long as it lives.
   std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;
   // The tensor's bytes in a read-only mapping of their own, as File::map_range.
-  std::pair<void*, size_t> map_range(const TensorInfo& info) const;
+  std::unique_ptr<Mapping> map_range(const TensorInfo& info) const;
+  // Throws MappingLost naming the first file a mapping of which lost pages (File::check_mappings):
+  // what was read through bytes() or map_range() since may hold zeros, not the file's bytes.
+  void check_mappings() const;
   // Where bytes [p, p + n) lie in the private mapping bytes() hands out: the file and the
   // offset in it; nullopt when they lie elsewhere.
   std::optional<std::pair<uint32_t, uint64_t>> locate(const void* p, uint64_t n) const;

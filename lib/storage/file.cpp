@@ -41,7 +41,7 @@ File::File(std::string path) : path_(std::move(path)) {
 }
 
 File::~File() {
-  if (map_) ::munmap(map_, size_);
+  map_.reset();
   if (direct_fd_ >= 0) ::close(direct_fd_);
   ::close(fd_);
 }
@@ -57,27 +57,29 @@ int File::direct_fd() const {
 
 std::span<std::byte> File::mapping() const {
   std::call_once(map_once_, [this] {
-    if (size_ == 0) return;
-    void* address = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd_, 0);
-    if (address == MAP_FAILED) fail(path_, "cannot map: " + errno_text());
-    map_ = static_cast<std::byte*>(address);
+    if (size_ > 0) map_ = std::make_unique<Mapping>(path_, fd_, 0, size_, true, lost_);
   });
-  return {map_, map_ ? size_ : 0};
+  return map_ ? std::span<std::byte>{map_->data(), map_->size()} : std::span<std::byte>{};
 }
 
-std::pair<void*, size_t> File::map_range(uint64_t offset, uint64_t n) const {
+std::unique_ptr<Mapping> File::map_range(uint64_t offset, uint64_t n) const {
   static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   struct stat st {};
   if (::fstat(fd_, &st) != 0) throw ReadFailure(path_ + ": cannot stat: " + errno_text());
   if (offset + n > static_cast<uint64_t>(st.st_size))
-    throw ReadFailure(path_ + ": now " + std::to_string(st.st_size) + " bytes, too short for bytes " +
-                      std::to_string(offset) + " to " + std::to_string(offset + n) + " (was it changed while in use?)");
+    throw ReadFailure(path_ + ": unexpected end of file: now " + std::to_string(st.st_size) +
+                      " bytes, too short for bytes " + std::to_string(offset) + " to " + std::to_string(offset + n) +
+                      " (was it cut short while in use?)");
   const uint64_t start = offset - offset % page;
-  const size_t length = offset + n - start;
-  void* address = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd_, static_cast<off_t>(start));
-  if (address == MAP_FAILED) throw ReadFailure(path_ + ": cannot map " + std::to_string(length) + " bytes: " + errno_text());
-  ::madvise(address, length, MADV_WILLNEED);
-  return {address, length};
+  auto mapping = std::make_unique<Mapping>(path_, fd_, start, offset + n - start, false, lost_);
+  ::madvise(mapping->data(), mapping->size(), MADV_WILLNEED);
+  return mapping;
+}
+
+void File::check_mappings() const {
+  if (lost_->load())
+    throw MappingLost(path_ + ": unexpected end of file: it was cut short while mapped, and weights read from it "
+                      "since are not its bytes (was it overwritten in place?); they are read again once it is whole");
 }
 
 }  // namespace vramd::storage

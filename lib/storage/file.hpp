@@ -1,7 +1,9 @@
 // A read-only checkpoint file: positioned reads, a descriptor for O_DIRECT reads of cold data
-// (storage::read_ranges), and a lazy copy-on-write mapping for zero-copy views. Safe to use from several threads at once.
+// (storage::read_ranges), and mappings for zero-copy views (storage/mapping.hpp). Safe to use
+// from several threads at once.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -10,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "storage/mapping.hpp"
 #include "util/error.hpp"
 
 namespace vramd::storage {
@@ -19,6 +22,14 @@ namespace vramd::storage {
 class ReadFailure : public Error {
  public:
   using Error::Error;
+};
+
+// A mapping of the file lost pages: it was cut short while mapped, and what was read through
+// the mapping since holds zeros. Whatever holds such reads (a model's weights) is to be read
+// again once the file is whole.
+class MappingLost : public ReadFailure {
+ public:
+  using ReadFailure::ReadFailure;
 };
 
 class File {
@@ -48,17 +59,21 @@ class File {
 
   // Bytes [offset, offset + n) in a read-only mapping made for them alone: nothing copied.
   // Read-ahead of the pages not cached yet starts now (MADV_WILLNEED); pages are mapped as they
-  // are first touched. Returns the mapping's start and length, for munmap; the bytes begin
-  // offset % page size into it. Throws Error naming the path when the file no longer holds them
-  // (a file truncated while mapped faults on access, as any mapping does).
-  std::pair<void*, size_t> map_range(uint64_t offset, uint64_t n) const;
+  // are first touched. The bytes begin offset % page size into the mapping. Throws ReadFailure
+  // naming the path when the file no longer holds them.
+  std::unique_ptr<Mapping> map_range(uint64_t offset, uint64_t n) const;
+
+  // Throws MappingLost naming the file when one of its mappings lost pages since it was
+  // opened (storage::survive_cut_files). To be called after reading through them.
+  void check_mappings() const;
 
  private:
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;
+  std::shared_ptr<std::atomic<bool>> lost_ = std::make_shared<std::atomic<bool>>(false);
   mutable std::once_flag map_once_;
-  mutable std::byte* map_ = nullptr;
+  mutable std::unique_ptr<Mapping> map_;
   mutable std::once_flag direct_once_;
   mutable int direct_fd_ = -1;
 };

@@ -3,7 +3,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
-#include <sys/mman.h>
 
 #include <cstring>
 
@@ -102,33 +101,23 @@ at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOpt
 
 namespace {
 
-struct MappedRange {
-  void* start;
-  size_t length;
-};
-
-void unmap_range(void* context) {
-  auto* range = static_cast<MappedRange*>(context);
-  ::munmap(range->start, range->length);
-  delete range;
-}
+void unmap(void* context) { delete static_cast<Mapping*>(context); }
 
 }  // namespace
 
 at::Tensor map_tensor(const DiskMap& map, const TensorInfo& info) {
   const c10::ScalarType type = scalar_type(map, info);
   if (info.nbytes == 0 || info.offset % c10::elementSize(type) != 0) return {};
-  const auto [start, length] = map.map_range(info);
-  auto* range = new MappedRange{start, length};
-  std::byte* data = static_cast<std::byte*>(start) + (length - info.nbytes);
+  auto mapping = map.map_range(info);
+  std::byte* data = mapping->data() + (mapping->size() - info.nbytes);
   return at::for_blob(data, info.shape)
-      .context(range, &unmap_range)
+      .context(mapping.release(), &unmap)
       .options(at::TensorOptions().dtype(type).device(c10::kCPU))
       .make_tensor();
 }
 
 bool is_mapped_view(const at::Tensor& tensor) {
-  return tensor.has_storage() && tensor.storage().data_ptr().get_deleter() == &unmap_range;
+  return tensor.has_storage() && tensor.storage().data_ptr().get_deleter() == &unmap;
 }
 
 at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOptions& options) {
