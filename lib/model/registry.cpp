@@ -59,8 +59,19 @@ std::string known_architectures() {
 std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperparams& hyperparams,
                                    c10::ScalarType dtype, const TensorShapes& tensors) {
   if (architecture == "weights") return std::make_unique<WeightsOnly>(tensors, dtype);
-  for (const auto& entry : kArchitectures)
-    if (architecture == entry.name) return entry.build(architecture, hyperparams, dtype);
+  for (const auto& entry : kArchitectures) {
+    if (architecture != entry.name) continue;
+    // Each family declares the model_type it computes. Another family's weights often have the
+    // same names and shapes and would load without a word, then compute nonsense (Gemma's as
+    // LLaMA: all-zero logits), so a checkpoint that says what it is is taken at its word.
+    const std::string model_type = hyperparams.string("model_type", "");
+    if (!model_type.empty() && model_type != entry.name)
+      throw Error("the checkpoint's model_type is " + quote(model_type) + ", which architecture " + quote(architecture) +
+                  " does not declare: it would compute another model. Leave architecture unset to use the "
+                  "checkpoint's own (known: " + known_architectures() + "), or, if it truly is " +
+                  quote(architecture) + ", say so with [arch] model_type = \"" + architecture + "\"");
+    return entry.build(architecture, hyperparams, dtype);
+  }
   throw Error("unknown architecture " + quote(architecture) + " (known: " + known_architectures() + ")");
 }
 

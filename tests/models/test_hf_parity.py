@@ -228,3 +228,22 @@ def test_a_nanogpt_checkpoint_loads_through_the_shipped_converter(witnesses, tmp
     result = vramctl("run", config)
     assert result.returncode == 1
     assert "'transformer.h.0.mlp.c_fc.weight' is [256, 64], the architecture expects [64, 256]" in result.stderr
+
+
+def test_a_family_is_not_forced_on_a_checkpoint_of_another(tmp_path):
+    # Gemma's weights have LLaMA's names and shapes: forced to load as "llama", they used to load
+    # without a word and give all-zero logits. The checkpoint's model_type now has the last word,
+    # unless [arch] overrides it on purpose.
+    import transformers
+    config = transformers.GemmaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64)
+    transformers.GemmaForCausalLM(config).save_pretrained(tmp_path / "gemma")
+    toml = tmp_path / "gemma.toml"
+    toml.write_text(f'checkpoint = "{tmp_path / "gemma"}"\narchitecture = "llama"\n')
+    result = vramctl("run", toml)
+    assert result.returncode == 1
+    assert str(toml) in result.stderr and ("the checkpoint's model_type is 'gemma', which architecture 'llama' does "
+                                           "not declare") in result.stderr, result.stderr
+    toml.write_text(f'checkpoint = "{tmp_path / "gemma"}"\narchitecture = "llama"\n[arch]\nmodel_type = "llama"\n')
+    assert vramctl("run", toml).returncode == 0
