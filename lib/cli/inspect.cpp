@@ -15,7 +15,12 @@ using storage::DiskMap;
 using storage::FileFormat;
 
 const char* format_name(FileFormat format) {
-  return format == FileFormat::Safetensors ? "safetensors" : "pytorch-pickle";
+  switch (format) {
+    case FileFormat::Safetensors: return "safetensors";
+    case FileFormat::TorchPickle: return "pytorch-pickle";
+    case FileFormat::Gguf: return "gguf";
+  }
+  return "unknown";
 }
 
 struct Total {
@@ -39,7 +44,8 @@ void print_json(const DiskMap& map, std::ostream& out) {
   auto& files = doc["files"] = nlohmann::ordered_json::array();
   for (const auto& file : map.files()) {
     nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
-    for (const auto& [key, value] : file.metadata) metadata[key] = value;
+    for (const auto& [key, value] : file.metadata)  // GGUF's values are typed: JSON text already
+      metadata[key] = file.format == FileFormat::Gguf ? nlohmann::ordered_json::parse(value) : nlohmann::ordered_json(value);
     files.push_back({{"path", file.path}, {"format", format_name(file.format)}, {"size", file.size},
                      {"metadata", std::move(metadata)}});
   }

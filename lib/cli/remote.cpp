@@ -60,14 +60,6 @@ void print_models(const json& models, std::ostream& out) {
   out << std::right;
 }
 
-float half_to_float(uint16_t h) {
-  const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  const float sign = (h & 0x8000) ? -1.0f : 1.0f;
-  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -24);
-  if (exponent == 31) return mantissa ? NAN : sign * INFINITY;
-  return sign * std::ldexp(static_cast<float>(mantissa + 1024), exponent - 25);
-}
-
 // "name dtype [shape] v0 v1 ... (n values)" for each output.
 void print_tensors(const std::string& bytes, std::ostream& out) {
   const auto* data = reinterpret_cast<const std::byte*>(bytes.data());
@@ -82,7 +74,7 @@ void print_tensors(const std::string& bytes, std::ostream& out) {
       switch (t.dtype) {
         case DType::F32: { float f; std::memcpy(&f, p + 4 * i, 4); value = f; break; }
         case DType::F64: std::memcpy(&value, p + 8 * i, 8); break;
-        case DType::F16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); value = half_to_float(h); break; }
+        case DType::F16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); value = storage::half_to_float(h); break; }
         case DType::BF16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); uint32_t w = uint32_t{h} << 16; float f; std::memcpy(&f, &w, 4); value = f; break; }
         case DType::I64: { int64_t v; std::memcpy(&v, p + 8 * i, 8); value = static_cast<double>(v); break; }
         case DType::I32: { int32_t v; std::memcpy(&v, p + 4 * i, 4); value = v; break; }

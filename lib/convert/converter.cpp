@@ -19,6 +19,12 @@ namespace {
 constexpr const char* kTensorType = "vramd.Tensor";
 constexpr const char* kSourceType = "vramd.Source";
 
+// A checkpoint tensor as an expression; GGUF's block types read as float32 (load_tensor unpacks).
+ExprPtr source_of(const storage::TensorInfo& info) {
+  const auto dtype = storage::dtype_block(info.dtype) == 1 ? info.dtype : storage::DType::F32;
+  return source(std::string(info.name()), dtype, info.shape);
+}
+
 // string.find and string.gsub, for the rules rename() leaves to Lua (see rename_in_lua).
 constexpr const char* kStringFunctions = "return string.find, string.gsub";
 
@@ -184,7 +190,7 @@ struct Source {
 Source& check_source(lua_State* L, int index) { return *static_cast<Source*>(luaL_checkudata(L, index, kSourceType)); }
 
 void push_source_tensor(lua_State* L, const storage::TensorInfo& info, int metatable = 0) {
-  push_tensor(L, convert::source(std::string(info.name()), info.dtype, info.shape), metatable);
+  push_tensor(L, source_of(info), metatable);
 }
 
 bool push_source_tensor(lua_State* L, Source& source, const std::string& name) {
@@ -566,7 +572,7 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
 ConversionPlan identity_plan(const storage::DiskMap& map) {
   ConversionPlan plan;
   for (const auto& info : map.tensors())
-    plan.tensors.push_back({std::string(info.name()), source(std::string(info.name()), info.dtype, info.shape)});
+    plan.tensors.push_back({std::string(info.name()), source_of(info)});
   return plan;
 }
 

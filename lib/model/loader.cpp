@@ -208,6 +208,7 @@ at::Tensor WeightSource::read(const Assignment& a, c10::Device device, c10::Scal
 const storage::TensorInfo* WeightSource::stored(const Assignment& a, c10::ScalarType dtype) const {
   if (a.expr->op != convert::Expr::Op::Source) return nullptr;
   const auto& info = map.at(a.expr->source);
+  if (storage::dtype_block(info.dtype) != 1) return nullptr;  // packed: unpacked on reading
   return storage::scalar_type(map, info) == dtype ? &info : nullptr;
 }
 

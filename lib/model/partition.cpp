@@ -35,7 +35,7 @@ bool matches_any(const std::string& name, const std::vector<std::string>& patter
 void read_flat(const WeightSource& source, const Assignment& assignment, int64_t begin, int64_t end, at::Tensor out) {
   const convert::Expr& expr = *assignment.expr;
   const auto& map = source.map;
-  if (expr.op == convert::Expr::Op::Source) {
+  if (expr.op == convert::Expr::Op::Source && storage::dtype_block(map.at(expr.source).dtype) == 1) {
     const auto& info = map.at(expr.source);
     const c10::ScalarType stored = storage::scalar_type(map, info);
     const auto size = static_cast<int64_t>(c10::elementSize(stored));

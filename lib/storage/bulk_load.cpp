@@ -58,7 +58,8 @@ void convert(std::vector<at::Tensor>& tensors, c10::ScalarType dtype) {
 
 std::vector<at::Tensor> load_tensors(const DiskMap& map, std::span<const TensorInfo* const> infos,
                                      const LoadOptions& options) {
-  for (const auto* info : infos) scalar_type(map, *info);  // refuse before reading a byte
+  for (const auto* info : infos)  // refuse before reading a byte
+    if (dtype_block(info->dtype) == 1) scalar_type(map, *info);
   std::vector<size_t> order(infos.size());
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -97,6 +98,10 @@ std::vector<at::Tensor> load_tensors(const DiskMap& map, std::span<const TensorI
     const auto& info = *infos[i];
     const auto& run = runs[run_of[i]];
     std::byte* data = base + run.arena_offset + (info.offset - run.begin);
+    if (dtype_block(info.dtype) != 1) {
+      tensors.push_back(unpacked(map, info, {data, info.nbytes}));
+      continue;
+    }
     const auto type = scalar_type(map, info);
     auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
     at::Tensor tensor = at::from_blob(data, info.shape, [arena](void*) {}, cpu);

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "storage/file.hpp"
+#include "storage/gguf.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/torch_pickle.hpp"
 #include "util/error.hpp"
@@ -138,9 +139,10 @@ void add_folder(const std::string& folder, std::vector<Part>& parts, std::vector
   for (const char* suffix : {".bin", ".pt", ".pth", ".ckpt"})
     for (auto& path : sorted_matches(folder, suffix)) pickles.push_back(std::move(path));
   std::sort(pickles.begin(), pickles.end());
-  if (!pick(pickles, {"pytorch_model.bin", "diffusion_pytorch_model.bin"}, "*.bin"))
+  if (!pick(pickles, {"pytorch_model.bin", "diffusion_pytorch_model.bin"}, "*.bin") &&
+      !pick(sorted_matches(folder, ".gguf"), {"model.gguf"}, "*.gguf"))
     fail(folder, "holds no checkpoint (looked for *.safetensors.index.json, *.bin.index.json, *.safetensors, "
-                 "*.bin, *.pt, *.pth, *.ckpt)");
+                 "*.bin, *.pt, *.pth, *.ckpt, *.gguf)");
 }
 
 void add_source(const std::string& source, std::vector<Part>& parts, std::vector<std::string>& warnings) {
@@ -161,11 +163,28 @@ void add_source(const std::string& source, std::vector<Part>& parts, std::vector
   parts.push_back(Part{source, {}, std::nullopt});
 }
 
-bool looks_like_zip(const File& file) {
-  if (file.size() < 4) return false;
-  std::byte magic[4];
-  file.read(magic, 0);
-  return std::memcmp(magic, "PK\x03\x04", 4) == 0;
+// A file's first four bytes (fewer for a shorter file): what it is, whatever its name.
+std::vector<std::byte> magic(const File& file) {
+  std::vector<std::byte> bytes(std::min<uint64_t>(file.size(), 4));
+  file.read(bytes, 0);
+  return bytes;
+}
+
+// The header of a GGUF file, read as far as it goes and no further: a megabyte, then more.
+GgufHeader read_gguf_header(const File& file) {
+  std::vector<std::byte> bytes(std::min<uint64_t>(file.size(), 1 << 20));
+  for (;;) {
+    file.read(bytes, 0);
+    try {
+      return parse_gguf(bytes, file.size());
+    } catch (const GgufNeedsMore& more) {
+      bytes.resize(std::max<uint64_t>(more.needed, std::min<uint64_t>({2 * bytes.size(), file.size(), kMaxGgufHeaderSize})));
+    }
+  }
+}
+
+bool looks_like_zip(std::span<const std::byte> magic) {
+  return magic.size() == 4 && std::memcmp(magic.data(), "PK\x03\x04", 4) == 0;
 }
 
 struct Indexer {
@@ -220,6 +239,44 @@ struct Indexer {
   }
 };
 
+// One file's tensors, wherever its format keeps them (data_offset: where their offsets count from).
+struct FileIndex {
+  std::vector<TensorRecord> tensors;
+  uint64_t data_offset = 0;
+};
+
+// Indexes the file as its first bytes (else its name) say it is, filling in its format and
+// metadata. Errors name the file.
+FileIndex index_file(const std::string& path, const File& file, CheckpointFile& info, const DiskMapOptions& options,
+                     std::vector<std::string>& warnings) {
+  const auto first_bytes = magic(file);
+  try {
+    if (is_gguf(first_bytes) || ends_with(path, ".gguf")) {
+      info.format = FileFormat::Gguf;
+      auto header = read_gguf_header(file);
+      info.metadata = std::move(header.metadata);
+      return {std::move(header.tensors), header.data_offset};
+    }
+    if (is_pickle_name(path) || (!ends_with(path, ".safetensors") && looks_like_zip(first_bytes))) {
+      info.format = FileFormat::TorchPickle;
+      const auto bytes = file.mapping();
+      auto index = index_torch_pickle({reinterpret_cast<const char*>(bytes.data()), bytes.size()}, options.prefix);
+      file.check_mappings();
+      if (index.skipped)
+        warnings.push_back(path + ": " + std::to_string(index.skipped) + " entries that are not tensors were left out");
+      return {std::move(index.tensors), 0};
+    }
+    auto header = read_safetensors_header(file.fd(), file.size());
+    info.metadata = std::move(header.metadata);
+    return {std::move(header.tensors), header.data_offset};
+  } catch (const ReadFailure&) {
+    throw;  // names the file already
+  } catch (const Error& e) {
+    file.check_mappings();  // zeros where a mapped file was cut short: say that, not what they look like
+    fail(path, e.what());
+  }
+}
+
 }  // namespace
 
 DiskMap DiskMap::open(const std::string& source, const DiskMapOptions& options) {
@@ -238,39 +295,10 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
   for (const auto& part : parts) {
     auto handle = std::make_unique<File>(part.path);
     CheckpointFile info{part.path, FileFormat::Safetensors, handle->size(), {}};
-    const bool pickle = is_pickle_name(part.path) ||
-                        (!ends_with(part.path, ".safetensors") && looks_like_zip(*handle));
-    if (pickle) {
-      info.format = FileFormat::TorchPickle;
-      PickleIndex index;
-      try {
-        const auto bytes = handle->mapping();
-        index = index_torch_pickle({reinterpret_cast<const char*>(bytes.data()), bytes.size()}, options.prefix);
-        handle->check_mappings();
-      } catch (const MappingLost&) {
-        throw;
-      } catch (const Error& e) {
-        handle->check_mappings();  // zeros where the file was cut short: say that, not what they look like
-        fail(part.path, e.what());
-      }
-      if (index.skipped)
-        impl->warnings.push_back(part.path + ": " + std::to_string(index.skipped) +
-                                 " entries that are not tensors were left out");
-      impl->files.push_back(std::move(info));
-      impl->handles.push_back(std::move(handle));
-      indexer.add(part, std::move(index.tensors), 0);
-      continue;
-    }
-    SafetensorsHeader header;
-    try {
-      header = read_safetensors_header(handle->fd(), handle->size());
-    } catch (const Error& e) {
-      fail(part.path, e.what());
-    }
-    info.metadata = std::move(header.metadata);
+    auto index = index_file(part.path, *handle, info, options, impl->warnings);
     impl->files.push_back(std::move(info));
     impl->handles.push_back(std::move(handle));
-    indexer.add(part, std::move(header.tensors), header.data_offset);
+    indexer.add(part, std::move(index.tensors), index.data_offset);
   }
 
   if (impl->tensors.empty() && !options.prefix.empty()) {

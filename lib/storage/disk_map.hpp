@@ -3,7 +3,8 @@
 //
 // Sources: a safetensors file, an index.json, a glob (every match), a list of these, or a folder
 // read as Hugging Face reads one (its index, else model.safetensors or its only .safetensors...:
-// add_folder in disk_map.cpp). PyTorch zip checkpoints are indexed lazily (storage/torch_pickle.hpp).
+// add_folder in disk_map.cpp). PyTorch zip checkpoints are indexed lazily (storage/torch_pickle.hpp),
+// GGUF files by their header (storage/gguf.hpp); a file's format is told by its first bytes.
 //
 // A prefix restricts the map to one model inside files that hold several: only keys that
 // start with it are indexed, and it is stripped from their names unless asked to be kept.
@@ -27,7 +28,7 @@
 
 namespace vramd::storage {
 
-enum class FileFormat { Safetensors, TorchPickle };
+enum class FileFormat { Safetensors, TorchPickle, Gguf };
 
 struct CheckpointFile {
   std::string path;

@@ -51,6 +51,9 @@ std::string safetensors_header(std::span<const TensorData> tensors, const Metada
     const auto& t = tensors[index];
     if (t.name == "__metadata__") throw Error("a tensor cannot be named '__metadata__'");
     if (!names.insert(t.name).second) throw Error("tensor " + quote(t.name) + " is given twice");
+    if (dtype_block(t.dtype) != 1)
+      throw Error("tensor " + quote(t.name) + " is " + std::string(dtype_name(t.dtype)) +
+                  ", a GGUF block type that safetensors cannot hold");
     uint64_t elements = 1;
     bool overflow = false;
     for (int64_t dim : t.shape) {

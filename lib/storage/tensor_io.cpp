@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "storage/dequantize.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -72,7 +73,26 @@ c10::ScalarType scalar_type(const DiskMap& map, const TensorInfo& info) {
   }
 }
 
+at::Tensor unpacked(const DiskMap& map, const TensorInfo& info, std::span<const std::byte> packed) {
+  at::Tensor tensor = at::empty(info.shape, at::TensorOptions().dtype(c10::kFloat));
+  try {
+    dequantize(info.dtype, packed, {tensor.mutable_data_ptr<float>(), static_cast<size_t>(tensor.numel())});
+  } catch (const Error& e) {
+    fail(map.files()[info.file].path, "tensor " + quote(info.key) + ": " + e.what());
+  }
+  return tensor;
+}
+
 at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options) {
+  if (dtype_block(info.dtype) != 1) {  // GGUF's block types: read packed, unpacked to float32
+    std::vector<std::byte> packed(info.nbytes);
+    if (options.mode == ReadMode::Direct)
+      map.read_direct(info, packed);
+    else
+      map.read(info, packed);
+    at::Tensor tensor = unpacked(map, info, packed);
+    return options.dtype && *options.dtype != c10::kFloat ? tensor.to(*options.dtype) : tensor;
+  }
   const c10::ScalarType type = scalar_type(map, info);
   const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
   at::Tensor tensor;
@@ -106,6 +126,7 @@ void unmap(void* context) { delete static_cast<Mapping*>(context); }
 }  // namespace
 
 at::Tensor map_tensor(const DiskMap& map, const TensorInfo& info) {
+  if (dtype_block(info.dtype) != 1) return {};
   const c10::ScalarType type = scalar_type(map, info);
   if (info.nbytes == 0 || info.offset % c10::elementSize(type) != 0) return {};
   auto mapping = map.map_range(info);

@@ -32,15 +32,19 @@ struct ReadOptions {
 };
 
 // The tensor on the CPU. Views keep the file mapping alive for as long as they live; writes
-// to a view stay private to this process.
+// to a view stay private to this process. GGUF's block types are read packed and unpacked to
+// float32 (then options.dtype), never views.
 at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options = {});
 at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOptions& options = {});
 
 // A view of the tensor's bytes, in its stored dtype, in a read-only mapping made for it alone
 // (File::map_range): nothing is copied, and the mapping goes with the tensor, so nothing of the
 // file stays mapped after. Writing to it faults. Undefined when the data is not aligned to its
-// dtype or is empty.
+// dtype or is empty, and for block types.
 at::Tensor map_tensor(const DiskMap& map, const TensorInfo& info);
+// A block-typed tensor's packed bytes unpacked to float32 (storage/dequantize.hpp); throws
+// Error naming its file and key.
+at::Tensor unpacked(const DiskMap& map, const TensorInfo& info, std::span<const std::byte> packed);
 // Whether the tensor's memory is such a mapping, never to be written.
 bool is_mapped_view(const at::Tensor& tensor);
 

@@ -1,0 +1,224 @@
+"""GGUF files through vramctl inspect. The witness is the `gguf` package (llama.cpp's own Python
+reader and writer) in this same run: what it writes, vramd indexes exactly as its reader does;
+hostile files, forged byte by byte here, are refused in one line naming the file."""
+import json
+import os
+import re
+import struct
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+
+VRAMCTL = os.environ["VRAMCTL"]
+QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def vramctl(*args):
+    return subprocess.run([VRAMCTL, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def inspect_json(path):
+    result = vramctl("inspect", path, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def packed(qtype, rows, columns, rng):
+    """A [rows, columns] tensor as the bytes of `qtype`: quantized by the gguf package where it
+    can, else random blocks (the K types: their layout, not their values, is what is indexed)."""
+    values = rng.standard_normal((rows, columns)).astype(np.float32)
+    try:
+        return gguf.quants.quantize(values, qtype)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return rng.integers(0, 256, (rows, columns // block * size), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def witness(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_float32("llama.rope.freq_base", 10000.5)
+    writer.add_bool("general.flag", True)
+    writer.add_int64("general.big", -(1 << 40))
+    writer.add_float64("general.precise", 0.125)
+    writer.add_string("general.name", "tiny \u00e9")
+    writer.add_array("general.short", [1, 2, 3])
+    writer.add_array("tokenizer.ggml.tokens", [f"token{i}" for i in range(1000)])
+    writer.add_tensor("token_embd.weight", rng.standard_normal((8, 64)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float16))
+    writer.add_tensor("positions", np.arange(12, dtype=np.int32).reshape(3, 4))
+    for qtype_name in QUANTIZED:
+        qtype = gguf.GGMLQuantizationType[qtype_name]
+        data = packed(qtype, 4, 512, rng)
+        writer.add_tensor(f"blk.0.{qtype_name.lower()}.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_inspect_indexes_every_tensor_as_the_gguf_reader_does(witness):
+    reader = gguf.GGUFReader(witness)
+    doc = inspect_json(witness)
+    assert doc["files"][0]["format"] == "gguf"
+    assert len(doc["tensors"]) == len(reader.tensors) == 3 + len(QUANTIZED)
+    for tensor in reader.tensors:
+        ours = doc["tensors"][tensor.name]
+        assert ours["dtype"] == tensor.tensor_type.name, tensor.name
+        assert ours["shape"] == [int(n) for n in reversed(tensor.shape)], tensor.name  # ggml counts innermost first
+        assert (ours["offset"], ours["nbytes"]) == (tensor.data_offset, tensor.n_bytes), tensor.name
+    metadata = doc["files"][0]["metadata"]
+    assert metadata["general.architecture"] == "llama"
+    assert metadata["llama.block_count"] == 2 and metadata["llama.rope.freq_base"] == 10000.5
+    assert metadata["general.flag"] is True and metadata["general.big"] == -(1 << 40)
+    assert metadata["general.precise"] == 0.125 and metadata["general.name"] == "tiny \u00e9"
+    assert metadata["general.short"] == [1, 2, 3]
+    assert metadata["tokenizer.ggml.tokens"] == "[1000 strings]"  # long arrays are summarised
+    assert set(metadata) == set(reader.fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+
+
+def test_the_text_view_names_each_tensor_type(witness):
+    result = vramctl("inspect", witness)
+    assert result.returncode == 0, result.stderr
+    assert "gguf" in result.stdout and "llama.block_count = 2" in result.stdout
+    for qtype_name in QUANTIZED:
+        assert re.search(rf"blk\.0\.{qtype_name.lower()}\.weight +{qtype_name} ", result.stdout), qtype_name
+
+
+def test_a_gguf_file_is_known_by_its_magic_not_its_name(witness, tmp_path):
+    for name in ["model.safetensors", "weights.bin", "no_suffix"]:
+        (tmp_path / name).write_bytes(witness.read_bytes())
+        assert inspect_json(tmp_path / name)["files"][0]["format"] == "gguf"
+        (tmp_path / name).unlink()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "tiny-Q4_0.gguf").write_bytes(witness.read_bytes())
+    assert inspect_json(folder)["files"][0]["path"] == str(folder / "tiny-Q4_0.gguf")
+
+
+# --- Forged files ---------------------------------------------------------------------------------
+
+def string(text):
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(data)) + data
+
+
+def kv(key, type_id, payload):
+    return string(key) + struct.pack("<I", type_id) + payload
+
+
+def info(name, dims, type_id, offset):
+    return string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + \
+        struct.pack("<IQ", type_id, offset)
+
+
+def forge(kvs=(), infos=(), data=b"", version=3, counts=None, alignment=32):
+    """A GGUF file from its parts, the data region at the next multiple of `alignment`."""
+    tensors, keys = counts if counts else (len(infos), len(kvs))
+    head = b"GGUF" + struct.pack("<IQQ", version, tensors, keys) + b"".join(kvs) + b"".join(infos)
+    return head + bytes(-len(head) % alignment) + data
+
+
+F32 = 0
+GOOD = forge(infos=[info("a", [4, 2], F32, 0), info("b", [8], F32, 32)], data=bytes(64))
+HOSTILE = [
+    ("empty", b"", "the file ends inside the header (0 bytes"),
+    ("no magic", b"GGML" + bytes(60), "not a GGUF file"),
+    ("cut in the magic", b"GG", "the file ends inside the header"),
+    ("cut in the counts", GOOD[:12], "the file ends inside the header"),
+    ("cut in a tensor info", GOOD[:40], "2 tensors and 0 metadata keys cannot fit in a header of at most 40 bytes"),
+    ("cut in the one tensor info", forge(infos=[info("a", [4, 2], F32, 0)], data=bytes(32))[:40],
+     "the file ends inside tensor 'a'"),
+    ("cut in the data", GOOD[:-1], "tensor 'b' ends at byte"),
+    ("version 1", forge(version=1), "GGUF version 1"),
+    ("version 4", forge(version=4), "GGUF version 4 is not read"),
+    ("big-endian", b"GGUF" + struct.pack(">IQQ", 3, 0, 0), "a big-endian GGUF file (version 3)"),
+    ("huge counts", forge(counts=(1 << 60, 0)), "cannot fit in a header"),
+    ("huge string", forge([kv("k", 8, struct.pack("<Q", 1 << 62))]), "metadata key 'k' has a string of"),
+    ("huge array", forge([kv("k", 9, struct.pack("<IQ", 10, 1 << 62))]), "more than a file holds"),
+    ("unknown value type", forge([kv("k", 13, b"")]), "metadata key 'k' has an unknown value type 13"),
+    ("nested array", forge([kv("k", 9, struct.pack("<IQ", 9, 1))]), "is an array of arrays"),
+    ("bool of 2", forge([kv("k", 7, b"\x02")]), "metadata key 'k' is a bool holding 2"),
+    ("key twice", forge([kv("k", 0, b"\x01"), kv("k", 0, b"\x01")]), "metadata key 'k' is given twice"),
+    ("key not UTF-8", forge([kv(b"\xff", 0, b"\x01")]), "has a key that is not UTF-8"),
+    ("alignment 3", forge([kv("general.alignment", 4, struct.pack("<I", 3))]), "is 3, not a power of two"),
+    ("alignment a string", forge([kv("general.alignment", 8, string("x"))]), "must be a uint32, found string"),
+    ("five dimensions", forge(infos=[info("t", [1] * 5, F32, 0)], data=bytes(32)), "tensor 't' has 5 dimensions"),
+    ("unread type", forge(infos=[info("t", [256], 16, 0)], data=bytes(256)),
+     "tensor 't' has ggml type 16 (IQ2_XXS), which vramd does not read"),
+    ("unknown type", forge(infos=[info("t", [4], 99, 0)], data=bytes(32)), "tensor 't' has ggml type 99,"),
+    ("rows not whole blocks", forge(infos=[info("t", [16, 2], 8, 0)], data=bytes(96)),
+     "tensor 't' is Q8_0, in blocks of 32 elements, but its rows hold 16"),
+    ("product overflows", forge(infos=[info("t", [1 << 40, 1 << 40], F32, 0)]), "whose product overflows"),
+    ("misaligned offset", forge(infos=[info("t", [4], F32, 8)], data=bytes(64)), "not a multiple of the alignment 32"),
+    ("overlap", forge(infos=[info("a", [16], F32, 0), info("b", [4], F32, 32)], data=bytes(64)),
+     "tensors 'a' and 'b' overlap"),
+    ("name twice", forge(infos=[info("t", [4], F32, 0), info("t", [4], F32, 32)], data=bytes(64)),
+     "tensor 't' is given twice"),
+    ("empty name", forge(infos=[info("", [4], F32, 0)], data=bytes(32)), "tensor 0 has an empty name"),
+]
+
+
+def test_a_forged_file_is_read_when_it_is_whole(tmp_path):
+    (tmp_path / "good.gguf").write_bytes(GOOD)
+    doc = inspect_json(tmp_path / "good.gguf")
+    assert doc["tensors"]["a"]["shape"] == [2, 4] and doc["tensors"]["b"]["offset"] == len(GOOD) - 32
+    reader = gguf.GGUFReader(tmp_path / "good.gguf")  # the forger agrees with the witness
+    assert [t.name for t in reader.tensors] == ["a", "b"]
+
+
+@pytest.mark.parametrize("name, data, message", HOSTILE, ids=[case[0] for case in HOSTILE])
+def test_a_hostile_file_is_refused_in_one_line(tmp_path, name, data, message):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(data)
+    result = vramctl("inspect", path)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and str(path) in result.stderr and message in result.stderr, result.stderr
+
+
+# --- Unpacking ------------------------------------------------------------------------------------
+
+SCALE_OFFSETS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(qtype_name, rows, columns, rng):
+    """Random blocks of a K type whose float16 scales are finite: every bit pattern of the
+    quants, and scales as a real file has them (gguf cannot quantize to these types)."""
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * columns // block, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qtype_name]:
+        scales = rng.uniform(-2, 2, len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_every_block_type_unpacks_to_the_gguf_packages_values_bit_for_bit(tmp_path):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "quantized.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for qtype_name in QUANTIZED:
+        qtype = gguf.GGMLQuantizationType[qtype_name]
+        data = (random_blocks(qtype_name, 6, 512, rng) if qtype_name in SCALE_OFFSETS
+                else gguf.quants.quantize(rng.standard_normal((6, 512)).astype(np.float32) * 3, qtype))
+        writer.add_tensor(qtype_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = tmp_path / "quantized.toml"
+    config.write_text(f'checkpoint = "{path}"\n')
+    result = vramctl("convert", config, "--output", tmp_path / "unpacked.safetensors")
+    assert result.returncode == 0, result.stderr
+    from safetensors.numpy import load_file
+    ours = load_file(tmp_path / "unpacked.safetensors")
+    for tensor in gguf.GGUFReader(path).tensors:
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        assert ours[tensor.name].dtype == np.float32 and ours[tensor.name].shape == expected.shape, tensor.name
+        assert np.array_equal(ours[tensor.name].view(np.uint32), expected.view(np.uint32)), tensor.name
