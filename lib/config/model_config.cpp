@@ -154,7 +154,11 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   config.keep_prefix = root.boolean("keep_prefix").value_or(false);
   config.strict = root.boolean("strict").value_or(true);
 
-  if (auto converter = root.string("converter")) {
+  // A GGUF file's names are llama.cpp's: the shipped gguf.lua makes them Hugging Face's.
+  const bool gguf = config.checkpoint.size() == 1 && config.checkpoint[0].ends_with(".gguf");
+  auto converter = root.string("converter");
+  if (!converter && gguf) converter = "gguf.lua";
+  if (converter) {
     std::vector<fs::path> candidates = {folder / *converter};
     if (fs::path(*converter).is_relative())
       for (const auto& scripts : daemon.converters) candidates.push_back(fs::path(scripts) / *converter);
@@ -165,7 +169,12 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
     if (found == candidates.end()) {
       std::string searched;
       for (const auto& candidate : candidates) searched += (searched.empty() ? "" : ", ") + candidate.lexically_normal().string();
-      root.bad_value("converter", "no such script (looked for " + searched + ")");
+      if (root.raw().contains("converter"))
+        root.bad_value("converter", "no such script (looked for " + searched + ")");
+      else
+        root.bad_value("checkpoint", "is GGUF, whose names the shipped converter gguf.lua reads, which none of the "
+                                     "daemon's converter folders holds (looked for " + searched +
+                                     "); set converter = \"/path/to/vramd/scripts/converters/gguf.lua\"");
     } else {
       config.converter = fs::absolute(*found).lexically_normal().string();
     }

@@ -70,11 +70,15 @@ Hyperparams::Hyperparams(const std::string& text, std::string origin)
     : impl_(std::make_shared<Impl>(Impl{parse_object(text, origin), std::move(origin)})) {}
 
 Hyperparams Hyperparams::for_checkpoint(const std::string& folder, const std::string& overrides_json,
-                                        const std::string& config_path) {
+                                        const std::string& config_path, const std::string& own_json,
+                                        const std::string& own_origin) {
   const fs::path config_json = fs::path(folder) / "config.json";
   Json values = Json::object();
   std::string origin;
-  if (present(config_json)) {
+  if (!own_json.empty()) {
+    values = parse_object(own_json, own_origin);
+    origin = own_origin;
+  } else if (present(config_json)) {
     values = read_json_file(config_json);
     origin = config_json.string();
   }

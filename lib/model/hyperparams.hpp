@@ -17,8 +17,11 @@ class Hyperparams {
 
   // config.json in `folder` (when present), sentence-transformers' modules.json there (sets
   // "pooling" and "normalize"), then `overrides_json` (the [arch] table) merged over them.
+  // A checkpoint that carries its own (a GGUF file: model/gguf_config.hpp) gives it as
+  // `own_json`, from `own_origin`, which takes config.json's place.
   static Hyperparams for_checkpoint(const std::string& folder, const std::string& overrides_json,
-                                    const std::string& config_path);
+                                    const std::string& config_path, const std::string& own_json = {},
+                                    const std::string& own_origin = {});
 
   bool has(std::string_view key) const;  // present and not null
   int64_t integer(std::string_view key) const;  // throws Error when missing or not an integer

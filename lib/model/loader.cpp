@@ -11,6 +11,7 @@
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
 #include "dist/communicator.hpp"
+#include "model/gguf_config.hpp"
 #include "model/partition.hpp"
 #include "model/registry.hpp"
 #include "model/vram.hpp"
@@ -92,7 +93,10 @@ Prepared prepare(const config::ModelConfig& config) {
                                              (config.prefix.empty() ? "" : " under prefix " + quote(config.prefix)));
 
   const std::string folder = fs::path(map.files()[0].path).parent_path().string();
-  const Hyperparams hyperparams = Hyperparams::for_checkpoint(folder, config.arch_json, config.path);
+  const bool gguf = map.files()[0].format == storage::FileFormat::Gguf;
+  const Hyperparams hyperparams =
+      Hyperparams::for_checkpoint(folder, config.arch_json, config.path, gguf ? gguf_config_json(map) : "",
+                                  "the GGUF metadata of " + map.files()[0].path);
   std::string architecture = config.architecture.empty() ? hyperparams.string("model_type", "") : config.architecture;
   if (architecture.empty())
     throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + known_architectures() +

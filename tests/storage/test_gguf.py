@@ -7,11 +7,14 @@ import re
 import struct
 import subprocess
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 
 VRAMCTL = os.environ["VRAMCTL"]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # vramd.toml names the shipped converters
 QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
@@ -222,3 +225,103 @@ def test_every_block_type_unpacks_to_the_gguf_packages_values_bit_for_bit(tmp_pa
         expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         assert ours[tensor.name].dtype == np.float32 and ours[tensor.name].shape == expected.shape, tensor.name
         assert np.array_equal(ours[tensor.name].view(np.uint32), expected.view(np.uint32)), tensor.name
+
+
+# --- Running a GGUF model -------------------------------------------------------------------------
+
+def llama_gguf(path, model, quantize_to=None, extra=None):
+    """A transformers LlamaForCausalLM (or Qwen2ForCausalLM) written as llama.cpp's converter
+    writes one: its names, LLaMA's q and k rows of each head in Meta's rotary order, the
+    hyperparameters as metadata; the 2-D weights quantized to `quantize_to` where given."""
+    c = model.config
+    arch = c.model_type
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in [("context_length", c.max_position_embeddings), ("embedding_length", c.hidden_size),
+                       ("feed_forward_length", c.intermediate_size), ("block_count", c.num_hidden_layers),
+                       ("attention.head_count", c.num_attention_heads),
+                       ("attention.head_count_kv", c.num_key_value_heads), ("vocab_size", c.vocab_size)]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_uint32(f"{arch}.rope.dimension_count", c.hidden_size // c.num_attention_heads)
+    for key, value in (extra or {}).items():
+        writer.add_string(key, value)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        base, kind = name.removeprefix("model.").rsplit(".", 1)
+        layer = base.split(".")[1] if base.startswith("layers.") else None
+        part = base.split(".", 2)[2] if layer else base
+        target = (f"blk.{layer}." if layer else "") + names[part] + "." + kind
+        w = tensor.float().numpy()
+        heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(names[part])
+        if heads and arch == "llama":
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        if quantize_to and w.ndim == 2:
+            writer.add_tensor(target, gguf.quants.quantize(w, quantize_to), raw_dtype=quantize_to)
+        else:
+            writer.add_tensor(target, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tiny(family):
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
+    with torch.no_grad():  # biases that are not zero, so that a lost one shows
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return tiny("llama")
+
+
+@pytest.mark.parametrize("family, qtype", [("llama", None), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0")])
+def test_a_gguf_model_runs_from_one_line_as_transformers_reads_it(tmp_path, family, qtype):
+    # The witness is transformers' own GGUF loader (gguf_file=), which dequantizes to float32.
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "tiny.gguf"
+    llama_gguf(path, tiny(family), gguf.GGMLQuantizationType[qtype] if qtype else None)
+    witness = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
+                                                                torch_dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7, 999, 4], [3, 8, 2, 44, 1, 0, 0, 0]])
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    with torch.no_grad():
+        expected = witness(input_ids=ids, attention_mask=mask).logits
+    save_file({"input_ids": ids, "attention_mask": mask}, tmp_path / "inputs.safetensors")
+    config = tmp_path / "tiny.toml"
+    config.write_text('checkpoint = "tiny.gguf"\n')
+    result = vramctl("run", config, "--daemon-config", CONFIGS / "vramd.toml", "--input", tmp_path / "inputs.safetensors",
+                     "--output", tmp_path / "out.safetensors")
+    assert result.returncode == 0, result.stderr
+    logits = load_file(tmp_path / "out.safetensors")["logits"]
+    keep = mask.bool()
+    error = ((logits - expected)[keep].abs().max() / expected[keep].abs().max()).item()
+    assert error <= 1e-5, error
+
+
+def test_a_gguf_key_vramd_cannot_honour_is_refused(tiny_llama, tmp_path):
+    llama_gguf(tmp_path / "scaled.gguf", tiny_llama, extra={"llama.rope.scaling.type": "yarn"})
+    config = tmp_path / "scaled.toml"
+    config.write_text('checkpoint = "scaled.gguf"\n')
+    result = vramctl("run", config, "--daemon-config", CONFIGS / "vramd.toml")
+    assert result.returncode == 1
+    assert (f"{tmp_path / 'scaled.gguf'}: GGUF key 'llama.rope.scaling.type' is not read by vramd" in result.stderr
+            ), result.stderr

@@ -1,0 +1,75 @@
+#include "model/gguf_config.hpp"
+
+#include <algorithm>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::model {
+namespace {
+
+using Json = nlohmann::json;
+
+// llama.cpp's keys, less the architecture's prefix, to Hugging Face's.
+constexpr std::pair<const char*, const char*> kKeys[] = {
+    {"context_length", "max_position_embeddings"},
+    {"embedding_length", "hidden_size"},
+    {"feed_forward_length", "intermediate_size"},
+    {"block_count", "num_hidden_layers"},
+    {"attention.head_count", "num_attention_heads"},
+    {"attention.head_count_kv", "num_key_value_heads"},
+    {"attention.layer_norm_rms_epsilon", "rms_norm_eps"},
+    {"attention.key_length", "head_dim"},
+    {"rope.freq_base", "rope_theta"},
+    {"vocab_size", "vocab_size"},
+};
+// Read to check, not copied: they must agree with the rest.
+constexpr const char* kChecked[] = {"attention.value_length", "rope.dimension_count"};
+constexpr const char* kArchitectures[] = {"llama", "qwen2"};
+
+}  // namespace
+
+std::string gguf_config_json(const storage::DiskMap& map) {
+  const auto& file = map.files()[0];
+  Json metadata = Json::object();
+  for (const auto& [key, value] : file.metadata) metadata[key] = Json::parse(value);
+  const auto refuse = [&](const std::string& why) -> void { fail(file.path, why); };
+  if (!metadata.contains("general.architecture") || !metadata["general.architecture"].is_string())
+    refuse("GGUF metadata has no general.architecture string");
+  const std::string architecture = metadata["general.architecture"];
+  if (std::find(std::begin(kArchitectures), std::end(kArchitectures), architecture) == std::end(kArchitectures))
+    refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama, qwen2 are)");
+
+  Json config = {{"model_type", architecture}};
+  Json checked = Json::object();
+  const std::string prefix = architecture + ".";
+  for (const auto& [key, value] : metadata.items()) {
+    if (!key.starts_with(prefix)) continue;
+    const std::string name = key.substr(prefix.size());
+    bool known = false;
+    for (const auto& [ours, theirs] : kKeys)
+      if (name == ours) config[theirs] = value, known = true;
+    for (const char* ours : kChecked)
+      if (name == ours) checked[ours] = value, known = true;
+    if (!known) refuse("GGUF key " + quote(key) + " is not read by vramd, and a model that ignored it could compute "
+                       "something else; the keys read are those of plain " + architecture + " models");
+  }
+  for (const char* required : {"hidden_size", "num_attention_heads", "num_hidden_layers"})
+    if (!config.contains(required) || !config[required].is_number_unsigned() || config[required] == 0)
+      refuse("GGUF metadata lacks a positive " + prefix + " key for " + required);
+  const uint64_t heads = config["num_attention_heads"];
+  const uint64_t head_dim = config.contains("head_dim") ? config["head_dim"].get<uint64_t>()
+                                                        : config["hidden_size"].get<uint64_t>() / heads;
+  for (const auto& [name, value] : checked.items())
+    if (value != head_dim)
+      refuse("GGUF key " + quote(prefix + name) + " is " + value.dump() + ", not the head size " +
+             std::to_string(head_dim) + ": partial rotary and uneven value heads are not read");
+  if (!config.contains("vocab_size"))
+    if (const auto* embedding = map.find("token_embd.weight")) config["vocab_size"] = embedding->shape.at(0);
+  config["tie_word_embeddings"] = map.find("output.weight") == nullptr;
+  return config.dump();
+}
+
+}  // namespace vramd::model

@@ -1,0 +1,56 @@
+-- llama.cpp's GGUF tensor names -> Hugging Face's, for the families vramd runs from GGUF
+-- (llama, qwen2). The hyperparameters come from the file's metadata (model/gguf_config.cpp).
+--
+-- llama.cpp's converter reorders the rows of each head of LLaMA's q and k from Hugging Face's
+-- rotary layout (dimension i rotates with i + d/2) to Meta's (pairs 2i, 2i+1 rotate together);
+-- this undoes it, as transformers does when it reads GGUF. Qwen2's are stored as they are.
+
+local heads = arch.num_attention_heads
+local head_dim = arch.head_dim or arch.hidden_size / heads
+local reorder = arch.model_type == "llama"
+
+local layer_names = {
+  ["attn_norm.weight"] = "input_layernorm.weight",
+  ["ffn_norm.weight"] = "post_attention_layernorm.weight",
+  ["attn_q.weight"] = "self_attn.q_proj.weight",
+  ["attn_k.weight"] = "self_attn.k_proj.weight",
+  ["attn_v.weight"] = "self_attn.v_proj.weight",
+  ["attn_output.weight"] = "self_attn.o_proj.weight",
+  ["attn_q.bias"] = "self_attn.q_proj.bias",
+  ["attn_k.bias"] = "self_attn.k_proj.bias",
+  ["attn_v.bias"] = "self_attn.v_proj.bias",
+  ["ffn_gate.weight"] = "mlp.gate_proj.weight",
+  ["ffn_up.weight"] = "mlp.up_proj.weight",
+  ["ffn_down.weight"] = "mlp.down_proj.weight",
+}
+local names = {
+  ["token_embd.weight"] = "model.embed_tokens.weight",
+  ["output_norm.weight"] = "model.norm.weight",
+  ["output.weight"] = "lm_head.weight",
+}
+
+-- Each head's rows from interleaved pairs back to two halves.
+local function halves(t)
+  local rows = t.shape[1]
+  if #t.shape == 1 then
+    return t:reshape({ rows / head_dim, head_dim / 2, 2 }):transpose(1, 2):reshape({ rows })
+  end
+  local columns = t.shape[2]
+  return t:reshape({ rows / head_dim, head_dim / 2, 2, columns }):transpose(1, 2):reshape({ rows, columns })
+end
+
+local out = {}
+for name, t in src:items() do
+  local layer, rest = name:match("^blk%.(%d+)%.(.+)$")
+  if layer and layer_names[rest] then
+    local target = "model.layers." .. layer .. "." .. layer_names[rest]
+    local rotary = rest:match("^attn_[qk]%.")
+    out[target] = (reorder and rotary) and halves(t) or t
+  elseif names[name] then
+    out[names[name]] = t
+  else
+    error("GGUF tensor '" .. name .. "' is not read for " .. arch.model_type ..
+          " (rope_freqs: LLaMA 3.1's rope scaling is not read yet)")
+  end
+end
+return out
