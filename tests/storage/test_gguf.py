@@ -325,3 +325,20 @@ def test_a_gguf_key_vramd_cannot_honour_is_refused(tiny_llama, tmp_path):
     assert result.returncode == 1
     assert (f"{tmp_path / 'scaled.gguf'}: GGUF key 'llama.rope.scaling.type' is not read by vramd" in result.stderr
             ), result.stderr
+
+
+def test_a_gguf_model_streamed_under_a_limit_gives_the_resident_outputs(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import torch
+    llama_gguf(tmp_path / "tiny.gguf", tiny_llama, gguf.GGMLQuantizationType.Q8_0)
+    save_file({"input_ids": torch.tensor([[1, 5, 9, 200, 31]])}, tmp_path / "inputs.safetensors")
+    logits = {}
+    for name, extra in [("resident", ""), ("streamed", '[vram]\noffload = { device = "disk" }\n'
+                                                       'onload = { device = "disk" }\nlimit = "300KiB"\n')]:
+        config = tmp_path / f"{name}.toml"
+        config.write_text(f'checkpoint = "tiny.gguf"\n{extra}')
+        result = vramctl("run", config, "--daemon-config", CONFIGS / "vramd.toml", "--input",
+                         tmp_path / "inputs.safetensors", "--output", tmp_path / f"{name}.safetensors")
+        assert result.returncode == 0, result.stderr
+        logits[name] = load_file(tmp_path / f"{name}.safetensors")["logits"]
+    assert torch.equal(logits["resident"], logits["streamed"])
