@@ -158,7 +158,7 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   const bool gguf = config.checkpoint.size() == 1 && config.checkpoint[0].ends_with(".gguf");
   auto converter = root.string("converter");
   if (!converter && gguf) converter = "gguf.lua";
-  if (converter) {
+  if (converter && !converter->empty()) {  // "": the checkpoint's own names, a GGUF file's too
     std::vector<fs::path> candidates = {folder / *converter};
     if (fs::path(*converter).is_relative())
       for (const auto& scripts : daemon.converters) candidates.push_back(fs::path(scripts) / *converter);

@@ -216,7 +216,7 @@ def test_every_block_type_unpacks_to_the_gguf_packages_values_bit_for_bit(tmp_pa
     writer.write_tensors_to_file()
     writer.close()
     config = tmp_path / "quantized.toml"
-    config.write_text(f'checkpoint = "{path}"\n')
+    config.write_text(f'checkpoint = "{path}"\nconverter = ""\n')  # the file's own names, not gguf.lua's
     result = vramctl("convert", config, "--output", tmp_path / "unpacked.safetensors")
     assert result.returncode == 0, result.stderr
     from safetensors.numpy import load_file
