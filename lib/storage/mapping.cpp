@@ -27,7 +27,7 @@ struct Slot {
 constexpr size_t kSlots = size_t{1} << 16;
 std::array<Slot, kSlots> slots;
 std::atomic<size_t> slots_used{0};  // no live slot at or past this index
-uintptr_t page_size = 4096;
+const uintptr_t page_size = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));  // at start-up, before any Mapping
 struct sigaction previous_action {};
 
 uintptr_t page_up(uintptr_t n) { return (n + page_size - 1) & ~(page_size - 1); }
@@ -92,7 +92,6 @@ void on_sigbus(int signal, siginfo_t* info, void* context) {
 void survive_cut_files() {
   static std::once_flag once;
   std::call_once(once, [] {
-    page_size = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
     struct sigaction action {};
     action.sa_sigaction = &on_sigbus;
     action.sa_flags = SA_SIGINFO | SA_ONSTACK;
