@@ -189,8 +189,6 @@ Unpack unpacker(DType dtype) {
 
 }  // namespace
 
-bool can_dequantize(DType dtype) { return unpacker(dtype) != nullptr; }
-
 void dequantize(DType dtype, std::span<const std::byte> packed, std::span<float> out) {
   const Unpack unpack = unpacker(dtype);
   if (!unpack) throw Error(std::string(dtype_name(dtype)) + " is not a type vramd unpacks");

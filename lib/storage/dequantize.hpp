@@ -10,12 +10,10 @@
 
 namespace vramd::storage {
 
-// Whether dequantize() reads `dtype`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K
-// and Q6_K (Q8_1 and Q8_K are llama.cpp's scratch types, not found in model files).
-bool can_dequantize(DType dtype);
-
 // Unpacks `packed` (whole blocks of `dtype`) into `out`, which holds exactly their elements.
-// Throws Error when the type is not read or the sizes disagree.
+// Reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (Q8_1 and Q8_K are
+// llama.cpp's scratch types, not found in model files). Throws Error for another type or
+// sizes that disagree.
 void dequantize(DType dtype, std::span<const std::byte> packed, std::span<float> out);
 
 }  // namespace vramd::storage

@@ -3,7 +3,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
-
 #include <cstring>
 
 #include "storage/dequantize.hpp"
@@ -91,7 +90,7 @@ at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOpt
     else
       map.read(info, packed);
     at::Tensor tensor = unpacked(map, info, packed);
-    return options.dtype && *options.dtype != c10::kFloat ? tensor.to(*options.dtype) : tensor;
+    return options.dtype ? tensor.to(*options.dtype) : tensor;  // to() of the same dtype is the tensor itself
   }
   const c10::ScalarType type = scalar_type(map, info);
   const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
