@@ -558,17 +558,11 @@ void Registry::run_job(Entry& entry, Job job) {
         }
       }
       if (runtime) outcome->bytes = runtime->bytes_by_device(), outcome->vram = runtime->vram();
-    } catch (const dist::RankFailure& error) {
-      outcome->status = 500;
-      outcome->error = error.what();
-      outcome->weights_lost = true;
-    } catch (const storage::MappingLost& error) {
-      outcome->status = 500;
-      outcome->error = error.what();
-      outcome->weights_lost = true;
     } catch (const std::exception& error) {
       outcome->status = 500;
       outcome->error = error.what();
+      outcome->weights_lost = dynamic_cast<const dist::RankFailure*>(&error) ||
+                              dynamic_cast<const storage::MappingLost*>(&error);
     }
     outcome->runtime = std::move(runtime);
     mailbox_.post([this, e, shared_job, outcome] { finish_job(*e, std::move(*shared_job), *outcome); });
