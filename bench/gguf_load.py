@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import peak_rss  # noqa: E402
+from load import peak_rss, time_forwards  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VRAMCTL = ROOT / "build" / "bin" / "vramctl"
@@ -42,15 +42,8 @@ def transformers_contender(tokens, repeat):
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                               torch_dtype=torch.float32).eval()
     ready = time.perf_counter() - start
-    ids = torch.arange(tokens).view(1, tokens) % VOCAB
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeat):
-            start = time.perf_counter()
-            model(input_ids=ids)
-            times.append(time.perf_counter() - start)
-    return {"ready": ready, "first_forward": times[0], "median_forward": sorted(times)[len(times) // 2],
-            "peak": peak_rss()}
+    first, median = time_forwards(model, tokens, VOCAB, repeat)
+    return {"ready": ready, "first_forward": first, "median_forward": median, "peak": peak_rss()}
 
 
 def vramd_contender(tokens, repeat, workdir):

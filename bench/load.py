@@ -58,6 +58,19 @@ def peak_rss():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def time_forwards(model, tokens, vocab, repeat):
+    """`repeat` forwards of `tokens` token ids under inference mode: the first's seconds and the median's."""
+    import torch
+    ids = torch.arange(tokens).view(1, tokens) % vocab
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeat):
+            start = time.perf_counter()
+            model(input_ids=ids)
+            times.append(time.perf_counter() - start)
+    return times[0], sorted(times)[len(times) // 2]
+
+
 def python_contender(kind, folder, tokens, repeat):
     """Runs in its own process: loads one way, times it, runs forwards."""
     import torch
@@ -79,16 +92,9 @@ def python_contender(kind, folder, tokens, repeat):
     ready = time.perf_counter() - start
     loaded_peak = peak_rss()
     model.eval()
-    ids = torch.arange(tokens).view(1, tokens) % SHAPE["vocab_size"]
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeat):
-            start = time.perf_counter()
-            model(input_ids=ids)
-            times.append(time.perf_counter() - start)
-    return {"ready": ready, "rss_before": before, "peak_loaded": loaded_peak, "first_forward": times[0],
-            "median_forward": sorted(times)[len(times) // 2],
-            "peak_end": peak_rss()}
+    first, median = time_forwards(model, tokens, SHAPE["vocab_size"], repeat)
+    return {"ready": ready, "rss_before": before, "peak_loaded": loaded_peak, "first_forward": first,
+            "median_forward": median, "peak_end": peak_rss()}
 
 
 def vramd_contender(folder, tokens, repeat, workdir, *flags):
