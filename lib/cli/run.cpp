@@ -16,16 +16,14 @@
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
 #include "convert/expr.hpp"
-#include "dist/communicator.hpp"
 #include "dist/group.hpp"
 #include "dist/launch.hpp"
 #include "model/allocations.hpp"
-#include "model/partition.hpp"
 #include "model/loader.hpp"
-#include "model/vram.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
+#include "weights/weights.hpp"
 
 namespace vramd::cli {
 namespace {
@@ -58,17 +56,6 @@ std::string ms(double seconds) {
 }
 
 // Every rank's peak memory and weight bytes, gathered to all of them.
-nlohmann::json rank_figures(model::PartitionedWeights& partition) {
-  auto& communicator = partition.communicator();
-  const auto v = partition.stats();
-  const auto rss_peaks = communicator.all_gather_values(static_cast<int64_t>(peak_rss()), "reporting");
-  const auto weight_peaks = communicator.all_gather_values(static_cast<int64_t>(v.peak), "reporting");
-  const auto slices = communicator.all_gather_values(static_cast<int64_t>(partition.slice_bytes()), "reporting");
-  nlohmann::json ranks = nlohmann::json::array();
-  for (int r = 0; r < communicator.size(); ++r)
-    ranks.push_back({{"rank", r}, {"peak_rss", rss_peaks[r]}, {"peak_weights", weight_peaks[r]}, {"slices", slices[r]}});
-  return ranks;
-}
 
 }  // namespace
 
@@ -111,12 +98,21 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
                           {"load_seconds", report.load_seconds}, {"peak_rss_before_load", rss_before},
                           {"peak_rss_loaded", rss_loaded}};
   const auto write_stats = [&] {
-    if (loaded.partition) stats["ranks"] = rank_figures(*loaded.partition);
+    if (const auto ranks = loaded.weights->each_rank(static_cast<int64_t>(peak_rss()))) {
+      stats["ranks"] = nlohmann::json::array();
+      for (size_t r = 0; r < ranks->size(); ++r) {
+        const auto& figures = (*ranks)[r];
+        stats["ranks"].push_back(
+            {{"rank", r}, {"peak_rss", figures.peak_rss}, {"peak_weights", figures.peak_weights}, {"slices", figures.share}});
+      }
+    }
     if (options.stats_json.empty() || !lead) return;
     std::ofstream(options.stats_json) << stats.dump(2) << '\n';
   };
   if (options.input.empty()) return write_stats();
-  if (!options.trace.empty() && !loaded.vram)
+  auto& weights = *loaded.weights;
+  const bool tracing = !options.trace.empty();
+  if (tracing && !weights.start_trace())
     fail(options.config, "--trace needs [vram] management without [partition] (a [vram].limit, or a preparing dtype "
                          "other than the computation's)");
 
@@ -126,7 +122,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   model::reset_cpu_allocation_peak();
   const uint64_t allocated_before = model::cpu_allocations().live;
   for (int i = 0; i < repeat; ++i) {
-    if (i == repeat - 1 && loaded.vram && !options.trace.empty()) loaded.vram->start_trace();
+    if (i == repeat - 1 && tracing) weights.start_trace();  // the last forward's alone
     const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode inference;
     outputs.clear();  // the last forward's outputs are not this one's activations
@@ -156,15 +152,16 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     const auto device = model->device();
     const auto peak = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index()).allocated_bytes[0].peak;
     stats["device_peak_allocated"] = peak;
-    if (loaded.vram) stats["activations_peak"] = std::max<int64_t>(0, peak - static_cast<int64_t>(loaded.vram->stats().peak));
+    if (const auto managed = weights.stats())
+      stats["activations_peak"] = std::max<int64_t>(0, peak - static_cast<int64_t>(managed->peak));
     if (options.stats) log << "device peak allocated " << format_bytes(static_cast<uint64_t>(peak)) << '\n';
   }
-  if (const auto managed = model::vram_stats(loaded)) {
+  if (const auto managed = weights.stats()) {
     const auto& v = *managed;
     stats["vram"] = v;
-    if (!options.trace.empty() && loaded.vram) {
+    if (tracing) {
       nlohmann::json events = nlohmann::json::array();
-      for (const auto& e : loaded.vram->take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});
+      for (const auto& e : weights.take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});
       std::ofstream(options.trace) << nlohmann::json{{"model", config.name}, {"limit", v.limit}, {"peak", v.peak}, {"events", events}}.dump() << '\n';
     }
     if (options.stats) log << "vram: " << v.plan << "; " << v.loads << " streamed loads, "

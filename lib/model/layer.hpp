@@ -15,8 +15,8 @@ namespace vramd::model {
 
 class Layer;
 
-// Where a managed layer's weights come from for the duration of one op: the weight manager
-// (model/vram.hpp) or the partitioned weights' gathers (model/partition.hpp).
+// Where a layer's weights come from for the duration of one op: its model's weights
+// (weights/weights.hpp), which may bring them in for the op and take them away after it.
 class LayerWeights {
  public:
   virtual ~LayerWeights() = default;
@@ -63,11 +63,12 @@ class Layer {
   // With a manager, weights come from it for the op's duration.
   void set_manager(LayerWeights* manager) { manager_ = manager; }
 
+  // The values its parameters hold (a tied one's: its leader's): what the op uses without a
+  // manager. Throws Error naming a parameter that was never loaded.
+  std::vector<at::Tensor> weights() const;
+
  private:
   at::Tensor apply(const std::vector<at::Tensor>& w, const at::Tensor& input) const;
-
-  // The weights as the op will use them. Every forward fetches them here.
-  std::vector<at::Tensor> weights() const;
 
   std::string path_;
   LayerKind kind_;

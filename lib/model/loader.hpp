@@ -21,6 +21,11 @@ namespace vramd::dist {
 class Group;
 }
 
+namespace vramd::weights {
+struct Source;
+class Weights;
+}  // namespace vramd::weights
+
 namespace vramd::model {
 
 struct LoadOptions {
@@ -37,22 +42,12 @@ struct LoadOptions {
   std::string partition_name;
 };
 
-struct WeightSource;  // the checkpoint and converter expressions a model's weights come from
-
-class WeightManager;
-class PartitionedWeights;
-
 struct LoadedModel {
   std::unique_ptr<Model> model;
   LoadReport report;
-  std::shared_ptr<WeightSource> source;  // for re-reading weights released to disk
-  std::shared_ptr<WeightManager> vram;   // with [vram].limit or a preparing dtype of its own (model/vram.hpp)
-  std::shared_ptr<PartitionedWeights> partition;  // with [partition] (model/partition.hpp)
-  config::VramConfig states;             // the config's [vram] table
+  std::shared_ptr<weights::Source> source;    // the checkpoint and the expressions that fill each parameter
+  std::shared_ptr<weights::Weights> weights;  // where they are and how ops get them (weights/weights.hpp)
 };
-
-// The weight manager's or the partition's figures and plan; nullopt when neither manages the model.
-std::optional<VramStats> vram_stats(const LoadedModel& loaded);
 
 // dry_run (model/dry_run.hpp), keeping the model it built on the meta device: names, shapes and
 // ties, no tensor data. For planning where the weights would go (vramctl plan).
@@ -69,6 +64,6 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
 // from the checkpoint through the converter's expressions when needed), the computation
 // device freed. Wake: back to how load_model left them. Each reports the bytes moved.
 Transition offload(LoadedModel& loaded);
-Transition onload(LoadedModel& loaded, const LoadOptions& options = {});
+Transition onload(LoadedModel& loaded);
 
 }  // namespace vramd::model

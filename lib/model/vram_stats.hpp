@@ -1,4 +1,4 @@
-// What the weight manager (model/vram.hpp) reports, without LibTorch, for the daemon's status
+// What streamed and partitioned weights (weights/weights.hpp) report, without LibTorch, for the daemon's status
 // and `vramctl run --stats-json`.
 #pragma once
 

@@ -84,7 +84,7 @@ struct Entry {
   Clock::time_point progress_sent{};
 
   std::map<std::string, uint64_t> bytes;     // held on each device, as of the last job
-  std::optional<model::VramStats> vram;      // the weight manager's plan and counters, as of the last job
+  std::optional<model::VramStats> vram;      // streamed or partitioned weights' plan and counters, as of the last job
   std::map<std::string, uint64_t> reserved;  // for the job running now
   Clock::time_point last_used{};
   std::optional<std::chrono::milliseconds> keep_alive;

@@ -15,9 +15,8 @@
 #include "convert/expr.hpp"
 #include "dist/group.hpp"
 #include "model/loader.hpp"
-#include "model/partition.hpp"
-#include "model/vram.hpp"
-#include "model/weight_source.hpp"
+#include "weights/source.hpp"
+#include "weights/weights.hpp"
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
@@ -179,21 +178,9 @@ Moved Runtime::onload() {
 
 bool Runtime::offloaded() const { return impl_->offloaded; }
 
-std::map<std::string, uint64_t> Runtime::bytes_by_device() const {
-  std::map<std::string, uint64_t> bytes;
-  if (impl_->loaded.vram || impl_->loaded.partition) {  // what the manager holds, prefetched layers too
-    if (const uint64_t held = vram()->held) bytes[impl_->loaded.model->device().str()] = held;
-    return bytes;
-  }
-  for (const auto* parameter : impl_->loaded.model->parameters()) {
-    const at::Tensor& value = parameter->value;
-    if (parameter->tied || !value.defined() || value.is_meta()) continue;
-    bytes[value.device().str()] += value.nbytes();
-  }
-  return bytes;
-}
+std::map<std::string, uint64_t> Runtime::bytes_by_device() const { return impl_->loaded.weights->bytes_by_device(); }
 
-std::optional<model::VramStats> Runtime::vram() const { return model::vram_stats(impl_->loaded); }
+std::optional<model::VramStats> Runtime::vram() const { return impl_->loaded.weights->stats(); }
 
 int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Group> group) {
   const std::string me = "vramd rank " + std::to_string(group->rank()) + ": ";

@@ -5,10 +5,11 @@
 
 #include "convert/expr.hpp"
 #include "model/loader.hpp"
-#include "model/weight_source.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
 #include "weights/lease.hpp"
+#include "weights/source.hpp"
+#include "weights/weights.hpp"
 
 namespace vramd::weights {
 namespace {
@@ -28,28 +29,10 @@ uint64_t extent(const at::Tensor& t) {
 // The value a parameter computes with (a tied one's is its leader's); undefined when it has none.
 const at::Tensor& value_of(const model::Parameter& p) { return p.tied ? p.tied->value : p.value; }
 
-void check_leasable(const model::LoadedModel& loaded, const std::string& name) {
-  if (loaded.vram)
-    throw NotLeasable("model " + quote(name) + " streams its weights under its [vram] table (a limit, or a preparing " +
-                      "dtype of its own), so they are never all resident; a lease needs them all: remove [vram].limit and " +
-                      "[vram].preparing from its config to lease it");
-  if (loaded.partition)
-    throw NotLeasable("model " + quote(name) + " is partitioned across processes ([partition].world_size), each holding " +
-                      "a slice; a lease needs every weight in this one: remove [partition] from its config to lease it");
-  for (const auto* p : loaded.model->parameters()) {
-    const at::Tensor& value = value_of(*p);
-    if (!value.defined() || value.is_meta()) continue;
-    if (!value.device().is_cpu())
-      throw NotLeasable("model " + quote(name) + " computes on " + value.device().str() + "; leases of " +
-                        "CUDA memory are not built yet, only of host memory: set [vram].computation.device = \"cpu\" " +
-                        "to lease it");
-  }
-}
-
 }  // namespace
 
 Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name) {
-  check_leasable(loaded, name);
+  loaded.weights->check_leasable(name);
   const auto& map = loaded.source->map;
   std::vector<std::shared_ptr<SharedRegion>> regions;
   for (const auto& weak : regions_)

@@ -29,52 +29,40 @@
 #include <thread>
 #include <vector>
 
-#include "config/model_config.hpp"
-#include "model/layer.hpp"
-#include "model/vram_stats.hpp"
+#include "weights/order.hpp"
+#include "weights/plan.hpp"
+#include "weights/weights.hpp"
 
-namespace vramd::model {
+namespace vramd::weights {
 
-class Model;
-struct WeightSource;
 struct Assignment;
 
-// One change of the bytes on the computation device, for plotting a forward.
-struct VramEvent {
-  double seconds;  // since the trace began
-  uint64_t held;   // after the event
-  const Layer* layer;
-  const char* kind;  // "prefetch" (reserved), "ready", "acquire", "release", "evict"
-};
-
-class WeightManager : public LayerWeights {
+class StreamedWeights final : public Weights {
  public:
   // Plans, then prepares the resident slots (and onload copies). Throws Error naming the
   // config when the limit cannot hold the largest slot.
-  WeightManager(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config);
-  ~WeightManager();
-  WeightManager(const WeightManager&) = delete;
-  WeightManager& operator=(const WeightManager&) = delete;
+  StreamedWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config);
+  ~StreamedWeights() override;
+  StreamedWeights(const StreamedWeights&) = delete;
+  StreamedWeights& operator=(const StreamedWeights&) = delete;
 
   // The layer's weights on the computation device in the computation dtype, until release().
   // Called by Layer only.
-  std::vector<at::Tensor> acquire(const Layer& layer) override;
-  void release(const Layer& layer) override;
+  std::vector<at::Tensor> acquire(const model::Layer& layer) override;
+  void release(const model::Layer& layer) override;
 
-  // Sleep: every weight to the offload state (released when it is disk); the computation
-  // device holds nothing. Wake: the plan restored. Both return the bytes moved or read.
-  uint64_t sleep();
-  uint64_t wake();
-
-  // Records every change of the held bytes from now on (replacing an earlier trace).
-  void start_trace();
-  std::vector<VramEvent> take_trace();
-
-  VramStats stats() const;
+  // Wake: the plan restored.
+  uint64_t sleep() override;
+  uint64_t wake() override;
+  std::optional<model::VramStats> stats() const override;
+  std::map<std::string, uint64_t> bytes_by_device() const override;
+  void check_leasable(const std::string& model) const override;
+  bool start_trace() override;
+  std::vector<VramEvent> take_trace() override;
 
  private:
   struct Slot;
-  Slot& slot_of(const Layer& layer);
+  Slot& slot_of(const model::Layer& layer);
   std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
   at::Tensor mapped(const Slot& slot, const Assignment& part) const;
   uint64_t phase(const Slot& slot, size_t i) const;
@@ -89,10 +77,11 @@ class WeightManager : public LayerWeights {
   void count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors);
   void give_back_locked(std::vector<at::Tensor>& tensors);
   void note_locked(const Slot& slot, const char* kind);
-  std::string describe(const VramStats& stats) const;
+  static std::string describe(const model::VramStats& stats, const config::ModelConfig& config, c10::ScalarType prepared,
+                              c10::ScalarType dtype, const std::string& direct_why);
 
-  Model& model_;
-  std::shared_ptr<WeightSource> source_;
+  model::Model& model_;
+  std::shared_ptr<Source> source_;
   config::ModelConfig config_;
   c10::Device device_;
   c10::ScalarType dtype_;            // computation
@@ -101,15 +90,13 @@ class WeightManager : public LayerWeights {
   bool onload_on_disk_ = true;
   bool pool_ = false;                // keep released buffers for reuse (CPU; CUDA's allocator does that itself)
   std::vector<std::unique_ptr<Slot>> slots_;
-  std::vector<Slot*> order_;        // execution order (learned on the first forward)
-  std::vector<Slot*> seen_;         // the first forward's order as it happens
-  bool learning_ = true;
+  LearnedOrder<Slot> order_;         // layer order until the first forward's is learned
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   uint64_t in_use_ = 0;              // every byte on the computation device, spares included
   std::vector<at::Tensor> spares_;   // released buffers kept for reuse, as bytes
-  VramStats stats_;
+  model::VramStats stats_;
   std::vector<Slot*> prefetch_queue_;
   std::optional<std::chrono::steady_clock::time_point> trace_start_;
   std::vector<VramEvent> trace_;
@@ -120,4 +107,4 @@ class WeightManager : public LayerWeights {
   mutable std::unique_ptr<Staging> staging_;
 };
 
-}  // namespace vramd::model
+}  // namespace vramd::weights

@@ -1,4 +1,4 @@
-#include "model/vram.hpp"
+#include "weights/streamed.hpp"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -15,13 +15,20 @@
 #include <map>
 
 #include "model/model.hpp"
-#include "model/weight_source.hpp"
+#include "weights/lease.hpp"
+#include "weights/plan.hpp"
+#include "weights/source.hpp"
 #include "storage/file.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
-namespace vramd::model {
+namespace vramd::weights {
+
+using model::Layer;
+using model::Parameter;
+using model::VramStats;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -36,26 +43,11 @@ void synchronise(c10::Device device) {
 
 }  // namespace
 
-at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase) {
-  if (!device.is_cpu()) return at::empty(shape, at::TensorOptions().device(device).dtype(dtype));
-  size_t nbytes = c10::elementSize(dtype);
-  for (const int64_t n : shape) nbytes *= static_cast<size_t>(n);
-  if (nbytes == 0) return at::empty(shape, at::TensorOptions().dtype(dtype));
-  const size_t length = nbytes + phase;
-  void* memory = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (memory == MAP_FAILED) throw Error("cannot map " + format_bytes(length) + " for streamed weights: " + std::strerror(errno));
-  madvise(memory, length, MADV_HUGEPAGE);
-  return at::from_blob(static_cast<std::byte*>(memory) + phase, shape,
-                       [phase, length](void* p) { munmap(static_cast<std::byte*>(p) - phase, length); },
-                       at::TensorOptions().dtype(dtype));
-}
-
-struct WeightManager::Slot {
+struct StreamedWeights::Slot {
   Layer* layer = nullptr;
   std::vector<const Assignment*> parts;  // per parameter (a tied one: its leader's); null: never loaded
   uint64_t bytes = 0;      // prepared, in the preparing dtype
   uint64_t copy = 0;       // the computation copy while the op runs (0: preparing is computation)
-  uint64_t elements = 0;
   bool resident = false;
   bool from_disk = false;  // streamed and re-read from the checkpoint (onload "disk", or past vram.onload_limit)
   enum class State { Away, Loading, Ready, InUse } state = State::Away;  // streamed slots only
@@ -69,14 +61,32 @@ struct WeightManager::Slot {
 // other's copy to the device runs.
 constexpr uint64_t kStagingChunk = 16u << 20;
 
-struct WeightManager::Staging {
+struct StreamedWeights::Staging {
   explicit Staging(c10::DeviceType type) : copied{c10::Event(type), c10::Event(type)} {}
   at::Tensor buffers[2];
   c10::Event copied[2];  // recorded after the copy out of each buffer was queued
   int turn = 0;          // the buffer to fill next
 };
 
-WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config)
+namespace {
+
+// Each layer's bytes (its tied parameters too) in the states the plan counts.
+std::vector<SlotBytes> slot_bytes(const model::Model& model, const config::ModelConfig& config) {
+  const c10::ScalarType dtype = model.dtype(), prepared = state_dtype(config.vram.preparing.dtype, dtype);
+  const size_t onload = c10::elementSize(state_dtype(config.vram.onload.dtype, dtype));
+  std::vector<SlotBytes> slots;
+  for (const auto& layer : model.layers()) {
+    uint64_t elements = 0;
+    for (const auto& parameter : layer->parameters()) elements += static_cast<uint64_t>(parameter.elements());
+    slots.push_back({elements * c10::elementSize(prepared), prepared == dtype ? 0 : elements * c10::elementSize(dtype),
+                     elements * onload});
+  }
+  return slots;
+}
+
+}  // namespace
+
+StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config)
     : model_(model), source_(std::move(source)), config_(config), device_(config.vram.computation.device),
       dtype_(model.dtype()), prepared_dtype_(state_dtype(config.vram.preparing.dtype, model.dtype())),
       limit_(config.vram.limit.value_or(UINT64_MAX)), pool_(device_.is_cpu()) {
@@ -89,73 +99,29 @@ WeightManager::WeightManager(Model& model, std::shared_ptr<WeightSource> source,
       const Parameter* owner = parameter.tied ? parameter.tied : &parameter;
       auto it = by_parameter.find(owner);
       slot->parts.push_back(it == by_parameter.end() ? nullptr : it->second);
-      slot->elements += static_cast<uint64_t>(parameter.elements());
-      slot->bytes += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(prepared_dtype_);
-      if (prepared_dtype_ != dtype_) slot->copy += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(dtype_);
     }
-    slot->position = slots_.size();
-    order_.push_back(slot.get());
     slots_.push_back(std::move(slot));
   }
+  std::vector<Slot*> layer_order;
+  for (const auto& slot : slots_) layer_order.push_back(slot.get());
+  order_ = LearnedOrder<Slot>(std::move(layer_order));
 
-  // The plan: everything prepared when it fits with room for one computation copy; else room
-  // to stream the largest slots (with their copies), and the smallest slots resident in what
-  // is left.
-  uint64_t total = 0, largest = 0, largest_copy = 0;
-  const Slot* biggest = nullptr;
-  for (const auto& slot : slots_) {
-    total += slot->bytes;
-    largest_copy = std::max(largest_copy, slot->copy);
-    if (!biggest || slot->bytes + slot->copy > largest) biggest = slot.get(), largest = slot->bytes + slot->copy;
+  const auto sizes = slot_bytes(model, config);
+  const StreamPlan plan = plan_streaming(sizes, config, dtype_text(prepared_dtype_), dtype_text(dtype_));
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    slots_[i]->bytes = sizes[i].prepared;
+    slots_[i]->copy = sizes[i].copy;
+    slots_[i]->resident = plan.resident[i];
+    slots_[i]->from_disk = plan.from_disk[i];
   }
-  stats_.limit = config.vram.limit.value_or(0);
-  stats_.total = total;
-  stats_.slots = slots_.size();
-  const bool fits = total <= limit_ && largest_copy <= limit_ - total;
-  if (!fits && limit_ < largest)
-    fail(config.path, "vram.limit = " + format_bytes(limit_) + " cannot hold the largest layer (" +
-                          format_bytes(biggest->bytes) + " in " + dtype_text(prepared_dtype_) +
-                          (biggest->copy ? " plus its " + format_bytes(biggest->copy) + " copy in " + dtype_text(dtype_) +
-                                               " while it computes"
-                                         : "") +
-                          "); raise it to at least " + (biggest->copy ? format_bytes(largest) : "that"));
-  const std::string& onload = config.vram.onload.device;
-  onload_on_disk_ = onload == "disk";
-  if (!fits && !onload_on_disk_ && c10::Device(onload) == device_ && !config.vram.onload_limit)
-    fail(config.path, "vram.onload.device = " + onload + " is the computation device, so every weight would count against "
-                      "vram.limit (" + format_bytes(limit_) + " < " + format_bytes(total) +
-                      "); use \"disk\" or another device for onload and offload");
-  stats_.streaming = fits ? largest_copy : limit_ >= 3 * largest ? 2 * largest : largest;
-  std::vector<Slot*> by_size;
-  for (const auto& slot : slots_) by_size.push_back(slot.get());
-  std::stable_sort(by_size.begin(), by_size.end(), [](Slot* a, Slot* b) { return a->bytes < b->bytes; });
-  for (Slot* slot : by_size) {
-    if (stats_.resident + slot->bytes > limit_ - stats_.streaming) break;
-    slot->resident = true;
-    stats_.resident += slot->bytes;
-    stats_.resident_slots++;
-  }
-  // Streamed slots rest on the onload device in layer order while vram.onload_limit allows;
-  // from the first that does not fit, on disk.
-  const uint64_t onload_limit = onload_on_disk_ ? 0 : config.vram.onload_limit.value_or(UINT64_MAX);
-  const size_t onload_size = c10::elementSize(state_dtype(config.vram.onload.dtype, dtype_));
-  for (const auto& slot : slots_) {
-    if (slot->resident) continue;
-    const uint64_t bytes = slot->elements * onload_size;
-    slot->from_disk = stats_.disk_slots > 0 || stats_.onload + bytes > onload_limit;
-    if (slot->from_disk) {
-      stats_.disk_slots++;
-      stats_.disk += slot->bytes;
-    } else {
-      stats_.onload += bytes;
-    }
-  }
+  stats_ = plan.stats;
+  onload_on_disk_ = config.vram.onload.device == "disk";
   materialise_plan();
   prefetcher_ = std::thread([this] { prefetch_loop(); });
   for (const auto& layer : model.layers()) layer->set_manager(this);
 }
 
-WeightManager::~WeightManager() {
+StreamedWeights::~StreamedWeights() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
@@ -168,7 +134,7 @@ WeightManager::~WeightManager() {
 // Where a buffer for the slot's parameter `i` should begin within a page: its offset in the
 // checkpoint modulo 4096, when it is read there as stored with O_DIRECT (so the reads go
 // straight into it); else 0.
-uint64_t WeightManager::phase(const Slot& slot, size_t i) const {
+uint64_t StreamedWeights::phase(const Slot& slot, size_t i) const {
   if (!source_->direct || !slot.parts[i]) return 0;
   const storage::TensorInfo* info = source_->stored(*slot.parts[i], prepared_dtype_);
   const uint64_t phase = info ? info->offset % storage::File::kDirectAlignment : 0;
@@ -179,7 +145,7 @@ uint64_t WeightManager::phase(const Slot& slot, size_t i) const {
 // where given (the rest freshly allocated). On the CPU the reads of all of them are in flight
 // together. On CUDA, reads go through pinned staging buffers and are copied on the calling
 // thread's current stream, then waited for.
-std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at::Tensor> buffers) const {
+std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<at::Tensor> buffers) const {
   buffers.resize(slot.parts.size());
   const auto parameters = slot.layer->parameters();
   std::vector<const Assignment*> reads;
@@ -219,7 +185,7 @@ std::vector<at::Tensor> WeightManager::prepare(const Slot& slot, std::vector<at:
 // op threads as cores, that copy takes a core from the op). Unmapped on release, so host
 // memory stays flat. Undefined where that cannot be: a resident slot (whose pages the kernel
 // could reclaim), O_DIRECT reads, a converter's expression, another dtype, misaligned data.
-at::Tensor WeightManager::mapped(const Slot& slot, const Assignment& part) const {
+at::Tensor StreamedWeights::mapped(const Slot& slot, const Assignment& part) const {
   if (slot.resident || source_->direct) return {};
   const storage::TensorInfo* info = source_->stored(part, prepared_dtype_);
   return info ? storage::map_tensor(source_->map, *info) : at::Tensor();
@@ -229,7 +195,7 @@ at::Tensor WeightManager::mapped(const Slot& slot, const Assignment& part) const
 // a time into the staging buffers by turns, so that reading a chunk overlaps copying the one
 // before on the calling thread's stream. Anything else (a converter's expression, another
 // dtype) is read into host memory and copied from there.
-void WeightManager::stage(const Assignment& part, at::Tensor& out) const {
+void StreamedWeights::stage(const Assignment& part, at::Tensor& out) const {
   const storage::DiskMap& map = source_->map;
   const storage::TensorInfo* info = source_->stored(part, out.scalar_type());
   if (!info || info->nbytes != out.nbytes()) {
@@ -254,7 +220,7 @@ void WeightManager::stage(const Assignment& part, at::Tensor& out) const {
   }
 }
 
-std::vector<at::Tensor> WeightManager::computation_copy(const std::vector<at::Tensor>& prepared,
+std::vector<at::Tensor> StreamedWeights::computation_copy(const std::vector<at::Tensor>& prepared,
                                                         std::vector<at::Tensor> buffers) const {
   buffers.resize(prepared.size());
   for (size_t i = 0; i < prepared.size(); ++i) {
@@ -264,7 +230,7 @@ std::vector<at::Tensor> WeightManager::computation_copy(const std::vector<at::Te
   return buffers;
 }
 
-void WeightManager::materialise_plan() {
+void StreamedWeights::materialise_plan() {
   const config::DeviceState& onload = config_.vram.onload;
   const c10::Device onload_device = onload_on_disk_ ? device_ : c10::Device(onload.device);
   const auto onload_dtype = state_dtype(onload.dtype, dtype_);
@@ -295,13 +261,13 @@ void WeightManager::materialise_plan() {
   stats_.peak = std::max(stats_.peak, in_use_);
 }
 
-WeightManager::Slot& WeightManager::slot_of(const Layer& layer) {
+StreamedWeights::Slot& StreamedWeights::slot_of(const Layer& layer) {
   for (const auto& slot : slots_)
     if (slot->layer == &layer) return *slot;
   throw Error("layer " + quote(layer.path()) + " is not managed");
 }
 
-void WeightManager::note_locked(const Slot& slot, const char* kind) {
+void StreamedWeights::note_locked(const Slot& slot, const char* kind) {
   if (trace_start_ && trace_.size() < (1u << 20))
     trace_.push_back({seconds_since(*trace_start_), in_use_, slot.layer, kind});
 }
@@ -309,7 +275,7 @@ void WeightManager::note_locked(const Slot& slot, const char* kind) {
 // Makes room for `bytes` more on the computation device: drops spare buffers, then (for an op
 // that needs them now) prefetched slots, furthest ahead first, then waits for loads under way.
 // A prefetch (`needed` null) neither evicts nor waits.
-bool WeightManager::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed) {
+bool StreamedWeights::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed) {
   while (in_use_ + bytes > limit_) {
     if (!spares_.empty()) {
       in_use_ -= spares_.back().nbytes();
@@ -338,7 +304,7 @@ bool WeightManager::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t 
 
 // Buffers for the slot's parameters in `dtype` (`bytes` in all): spares of the same size first,
 // the rest reserved. Buffers left undefined are allocated by whoever fills them.
-bool WeightManager::claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype,
+bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype,
                                  uint64_t bytes, std::vector<at::Tensor>& buffers, const Slot* needed) {
   buffers.assign(slot.parts.size(), at::Tensor());
   uint64_t taken = 0;
@@ -362,14 +328,14 @@ bool WeightManager::claim_locked(std::unique_lock<std::mutex>& lock, const Slot&
   return false;
 }
 
-void WeightManager::count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors) {
+void StreamedWeights::count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors) {
   stats_.bytes_streamed += slot.bytes;
   for (const auto& t : tensors)
     if (storage::is_mapped_view(t)) stats_.bytes_mapped += t.nbytes();
 }
 
 // Released weights become spares for the next streamed slots where nothing else holds them.
-void WeightManager::give_back_locked(std::vector<at::Tensor>& tensors) {
+void StreamedWeights::give_back_locked(std::vector<at::Tensor>& tensors) {
   for (auto& tensor : tensors) {
     if (pool_ && tensor.use_count() == 1 && tensor.storage().use_count() == 1 && !storage::is_mapped_view(tensor)) {
       stats_.staging += tensor.nbytes();
@@ -381,22 +347,10 @@ void WeightManager::give_back_locked(std::vector<at::Tensor>& tensors) {
   tensors.clear();
 }
 
-std::vector<at::Tensor> WeightManager::acquire(const Layer& layer) {
+std::vector<at::Tensor> StreamedWeights::acquire(const Layer& layer) {
   Slot& slot = slot_of(layer);
   std::unique_lock lock(mutex_);
-  if (learning_) {
-    if (std::find(seen_.begin(), seen_.end(), &slot) != seen_.end()) {
-      // The second forward has begun: the first one's order is the execution order.
-      for (const auto& s : slots_)
-        if (std::find(seen_.begin(), seen_.end(), s.get()) == seen_.end()) seen_.push_back(s.get());
-      order_ = seen_;
-      for (size_t i = 0; i < order_.size(); ++i) order_[i]->position = i;
-      learning_ = false;
-      stats_.order_learned = true;
-    } else {
-      seen_.push_back(&slot);
-    }
-  }
+  if (order_.asked(&slot)) stats_.order_learned = true;
   if (slot.resident && !slot.copy) return slot.tensors;
   const auto start = Clock::now();
   if (!slot.resident) {
@@ -451,7 +405,7 @@ std::vector<at::Tensor> WeightManager::acquire(const Layer& layer) {
   return tensors;
 }
 
-void WeightManager::release(const Layer& layer) {
+void StreamedWeights::release(const Layer& layer) {
   Slot& slot = slot_of(layer);
   if (slot.resident && !slot.copy) return;
   {
@@ -468,7 +422,7 @@ void WeightManager::release(const Layer& layer) {
 }
 
 // Queues the streamed slots after `position` (wrapping into the next forward) while they fit.
-void WeightManager::prefetch_after(size_t position) {
+void StreamedWeights::prefetch_after(size_t position) {
   std::unique_lock lock(mutex_);
   const size_t n = order_.size();
   for (size_t step = 1; step < n; ++step) {
@@ -485,7 +439,7 @@ void WeightManager::prefetch_after(size_t position) {
   changed_.notify_all();
 }
 
-void WeightManager::prefetch_loop() {
+void StreamedWeights::prefetch_loop() {
   // On CUDA, copies run on a stream of their own, beside the ops on the computation stream.
   std::optional<c10::StreamGuard> copy_stream;
   if (!device_.is_cpu()) copy_stream.emplace(c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_));
@@ -521,7 +475,7 @@ void WeightManager::prefetch_loop() {
   }
 }
 
-uint64_t WeightManager::sleep() {
+uint64_t StreamedWeights::sleep() {
   std::unique_lock lock(mutex_);
   changed_.wait(lock, [&] {
     return prefetch_queue_.empty() &&
@@ -557,44 +511,57 @@ uint64_t WeightManager::sleep() {
   return freed;
 }
 
-uint64_t WeightManager::wake() {
+uint64_t StreamedWeights::wake() {
   materialise_plan();
   std::lock_guard lock(mutex_);
   return stats_.resident;
 }
 
-void WeightManager::start_trace() {
+bool StreamedWeights::start_trace() {
   std::lock_guard lock(mutex_);
   trace_.clear();
   trace_start_ = Clock::now();
+  return true;
 }
 
-std::vector<VramEvent> WeightManager::take_trace() {
+std::vector<VramEvent> StreamedWeights::take_trace() {
   std::lock_guard lock(mutex_);
   trace_start_.reset();
   return std::move(trace_);
 }
 
-VramStats WeightManager::stats() const {
+std::optional<VramStats> StreamedWeights::stats() const {
   std::unique_lock lock(mutex_);
   VramStats now = stats_;
   now.held = in_use_;
   lock.unlock();
-  now.plan = describe(now);
+  now.plan = describe(now, config_, prepared_dtype_, dtype_, source_->direct_why) + ", peak " + format_bytes(now.peak);
   return now;
 }
 
-std::string WeightManager::describe(const VramStats& s) const {
-  std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
-                     format_bytes(s.resident) + " in " + dtype_text(prepared_dtype_) + ")";
-  if (const size_t from_onload = s.slots - s.resident_slots - s.disk_slots)
-    text += ", " + std::to_string(from_onload) + " streamed from " + config_.vram.onload.device + " (" +
-            format_bytes(s.total - s.resident - s.disk) + ")";
-  if (s.disk_slots)
-    text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) + "; " +
-            source_->direct_why + ")";
-  text += "; room kept: " + format_bytes(s.streaming) + (prepared_dtype_ != dtype_ ? ", computed in " + dtype_text(dtype_) : "");
-  return text + "; limit " + (s.limit ? format_bytes(s.limit) : std::string("none")) + ", peak " + format_bytes(s.peak);
+std::map<std::string, uint64_t> StreamedWeights::bytes_by_device() const {
+  std::lock_guard lock(mutex_);
+  if (!in_use_) return {};
+  return {{device_.str(), in_use_}};
 }
 
-}  // namespace vramd::model
+void StreamedWeights::check_leasable(const std::string& model) const {
+  throw NotLeasable("model " + quote(model) + " streams its weights under its [vram] table (a limit, or a preparing " +
+                    "dtype of its own), so they are never all resident; a lease needs them all: remove [vram].limit and " +
+                    "[vram].preparing from its config to lease it");
+}
+
+std::string StreamedWeights::describe(const VramStats& s, const config::ModelConfig& config, c10::ScalarType prepared,
+                                      c10::ScalarType dtype, const std::string& direct_why) {
+  std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
+                     format_bytes(s.resident) + " in " + dtype_text(prepared) + ")";
+  if (const size_t from_onload = s.slots - s.resident_slots - s.disk_slots)
+    text += ", " + std::to_string(from_onload) + " streamed from " + config.vram.onload.device + " (" +
+            format_bytes(s.total - s.resident - s.disk) + ")";
+  if (s.disk_slots)
+    text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) + "; " + direct_why + ")";
+  text += "; room kept: " + format_bytes(s.streaming) + (prepared != dtype ? ", computed in " + dtype_text(dtype) : "");
+  return text + "; limit " + (s.limit ? format_bytes(s.limit) : std::string("none"));
+}
+
+}  // namespace vramd::weights

@@ -1,29 +1,31 @@
 // Where a loaded model's weights come from: the checkpoint index and, for each parameter, the
 // converter's expression that fills it. Kept after loading, so that weights released to disk
-// can be read again. Shared by the loader and the weight manager only.
+// can be read again. Made by the loader, read by the kinds of weights (weights/weights.hpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "config/model_config.hpp"
 #include "convert/expr.hpp"
 #include "model/layer.hpp"
 #include "storage/disk_map.hpp"
 
-namespace vramd::model {
+namespace vramd::weights {
 
 // Which expression fills which parameter.
 struct Assignment {
-  Parameter* parameter;
+  model::Parameter* parameter;
   convert::ExprPtr expr;
   uint64_t order;  // where its first source lies in the checkpoint, to read in file order
 };
 
-struct WeightSource {
+struct Source {
   storage::DiskMap map;
   std::vector<Assignment> assignments;
   std::string where;  // the config, for errors
@@ -45,6 +47,12 @@ struct WeightSource {
   const storage::TensorInfo* stored(const Assignment& assignment, c10::ScalarType dtype) const;
 };
 
+// The source of a model loaded with `config`: reads take O_DIRECT or the page cache as its
+// direct_io says, or (unset: "auto") as suits the checkpoint: O_DIRECT when the page cache
+// cannot keep it beside the weights the model holds in host memory.
+std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment> assignments,
+                                    const config::ModelConfig& config);
+
 // A buffer for weights that come and go on `device`. On the CPU it is memory mapped for it
 // alone and unmapped when released: had it come from malloc, freeing it (on another thread
 // than the one that filled it, or between allocations of other sizes) would leave the heap
@@ -56,4 +64,4 @@ at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Devi
 // A state's dtype by name; "auto" or none: `otherwise`.
 c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise);
 
-}  // namespace vramd::model
+}  // namespace vramd::weights

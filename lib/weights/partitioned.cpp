@@ -1,4 +1,4 @@
-#include "model/partition.hpp"
+#include "weights/partitioned.hpp"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -12,12 +12,19 @@
 #include "convert/evaluate.hpp"
 #include "dist/communicator.hpp"
 #include "model/model.hpp"
-#include "model/weight_source.hpp"
+#include "weights/lease.hpp"
+#include "weights/plan.hpp"
+#include "weights/source.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
-namespace vramd::model {
+namespace vramd::weights {
+
+using model::Layer;
+using model::Parameter;
+using model::VramStats;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -32,7 +39,7 @@ bool matches_any(const std::string& name, const std::vector<std::string>& patter
 // many elements): a positioned read of exactly their bytes when the expression is a plain
 // checkpoint tensor; otherwise the expression narrowed to the rows that hold them, read
 // through the file mapping so that only the pages those rows touch are read.
-void read_flat(const WeightSource& source, const Assignment& assignment, int64_t begin, int64_t end, at::Tensor out) {
+void read_flat(const Source& source, const Assignment& assignment, int64_t begin, int64_t end, at::Tensor out) {
   const convert::Expr& expr = *assignment.expr;
   const auto& map = source.map;
   if (expr.op == convert::Expr::Op::Source && storage::dtype_block(map.at(expr.source).dtype) == 1) {
@@ -84,13 +91,13 @@ struct PartitionedWeights::Use {
   const Layer* layer = nullptr;
   std::vector<std::pair<Unit*, size_t>> parameters;
   std::vector<Unit*> units;  // each once
-  uint64_t bytes = 0;        // of those units, gathered
   size_t position = 0;       // in order_
 };
 
-PartitionedWeights::PartitionedWeights(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config,
-                                       std::shared_ptr<dist::Communicator> communicator)
-    : source_(std::move(source)),
+PartitionedWeights::PartitionedWeights(model::Model& model, std::shared_ptr<Source> source,
+                                       const config::ModelConfig& config, std::shared_ptr<dist::Communicator> communicator)
+    : model_(model),
+      source_(std::move(source)),
       config_(config),
       communicator_(std::move(communicator)),
       device_(config.vram.computation.device),
@@ -117,12 +124,9 @@ PartitionedWeights::PartitionedWeights(Model& model, std::shared_ptr<WeightSourc
       unit->elements += parameter.elements();
     }
     if (unit->parameters.empty()) continue;
-    unit->slice = (unit->elements + ranks - 1) / ranks;
-    unit->bytes = static_cast<uint64_t>(unit->slice * ranks) * c10::elementSize(slice_dtype_) +
-                  (slice_dtype_ == dtype_ ? 0 : static_cast<uint64_t>(unit->elements) * c10::elementSize(dtype_));
     units_.push_back(std::move(unit));
   }
-  uint64_t largest = 0;
+  std::vector<Layer*> managed;
   for (const auto& layer : model.layers()) {
     auto use = std::make_unique<Use>();
     use->layer = layer.get();
@@ -130,31 +134,47 @@ PartitionedWeights::PartitionedWeights(Model& model, std::shared_ptr<WeightSourc
       auto it = home.find(parameter.tied ? parameter.tied : &parameter);
       Unit* unit = it == home.end() ? nullptr : it->second.first;
       use->parameters.emplace_back(unit, it == home.end() ? 0 : it->second.second);
-      if (unit && std::find(use->units.begin(), use->units.end(), unit) == use->units.end()) {
-        use->units.push_back(unit);
-        use->bytes += unit->bytes;
-      }
+      if (unit && std::find(use->units.begin(), use->units.end(), unit) == use->units.end()) use->units.push_back(unit);
     }
     if (use->units.empty()) continue;
-    largest = std::max(largest, use->bytes);
-    layer->set_manager(this);
+    managed.push_back(layer.get());
     uses_.push_back(std::move(use));
   }
 
+  // The plan, from sizes alone, before anything is read.
+  const std::string& onload = config.vram.onload.device;
+  PartitionSizes sizes;
+  sizes.ranks = ranks;
+  sizes.slice_size = c10::elementSize(slice_dtype_);
+  sizes.size = c10::elementSize(dtype_);
+  sizes.copy = slice_dtype_ != dtype_;
+  sizes.slices_on_device = onload != "disk" && c10::Device(onload) == device_;
+  std::map<const Unit*, size_t> index;
+  for (const auto& unit : units_) {
+    index[unit.get()] = sizes.elements.size();
+    sizes.elements.push_back(static_cast<uint64_t>(unit->elements));
+  }
+  for (const auto& use : uses_) {
+    auto& units = sizes.uses.emplace_back();
+    for (const Unit* unit : use->units) units.push_back(index.at(unit));
+  }
+  for (const auto& [parameter, part] : replicated_) sizes.replicated += static_cast<uint64_t>(parameter->elements()) * sizes.size;
+  const PartitionPlan plan = plan_partition(sizes, config);
+  for (size_t i = 0; i < units_.size(); ++i) {
+    units_[i]->slice = static_cast<int64_t>(plan.slice[i]);
+    units_[i]->bytes = plan.bytes[i];
+  }
+  slice_bytes_ = plan.slices;
+
   materialise(config.vram.onload, device_);
-  const uint64_t base = held_base();
-  if (base + largest > limit_)
-    fail(config.path, "[vram].limit " + format_bytes(limit_) + " cannot hold this rank's " + format_bytes(base) +
-                          " of slices and replicated parameters plus the largest layer gathered whole (" +
-                          format_bytes(largest) + "); raise it to at least " + format_bytes(base + largest) +
-                          ", or partition across more ranks");
   stats_.limit = config.vram.limit.value_or(0);
-  stats_.resident = base;
-  stats_.streaming = largest;
-  stats_.total = base + largest;
+  stats_.resident = plan.resting;
+  stats_.streaming = plan.largest;
+  stats_.total = plan.resting + plan.largest;
   stats_.slots = uses_.size();
   count_held();
   stats_.plan = describe();
+  for (Layer* layer : managed) layer->set_manager(this);
 }
 
 PartitionedWeights::~PartitionedWeights() {
@@ -163,12 +183,26 @@ PartitionedWeights::~PartitionedWeights() {
       unit->pending.wait();
     } catch (const std::exception&) {
     }
+  for (const auto& layer : model_.layers()) layer->set_manager(nullptr);
 }
 
-uint64_t PartitionedWeights::slice_bytes() const {
-  uint64_t bytes = 0;
-  for (const auto& unit : units_) bytes += static_cast<uint64_t>(unit->slice) * c10::elementSize(slice_dtype_);
-  return bytes;
+std::map<std::string, uint64_t> PartitionedWeights::bytes_by_device() const {
+  if (!stats_.held) return {};
+  return {{device_.str(), stats_.held}};
+}
+
+void PartitionedWeights::check_leasable(const std::string& model) const {
+  throw NotLeasable("model " + quote(model) + " is partitioned across processes ([partition].world_size), each holding " +
+                    "a slice; a lease needs every weight in this one: remove [partition] from its config to lease it");
+}
+
+std::optional<std::vector<RankFigures>> PartitionedWeights::each_rank(int64_t peak_rss) {
+  const auto rss = communicator_->all_gather_values(peak_rss, "reporting");
+  const auto weights = communicator_->all_gather_values(static_cast<int64_t>(stats_.peak), "reporting");
+  const auto shares = communicator_->all_gather_values(static_cast<int64_t>(slice_bytes()), "reporting");
+  std::vector<RankFigures> ranks;
+  for (size_t r = 0; r < rss.size(); ++r) ranks.push_back({rss[r], weights[r], shares[r]});
+  return ranks;
 }
 
 uint64_t PartitionedWeights::held_base() const {
@@ -269,15 +303,7 @@ PartitionedWeights::Use& PartitionedWeights::use_of(const Layer& layer) {
 // counts alone, so the gathers line up across ranks.
 std::vector<at::Tensor> PartitionedWeights::acquire(const Layer& layer) {
   Use& use = use_of(layer);
-  if (learning_) {
-    if (std::find(order_.begin(), order_.end(), &use) != order_.end()) {
-      learning_ = false;  // the second forward has begun
-      stats_.order_learned = true;
-      for (size_t i = 0; i < order_.size(); ++i) order_[i]->position = i;
-    } else {
-      order_.push_back(&use);
-    }
-  }
+  if (order_.asked(&use)) stats_.order_learned = true;
   for (Unit* unit : use.units) {
     if (!unit->gathered.defined()) {
       // Gathered units no op holds (prefetched for an order that changed) give way first.
@@ -293,7 +319,7 @@ std::vector<at::Tensor> PartitionedWeights::acquire(const Layer& layer) {
     if (unit->pending.valid()) finish_gather(*unit);
     unit->users++;
   }
-  if (!learning_) prefetch_after(use);
+  if (order_.learned()) prefetch_after(use);
 
   std::vector<at::Tensor> values;
   const auto parameters = layer.parameters();
@@ -341,7 +367,7 @@ uint64_t PartitionedWeights::wake() {
   return resting_bytes();
 }
 
-VramStats PartitionedWeights::stats() const {
+std::optional<VramStats> PartitionedWeights::stats() const {
   VramStats stats = stats_;
   stats.plan = describe();
   return stats;
@@ -363,4 +389,4 @@ std::string PartitionedWeights::describe() const {
   return text;
 }
 
-}  // namespace vramd::model
+}  // namespace vramd::weights

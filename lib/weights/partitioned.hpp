@@ -21,44 +21,45 @@
 #include <optional>
 #include <vector>
 
-#include "config/model_config.hpp"
-#include "model/layer.hpp"
-#include "model/vram_stats.hpp"
+#include "weights/order.hpp"
+#include "weights/weights.hpp"
 
 namespace vramd::dist {
 class Communicator;
 }
 
-namespace vramd::model {
+namespace vramd::weights {
 
-class Model;
 struct Assignment;
-struct WeightSource;
 
-class PartitionedWeights : public LayerWeights {
+class PartitionedWeights final : public Weights {
  public:
   // Reads this rank's slices. Throws Error naming the config when the limit cannot hold the
   // slices, the replicated parameters and the largest gathered layer.
-  PartitionedWeights(Model& model, std::shared_ptr<WeightSource> source, const config::ModelConfig& config,
+  PartitionedWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
                      std::shared_ptr<dist::Communicator> communicator);
   ~PartitionedWeights() override;
+  PartitionedWeights(const PartitionedWeights&) = delete;
+  PartitionedWeights& operator=(const PartitionedWeights&) = delete;
 
-  std::vector<at::Tensor> acquire(const Layer& layer) override;
-  void release(const Layer& layer) override;
+  std::vector<at::Tensor> acquire(const model::Layer& layer) override;
+  void release(const model::Layer& layer) override;
 
   // Sleep: slices and replicated parameters to the offload state (released when it is disk).
   // Wake: back. Both return the bytes moved or read on this rank.
-  uint64_t sleep();
-  uint64_t wake();
+  uint64_t sleep() override;
+  uint64_t wake() override;
+  std::optional<model::VramStats> stats() const override;
+  std::map<std::string, uint64_t> bytes_by_device() const override;
+  void check_leasable(const std::string& model) const override;
+  std::optional<std::vector<RankFigures>> each_rank(int64_t peak_rss) override;
 
-  VramStats stats() const;
-  uint64_t slice_bytes() const;  // this rank's share of the partitioned parameters
-  dist::Communicator& communicator() { return *communicator_; }
+  uint64_t slice_bytes() const { return slice_bytes_; }  // this rank's share of the partitioned parameters
 
  private:
   struct Unit;
   struct Use;  // what one layer's op needs
-  Use& use_of(const Layer& layer);
+  Use& use_of(const model::Layer& layer);
   at::Tensor read_slice(const Unit& unit, c10::ScalarType dtype) const;
   void materialise(const config::DeviceState& state, std::optional<c10::Device> home);
   uint64_t resting_bytes() const;
@@ -70,7 +71,8 @@ class PartitionedWeights : public LayerWeights {
   void count_held();
   std::string describe() const;
 
-  std::shared_ptr<WeightSource> source_;
+  model::Model& model_;
+  std::shared_ptr<Source> source_;
   config::ModelConfig config_;
   std::shared_ptr<dist::Communicator> communicator_;
   c10::Device device_;
@@ -79,15 +81,15 @@ class PartitionedWeights : public LayerWeights {
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::unique_ptr<Use>> uses_;
   struct Replicated {
-    Parameter* parameter;
+    model::Parameter* parameter;
     const Assignment* part;
   };
   std::vector<Replicated> replicated_;
-  std::vector<Use*> order_;  // layers in execution order, learned on the first forward
-  bool learning_ = true;
+  LearnedOrder<Use> order_;  // learned on the first forward
   c10::ScalarType slice_dtype_;  // the onload dtype
+  uint64_t slice_bytes_ = 0;
   uint64_t held_ = 0;            // gathered buffers on the computation device
-  VramStats stats_;
+  model::VramStats stats_;
 };
 
-}  // namespace vramd::model
+}  // namespace vramd::weights

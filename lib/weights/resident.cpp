@@ -1,0 +1,111 @@
+#include "weights/resident.hpp"
+
+#include <ATen/ops/empty.h>
+
+#include "model/loader.hpp"
+#include "storage/disk_map.hpp"
+#include "util/format.hpp"
+#include "weights/lease.hpp"
+#include "weights/source.hpp"
+
+namespace vramd::weights {
+
+ResidentWeights::ResidentWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
+                                 const model::LoadOptions& options, size_t& zero_copy)
+    : model_(model), source_(std::move(source)), states_(config.vram), zero_copy_(options.zero_copy) {
+  read_all(c10::Device(states_.computation.device), model.dtype(), &options, &zero_copy);
+  for (const auto& layer : model.layers()) layer->set_manager(this);
+}
+
+ResidentWeights::~ResidentWeights() {
+  for (const auto& layer : model_.layers()) layer->set_manager(nullptr);
+}
+
+std::vector<at::Tensor> ResidentWeights::acquire(const model::Layer& layer) { return layer.weights(); }
+
+void ResidentWeights::release(const model::Layer&) {}
+
+// Every assigned weight, one tensor at a time in checkpoint order, straight into `device` and
+// `dtype`. Returns the bytes read.
+uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options,
+                                   size_t* zero_copy) {
+  model::Progress progress;
+  progress.tensors_total = source_->assignments.size();
+  for (const auto& a : source_->assignments) progress.bytes_total += a.parameter->elements() * c10::elementSize(dtype);
+  const bool views = zero_copy_ && device.is_cpu() && !source_->direct;  // views are read through the page cache
+  const auto& map = source_->map;
+  for (const auto& a : source_->assignments) {
+    const at::Tensor value = source_->read(a, device, dtype, views);
+    if (zero_copy && views && a.expr->op == convert::Expr::Op::Source &&
+        value.const_data_ptr() == map.bytes(map.at(a.expr->source)).first.data())
+      ++*zero_copy;
+    a.parameter->value = value;
+    progress.bytes_done += value.nbytes();
+    progress.tensors_done++;
+    progress.tensor = a.parameter->name;
+    const bool last = progress.tensors_done == progress.tensors_total;  // nothing left to cancel
+    if (options && options->progress && !options->progress(progress) && !last) {
+      for (const auto& b : source_->assignments) b.parameter->value = at::Tensor();
+      throw model::Cancelled(source_->where + ": load cancelled after " + std::to_string(progress.tensors_done) + " of " +
+                             std::to_string(progress.tensors_total) + " tensors");
+    }
+  }
+  return progress.bytes_done;
+}
+
+// Every weight to `state`; "auto" keeps each weight's dtype. Returns the bytes moved or read.
+uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
+  const auto& assignments = source_->assignments;
+  const bool released = !assignments.empty() && assignments.front().parameter->value.is_meta();
+  uint64_t bytes = 0;
+  if (state.device == "disk") {
+    for (const auto& a : assignments) {
+      at::Tensor& value = a.parameter->value;
+      if (value.is_meta()) continue;
+      bytes += value.nbytes();
+      value = at::empty(a.parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(value.scalar_type()));
+    }
+    return bytes;
+  }
+  const c10::Device device(state.device);
+  if (released) return read_all(device, state_dtype(state.dtype, assignments.front().parameter->value.scalar_type()), nullptr, nullptr);
+  for (const auto& a : assignments) {
+    at::Tensor& value = a.parameter->value;
+    const auto dtype = state_dtype(state.dtype, value.scalar_type());
+    if (value.device() == device && value.scalar_type() == dtype) continue;
+    value = value.to(device, dtype);
+    bytes += value.nbytes();
+  }
+  return bytes;
+}
+
+uint64_t ResidentWeights::sleep() { return move_to(states_.offload); }
+
+uint64_t ResidentWeights::wake() {
+  return move_to({states_.computation.device, convert::dtype_torch_name(storage::dtype_of(model_.dtype()))});
+}
+
+std::optional<model::VramStats> ResidentWeights::stats() const { return std::nullopt; }
+
+std::map<std::string, uint64_t> ResidentWeights::bytes_by_device() const {
+  std::map<std::string, uint64_t> bytes;
+  for (const auto* parameter : model_.parameters()) {
+    const at::Tensor& value = parameter->value;
+    if (parameter->tied || !value.defined() || value.is_meta()) continue;
+    bytes[value.device().str()] += value.nbytes();
+  }
+  return bytes;
+}
+
+void ResidentWeights::check_leasable(const std::string& model) const {
+  for (const auto* p : model_.parameters()) {
+    const at::Tensor& value = p->tied ? p->tied->value : p->value;
+    if (!value.defined() || value.is_meta()) continue;
+    if (!value.device().is_cpu())
+      throw NotLeasable("model " + quote(model) + " computes on " + value.device().str() + "; leases of " +
+                        "CUDA memory are not built yet, only of host memory: set [vram].computation.device = \"cpu\" " +
+                        "to lease it");
+  }
+}
+
+}  // namespace vramd::weights

@@ -1,0 +1,43 @@
+// Resident weights: every weight in its computation state (device and dtype) while the model is
+// awake, each op using its layer's own values. On the CPU, weights whose checkpoint bytes
+// already have the right dtype and alignment are views of the file's mapping, not copies.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "weights/weights.hpp"
+
+namespace vramd::weights {
+
+class ResidentWeights final : public Weights {
+ public:
+  // Reads every weight, one tensor at a time in checkpoint order, into the computation state,
+  // counting the views of the mapping in `zero_copy`. Throws model::Cancelled (leaving nothing
+  // allocated) when options.progress cancels.
+  ResidentWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
+                  const model::LoadOptions& options, size_t& zero_copy);
+  ~ResidentWeights() override;
+  ResidentWeights(const ResidentWeights&) = delete;
+  ResidentWeights& operator=(const ResidentWeights&) = delete;
+
+  std::vector<at::Tensor> acquire(const model::Layer& layer) override;
+  void release(const model::Layer& layer) override;
+  uint64_t sleep() override;
+  uint64_t wake() override;
+  std::optional<model::VramStats> stats() const override;
+  std::map<std::string, uint64_t> bytes_by_device() const override;
+  void check_leasable(const std::string& model) const override;
+
+ private:
+  uint64_t read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options, size_t* zero_copy);
+  uint64_t move_to(const config::DeviceState& state);
+
+  model::Model& model_;
+  std::shared_ptr<Source> source_;
+  config::VramConfig states_;
+  bool zero_copy_;
+};
+
+}  // namespace vramd::weights

@@ -1,0 +1,86 @@
+#include "weights/source.hpp"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "convert/evaluate.hpp"
+#include "storage/page_cache.hpp"
+#include "storage/tensor_io.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::weights {
+
+c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise) {
+  if (name.empty() || name == "auto") return otherwise;
+  return storage::scalar_type(convert::parse_dtype_name(name));
+}
+
+at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
+  const auto mode = views ? storage::ReadMode::Auto : direct ? storage::ReadMode::Direct : storage::ReadMode::Copy;
+  at::Tensor value = a.expr->op == convert::Expr::Op::Source
+                         ? storage::load_tensor(map, map.at(a.expr->source), {.dtype = dtype, .mode = mode})
+                         : convert::evaluate(*a.expr, map, mode).to(dtype);
+  return device.is_cpu() ? value : value.to(device);
+}
+
+const storage::TensorInfo* Source::stored(const Assignment& a, c10::ScalarType dtype) const {
+  if (a.expr->op != convert::Expr::Op::Source) return nullptr;
+  const auto& info = map.at(a.expr->source);
+  if (storage::dtype_block(info.dtype) != 1) return nullptr;  // packed: unpacked on reading
+  return storage::scalar_type(map, info) == dtype ? &info : nullptr;
+}
+
+void Source::read_into(const Assignment& a, at::Tensor& out) const {
+  const Assignment* const one = &a;
+  read_into({&one, 1}, {&out, 1});
+}
+
+void Source::read_into(std::span<const Assignment* const> parts, std::span<at::Tensor> outs) const {
+  std::vector<storage::DiskMap::Range> reads;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    at::Tensor& out = outs[i];
+    const storage::TensorInfo* info = stored(*parts[i], out.scalar_type());
+    if (info && out.is_contiguous() && out.nbytes() == info->nbytes)
+      reads.push_back({info->file, info->offset, {static_cast<std::byte*>(out.mutable_data_ptr()), info->nbytes}});
+    else
+      out.copy_(read(*parts[i], c10::kCPU, out.scalar_type(), false));
+  }
+  map.read_ranges(reads, {.direct = direct});
+}
+
+std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment> assignments,
+                                    const config::ModelConfig& config) {
+  storage::DirectChoice direct;
+  if (const auto forced = config.vram.direct_io) {
+    direct = {*forced, *forced ? "O_DIRECT: direct_io = true" : "page cache: direct_io = false"};
+  } else {
+    uint64_t held = 0;
+    if (config.vram.computation.device == "cpu") held += config.vram.limit.value_or(0);
+    if (config.vram.onload.device == "cpu") held += config.vram.onload_limit.value_or(0);
+    direct = storage::choose_direct_io(map.total_bytes(), held, storage::page_cache_room());
+  }
+  return std::make_shared<Source>(
+      Source{std::move(map), std::move(assignments), config.path, direct.direct, std::move(direct.why)});
+}
+
+at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase) {
+  if (!device.is_cpu()) return at::empty(shape, at::TensorOptions().device(device).dtype(dtype));
+  size_t nbytes = c10::elementSize(dtype);
+  for (const int64_t n : shape) nbytes *= static_cast<size_t>(n);
+  if (nbytes == 0) return at::empty(shape, at::TensorOptions().dtype(dtype));
+  const size_t length = nbytes + phase;
+  void* memory = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED) throw Error("cannot map " + format_bytes(length) + " for streamed weights: " + std::strerror(errno));
+  madvise(memory, length, MADV_HUGEPAGE);
+  return at::from_blob(static_cast<std::byte*>(memory) + phase, shape,
+                       [phase, length](void* p) { munmap(static_cast<std::byte*>(p) - phase, length); },
+                       at::TensorOptions().dtype(dtype));
+}
+
+}  // namespace vramd::weights

@@ -1,0 +1,62 @@
+#include "weights/weights.hpp"
+
+#include "dist/communicator.hpp"
+#include "model/loader.hpp"
+#include "weights/partitioned.hpp"
+#include "weights/resident.hpp"
+#include "weights/source.hpp"
+#include "weights/streamed.hpp"
+
+namespace vramd::weights {
+namespace {
+
+// Tells `options.progress` the load is done in one step (streamed and partitioned weights are
+// read as they are needed, not tensor by tensor while loading).
+void report_finished(const model::LoadOptions& options, size_t tensors, uint64_t bytes) {
+  if (!options.progress) return;
+  model::Progress done;
+  done.tensors_done = done.tensors_total = tensors;
+  done.bytes_done = done.bytes_total = bytes;
+  options.progress(done);
+}
+
+// This rank's slices, once every rank of the group has joined; returns when all have read theirs.
+std::shared_ptr<Weights> partitioned(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
+                                     const model::LoadOptions& options) {
+  const int ranks = config.partition.world_size;
+  if (!options.group)
+    fail(config.path, "[partition].world_size = " + std::to_string(ranks) + " needs a group of " + std::to_string(ranks) +
+                          " vramd processes, and this one runs alone (start them as torchrun does, with RANK, WORLD_SIZE, "
+                          "MASTER_ADDR and MASTER_PORT, or try `vramctl run --ranks " + std::to_string(ranks) + "`)");
+  if (options.group->size() != ranks)
+    fail(config.path, "[partition].world_size = " + std::to_string(ranks) + ", but this group has " +
+                          std::to_string(options.group->size()) + " ranks");
+  const std::string name = options.partition_name.empty() ? "load/" + config.name : options.partition_name;
+  auto communicator = std::make_shared<dist::Communicator>(options.group, name, config.partition.timeout);
+  auto weights = std::make_shared<PartitionedWeights>(model, std::move(source), config, communicator);
+  communicator->all_gather_values(static_cast<int64_t>(weights->slice_bytes()), "loading");
+  report_finished(options, weights->stats()->slots, weights->slice_bytes());
+  return weights;
+}
+
+// Layer by layer under a limit, or prepared in a dtype of their own.
+bool streams(const model::Model& model, const config::ModelConfig& config) {
+  return config.vram.limit || state_dtype(config.vram.preparing.dtype, model.dtype()) != model.dtype();
+}
+
+}  // namespace
+
+std::shared_ptr<Weights> make_weights(model::Model& model, std::shared_ptr<Source> source,
+                                      const config::ModelConfig& config, const model::LoadOptions& options,
+                                      model::LoadReport& report) {
+  if (config.partition.world_size > 1) return partitioned(model, std::move(source), config, options);
+  if (streams(model, config)) {
+    const size_t tensors = source->assignments.size();
+    auto weights = std::make_shared<StreamedWeights>(model, std::move(source), config);
+    report_finished(options, tensors, report.bytes);
+    return weights;
+  }
+  return std::make_shared<ResidentWeights>(model, std::move(source), config, options, report.zero_copy);
+}
+
+}  // namespace vramd::weights

@@ -1,0 +1,83 @@
+// A loaded model's weights: where they rest, how each layer's op gets them, sleep and wake. One
+// interface with three kinds, chosen from the model config in one place (make_weights):
+//   resident     every weight in its computation state for as long as the model is awake
+//                (weights/resident.hpp)
+//   streamed     layer by layer under [vram].limit, or prepared in a dtype of their own
+//                (weights/streamed.hpp)
+//   partitioned  1/N of each layer on each rank of a group, gathered while it runs
+//                (weights/partitioned.hpp)
+// Nothing outside lib/weights/ asks which kind a model has.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config/model_config.hpp"
+#include "model/dry_run.hpp"
+#include "model/layer.hpp"
+#include "model/vram_stats.hpp"
+
+namespace vramd::model {
+class Model;
+struct LoadOptions;
+}  // namespace vramd::model
+
+namespace vramd::weights {
+
+struct Source;
+
+// One change of the bytes on the computation device, for plotting a forward.
+struct VramEvent {
+  double seconds;  // since the trace began
+  uint64_t held;   // after the event
+  const model::Layer* layer;
+  const char* kind;  // "prefetch" (reserved), "ready", "acquire", "release", "evict"
+};
+
+// One rank's figures, for `vramctl run --stats-json`.
+struct RankFigures {
+  int64_t peak_rss = 0;      // of the process
+  int64_t peak_weights = 0;  // most bytes of weights on the computation device
+  int64_t share = 0;         // bytes of the weights this rank holds at rest (its slices)
+};
+
+class Weights : public model::LayerWeights {
+ public:
+  // Sleep: every weight to the config's offload state (released when it is disk); the
+  // computation device holds none. Wake: back to how loading left them. Both return the bytes
+  // moved or read.
+  virtual uint64_t sleep() = 0;
+  virtual uint64_t wake() = 0;
+
+  // The plan, bytes held, peak and streaming counters; none where the weights never move
+  // while the model is awake.
+  virtual std::optional<model::VramStats> stats() const = 0;
+  // Bytes of weights held on each device ("cpu", "cuda:0"); nothing for weights on disk.
+  virtual std::map<std::string, uint64_t> bytes_by_device() const = 0;
+
+  // Throws NotLeasable (weights/lease.hpp) naming `model` and what to change in its config,
+  // when a lease cannot hand these weights over whole.
+  virtual void check_leasable(const std::string& model) const = 0;
+
+  // Records every change of the bytes on the computation device from now on, replacing an
+  // earlier record; false where nothing changes while the model computes, or none is kept.
+  virtual bool start_trace() { return false; }
+  virtual std::vector<VramEvent> take_trace() { return {}; }
+
+  // Where the weights are spread over a group: `peak_rss` and this rank's figures from every
+  // rank, by rank (each rank must call it, in the same order as its other collectives).
+  virtual std::optional<std::vector<RankFigures>> each_rank(int64_t /*peak_rss*/) { return std::nullopt; }
+};
+
+// Reads `model`'s weights from `source` as `config` says, reporting progress through `options`
+// and figures into `report`. Throws Error naming the config when its [vram] or [partition]
+// table cannot be honoured; model::Cancelled when the progress callback cancels the load.
+std::shared_ptr<Weights> make_weights(model::Model& model, std::shared_ptr<Source> source,
+                                      const config::ModelConfig& config, const model::LoadOptions& options,
+                                      model::LoadReport& report);
+
+}  // namespace vramd::weights
