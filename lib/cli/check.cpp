@@ -22,10 +22,11 @@ struct Verdict {
   uint64_t bytes = 0;
   std::vector<std::string> warnings;
   std::string architecture;  // "bert, Float" once the dry run passed
+  std::string plan;          // streamed weights' plan
 };
 
 Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
-  Verdict verdict{path, {}, {}, 0, 0, {}, {}};
+  Verdict verdict{path, {}, {}, 0, 0, {}, {}, {}};
   try {
     auto model = config::load_model_config(path, daemon);
     verdict.name = model.name;
@@ -40,6 +41,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
         verdict.tensors = dry.report.tensors;
         verdict.bytes = dry.report.bytes;
         verdict.architecture = dry.architecture + ", " + dry.dtype;
+        if (dry.weights) verdict.plan = dry.weights->plan;
         for (const auto& name : dry.report.missing) verdict.warnings.push_back(path + ": missing (strict = false): " + name);
         for (const auto& name : dry.report.unexpected) verdict.warnings.push_back(path + ": unexpected (strict = false): " + name);
       } catch (const model::NoArchitecture&) {
@@ -78,6 +80,7 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
     if (options.json) {
       results.push_back({{"path", verdict.path}, {"ok", verdict.problems.empty()}, {"name", verdict.name},
                          {"architecture", verdict.architecture}, {"tensors", verdict.tensors}, {"bytes", verdict.bytes},
+                         {"plan", verdict.plan.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(verdict.plan)},
                          {"problems", verdict.problems}, {"warnings", verdict.warnings}});
       continue;
     }
@@ -85,6 +88,7 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
     if (verdict.problems.empty()) {
       out << "ok    " << path << ": model " << quote(verdict.name) << ", " << verdict.tensors << " tensors, "
           << format_bytes(verdict.bytes) << (verdict.architecture.empty() ? "" : " (" + verdict.architecture + ")") << '\n';
+      if (!verdict.plan.empty()) out << "      plan: " << verdict.plan << '\n';
     } else {
       out << "FAIL  " << path << '\n';
       for (const auto& problem : verdict.problems) out << "      " << problem << '\n';

@@ -4,10 +4,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "config/model_config.hpp"
+#include "model/vram_stats.hpp"
 #include "util/error.hpp"
 
 namespace vramd::model {
@@ -29,6 +31,9 @@ struct DryRun {
   std::string architecture;
   std::string dtype;  // of weights and activations once loaded
   LoadReport report;  // without load_seconds and zero_copy
+  // Streamed weights' plan ([vram].limit, or a preparing dtype of its own): the figures and
+  // plan line the model's status shows once loaded, before its first forward.
+  std::optional<VramStats> weights;
 };
 
 // Neither the model config nor a config.json beside the checkpoint names an architecture.
@@ -37,8 +42,8 @@ class NoArchitecture : public Error {
   using Error::Error;
 };
 
-// Opens the index, runs the converter, builds the model on the meta device and matches names,
-// shapes and dtypes. Throws the Error load_model would.
+// Opens the index, runs the converter, builds the model on the meta device, matches names,
+// shapes and dtypes, and plans where the weights go. Throws the Error load_model would.
 DryRun dry_run(const config::ModelConfig& config);
 
 }  // namespace vramd::model

@@ -186,7 +186,9 @@ Prepared prepare(const config::ModelConfig& config) {
 
 DryModel dry_run_model(const config::ModelConfig& config) {
   Prepared prepared = prepare(config);
-  DryRun dry{prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())), std::move(prepared.report)};
+  const auto source = weights::make_source(std::move(prepared.map), std::move(prepared.assignments), config);
+  DryRun dry{prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())),
+             std::move(prepared.report), weights::plan_weights(*prepared.model, *source, config)};
   return {std::move(dry), std::move(prepared.model)};
 }
 

@@ -86,6 +86,13 @@ std::vector<SlotBytes> slot_bytes(const model::Model& model, const config::Model
 
 }  // namespace
 
+VramStats StreamedWeights::plan(const model::Model& model, const Source& source, const config::ModelConfig& config) {
+  const c10::ScalarType dtype = model.dtype(), prepared = state_dtype(config.vram.preparing.dtype, dtype);
+  VramStats stats = plan_streaming(slot_bytes(model, config), config, dtype_text(prepared), dtype_text(dtype)).stats;
+  stats.plan = describe(stats, config, prepared, dtype, source.direct_why);
+  return stats;
+}
+
 StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config)
     : model_(model), source_(std::move(source)), config_(config), device_(config.vram.computation.device),
       dtype_(model.dtype()), prepared_dtype_(state_dtype(config.vram.preparing.dtype, model.dtype())),

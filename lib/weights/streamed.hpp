@@ -42,6 +42,9 @@ class StreamedWeights final : public Weights {
   // Plans, then prepares the resident slots (and onload copies). Throws Error naming the
   // config when the limit cannot hold the largest slot.
   StreamedWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config);
+  // The plan the constructor would follow, from the layers' sizes alone (nothing is read), as
+  // stats() shows it before the first forward. Throws as the constructor does.
+  static model::VramStats plan(const model::Model& model, const Source& source, const config::ModelConfig& config);
   ~StreamedWeights() override;
   StreamedWeights(const StreamedWeights&) = delete;
   StreamedWeights& operator=(const StreamedWeights&) = delete;

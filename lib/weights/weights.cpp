@@ -46,6 +46,12 @@ bool streams(const model::Model& model, const config::ModelConfig& config) {
 
 }  // namespace
 
+std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
+                                             const config::ModelConfig& config) {
+  if (config.partition.world_size > 1 || !streams(model, config)) return std::nullopt;
+  return StreamedWeights::plan(model, source, config);
+}
+
 std::shared_ptr<Weights> make_weights(model::Model& model, std::shared_ptr<Source> source,
                                       const config::ModelConfig& config, const model::LoadOptions& options,
                                       model::LoadReport& report) {

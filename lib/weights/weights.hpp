@@ -73,6 +73,13 @@ class Weights : public model::LayerWeights {
   virtual std::optional<std::vector<RankFigures>> each_rank(int64_t /*peak_rss*/) { return std::nullopt; }
 };
 
+// What make_weights would plan for `config`, from the model's sizes alone (nothing is read):
+// streamed weights' figures and plan line, as stats() shows them before the first forward;
+// none for resident weights, nor for partitioned ones (planned when their group loads them).
+// Throws the Error make_weights would for a [vram] table it cannot honour.
+std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
+                                             const config::ModelConfig& config);
+
 // Reads `model`'s weights from `source` as `config` says, reporting progress through `options`
 // and figures into `report`. Throws Error naming the config when its [vram] or [partition]
 // table cannot be honoured; model::Cancelled when the progress callback cancels the load.
