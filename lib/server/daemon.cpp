@@ -14,6 +14,7 @@
 #include "server/registry.hpp"
 #include "server/reply.hpp"
 #include "server/routes.hpp"
+#include "server/status.hpp"
 #include "storage/mapping.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -109,7 +110,7 @@ class Daemon {
     }
     Entry* entry = registry_.find(route.model);
     if (!entry) return respond_error(*exchange, 404, "no model named " + quote(route.model) + "; GET /v1/models lists them");
-    if (route.kind == Route::Kind::Model) return respond_json(*exchange, 200, registry_.entry_json(*entry));
+    if (route.kind == Route::Kind::Model) return respond_json(*exchange, 200, entry_json(*entry));
 
     static const std::map<std::string, Job::Kind> actions = {
         {"load", Job::Kind::Load},       {"unload", Job::Kind::Unload}, {"offload", Job::Kind::Offload},
@@ -170,20 +171,14 @@ class Daemon {
 
   json models() const {
     json list = json::array();
-    for (const Entry* entry : registry_.entries()) list.push_back(registry_.entry_json(*entry));
+    for (const Entry* entry : registry_.entries()) list.push_back(entry_json(*entry));
     return {{"models", list}};
   }
 
   json status() const {
     json models = json::array();
     for (const Entry* e : registry_.entries()) {
-      models.push_back({{"name", e->name}, {"state", state_name(e->state)}, {"devices", e->bytes},
-                        {"busy", e->busy}, {"queued", e->queue.size()},
-                        {"vram", e->config ? json({{"computation", e->config->vram.computation.device},
-                                                   {"offload", e->config->vram.offload.device}})
-                                           : json(nullptr)}});
-      models.back()["leases"] = Registry::leases_json(*e);
-      if (auto weights = Registry::weights_json(*e); !weights.is_null()) models.back()["weights"] = std::move(weights);
+      models.push_back(summary_json(*e));
     }
     return {{"version", VRAMD_VERSION}, {"pid", ::getpid()},
             {"uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},

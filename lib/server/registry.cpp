@@ -1,16 +1,15 @@
 #include "server/registry.hpp"
 
 #include <algorithm>
-#include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "config/units.hpp"
 #include "dist/group.hpp"
 #include "model/progress.hpp"
 #include "server/boundary.hpp"
 #include "server/eviction.hpp"
 #include "server/reply.hpp"
+#include "server/status.hpp"
 #include "storage/file.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
@@ -20,18 +19,6 @@
 namespace vramd::server {
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-const char* state_name(ModelState state) {
-  switch (state) {
-    case ModelState::Unloaded: return "unloaded";
-    case ModelState::Loading: return "loading";
-    case ModelState::Ready: return "ready";
-    case ModelState::Offloaded: return "offloaded";
-    case ModelState::Failed: return "failed";
-    case ModelState::Invalid: return "invalid";
-  }
-  return "?";
-}
 
 namespace {
 
@@ -50,53 +37,7 @@ const char* kind_name(Job::Kind kind) {
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-json progress_json(const LoadProgress& p) {
-  return {{"bytes_done", p.bytes_done}, {"bytes_total", p.bytes_total}, {"tensors_done", p.tensors_done},
-          {"tensors_total", p.tensors_total}};
-}
-
-json state_json(const config::DeviceState& state) { return {{"device", state.device}, {"dtype", state.dtype}}; }
-
-std::string clock_text(std::chrono::system_clock::time_point when, const char* format) {
-  const std::time_t t = std::chrono::system_clock::to_time_t(when);
-  std::tm parts{};
-  ::gmtime_r(&t, &parts);
-  char text[32];
-  std::strftime(text, sizeof text, format, &parts);
-  return text;
-}
-
-// What a client maps: regions in the order their descriptors travel, and every tensor's place.
-json manifest_json(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease) {
-  json regions = json::array(), tensors = json::array();
-  for (const auto& region : manifest.regions) {
-    regions.push_back({{"kind", region.kind}, {"size", region.size}});
-    if (!region.path.empty()) regions.back()["path"] = region.path;
-  }
-  for (const auto& t : manifest.tensors)
-    tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"strides", t.strides},
-                       {"region", t.region ? json(*t.region) : json(nullptr)}, {"offset", t.offset}});
-  return {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
-          {"bytes", manifest.bytes}, {"regions", regions}, {"tensors", tensors}};
-}
-
 }  // namespace
-
-struct Registry::Validation {
-  std::string file;
-  bool exists = true;
-  std::string text;
-  std::optional<config::ModelConfig> config;
-  std::optional<model::DryRun> dry;
-  std::string error;
-
-  static Validation gone(const std::string& file) {
-    Validation v;
-    v.file = file;
-    v.exists = false;
-    return v;
-  }
-};
 
 // What a job did, carried from its worker back to the loop.
 struct Registry::Outcome {
@@ -122,45 +63,8 @@ Registry::Registry(uv_loop_t* loop, const config::DaemonConfig& config)
 
 Registry::~Registry() = default;
 
-std::vector<Registry::Validation> Registry::examine(const config::DaemonConfig& daemon, const Texts& known,
-                                                    bool skip_unchanged) {
-  std::error_code ec;
-  std::set<std::string> files;
-  for (fs::directory_iterator it(daemon.models, ec), end; !ec && it != end; it.increment(ec))
-    if (it->path().extension() == ".toml") files.insert(it->path().string());
-  if (ec) {
-    log::warn("cannot read the model folder " + escape_invalid_utf8(daemon.models) + ": " + ec.message());
-    return {};
-  }
-  std::vector<Validation> out;
-  for (const auto& [file, text] : known)
-    if (!files.count(file)) out.push_back(Validation::gone(file));
-  for (const auto& file : files) {
-    Validation v;
-    v.file = file;
-    try {
-      v.text = read_regular_file(file, kMaxConfigBytes);
-    } catch (const Error& e) {
-      v.exists = fs::exists(fs::symlink_status(file, ec));  // a link to nowhere is there, and invalid
-      v.error = e.what();
-      out.push_back(std::move(v));
-      continue;
-    }
-    if (const auto it = known.find(file); skip_unchanged && it != known.end() && it->second == v.text) continue;
-    try {
-      auto config = config::load_model_config(file, v.text, daemon);
-      v.dry = model::dry_run(config);
-      v.config = std::move(config);
-    } catch (const std::exception& e) {
-      v.error = e.what();
-    }
-    out.push_back(std::move(v));
-  }
-  return out;
-}
-
 void Registry::start() {
-  auto found = examine(config_, {}, false);
+  auto found = examine_folder(config_, {}, false);
   if (found.empty()) log::warn("no model configs (*.toml) in " + escape_invalid_utf8(config_.models));
   for (auto& v : found) apply(std::move(v));
 
@@ -190,13 +94,13 @@ void Registry::scan(bool force, std::function<void()> done) {
   }
   // The folder is listed and read on the validator's thread, never here: a file may be slow,
   // or not a file at all.
-  Texts known;
+  ConfigTexts known;
   for (auto& [name, entry] : entries_)
     if (!entry->removed) known[entry->file] = entry->text;
   ++validations_in_flight_;
   if (done) scan_done_.push_back(std::move(done));
   validator_.run([this, force, known = std::move(known), daemon = config_] {
-    auto found = std::make_shared<std::vector<Validation>>(examine(daemon, known, !force));
+    auto found = std::make_shared<std::vector<ConfigFile>>(examine_folder(daemon, known, !force));
     mailbox_.post([this, found] {
       for (auto& v : *found) apply(std::move(v));
       if (--validations_in_flight_ == 0)
@@ -234,7 +138,7 @@ void Registry::drop_entry(Entry& entry) {
   if (std::exchange(rescan_after_drop_, false)) scan(false);
 }
 
-void Registry::apply(Validation v) {
+void Registry::apply(ConfigFile v) {
   if (shutting_down_) return;
   Entry* current = nullptr;
   for (auto& [name, entry] : entries_)
@@ -258,7 +162,7 @@ void Registry::apply(Validation v) {
       v.error = v.file + ": name " + quote(name) + " is already used by " + same->file;
     } else {
       if (current && current->name != name) {
-        apply(Validation::gone(v.file));
+        apply(ConfigFile::gone(v.file));
         return apply(std::move(v));
       }
       if (current && v.text == current->serving_text && current->config) {
@@ -738,57 +642,6 @@ void Registry::end_lease(const std::string& name, uint64_t id) {
   log::info("lease " + std::to_string(id) + " of " + name + " ended");
   touch(*entry);
   pump(*entry);
-}
-
-std::string Registry::holders(const Entry& entry) {
-  std::string text;
-  for (const auto& [id, lease] : entry.leases)
-    text += (text.empty() ? "" : ", ") + std::string("pid ") + std::to_string(lease.pid) + " (uid " + std::to_string(lease.uid) +
-            ", " + lease.device + ", since " + clock_text(lease.since, "%H:%M:%S") + " UTC)";
-  return text;
-}
-
-json Registry::leases_json(const Entry& e) {
-  json leases = json::array();
-  for (const auto& [id, lease] : e.leases)
-    leases.push_back({{"id", lease.id}, {"pid", lease.pid}, {"uid", lease.uid}, {"device", lease.device},
-                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}});
-  return leases;
-}
-
-json Registry::weights_json(const Entry& e) {
-  if (!e.vram || !e.runtime) return nullptr;
-  return *e.vram;
-}
-
-json Registry::entry_json(const Entry& e) const {
-  json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
-            {"busy", e.busy}, {"queued", e.queue.size()}};
-  if (!e.reason.empty()) j["reason"] = e.reason;
-  if (!e.config_error.empty()) j["config_error"] = e.config_error;
-  if (e.config && e.dry) {
-    const auto& c = *e.config;
-    j["architecture"] = e.dry->architecture;
-    j["dtype"] = e.dry->dtype;
-    j["bytes"] = e.dry->report.bytes;
-    j["tensors"] = e.dry->report.tensors;
-    j["checkpoint"] = e.dry->report.checkpoint;
-    if (!e.dry->report.warnings.empty()) j["warnings"] = e.dry->report.warnings;
-    j["vram"] = {{"offload", state_json(c.vram.offload)}, {"onload", state_json(c.vram.onload)},
-                 {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation)},
-                 {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)},
-                 {"onload_limit", c.vram.onload_limit ? json(*c.vram.onload_limit) : json(nullptr)},
-                 {"direct_io", c.vram.direct_io ? json(*c.vram.direct_io) : json("auto")}};
-    j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
-                      {"preload", c.residency.preload}};
-  }
-  if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
-  j["leases"] = leases_json(e);
-  if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
-  j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
-  j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},
-                {"forward_errors", e.forward_errors}, {"forward_seconds", e.forward_seconds}};
-  return j;
 }
 
 json Registry::devices_json() const {

@@ -2,7 +2,8 @@
 // its queue of requests and a worker thread that runs them in order (so forwards on different
 // models run in parallel and those on one model in order). Residency is decided here: device
 // budgets, making room by offloading and then unloading idle models (server/eviction.hpp plans
-// which), keep-alive, preload.
+// which), keep-alive, preload. The folder is read and validated by server/catalog.hpp, and an
+// entry becomes JSON in server/status.hpp.
 //
 // Everything here runs on the loop thread except the jobs on the workers, which touch only
 // their own model's Runtime and report back through the Mailbox.
@@ -25,6 +26,7 @@
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
 #include "model/dry_run.hpp"
+#include "server/catalog.hpp"
 #include "server/http.hpp"
 #include "server/mailbox.hpp"
 #include "server/runtime.hpp"
@@ -32,7 +34,7 @@
 namespace vramd::server {
 
 enum class ModelState { Unloaded, Loading, Ready, Offloaded, Failed, Invalid };
-const char* state_name(ModelState state);
+const char* state_name(ModelState state);  // server/status.cpp
 
 using Clock = std::chrono::steady_clock;
 
@@ -114,13 +116,8 @@ class Registry {
   // Requests; each answers its exchange.
   void submit(Entry& entry, Job job);
 
-  // Budgets and use per device.
+  // Budgets and use per device (a model's own state becomes JSON in server/status.hpp).
   nlohmann::json devices_json() const;
-  nlohmann::json entry_json(const Entry& entry) const;
-  // With [vram] management and loaded: the plan, bytes held, peak and streaming counters; else null.
-  static nlohmann::json weights_json(const Entry& entry);
-  // The model's leases: [{"id", "pid", "uid", "device", "since"}].
-  static nlohmann::json leases_json(const Entry& entry);
 
   // SIGTERM: refuse queued work, cancel loads; `idle()` says when in-flight work has ended.
   void begin_shutdown();
@@ -128,12 +125,8 @@ class Registry {
   void close();  // frees every model (joins the workers) and closes the handles
 
  private:
-  struct Validation;
-  using Texts = std::map<std::string, std::string>;  // file -> the content last seen
-  // Lists the folder and validates its configs, off the loop: every file that changed from
-  // `known` (all of them unless `skip_unchanged`), and those of `known` that are gone.
-  static std::vector<Validation> examine(const config::DaemonConfig& daemon, const Texts& known, bool skip_unchanged);
-  void apply(Validation validation);
+  // A config file as the validator found it (server/catalog.hpp), against what is served.
+  void apply(ConfigFile file);
   Entry& add_entry(const std::string& name);
   void drop_entry(Entry& entry);
 
@@ -151,8 +144,6 @@ class Registry {
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);
   void end_lease(const std::string& name, uint64_t id);
-  // "pid 42 (uid 1000, cpu, since 12:00:01), ...": who holds the model's leases.
-  static std::string holders(const Entry& entry);
   void follow_load(Entry& entry, const std::shared_ptr<Exchange>& exchange);
   void send_progress(Entry& entry, bool force);
 

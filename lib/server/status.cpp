@@ -1,0 +1,121 @@
+#include "server/status.hpp"
+
+#include <ctime>
+
+#include "config/units.hpp"
+
+namespace vramd::server {
+using nlohmann::json;
+
+const char* state_name(ModelState state) {
+  switch (state) {
+    case ModelState::Unloaded: return "unloaded";
+    case ModelState::Loading: return "loading";
+    case ModelState::Ready: return "ready";
+    case ModelState::Offloaded: return "offloaded";
+    case ModelState::Failed: return "failed";
+    case ModelState::Invalid: return "invalid";
+  }
+  return "?";
+}
+
+namespace {
+
+json state_json(const config::DeviceState& state) { return {{"device", state.device}, {"dtype", state.dtype}}; }
+
+std::string clock_text(std::chrono::system_clock::time_point when, const char* format) {
+  const std::time_t t = std::chrono::system_clock::to_time_t(when);
+  std::tm parts{};
+  ::gmtime_r(&t, &parts);
+  char text[32];
+  std::strftime(text, sizeof text, format, &parts);
+  return text;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+json progress_json(const LoadProgress& p) {
+  return {{"bytes_done", p.bytes_done}, {"bytes_total", p.bytes_total}, {"tensors_done", p.tensors_done},
+          {"tensors_total", p.tensors_total}};
+}
+
+json manifest_json(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease) {
+  json regions = json::array(), tensors = json::array();
+  for (const auto& region : manifest.regions) {
+    regions.push_back({{"kind", region.kind}, {"size", region.size}});
+    if (!region.path.empty()) regions.back()["path"] = region.path;
+  }
+  for (const auto& t : manifest.tensors)
+    tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"strides", t.strides},
+                       {"region", t.region ? json(*t.region) : json(nullptr)}, {"offset", t.offset}});
+  return {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
+          {"bytes", manifest.bytes}, {"regions", regions}, {"tensors", tensors}};
+}
+
+std::string holders(const Entry& entry) {
+  std::string text;
+  for (const auto& [id, lease] : entry.leases)
+    text += (text.empty() ? "" : ", ") + std::string("pid ") + std::to_string(lease.pid) + " (uid " + std::to_string(lease.uid) +
+            ", " + lease.device + ", since " + clock_text(lease.since, "%H:%M:%S") + " UTC)";
+  return text;
+}
+
+json leases_json(const Entry& e) {
+  json leases = json::array();
+  for (const auto& [id, lease] : e.leases)
+    leases.push_back({{"id", lease.id}, {"pid", lease.pid}, {"uid", lease.uid}, {"device", lease.device},
+                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}});
+  return leases;
+}
+
+json weights_json(const Entry& e) {
+  if (!e.vram || !e.runtime) return nullptr;
+  return *e.vram;
+}
+
+json entry_json(const Entry& e) {
+  json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
+            {"busy", e.busy}, {"queued", e.queue.size()}};
+  if (!e.reason.empty()) j["reason"] = e.reason;
+  if (!e.config_error.empty()) j["config_error"] = e.config_error;
+  if (e.config && e.dry) {
+    const auto& c = *e.config;
+    j["architecture"] = e.dry->architecture;
+    j["dtype"] = e.dry->dtype;
+    j["bytes"] = e.dry->report.bytes;
+    j["tensors"] = e.dry->report.tensors;
+    j["checkpoint"] = e.dry->report.checkpoint;
+    if (!e.dry->report.warnings.empty()) j["warnings"] = e.dry->report.warnings;
+    j["vram"] = {{"offload", state_json(c.vram.offload)}, {"onload", state_json(c.vram.onload)},
+                 {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation)},
+                 {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)},
+                 {"onload_limit", c.vram.onload_limit ? json(*c.vram.onload_limit) : json(nullptr)},
+                 {"direct_io", c.vram.direct_io ? json(*c.vram.direct_io) : json("auto")}};
+    j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
+                      {"preload", c.residency.preload}};
+  }
+  if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
+  j["leases"] = leases_json(e);
+  if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
+  j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
+  j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},
+                {"forward_errors", e.forward_errors}, {"forward_seconds", e.forward_seconds}};
+  return j;
+}
+
+json summary_json(const Entry& e) {
+  json j = {{"name", e.name}, {"state", state_name(e.state)}, {"devices", e.bytes}, {"busy", e.busy},
+            {"queued", e.queue.size()},
+            {"vram", e.config ? json({{"computation", e.config->vram.computation.device},
+                                      {"offload", e.config->vram.offload.device}})
+                              : json(nullptr)}};
+  j["leases"] = leases_json(e);
+  if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
+  return j;
+}
+
+}  // namespace vramd::server

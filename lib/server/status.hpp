@@ -1,0 +1,31 @@
+// The one place the registry's state becomes JSON (docs/api.md): a model's entry
+// (GET /v1/models/NAME), its line in GET /v1/status, its weights' plan and counters, its leases,
+// a lease's manifest and a load's progress. Read on the loop thread only.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "server/registry.hpp"
+#include "weights/lease.hpp"
+
+namespace vramd::server {
+
+// Everything about the model: state, config, the dry run's figures, weights, leases, progress, stats.
+nlohmann::json entry_json(const Entry& entry);
+// Its line in the daemon's status: state, devices, queue, placement, weights, leases.
+nlohmann::json summary_json(const Entry& entry);
+// Streamed or partitioned weights of a loaded model: the plan, bytes held, peak and streaming
+// counters (model/vram_stats.hpp); null otherwise.
+nlohmann::json weights_json(const Entry& entry);
+// [{"id", "pid", "uid", "device", "since"}]
+nlohmann::json leases_json(const Entry& entry);
+// "pid 42 (uid 1000, cpu, since 12:00:01 UTC), ...": who holds the model's leases.
+std::string holders(const Entry& entry);
+nlohmann::json progress_json(const LoadProgress& progress);
+// What a client maps: regions in the order their descriptors travel, and every tensor's place.
+nlohmann::json manifest_json(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease);
+
+}  // namespace vramd::server
