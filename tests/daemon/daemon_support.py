@@ -15,7 +15,7 @@ from pathlib import Path
 VRAMD = os.environ["VRAMD"]
 VRAMCTL = os.environ["VRAMCTL"]
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "models"))
+sys.path.insert(0, str(ROOT / "tests" / "parity"))
 
 
 class UnixConnection(http.client.HTTPConnection):

@@ -1,6 +1,6 @@
 """vramd as users run it: the real daemon on a temporary folder, driven through its real socket
 with vramctl, curl and raw bytes. Outputs are checked against transformers' own (the fixture
-models of tests/models) and against `vramctl run`."""
+models of tests/parity) and against `vramctl run`."""
 import json
 import os
 import shutil

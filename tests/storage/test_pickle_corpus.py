@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from daemon_support import Daemon, request  # noqa: E402
-import hf_models  # noqa: E402  (daemon_support puts tests/models on the path)
+import hf_models  # noqa: E402  (daemon_support puts tests/parity on the path)
 
 VRAMCTL = os.environ["VRAMCTL"]
 MEMORY_BOUND = 300 << 20  # over a small valid file's peak

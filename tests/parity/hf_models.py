@@ -1,7 +1,7 @@
 """Small randomly initialised Hugging Face models, saved with save_pretrained, with inputs and
 the outputs transformers computes for them: the witnesses the model tests compare vramd with.
 
-    python tests/models/hf_models.py OUT_DIR [CASE ...]
+    python tests/parity/hf_models.py OUT_DIR [CASE ...]
 
 writes OUT_DIR/CASE-DTYPE/model/ (as save_pretrained writes it) and OUT_DIR/CASE-DTYPE/{inputs,expected}.safetensors.
 """
