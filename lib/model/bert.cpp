@@ -26,9 +26,9 @@ class Bert final : public Model {
         act_(activation(h.string("hidden_act", "gelu"), h.origin())),
         pooling_(h.string("pooling", "mean")),
         normalize_(h.boolean("normalize", false)) {
-    if (heads_ <= 0 || hidden_ % heads_ != 0)
-      fail(h.origin(), "hidden_size (" + std::to_string(hidden_) + ") must be a multiple of num_attention_heads (" +
-                           std::to_string(heads_) + ")");
+    h.require(heads_ > 0 && hidden_ % heads_ == 0, "hidden_size (" + std::to_string(hidden_) +
+                                                       ") must be a multiple of num_attention_heads (" +
+                                                       std::to_string(heads_) + ")");
     if (pooling_ != "mean" && pooling_ != "cls" && pooling_ != "max")
       fail(h.origin(), "pooling " + quote(pooling_) + " is not supported (mean, cls, max)");
     if (h.string("position_embedding_type", "absolute") != "absolute")

@@ -21,9 +21,8 @@ class Gpt2 final : public Model {
         act_(activation(h.string("activation_function", "gelu_new"), h.origin())),
         scale_weights_(h.boolean("scale_attn_weights", true)),
         scale_by_layer_(h.boolean("scale_attn_by_inverse_layer_idx", false)) {
-    if (heads_ <= 0 || hidden_ % heads_ != 0)
-      fail(h.origin(), "n_embd (" + std::to_string(hidden_) + ") must be a multiple of n_head (" +
-                           std::to_string(heads_) + ")");
+    h.require(heads_ > 0 && hidden_ % heads_ == 0,
+              "n_embd (" + std::to_string(hidden_) + ") must be a multiple of n_head (" + std::to_string(heads_) + ")");
     const int64_t inner = h.integer("n_inner", 4 * hidden_);
     const double eps = h.number("layer_norm_epsilon", 1e-5);
     wte_ = &embedding("transformer.wte", vocabulary_, hidden_);

@@ -1,5 +1,6 @@
 #include "model/hyperparams.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -14,6 +15,8 @@ using Json = nlohmann::json;
 struct Hyperparams::Impl {
   Json values;
   std::string origin;
+  std::string path;  // of a nested object, for names: "rope_parameters."
+  std::shared_ptr<std::vector<std::string>> missing;  // collecting: what was asked for and absent
 };
 
 namespace {
@@ -67,7 +70,7 @@ void read_sentence_transformers(const fs::path& folder, Json& values) {
 }  // namespace
 
 Hyperparams::Hyperparams(const std::string& text, std::string origin)
-    : impl_(std::make_shared<Impl>(Impl{parse_object(text, origin), std::move(origin)})) {}
+    : impl_(std::make_shared<Impl>(Impl{parse_object(text, origin), std::move(origin), {}, {}})) {}
 
 Hyperparams Hyperparams::for_checkpoint(const std::string& folder, const std::string& overrides_json,
                                         const std::string& config_path, const std::string& own_json,
@@ -89,7 +92,7 @@ Hyperparams Hyperparams::for_checkpoint(const std::string& folder, const std::st
     origin += (origin.empty() ? "" : " and ") + config_path + " [arch]";
   }
   if (origin.empty()) origin = "no config.json in " + folder + " and no [arch] in " + config_path;
-  return Hyperparams(std::make_shared<Impl>(Impl{std::move(values), std::move(origin)}));
+  return Hyperparams(std::make_shared<Impl>(Impl{std::move(values), std::move(origin), {}, {}}));
 }
 
 namespace {
@@ -97,6 +100,11 @@ namespace {
 const Json* find(const Json& values, std::string_view key) {
   auto it = values.find(key);
   return it == values.end() || it->is_null() ? nullptr : &*it;
+}
+
+// "'n_embd' (an integer)" -> "missing hyperparameter 'n_embd' (an integer; set it in config.json or [arch])"
+std::string missing_one(const std::string& name) {
+  return "missing hyperparameter " + name.substr(0, name.size() - 1) + "; set it in config.json or [arch])";
 }
 
 [[noreturn]] void wrong_type(const std::string& origin, std::string_view key, const char* expected, const Json& found) {
@@ -107,10 +115,20 @@ const Json* find(const Json& values, std::string_view key) {
 
 bool Hyperparams::has(std::string_view key) const { return find(impl_->values, key) != nullptr; }
 
+// A required key is absent: an Error, or (collecting) a note, and the caller goes on with 1.
+static void note_missing(const auto& impl, std::string_view key, const char* what) {
+  const std::string name = quote(impl.path + std::string(key)) + " (" + what + ")";
+  if (!impl.missing) fail(impl.origin, missing_one(name));
+  if (std::find(impl.missing->begin(), impl.missing->end(), name) == impl.missing->end()) impl.missing->push_back(name);
+}
+
 int64_t Hyperparams::integer(std::string_view key) const {
   const Json* value = find(impl_->values, key);
-  if (!value) fail(impl_->origin, "missing hyperparameter " + quote(key) + " (an integer; set it in config.json or [arch])");
-  if (!value->is_number_integer()) wrong_type(impl_->origin, key, "an integer", *value);
+  if (!value) {
+    note_missing(*impl_, key, "an integer");
+    return 1;
+  }
+  if (!value->is_number_integer()) wrong_type(impl_->origin, impl_->path + std::string(key), "an integer", *value);
   return value->get<int64_t>();
 }
 
@@ -120,8 +138,11 @@ int64_t Hyperparams::integer(std::string_view key, int64_t fallback) const {
 
 double Hyperparams::number(std::string_view key) const {
   const Json* value = find(impl_->values, key);
-  if (!value) fail(impl_->origin, "missing hyperparameter " + quote(key) + " (a number; set it in config.json or [arch])");
-  if (!value->is_number()) wrong_type(impl_->origin, key, "a number", *value);
+  if (!value) {
+    note_missing(*impl_, key, "a number");
+    return 1.0;
+  }
+  if (!value->is_number()) wrong_type(impl_->origin, impl_->path + std::string(key), "a number", *value);
   return value->get<double>();
 }
 
@@ -130,21 +151,42 @@ double Hyperparams::number(std::string_view key, double fallback) const { return
 bool Hyperparams::boolean(std::string_view key, bool fallback) const {
   const Json* value = find(impl_->values, key);
   if (!value) return fallback;
-  if (!value->is_boolean()) wrong_type(impl_->origin, key, "true or false", *value);
+  if (!value->is_boolean()) wrong_type(impl_->origin, impl_->path + std::string(key), "true or false", *value);
   return value->get<bool>();
 }
 
 std::string Hyperparams::string(std::string_view key, std::string fallback) const {
   const Json* value = find(impl_->values, key);
   if (!value) return fallback;
-  if (!value->is_string()) wrong_type(impl_->origin, key, "a string", *value);
+  if (!value->is_string()) wrong_type(impl_->origin, impl_->path + std::string(key), "a string", *value);
   return value->get<std::string>();
 }
 
 Hyperparams Hyperparams::object(std::string_view key) const {
   const Json* value = find(impl_->values, key);
-  if (value && !value->is_object()) wrong_type(impl_->origin, key, "an object", *value);
-  return Hyperparams(std::make_shared<Impl>(Impl{value ? *value : Json::object(), impl_->origin + " " + std::string(key)}));
+  if (value && !value->is_object()) wrong_type(impl_->origin, impl_->path + std::string(key), "an object", *value);
+  return Hyperparams(std::make_shared<Impl>(Impl{value ? *value : Json::object(), impl_->origin,
+                                                impl_->path + std::string(key) + ".", impl_->missing}));
+}
+
+Hyperparams Hyperparams::collecting() const {
+  auto impl = std::make_shared<Impl>(*impl_);
+  impl->missing = std::make_shared<std::vector<std::string>>();
+  return Hyperparams(std::move(impl));
+}
+
+void Hyperparams::require(bool holds, const std::string& message) const {
+  if (!holds && !(impl_->missing && !impl_->missing->empty())) fail(impl_->origin, message);
+}
+
+void Hyperparams::check_complete() const {
+  if (!impl_->missing || impl_->missing->empty()) return;
+  const auto& missing = *impl_->missing;
+  std::string names;
+  for (const auto& name : missing) names += (names.empty() ? "" : ", ") + name;
+  if (missing.size() == 1) fail(impl_->origin, missing_one(names));
+  fail(impl_->origin, std::to_string(missing.size()) + " missing hyperparameters: " + names +
+                          "; set them in config.json or [arch]");
 }
 
 std::string Hyperparams::json() const { return impl_->values.dump(); }

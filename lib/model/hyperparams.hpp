@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace vramd::model {
 
@@ -32,6 +33,16 @@ class Hyperparams {
   std::string string(std::string_view key, std::string fallback) const;
   // A nested object (e.g. "rope_parameters"); empty when absent.
   Hyperparams object(std::string_view key) const;
+
+  // The same values, read so that a missing required key (integer(key), number(key)) is noted
+  // and read as 1 instead of throwing: an architecture then reads all of its keys, and
+  // check_complete() names every missing one in one Error.
+  Hyperparams collecting() const;
+  void check_complete() const;  // throws Error naming the keys a collecting view found missing
+  // A rule between values (n_embd a multiple of n_head): throws Error with `message` when it
+  // fails, unless keys are missing already (their placeholders may be what broke it, and
+  // check_complete() reports them instead).
+  void require(bool holds, const std::string& message) const;
 
   std::string json() const;  // the merged object
   const std::string& origin() const;

@@ -62,14 +62,14 @@ class Llama final : public Model {
         hidden_(h.integer("hidden_size")),
         heads_(h.integer("num_attention_heads")),
         kv_heads_(h.integer("num_key_value_heads", heads_)),
-        head_dim_(h.integer("head_dim", hidden_ / heads_)),
+        head_dim_(h.integer("head_dim", heads_ > 0 ? hidden_ / heads_ : 0)),
         vocabulary_(h.integer("vocab_size")),
         positions_(h.integer("max_position_embeddings", default_positions(name))),
         act_(activation(h.string("hidden_act", "silu"), h.origin())) {
-    if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_ != 0)
-      fail(h.origin(), "num_attention_heads (" + std::to_string(heads_) + ") must be a positive multiple of "
-                       "num_key_value_heads (" + std::to_string(kv_heads_) + ")");
-    if (head_dim_ % 2 != 0) fail(h.origin(), "head_dim must be even for rotary embeddings");
+    h.require(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0,
+              "num_attention_heads (" + std::to_string(heads_) + ") must be a positive multiple of num_key_value_heads (" +
+                  std::to_string(kv_heads_) + ")");
+    h.require(head_dim_ % 2 == 0, "head_dim must be even for rotary embeddings");
     if (name == "mistral") window_ = h.integer("sliding_window", 0);
     if (name == "qwen2" && h.boolean("use_sliding_window", false))
       fail(h.origin(), "Qwen2's use_sliding_window is not supported");

@@ -70,7 +70,18 @@ std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperp
                   " does not declare: it would compute another model. Leave architecture unset to use the "
                   "checkpoint's own (known: " + known_architectures() + "), or, if it truly is " +
                   quote(architecture) + ", say so with [arch] model_type = \"" + architecture + "\"");
-    return entry.build(architecture, hyperparams, dtype);
+    // Every missing hyperparameter at once: the family reads them all, missing ones as 1, and
+    // any error that placeholder caused gives way to the list of what is missing.
+    const Hyperparams reading = hyperparams.collecting();
+    std::unique_ptr<Model> model;
+    try {
+      model = entry.build(architecture, reading, dtype);
+    } catch (...) {
+      reading.check_complete();
+      throw;
+    }
+    reading.check_complete();
+    return model;
   }
   throw Error("unknown architecture " + quote(architecture) + " (known: " + known_architectures() + ")");
 }

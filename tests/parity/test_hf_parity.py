@@ -197,7 +197,15 @@ def test_a_checkpoint_without_config_json_needs_its_hyperparameters(witnesses, t
     (lone / "model.safetensors").write_bytes((folder / "model" / "model.safetensors").read_bytes())
     config.write_text(f'checkpoint = "{lone}"\narchitecture = "gpt2"\n')
     result = vramctl("run", config)
-    assert result.returncode == 1 and "missing hyperparameter 'n_embd'" in result.stderr
+    # Every missing key at once, not one per try.
+    assert result.returncode == 1
+    assert ("5 missing hyperparameters: 'n_embd' (an integer), 'n_head' (an integer), 'vocab_size' (an integer), "
+            "'n_positions' (an integer), 'n_layer' (an integer); set them in config.json or [arch]") in result.stderr
+    config.write_text(f'checkpoint = "{lone}"\narchitecture = "gpt2"\n[arch]\nn_embd = 64\nn_head = 4\n'
+                      'vocab_size = 1000\nn_positions = 64\n')
+    result = vramctl("run", config)
+    assert result.returncode == 1
+    assert "missing hyperparameter 'n_layer' (an integer; set it in config.json or [arch])" in result.stderr
     config.write_text(f'checkpoint = "{lone}"\narchitecture = "gpt2"\n[arch]\nn_embd = 64\nn_head = 4\n'
                       'vocab_size = 1000\nn_positions = 64\nn_layer = 2\n')
     result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", tmp_path / "o.safetensors")
