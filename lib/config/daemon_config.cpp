@@ -9,6 +9,7 @@
 
 #include "config/toml_schema.hpp"
 #include "util/error.hpp"
+#include "util/format.hpp"
 
 namespace vramd::config {
 namespace fs = std::filesystem;
@@ -20,6 +21,30 @@ bool is_device_name(const std::string& device) {
 }
 
 std::string canonical_device(const std::string& device) { return device == "cuda" ? "cuda:0" : device; }
+
+std::optional<Device> Device::parse(const std::string& name) {
+  if (name == "disk") return Device{Kind::Disk, 0};
+  const std::string canonical = canonical_device(name);
+  if (!is_device_name(canonical)) return std::nullopt;
+  if (canonical == "cpu") return Device{Kind::Cpu, 0};
+  const std::string index = canonical.substr(5);
+  if (index.size() > 4) return std::nullopt;  // no machine has 10,000 GPUs
+  return Device{Kind::Cuda, std::stoi(index)};
+}
+
+Device Device::named(const std::string& name) {
+  if (auto device = parse(name)) return *device;
+  throw Error("unknown device " + quote(name) + " (disk, cpu, cuda, cuda:N)");
+}
+
+std::string Device::str() const {
+  switch (kind) {
+    case Kind::Disk: return "disk";
+    case Kind::Cpu: return "cpu";
+    case Kind::Cuda: return "cuda:" + std::to_string(index);
+  }
+  return "?";
+}
 
 DaemonConfig default_daemon_config() {
   DaemonConfig config;

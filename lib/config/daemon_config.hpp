@@ -62,4 +62,22 @@ std::string canonical_device(const std::string& device);
 // "cpu" or "cuda:N" (after canonical_device).
 bool is_device_name(const std::string& device);
 
+// Where a state's weights are, parsed once from the config: disk (released, read again from
+// the checkpoint when needed), host memory, or a CUDA device.
+struct Device {
+  enum class Kind { Disk, Cpu, Cuda };
+  Kind kind = Kind::Cpu;
+  int index = 0;  // of a CUDA device
+
+  // "disk", "cpu", "cuda" (cuda:0) or "cuda:N"; none for anything else.
+  static std::optional<Device> parse(const std::string& name);
+  // The same for names known to be right (tests, defaults); throws Error for others.
+  static Device named(const std::string& name);
+
+  bool is_disk() const { return kind == Kind::Disk; }
+  bool is_cpu() const { return kind == Kind::Cpu; }
+  std::string str() const;  // "disk", "cpu", "cuda:N": the key of its budget
+  bool operator==(const Device&) const = default;
+};
+
 }  // namespace vramd::config

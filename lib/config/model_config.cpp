@@ -38,9 +38,10 @@ DeviceState read_state(TableReader& vram, std::string_view key, DeviceState stat
   auto table = vram.table(key);
   if (!table) return state;
   if (auto device = table->string("device")) {
-    if (is_device_name(canonical_device(*device)) || (disk_allowed && *device == "disk"))
-      state.device = canonical_device(*device);
-    else if (*device == "disk")
+    const auto parsed = Device::parse(*device);
+    if (parsed && (disk_allowed || !parsed->is_disk()))
+      state.device = *parsed;
+    else if (parsed)
       table->bad_value("device", "only offload and onload can be on disk; " + std::string(key) +
                                      " needs \"cpu\", \"cuda\" or \"cuda:N\"");
     else
@@ -67,7 +68,7 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
   // "auto": the checkpoint's own dtype, settled when the model loads.
   // A float8 model dtype: weights wait and rest in it, and are computed in bfloat16.
   const bool float8 = !one_of(base_dtype, kComputeDtypes) && base_dtype != "auto";
-  vram.computation = {"cpu", float8 ? "bfloat16" : base_dtype};
+  vram.computation = {Device{}, float8 ? "bfloat16" : base_dtype};
   const auto prepared = [&] { return DeviceState{vram.computation.device, float8 ? base_dtype : vram.computation.dtype}; };
   auto table = root.table("vram");
   if (!table) {
@@ -78,7 +79,7 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
   vram.preparing = read_state(*table, "preparing", prepared(), false);
   if (vram.preparing.device != vram.computation.device)
     table->bad_value("preparing", "preparing is where weights wait, ready, on the computation device (" +
-                                      vram.computation.device + "), not on " + vram.preparing.device +
+                                      vram.computation.device.str() + "), not on " + vram.preparing.device.str() +
                                       "; weights that rest elsewhere belong in onload");
   vram.onload = read_state(*table, "onload", vram.preparing, true);
   vram.offload = read_state(*table, "offload", vram.onload, true);
@@ -87,7 +88,8 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
                                     "in float32, bfloat16 or float16");
   // A limit on a device needs the daemon's budget for it, and must fit in it.
   // `also`: what else the device holds under this budget, which the message then names.
-  const auto within_budget = [&](const char* key, const std::string& device, uint64_t bytes, std::string also = "") {
+  const auto within_budget = [&](const char* key, const Device& where, uint64_t bytes, std::string also = "") {
+    const std::string device = where.str();
     auto budget = daemon.budgets.find(device);
     std::string source = daemon.path.empty() ? "the daemon's defaults" : daemon.path;
     if (budget == daemon.budgets.end())
@@ -101,7 +103,7 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
   if (vram.limit) within_budget("limit", vram.computation.device, *vram.limit);
   vram.onload_limit = table->size("onload_limit");
   if (vram.onload_limit) {
-    if (vram.onload.device == "disk")
+    if (vram.onload.device.is_disk())
       table->bad_value("onload_limit", "it caps the weights resting on the onload device, and onload is \"disk\"; "
                                        "give onload a device such as \"cpu\"");
     else if (vram.onload.device == vram.computation.device && vram.limit)  // both on one device

@@ -13,7 +13,7 @@ namespace vramd::config {
 
 // Where a layer's weights are in one of its four states, and in which dtype.
 struct DeviceState {
-  std::string device;  // "disk", "cpu", "cuda:N"
+  Device device;
   std::string dtype;   // "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"; "auto": as stored
 };
 

@@ -199,7 +199,7 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
   auto source = weights::make_source(std::move(map), std::move(assignments), config);
   const auto load_start = Clock::now();
   auto weights = weights::make_weights(*model, source, config, options, report);
-  model->set_device(c10::Device(config.vram.computation.device));
+  model->set_device(weights::torch_device(config.vram.computation.device));
   report.load_seconds = seconds_since(load_start);
   return {std::move(model), std::move(report), std::move(source), std::move(weights)};
 }

@@ -280,7 +280,7 @@ Holder holder_on(const Entry& e, const std::string& device) {
           .last_used = e.last_used,
           .loaded = e.runtime && e.config,
           .ready = e.state == ModelState::Ready,
-          .offload_device = e.config ? e.config->vram.offload.device : "",
+          .offload_device = e.config ? e.config->vram.offload.device.str() : "",
           .pinned = e.config && e.config->residency.pinned,
           .leased = !e.leases.empty(),
           .busy = e.busy || !e.queue.empty(),
@@ -360,7 +360,7 @@ void Registry::pump(Entry& entry) {
     const bool needs_weights = job.kind == Job::Kind::Load || job.kind == Job::Kind::Onload || job.kind == Job::Kind::Forward ||
                                job.kind == Job::Kind::Lease;
     if (needs_weights && !resident) {
-      const std::string& device = entry.config->vram.computation.device;
+      const std::string device = entry.config->vram.computation.device.str();
       const auto& limit = entry.config->vram.limit;  // a streamed model never holds more than its limit
       const uint64_t total = limit ? std::min(*limit, entry.dry->report.bytes) : entry.dry->report.bytes;
       const uint64_t have = entry.bytes.count(device) ? entry.bytes[device] : 0;

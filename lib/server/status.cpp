@@ -21,7 +21,7 @@ const char* state_name(ModelState state) {
 
 namespace {
 
-json state_json(const config::DeviceState& state) { return {{"device", state.device}, {"dtype", state.dtype}}; }
+json state_json(const config::DeviceState& state) { return {{"device", state.device.str()}, {"dtype", state.dtype}}; }
 
 std::string clock_text(std::chrono::system_clock::time_point when, const char* format) {
   const std::time_t t = std::chrono::system_clock::to_time_t(when);
@@ -110,8 +110,8 @@ json entry_json(const Entry& e) {
 json summary_json(const Entry& e) {
   json j = {{"name", e.name}, {"state", state_name(e.state)}, {"devices", e.bytes}, {"busy", e.busy},
             {"queued", e.queue.size()},
-            {"vram", e.config ? json({{"computation", e.config->vram.computation.device},
-                                      {"offload", e.config->vram.offload.device}})
+            {"vram", e.config ? json({{"computation", e.config->vram.computation.device.str()},
+                                      {"offload", e.config->vram.offload.device.str()}})
                               : json(nullptr)}};
   j["leases"] = leases_json(e);
   if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);

@@ -100,7 +100,7 @@ PartitionedWeights::PartitionedWeights(model::Model& model, std::shared_ptr<Sour
       source_(std::move(source)),
       config_(config),
       communicator_(std::move(communicator)),
-      device_(config.vram.computation.device),
+      device_(torch_device(config.vram.computation.device)),
       dtype_(model.dtype()),
       limit_(config.vram.limit.value_or(UINT64_MAX)),
       slice_dtype_(state_dtype(config.vram.onload.dtype, model.dtype())) {
@@ -142,13 +142,12 @@ PartitionedWeights::PartitionedWeights(model::Model& model, std::shared_ptr<Sour
   }
 
   // The plan, from sizes alone, before anything is read.
-  const std::string& onload = config.vram.onload.device;
   PartitionSizes sizes;
   sizes.ranks = ranks;
   sizes.slice_size = c10::elementSize(slice_dtype_);
   sizes.size = c10::elementSize(dtype_);
   sizes.copy = slice_dtype_ != dtype_;
-  sizes.slices_on_device = onload != "disk" && c10::Device(onload) == device_;
+  sizes.slices_on_device = config.vram.onload.device == config.vram.computation.device;
   std::map<const Unit*, size_t> index;
   for (const auto& unit : units_) {
     index[unit.get()] = sizes.elements.size();
@@ -232,13 +231,13 @@ at::Tensor PartitionedWeights::read_slice(const Unit& unit, c10::ScalarType dtyp
 // Slices into `state` (a device, or disk: released). Replicated parameters go to `home` (awake:
 // the computation device, as every op uses them whole; none: released).
 void PartitionedWeights::materialise(const config::DeviceState& state, std::optional<c10::Device> home) {
-  const bool disk = state.device == "disk";
+  const bool disk = state.device.is_disk();
   for (auto& unit : units_) {
     if (disk) {
       unit->held = at::Tensor();
       continue;
     }
-    const c10::Device device(state.device);
+    const c10::Device device = torch_device(state.device);
     const auto dtype = state_dtype(state.dtype, slice_dtype_);
     unit->held = unit->held.defined() ? unit->held.to(device, dtype) : read_slice(*unit, dtype).to(device);
   }
@@ -358,7 +357,7 @@ uint64_t PartitionedWeights::sleep() {
     if (unit->gathered.defined()) drop(*unit);
   const uint64_t bytes = resting_bytes();
   const auto& offload = config_.vram.offload;
-  materialise(offload, offload.device == "disk" ? std::nullopt : std::optional(c10::Device(offload.device)));
+  materialise(offload, offload.device.is_disk() ? std::nullopt : std::optional(torch_device(offload.device)));
   return bytes;
 }
 
@@ -376,7 +375,7 @@ std::optional<VramStats> PartitionedWeights::stats() const {
 std::string PartitionedWeights::describe() const {
   uint64_t replicated = 0;
   for (const auto& [parameter, part] : replicated_) replicated += static_cast<uint64_t>(parameter->elements()) * c10::elementSize(dtype_);
-  const std::string rest = config_.vram.onload.device == "disk" ? "read from disk at each gather" : "on " + config_.vram.onload.device;
+  const std::string rest = config_.vram.onload.device.is_disk() ? "read from disk at each gather" : "on " + config_.vram.onload.device.str();
   std::string text = "rank " + std::to_string(communicator_->rank()) + " of " + std::to_string(communicator_->size()) +
                      ": holds 1/" + std::to_string(communicator_->size()) + " of " + std::to_string(units_.size()) +
                      " layers (" + format_bytes(slice_bytes()) + " in " + c10::toString(slice_dtype_) + ", " + rest + ")";

@@ -34,10 +34,9 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
                                                " while it computes"
                                          : "") +
                           "); raise it to at least " + (biggest->copy ? format_bytes(largest) : "that"));
-  const std::string& onload = vram.onload.device;
-  const bool onload_on_disk = onload == "disk";
-  if (!fits && !onload_on_disk && onload == vram.computation.device && !vram.onload_limit)
-    fail(config.path, "vram.onload.device = " + onload + " is the computation device, so every weight would count against "
+  const bool onload_on_disk = vram.onload.device.is_disk();
+  if (!fits && vram.onload.device == vram.computation.device && !vram.onload_limit)
+    fail(config.path, "vram.onload.device = " + vram.onload.device.str() + " is the computation device, so every weight would count against "
                       "vram.limit (" + format_bytes(limit) + " < " + format_bytes(stats.total) +
                       "); use \"disk\" or another device for onload and offload");
   stats.streaming = fits ? largest_copy : limit >= 3 * largest ? 2 * largest : largest;

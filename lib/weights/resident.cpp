@@ -13,7 +13,7 @@ namespace vramd::weights {
 ResidentWeights::ResidentWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
                                  const model::LoadOptions& options, size_t& zero_copy)
     : model_(model), source_(std::move(source)), states_(config.vram), zero_copy_(options.zero_copy) {
-  read_all(c10::Device(states_.computation.device), model.dtype(), &options, &zero_copy);
+  read_all(torch_device(states_.computation.device), model.dtype(), &options, &zero_copy);
   for (const auto& layer : model.layers()) layer->set_manager(this);
 }
 
@@ -58,7 +58,7 @@ uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
   const auto& assignments = source_->assignments;
   const bool released = !assignments.empty() && assignments.front().parameter->value.is_meta();
   uint64_t bytes = 0;
-  if (state.device == "disk") {
+  if (state.device.is_disk()) {
     for (const auto& a : assignments) {
       at::Tensor& value = a.parameter->value;
       if (value.is_meta()) continue;
@@ -67,7 +67,7 @@ uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
     }
     return bytes;
   }
-  const c10::Device device(state.device);
+  const c10::Device device = torch_device(state.device);
   if (released) return read_all(device, state_dtype(state.dtype, assignments.front().parameter->value.scalar_type()), nullptr, nullptr);
   for (const auto& a : assignments) {
     at::Tensor& value = a.parameter->value;

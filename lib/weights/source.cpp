@@ -54,6 +54,12 @@ void Source::read_into(std::span<const Assignment* const> parts, std::span<at::T
   map.read_ranges(reads, {.direct = direct});
 }
 
+c10::Device torch_device(const config::Device& device) {
+  if (device.is_disk()) throw Error("weights on disk are on no device");
+  if (device.is_cpu()) return c10::Device(c10::kCPU);
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
+}
+
 std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment> assignments,
                                     const config::ModelConfig& config) {
   storage::DirectChoice direct;
@@ -61,8 +67,8 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
     direct = {*forced, *forced ? "O_DIRECT: direct_io = true" : "page cache: direct_io = false"};
   } else {
     uint64_t held = 0;
-    if (config.vram.computation.device == "cpu") held += config.vram.limit.value_or(0);
-    if (config.vram.onload.device == "cpu") held += config.vram.onload_limit.value_or(0);
+    if (config.vram.computation.device.is_cpu()) held += config.vram.limit.value_or(0);
+    if (config.vram.onload.device.is_cpu()) held += config.vram.onload_limit.value_or(0);
     direct = storage::choose_direct_io(map.total_bytes(), held, storage::page_cache_room());
   }
   return std::make_shared<Source>(

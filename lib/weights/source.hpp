@@ -61,6 +61,9 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
 // that remainder modulo 4096 then goes straight into it with O_DIRECT (storage/reader.hpp).
 at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase = 0);
 
+// A device of the config as LibTorch names it; disk has no such device (an Error).
+c10::Device torch_device(const config::Device& device);
+
 // A state's dtype by name; "auto" or none: `otherwise`.
 c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise);
 

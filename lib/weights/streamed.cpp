@@ -94,7 +94,7 @@ VramStats StreamedWeights::plan(const model::Model& model, const Source& source,
 }
 
 StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config)
-    : model_(model), source_(std::move(source)), config_(config), device_(config.vram.computation.device),
+    : model_(model), source_(std::move(source)), config_(config), device_(torch_device(config.vram.computation.device)),
       dtype_(model.dtype()), prepared_dtype_(state_dtype(config.vram.preparing.dtype, model.dtype())),
       limit_(config.vram.limit.value_or(UINT64_MAX)), pool_(device_.is_cpu()) {
   std::map<const Parameter*, const Assignment*> by_parameter;
@@ -122,7 +122,7 @@ StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> so
     slots_[i]->from_disk = plan.from_disk[i];
   }
   stats_ = plan.stats;
-  onload_on_disk_ = config.vram.onload.device == "disk";
+  onload_on_disk_ = config.vram.onload.device.is_disk();
   materialise_plan();
   prefetcher_ = std::thread([this] { prefetch_loop(); });
   for (const auto& layer : model.layers()) layer->set_manager(this);
@@ -239,7 +239,7 @@ std::vector<at::Tensor> StreamedWeights::computation_copy(const std::vector<at::
 
 void StreamedWeights::materialise_plan() {
   const config::DeviceState& onload = config_.vram.onload;
-  const c10::Device onload_device = onload_on_disk_ ? device_ : c10::Device(onload.device);
+  const c10::Device onload_device = onload_on_disk_ ? device_ : torch_device(onload.device);
   const auto onload_dtype = state_dtype(onload.dtype, dtype_);
   // Host copies of a CUDA model's streamed layers are pinned, so they copy asynchronously.
   const bool pin = !device_.is_cpu() && onload_device.is_cpu();
@@ -491,10 +491,10 @@ uint64_t StreamedWeights::sleep() {
   const config::DeviceState& state = config_.vram.offload;
   const uint64_t freed = in_use_;
   for (const auto& slot : slots_) {
-    if (state.device == "disk") {
+    if (state.device.is_disk()) {
       slot->held.clear();
     } else {
-      const c10::Device device(state.device);
+      const c10::Device device = torch_device(state.device);
       const auto dtype = state_dtype(state.dtype, dtype_);
       std::vector<at::Tensor> held;
       const auto& from = slot->resident ? slot->tensors : slot->held;
@@ -563,7 +563,7 @@ std::string StreamedWeights::describe(const VramStats& s, const config::ModelCon
   std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
                      format_bytes(s.resident) + " in " + dtype_text(prepared) + ")";
   if (const size_t from_onload = s.slots - s.resident_slots - s.disk_slots)
-    text += ", " + std::to_string(from_onload) + " streamed from " + config.vram.onload.device + " (" +
+    text += ", " + std::to_string(from_onload) + " streamed from " + config.vram.onload.device.str() + " (" +
             format_bytes(s.total - s.resident - s.disk) + ")";
   if (s.disk_slots)
     text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) + "; " + direct_why + ")";

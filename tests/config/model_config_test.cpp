@@ -69,8 +69,8 @@ num_key_value_heads = 8
   CHECK(config.prefix == "model.");
   CHECK(config.converter == dir / "scripts/hf_llama.lua");
   CHECK_FALSE(config.strict);
-  CHECK(config.vram.offload.device == "disk");
-  CHECK(config.vram.preparing.device == "cuda:0");
+  CHECK(config.vram.offload.device.str() == "disk");
+  CHECK(config.vram.preparing.device.str() == "cuda:0");
   CHECK(config.vram.preparing.dtype == "float8_e4m3fn");
   CHECK(config.vram.limit == 6ull << 30);
   CHECK(config.residency.keep_alive == std::nullopt);
@@ -90,7 +90,7 @@ TEST_CASE("a minimal model config takes its name from the file and fills every s
   CHECK(config.strict);
   CHECK(config.arch_json == "{}");
   for (const auto* state : {&config.vram.offload, &config.vram.onload, &config.vram.preparing, &config.vram.computation}) {
-    CHECK(state->device == "cpu");
+    CHECK(state->device.str() == "cpu");
     CHECK(state->dtype == "float16");
   }
   CHECK(config.residency.keep_alive == std::chrono::minutes(10));
@@ -100,10 +100,10 @@ TEST_CASE("a float8 model dtype makes weights wait and rest in it and compute in
   TempDir dir;
   auto path = dir.write("f8.toml", "checkpoint = \"w\"\ndtype = \"float8_e5m2\"\n[vram]\ncomputation = { device = \"cuda:1\" }\n");
   auto config = load_model_config(path, default_daemon_config());
-  CHECK(config.vram.computation.device == "cuda:1");
+  CHECK(config.vram.computation.device.str() == "cuda:1");
   CHECK(config.vram.computation.dtype == "bfloat16");
   for (const auto* state : {&config.vram.offload, &config.vram.onload, &config.vram.preparing}) {
-    CHECK(state->device == "cuda:1");
+    CHECK(state->device.str() == "cuda:1");
     CHECK(state->dtype == "float8_e5m2");
   }
 }
@@ -307,4 +307,17 @@ TEST_CASE("an onload limit needs an onload device and room in its budget") {
   CHECK(problems_of(no_budget, daemon_with({{"cuda:0", 8ull << 30}})) ==
         no_budget + ":5:16: vram.onload_limit = '6GiB': a limit on cpu, for which vramd.toml sets no budget (budgets: "
                     "cuda:0 8.00 GiB)");
+}
+
+TEST_CASE("devices are parsed once into disk, cpu or cuda:N") {
+  CHECK(Device::named("cuda").str() == "cuda:0");
+  CHECK(Device::named("cuda:12").index == 12);
+  CHECK(Device::named("cuda:12").kind == Device::Kind::Cuda);
+  CHECK(Device::named("disk").is_disk());
+  CHECK(Device::named("cpu").is_cpu());
+  CHECK(Device::named("cuda") == Device::named("cuda:0"));
+  CHECK_FALSE(Device::named("cuda:1") == Device::named("cuda:0"));
+  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:99999", "CPU", ""})
+    CHECK_FALSE(Device::parse(bad));
+  CHECK_THROWS_WITH(Device::named("gpu"), "unknown device 'gpu' (disk, cpu, cuda, cuda:N)");
 }
