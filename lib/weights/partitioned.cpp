@@ -12,12 +12,12 @@
 #include "convert/evaluate.hpp"
 #include "dist/communicator.hpp"
 #include "model/model.hpp"
-#include "weights/lease.hpp"
-#include "weights/plan.hpp"
-#include "weights/source.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "weights/lease.hpp"
+#include "weights/plan.hpp"
+#include "weights/source.hpp"
 
 namespace vramd::weights {
 

@@ -2,8 +2,10 @@
 
 #include <ATen/ops/empty.h>
 
+#include "convert/expr.hpp"
 #include "model/loader.hpp"
 #include "storage/disk_map.hpp"
+#include "storage/tensor_io.hpp"
 #include "util/format.hpp"
 #include "weights/lease.hpp"
 #include "weights/source.hpp"
