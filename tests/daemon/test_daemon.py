@@ -113,7 +113,13 @@ def test_a_model_streamed_under_its_limit_serves_sleeps_and_wakes(tmp_path, chec
     add_model(d, "gpt2", checkpoints["gpt2"] / "model")
     add_model(d, "streamed", checkpoints["gpt2"] / "model",
               '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\nlimit = "400KiB"')
+    add_model(d, "tight", checkpoints["gpt2"] / "model",
+              '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\nlimit = "1KiB"')
     with d.start():
+        # A limit that cannot hold the largest layer is refused when the config is read (the plan
+        # of vramctl check), not when the model loads.
+        tight = model(d.sock, "tight")
+        assert tight["state"] == "invalid" and "vram.limit = 1.00 KiB cannot hold the largest layer" in tight["reason"]
         inputs = load_file(checkpoints["gpt2"] / "inputs.safetensors")
         resident = forward(d.sock, "gpt2", inputs)
         streamed = forward(d.sock, "streamed", inputs)
