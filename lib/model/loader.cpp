@@ -12,6 +12,7 @@
 #include "model/gguf_config.hpp"
 #include "model/registry.hpp"
 #include "storage/tensor_io.hpp"
+#include "util/clock.hpp"
 #include "util/format.hpp"
 #include "weights/source.hpp"
 #include "weights/weights.hpp"
@@ -22,10 +23,6 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 // "auto": the floating dtype that holds most of the checkpoint's bytes (bfloat16 for float8).
 c10::ScalarType dominant_dtype(const convert::ConversionPlan& plan) {

@@ -11,6 +11,7 @@
 #include "server/reply.hpp"
 #include "server/status.hpp"
 #include "storage/file.hpp"
+#include "util/clock.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
@@ -35,7 +36,6 @@ const char* kind_name(Job::Kind kind) {
   return "?";
 }
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 }  // namespace
 

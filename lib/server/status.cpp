@@ -3,6 +3,7 @@
 #include <ctime>
 
 #include "config/units.hpp"
+#include "util/clock.hpp"
 
 namespace vramd::server {
 using nlohmann::json;
@@ -30,10 +31,6 @@ std::string clock_text(std::chrono::system_clock::time_point when, const char* f
   char text[32];
   std::strftime(text, sizeof text, format, &parts);
   return text;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "dist/communicator.hpp"
 #include "model/model.hpp"
 #include "storage/tensor_io.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "weights/lease.hpp"
@@ -28,7 +29,6 @@ using model::VramStats;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 bool matches_any(const std::string& name, const std::vector<std::string>& patterns) {
   return std::any_of(patterns.begin(), patterns.end(),

@@ -17,6 +17,7 @@
 #include "model/model.hpp"
 #include "storage/file.hpp"
 #include "storage/tensor_io.hpp"
+#include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "weights/lease.hpp"
@@ -32,7 +33,6 @@ using model::VramStats;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 std::string dtype_text(c10::ScalarType type) { return c10::toString(type); }
 
