@@ -9,6 +9,7 @@
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
+#include "dist/commands.hpp"
 #include "dist/group.hpp"
 #include "dist/launch.hpp"
 #include "model/dry_run.hpp"
@@ -77,7 +78,7 @@ int main(int argc, char** argv) {
     if (!group_options || group_options->world_size == 1) return vramd::server::serve(config);
     auto group = vramd::dist::Group::join(*group_options);
     if (group->rank() > 0) return vramd::server::Runtime::follow(config, group);
-    if (local) local->set_rejoin_value([group] { return std::to_string(vramd::server::Runtime::next_command(*group)); });
+    if (local) local->set_rejoin_value([group] { return std::to_string(vramd::dist::next_command(*group)); });
     vramd::server::Runtime::use_group(group);
     const int status = vramd::server::serve(config);
     vramd::server::Runtime::use_group(nullptr);

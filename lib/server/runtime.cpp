@@ -4,43 +4,27 @@
 #include <c10/core/InferenceMode.h>
 
 #include <cstring>
-
-#include <nlohmann/json.hpp>
-
-#include <algorithm>
-#include <cstdlib>
 #include <iostream>
 #include <map>
 
 #include "convert/expr.hpp"
+#include "dist/commands.hpp"
 #include "dist/group.hpp"
 #include "model/loader.hpp"
-#include "weights/source.hpp"
-#include "weights/weights.hpp"
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
+#include "weights/source.hpp"
+#include "weights/weights.hpp"
 
 namespace vramd::server {
 
-// Rank 0 and the other ranks of a group talk through its store: command/S holds rank 0's S-th
-// command ({"op", "model", "config"}), input/S a forward's inputs. Each other rank does them in
-// order; the last to read one erases it.
 namespace {
-
-constexpr const char* kCommands = "commands";  // the store's counter of rank 0's commands
 
 std::shared_ptr<dist::Group>& the_group() {
   static std::shared_ptr<dist::Group> group;
   return group;
-}
-
-void send(dist::Group& group, const std::string& op, const std::string& model, const std::string& config = {},
-          std::string_view input = {}) {
-  const int64_t seq = group.add(kCommands, 1);
-  if (!input.empty()) group.set("input/" + std::to_string(seq), input);
-  group.set("command/" + std::to_string(seq), nlohmann::json{{"op", op}, {"model", model}, {"config", config}}.dump());
 }
 
 }  // namespace
@@ -56,7 +40,7 @@ struct Runtime::Impl {
   // After reading weights through the checkpoint's mappings: MappingLost if one lost pages.
   void check_mappings() const { loaded.source->map.check_mappings(); }
   void tell(const std::string& op, std::string_view input = {}) {
-    if (group) send(*group, op, partition, {}, input);
+    if (group) dist::send_command(*group, op, partition, {}, input);
   }
 };
 
@@ -71,8 +55,6 @@ Runtime::~Runtime() {
 
 void Runtime::use_group(std::shared_ptr<dist::Group> group) { the_group() = std::move(group); }
 
-int64_t Runtime::next_command(dist::Group& group) { return group.add(kCommands, 0) + 1; }
-
 std::unique_ptr<Runtime> Runtime::load(const config::ModelConfig& config,
                                        const std::function<bool(const LoadProgress&)>& progress) {
   auto impl = std::make_unique<Impl>();
@@ -81,8 +63,8 @@ std::unique_ptr<Runtime> Runtime::load(const config::ModelConfig& config,
   if (config.partition.world_size > 1 && the_group()) {
     auto& group = *the_group();
     options.group = the_group();
-    options.partition_name = config.name + "/" + std::to_string(group.add("loads", 1));
-    send(group, "load", options.partition_name, config.path);
+    options.partition_name = dist::partition_name(group, config.name);
+    dist::send_command(group, "load", options.partition_name, config.path);
     impl->group = the_group();
     impl->partition = options.partition_name;
   }
@@ -185,58 +167,33 @@ std::optional<model::VramStats> Runtime::vram() const { return impl_->loaded.wei
 int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Group> group) {
   const std::string me = "vramd rank " + std::to_string(group->rank()) + ": ";
   std::map<std::string, model::LoadedModel> models;
-  // A rank started again after it died (dist::LocalRankSupervisor) follows the commands sent
-  // since rank 0 started it (VRAMD_REJOINED holds the first): those before were for models
-  // loaded with the rank that died, which fail and are loaded again.
-  int64_t first = 1;
-  if (const char* rejoined = std::getenv("VRAMD_REJOINED")) {
-    first = std::max<int64_t>(1, std::atoll(rejoined));
-    std::cerr << me << "rejoined the group at command " << first << '\n';
-  }
-  for (int64_t seq = first;; ++seq) {
-    const std::string key = "command/" + std::to_string(seq), input_key = "input/" + std::to_string(seq);
-    nlohmann::json command;
-    std::string input;
-    try {
-      for (;;) {
-        try {
-          command = nlohmann::json::parse(group->get(key, std::chrono::hours(1)));
-          break;
-        } catch (const dist::Timeout&) {
-        }
-      }
-      if (command["op"] == "forward") input = group->get(input_key, std::chrono::minutes(1));
-      if (group->add("read/" + std::to_string(seq), 1) == group->size() - 1) {
-        group->erase(key);
-        group->erase(input_key);
-        group->erase("read/" + std::to_string(seq));
-      }
-    } catch (const Error& e) {
-      std::cerr << me << "rank 0 is gone (" << e.what() << "); exiting\n";
-      return 0;
-    }
-    const std::string op = command["op"], name = command["model"];
+  dist::CommandReader commands(group);
+  if (commands.first() > 1) std::cerr << me << "rejoined the group at command " << commands.first() << '\n';
+  while (const auto command = commands.next()) {
+    const std::string& op = command->op;
     try {
       if (op == "load") {
         model::LoadOptions options;
         options.group = group;
-        options.partition_name = name;
-        models[name] = model::load_model(config::load_model_config(command["config"], daemon), options);
+        options.partition_name = command->model;
+        models[command->model] = model::load_model(config::load_model_config(command->config, daemon), options);
         continue;
       }
-      auto found = models.find(name);
+      auto found = models.find(command->model);
       if (found == models.end()) continue;  // its load failed here already, and said why
       if (op == "unload") models.erase(found);
       else if (op == "offload") model::offload(found->second);
       else if (op == "onload") model::onload(found->second);
       else if (op == "forward") {
         c10::InferenceMode inference;
-        found->second.model->forward(parse_inputs(input));
+        found->second.model->forward(parse_inputs(command->input));
       }
     } catch (const std::exception& e) {
-      std::cerr << me << op << " of " << name << " failed: " << e.what() << '\n';
+      std::cerr << me << op << " of " << command->model << " failed: " << e.what() << '\n';
     }
   }
+  std::cerr << me << "rank 0 is gone (" << commands.gone() << "); exiting\n";
+  return 0;
 }
 
 const model::LoadReport& Runtime::report() const { return impl_->loaded.report; }

@@ -49,10 +49,9 @@ class Runtime {
   // On rank 0 of a group (dist/group.hpp): models with [partition] load across it, and every
   // load, forward, offload, onload and unload of one is sent to the other ranks first.
   static void use_group(std::shared_ptr<dist::Group> group);
-  // On the other ranks: does what rank 0 sends, until rank 0 is gone. Returns the exit status.
+  // On the other ranks: does what rank 0 sends (dist/commands.hpp), until rank 0 is gone.
+  // Returns the exit status.
   static int follow(const config::DaemonConfig& config, std::shared_ptr<dist::Group> group);
-  // The number rank 0's next command will have: where a rank started again begins to follow.
-  static int64_t next_command(dist::Group& group);
 
   // Safetensors bytes of named inputs to safetensors bytes of the outputs. Throws BadInput
   // naming the input at fault, Error when the forward itself fails. Wakes an offloaded model.
