@@ -4,14 +4,10 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "dist/group.hpp"
-#include "model/progress.hpp"
 #include "server/boundary.hpp"
 #include "server/eviction.hpp"
 #include "server/reply.hpp"
 #include "server/status.hpp"
-#include "storage/file.hpp"
-#include "util/clock.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
@@ -20,43 +16,6 @@
 namespace vramd::server {
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-namespace {
-
-const char* kind_name(Job::Kind kind) {
-  switch (kind) {
-    case Job::Kind::Load: return "load";
-    case Job::Kind::Forward: return "forward";
-    case Job::Kind::Offload: return "offload";
-    case Job::Kind::Onload: return "onload";
-    case Job::Kind::Unload: return "unload";
-    case Job::Kind::Replace: return "replace";
-    case Job::Kind::Lease: return "lease";
-  }
-  return "?";
-}
-
-
-}  // namespace
-
-// What a job did, carried from its worker back to the loop.
-struct Registry::Outcome {
-  std::shared_ptr<Runtime> runtime;
-  std::map<std::string, uint64_t> bytes;
-  std::optional<model::VramStats> vram;
-  bool loaded = false;     // the job loaded the model
-  std::string load_error;  // loading failed (the model is then unloaded)
-  bool cancelled = false;
-  // The model's weights are not whole: a rank of a partitioned model died or stopped answering,
-  // or a checkpoint was cut short under its mapped weights (storage::MappingLost).
-  bool weights_lost = false;
-  int status = 200;        // of the job's own answer
-  std::string error;
-  std::string output;      // forward: safetensors bytes
-  std::shared_ptr<weights::Manifest> manifest;  // lease
-  double seconds = 0, load_seconds = 0;
-  Moved moved;
-};
 
 Registry::Registry(uv_loop_t* loop, const config::DaemonConfig& config)
     : loop_(loop), config_(config), mailbox_(loop) {}
@@ -297,10 +256,10 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
   const RoomPlan plan = plan_room({entry.name, device, need, budget->second}, holders);
   if (!plan.error.empty()) throw Error(plan.error);
   for (const auto& eviction : plan.evictions) {
-    const Job::Kind kind = eviction.kind == Eviction::Kind::Offload ? Job::Kind::Offload : Job::Kind::Unload;
-    log::info("making room for " + entry.name + " on " + device + ": " + kind_name(kind) + " " + eviction.model +
-              " (" + format_bytes(eviction.bytes) + ")");
-    submit(*find(eviction.model), Job(kind));
+    Job job(eviction.kind == Eviction::Kind::Offload ? Job::Kind::Offload : Job::Kind::Unload);
+    log::info("making room for " + entry.name + " on " + device + ": " + job.name() + " " + eviction.model + " (" +
+              format_bytes(eviction.bytes) + ")");
+    submit(*find(eviction.model), std::move(job));
   }
   return plan.evictions.empty();
 }
@@ -320,10 +279,9 @@ void Registry::pump(Entry& entry) {
     };
     // Nothing takes a leased model's weights from under its clients: wait for the leases to end
     // (end_lease pumps again), or refuse at once when asked not to wait.
-    const bool takes_weights = job.kind == Job::Kind::Unload || job.kind == Job::Kind::Offload || job.kind == Job::Kind::Replace;
-    if (takes_weights && !entry.leases.empty()) {
+    if (job.takes_weights() && !entry.leases.empty()) {
       if (job.exchange && !job.wait) {
-        done_now(409, {{"error", "model " + quote(entry.name) + " is leased by " + holders(entry) + "; " + kind_name(job.kind) +
+        done_now(409, {{"error", "model " + quote(entry.name) + " is leased by " + holders(entry) + "; " + job.name() +
                                      " it once they end, or leave out wait=false to wait for them"}});
         continue;
       }
@@ -357,9 +315,7 @@ void Registry::pump(Entry& entry) {
     if (!entry.config) { done_now(409, {{"error", "model " + quote(entry.name) + " has no valid config"}}); continue; }
 
     // Room for the weights on the computation device.
-    const bool needs_weights = job.kind == Job::Kind::Load || job.kind == Job::Kind::Onload || job.kind == Job::Kind::Forward ||
-                               job.kind == Job::Kind::Lease;
-    if (needs_weights && !resident) {
+    if (job.needs_weights() && !resident) {
       const std::string device = entry.config->vram.computation.device.str();
       const auto& limit = entry.config->vram.limit;  // a streamed model never holds more than its limit
       const uint64_t total = limit ? std::min(*limit, entry.dry->report.bytes) : entry.dry->report.bytes;
@@ -380,16 +336,14 @@ void Registry::pump(Entry& entry) {
     entry.waiting_for_room = false;
     Job next = std::move(job);
     entry.queue.pop_front();
-    run_job(entry, std::move(next));
+    start_job(entry, std::move(next));
   }
 }
 
-void Registry::run_job(Entry& entry, Job job) {
+void Registry::start_job(Entry& entry, Job job) {
   entry.busy = true;
   if (!entry.worker) entry.worker = std::make_unique<Worker>();
-  const bool loads =
-      !entry.runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward || job.kind == Job::Kind::Lease);
-  if (loads) {
+  if (!entry.runtime && job.loads()) {
     entry.state = ModelState::Loading;
     entry.progress = {};
     entry.cancel = std::make_shared<std::atomic<bool>>(false);
@@ -402,73 +356,18 @@ void Registry::run_job(Entry& entry, Job job) {
   auto shared_job = std::make_shared<Job>(std::move(job));
   Entry* e = &entry;
   entry.worker->run([this, e, runtime, shared_job, config = *entry.config, cancel = entry.cancel]() mutable {
-    auto outcome = std::make_shared<Outcome>();
-    const auto start = Clock::now();
-    Job& job = *shared_job;
-    try {
-      if (!runtime && (job.kind == Job::Kind::Load || job.kind == Job::Kind::Forward || job.kind == Job::Kind::Lease)) {
-        auto last = Clock::now();
-        try {
-          runtime = Runtime::load(config, [&](const LoadProgress& p) {
-            if (p.tensors_done == p.tensors_total || Clock::now() - last > std::chrono::milliseconds(100)) {
-              last = Clock::now();
-              mailbox_.post([this, e, p] {
-                e->progress = p;
-                send_progress(*e, false);
-              });
-            }
-            return !cancel->load();
-          });
-          outcome->loaded = true;
-          outcome->load_seconds = seconds_since(start);
-        } catch (const model::Cancelled& error) {
-          outcome->cancelled = true;
-          outcome->load_error = error.what();
-        } catch (const std::exception& error) {
-          outcome->load_error = error.what();
-        }
+    auto last = Clock::now();
+    const auto progress = [&](const LoadProgress& p) {
+      if (p.tensors_done == p.tensors_total || Clock::now() - last > std::chrono::milliseconds(100)) {
+        last = Clock::now();
+        mailbox_.post([this, e, p] {
+          e->progress = p;
+          send_progress(*e, false);
+        });
       }
-      if (outcome->load_error.empty()) {
-        switch (job.kind) {
-          case Job::Kind::Forward: {
-            const auto forward_start = Clock::now();
-            try {
-              outcome->output = runtime->forward(job.input);
-            } catch (const BadInput& error) {
-              outcome->status = 400;
-              outcome->error = error.what();
-            }
-            outcome->seconds = seconds_since(forward_start);
-            break;
-          }
-          case Job::Kind::Offload: outcome->moved = runtime->offload(); break;
-          case Job::Kind::Onload: outcome->moved = runtime->onload(); break;
-          case Job::Kind::Unload:
-          case Job::Kind::Replace: runtime.reset(); break;
-          case Job::Kind::Load:
-            if (runtime->offloaded()) outcome->moved = runtime->onload();  // a load wakes a sleeping model
-            break;
-          case Job::Kind::Lease:
-            try {
-              outcome->manifest = std::make_shared<weights::Manifest>(runtime->lease(job.device));
-            } catch (const BadInput& error) {
-              outcome->status = 400;
-              outcome->error = error.what();
-            } catch (const weights::NotLeasable& error) {
-              outcome->status = 409;
-              outcome->error = error.what();
-            }
-            break;
-        }
-      }
-      if (runtime) outcome->bytes = runtime->bytes_by_device(), outcome->vram = runtime->vram();
-    } catch (const std::exception& error) {
-      outcome->status = 500;
-      outcome->error = error.what();
-      outcome->weights_lost = dynamic_cast<const dist::RankFailure*>(&error) ||
-                              dynamic_cast<const storage::MappingLost*>(&error);
-    }
-    outcome->runtime = std::move(runtime);
+      return !cancel->load();
+    };
+    auto outcome = std::make_shared<Outcome>(run_job(*shared_job, std::move(runtime), config, progress));
     mailbox_.post([this, e, shared_job, outcome] { finish_job(*e, std::move(*shared_job), *outcome); });
   });
 }
@@ -481,7 +380,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   entry.vram = outcome.vram;
   auto watchers = std::exchange(entry.load_watchers, {});
   entry.cancel.reset();
-  const std::string what = std::string(kind_name(job.kind)) + " " + entry.name;
+  const std::string what = std::string(job.name()) + " " + entry.name;
 
   if (outcome.loaded) {
     entry.loads++;

@@ -28,6 +28,7 @@
 #include "model/dry_run.hpp"
 #include "server/catalog.hpp"
 #include "server/http.hpp"
+#include "server/job.hpp"
 #include "server/mailbox.hpp"
 #include "server/runtime.hpp"
 
@@ -37,19 +38,6 @@ enum class ModelState { Unloaded, Loading, Ready, Offloaded, Failed, Invalid };
 const char* state_name(ModelState state);  // server/status.cpp
 
 using Clock = std::chrono::steady_clock;
-
-struct Job {
-  enum class Kind { Load, Forward, Offload, Onload, Unload, Replace, Lease } kind;
-  std::shared_ptr<Exchange> exchange;  // null for the daemon's own jobs
-  bool stream = false;                 // load: progress as newline-delimited JSON
-  std::string input;                   // forward: safetensors bytes
-  bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
-  bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
-  std::string device = "cpu";          // lease: where the client wants the weights
-
-  explicit Job(Kind kind, std::shared_ptr<Exchange> exchange = {}, bool stream = false)
-      : kind(kind), exchange(std::move(exchange)), stream(stream) {}
-};
 
 class Registry;
 
@@ -131,8 +119,7 @@ class Registry {
   void drop_entry(Entry& entry);
 
   void pump(Entry& entry);
-  void run_job(Entry& entry, Job job);
-  struct Outcome;
+  void start_job(Entry& entry, Job job);
   void finish_job(Entry& entry, Job job, const Outcome& outcome);
   void answer(Job& job, int status, const nlohmann::json& body);
 
