@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
+#include <span>
 #include <sstream>
 
 #include "config/toml_schema.hpp"
@@ -15,12 +16,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kDtypes[] = {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"};
-constexpr const char* kComputeDtypes[] = {"float32", "bfloat16", "float16"};
+using storage::DType;
+constexpr DType kDtypes[] = {DType::F32, DType::BF16, DType::F16, DType::F8_E4M3, DType::F8_E5M2};
+constexpr DType kComputeDtypes[] = {DType::F32, DType::BF16, DType::F16};
 
-bool one_of(const std::string& value, const auto& list) {
-  return std::find(std::begin(list), std::end(list), value) != std::end(list);
+// "auto" or one of `allowed`, by LibTorch's name; nullopt when it is neither.
+std::optional<Dtype> parse_config_dtype(const std::string& name, std::span<const DType> allowed) {
+  if (name == "auto") return Dtype{};
+  const auto dtype = storage::parse_torch_dtype(name);
+  if (!dtype || std::ranges::find(allowed, *dtype) == allowed.end()) return std::nullopt;
+  return Dtype{*dtype};
 }
+
+bool computable(const Dtype& dtype) { return !dtype || std::ranges::find(kComputeDtypes, *dtype) != std::end(kComputeDtypes); }
 
 // Docker's rule for names: an ASCII letter or digit, then letters, digits, '-', '_' and '.';
 // a name is a path segment of the API (/v1/models/NAME) and a label in metrics.
@@ -48,8 +56,8 @@ DeviceState read_state(TableReader& vram, std::string_view key, DeviceState stat
       table->bad_value("device", std::string("expected ") + (disk_allowed ? "\"disk\", " : "") +
                                      "\"cpu\", \"cuda\" or \"cuda:N\"");
   }
-  if (auto dtype = table->string("dtype")) {
-    if (is_known_dtype(*dtype))
+  if (auto name = table->string("dtype")) {
+    if (auto dtype = parse_config_dtype(*name, kDtypes); dtype && *dtype)
       state.dtype = *dtype;
     else
       table->bad_value("dtype", "expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
@@ -64,11 +72,11 @@ std::string budgets_text(const DaemonConfig& daemon) {
   return text.empty() ? "none" : text;
 }
 
-void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string& base_dtype, VramConfig& vram) {
+void read_vram(TableReader& root, const DaemonConfig& daemon, const Dtype& base_dtype, VramConfig& vram) {
   // "auto": the checkpoint's own dtype, settled when the model loads.
   // A float8 model dtype: weights wait and rest in it, and are computed in bfloat16.
-  const bool float8 = !one_of(base_dtype, kComputeDtypes) && base_dtype != "auto";
-  vram.computation = {Device{}, float8 ? "bfloat16" : base_dtype};
+  const bool float8 = !computable(base_dtype);
+  vram.computation = {Device{}, float8 ? Dtype{DType::BF16} : base_dtype};
   const auto prepared = [&] { return DeviceState{vram.computation.device, float8 ? base_dtype : vram.computation.dtype}; };
   auto table = root.table("vram");
   if (!table) {
@@ -83,7 +91,7 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
                                       "; weights that rest elsewhere belong in onload");
   vram.onload = read_state(*table, "onload", vram.preparing, true);
   vram.offload = read_state(*table, "offload", vram.onload, true);
-  if (!one_of(vram.computation.dtype, kComputeDtypes) && vram.computation.dtype != "auto")
+  if (!computable(vram.computation.dtype))
     table->bad_value("computation", "weights can rest in float8 (offload, onload, preparing) but are computed "
                                     "in float32, bfloat16 or float16");
   // A limit on a device needs the daemon's budget for it, and must fit in it.
@@ -123,7 +131,7 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const std::string&
 
 }  // namespace
 
-bool is_known_dtype(const std::string& dtype) { return one_of(dtype, kDtypes); }
+std::string dtype_str(const Dtype& dtype) { return dtype ? std::string(storage::torch_dtype_name(*dtype)) : "auto"; }
 
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon) {
   return load_model_config(path, read_regular_file(path, kMaxConfigBytes), daemon);
@@ -182,8 +190,9 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
     }
   }
 
-  config.dtype = root.string("dtype").value_or("auto");
-  if (config.dtype != "auto" && !is_known_dtype(config.dtype))
+  if (auto dtype = parse_config_dtype(root.string("dtype").value_or("auto"), kDtypes))
+    config.dtype = *dtype;
+  else
     root.bad_value("dtype", "expected auto, float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
   read_vram(root, daemon, config.dtype, config.vram);
 

@@ -8,13 +8,20 @@
 #include <vector>
 
 #include "config/daemon_config.hpp"
+#include "storage/dtype.hpp"
 
 namespace vramd::config {
+
+// A dtype a config names: float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (the
+// model's and the resting states'; computation only the first three). nullopt: "auto", the
+// checkpoint's own, settled when the model loads.
+using Dtype = std::optional<storage::DType>;
+std::string dtype_str(const Dtype& dtype);  // LibTorch's spelling, or "auto"
 
 // Where a layer's weights are in one of its four states, and in which dtype.
 struct DeviceState {
   Device device;
-  std::string dtype;   // "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"; "auto": as stored
+  Dtype dtype;
 };
 
 struct VramConfig {
@@ -51,7 +58,7 @@ struct ModelConfig {
   std::string prefix;
   bool keep_prefix = false;
   std::string converter;  // absolute path of the Lua script, or empty
-  std::string dtype;      // the weights' dtype once loaded; "auto": as stored
+  Dtype dtype;            // the weights' dtype once loaded
   bool strict = true;     // missing or unexpected keys fail the load
   VramConfig vram;
   ResidencyConfig residency;
@@ -64,8 +71,5 @@ struct ModelConfig {
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon);
 // The same, from the file's bytes as read once (the daemon compares them with what it serves).
 ModelConfig load_model_config(const std::string& path, const std::string& text, const DaemonConfig& daemon);
-
-// The dtypes configs may name, in LibTorch's spelling.
-bool is_known_dtype(const std::string& dtype);
 
 }  // namespace vramd::config

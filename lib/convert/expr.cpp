@@ -13,17 +13,9 @@ namespace {
 
 using storage::DType;
 
-struct NamedDType {
-  const char* name;
-  DType dtype;
-};
-
-constexpr NamedDType kNames[] = {
-    {"float32", DType::F32},         {"bfloat16", DType::BF16},      {"float16", DType::F16},
-    {"float64", DType::F64},         {"float8_e4m3fn", DType::F8_E4M3}, {"float8_e5m2", DType::F8_E5M2},
-    {"int64", DType::I64},           {"int32", DType::I32},          {"int16", DType::I16},
-    {"int8", DType::I8},             {"uint8", DType::U8},           {"bool", DType::BOOL},
-};
+// The dtypes a converter may name in LibTorch's spelling (cast(), describe()).
+constexpr DType kNamed[] = {DType::F32, DType::BF16, DType::F16, DType::F64, DType::F8_E4M3, DType::F8_E5M2,
+                            DType::I64, DType::I32, DType::I16, DType::I8, DType::U8, DType::BOOL};
 
 // "src['x'] of shape [2, 3]" or "an expression of shape [2, 3]", for messages.
 std::string operand(const Expr& expr) {
@@ -261,17 +253,13 @@ ExprPtr scale(const ExprPtr& input, double factor) {
 }
 
 DType parse_dtype_name(const std::string& name) {
-  for (const auto& entry : kNames)
-    if (name == entry.name) return entry.dtype;
+  if (auto dtype = storage::parse_torch_dtype(name); dtype && std::ranges::find(kNamed, *dtype) != std::end(kNamed))
+    return *dtype;
   if (auto dtype = storage::parse_dtype(name)) return *dtype;
   throw Error("unknown dtype " + quote(name) + " (expected float32, bfloat16, float16, float64, float8_e4m3fn, "
               "float8_e5m2, int64, int32, int16, int8, uint8 or bool)");
 }
 
-std::string dtype_torch_name(DType dtype) {
-  for (const auto& entry : kNames)
-    if (entry.dtype == dtype) return entry.name;
-  return std::string(storage::dtype_name(dtype));
-}
+std::string dtype_torch_name(DType dtype) { return std::string(storage::torch_dtype_name(dtype)); }
 
 }  // namespace vramd::convert

@@ -104,8 +104,8 @@ Prepared prepare(const config::ModelConfig& config) {
     }
   }();
   report.printed = plan.printed;
-  const std::string& dtype_name = config.vram.computation.dtype;
-  const c10::ScalarType dtype = dtype_name == "auto" ? dominant_dtype(plan) : weights::state_dtype(dtype_name, c10::kFloat);
+  const auto& computation = config.vram.computation.dtype;
+  const c10::ScalarType dtype = computation ? storage::scalar_type(*computation) : dominant_dtype(plan);
   std::unique_ptr<Model> model;
   try {
     TensorShapes shapes;

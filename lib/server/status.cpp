@@ -22,7 +22,7 @@ const char* state_name(ModelState state) {
 
 namespace {
 
-json state_json(const config::DeviceState& state) { return {{"device", state.device.str()}, {"dtype", state.dtype}}; }
+json state_json(const config::DeviceState& state) { return {{"device", state.device.str()}, {"dtype", config::dtype_str(state.dtype)}}; }
 
 std::string clock_text(std::chrono::system_clock::time_point when, const char* format) {
   const std::time_t t = std::chrono::system_clock::to_time_t(when);

@@ -23,6 +23,12 @@ enum class DType : uint8_t {
 std::optional<DType> parse_dtype(std::string_view name);
 std::string_view dtype_name(DType dtype);
 
+// LibTorch's spelling, as str(torch.bfloat16) has it after "torch." ("bfloat16",
+// "float8_e4m3fn"); nullopt for any other name. The types LibTorch lacks (F6_E2M3, the block
+// types) are named by dtype_name().
+std::optional<DType> parse_torch_dtype(std::string_view name);
+std::string_view torch_dtype_name(DType dtype);
+
 // F16, BF16, F32, F64, the float8/6/4 types and the block types.
 bool is_floating(DType dtype);
 

@@ -86,14 +86,7 @@ constexpr AllowedGlobal kGlobals[] = {
     {"torch.storage", "TypedStorage", Callable::Unread},
 };
 
-// torch.<dtype> as str(dtype) spells it, and the legacy torch.<Name>Storage classes.
-constexpr std::pair<std::string_view, DType> kDTypeNames[] = {
-    {"float32", DType::F32}, {"float64", DType::F64}, {"float16", DType::F16}, {"bfloat16", DType::BF16},
-    {"int64", DType::I64}, {"int32", DType::I32}, {"int16", DType::I16}, {"int8", DType::I8},
-    {"uint8", DType::U8}, {"bool", DType::BOOL}, {"complex64", DType::C64}, {"uint16", DType::U16},
-    {"uint32", DType::U32}, {"uint64", DType::U64}, {"float8_e4m3fn", DType::F8_E4M3},
-    {"float8_e5m2", DType::F8_E5M2}, {"float8_e8m0fnu", DType::F8_E8M0},
-};
+// The legacy torch.<Name>Storage classes (torch.<dtype> names: storage::parse_torch_dtype).
 constexpr std::pair<std::string_view, DType> kStorageNames[] = {
     {"FloatStorage", DType::F32}, {"DoubleStorage", DType::F64}, {"HalfStorage", DType::F16},
     {"BFloat16Storage", DType::BF16}, {"LongStorage", DType::I64}, {"IntStorage", DType::I32},
@@ -345,12 +338,11 @@ class Unpickler {
         return push(value);
       }
     if (module == "torch") {
-      for (const auto& [spelling, dtype] : kDTypeNames)
-        if (spelling == name) {
-          value->callable = Callable::DTypeName;
-          value->dtype = dtype;
-          return push(value);
-        }
+      if (const auto dtype = parse_torch_dtype(name)) {
+        value->callable = Callable::DTypeName;
+        value->dtype = *dtype;
+        return push(value);
+      }
       for (const auto& [spelling, dtype] : kStorageNames)
         if (spelling == name) {
           value->callable = Callable::TypedStorage;

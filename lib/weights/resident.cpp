@@ -84,7 +84,7 @@ uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
 uint64_t ResidentWeights::sleep() { return move_to(states_.offload); }
 
 uint64_t ResidentWeights::wake() {
-  return move_to({states_.computation.device, convert::dtype_torch_name(storage::dtype_of(model_.dtype()))});
+  return move_to({states_.computation.device, storage::dtype_of(model_.dtype())});
 }
 
 std::optional<model::VramStats> ResidentWeights::stats() const { return std::nullopt; }

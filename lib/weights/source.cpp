@@ -16,9 +16,8 @@
 
 namespace vramd::weights {
 
-c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise) {
-  if (name.empty() || name == "auto") return otherwise;
-  return storage::scalar_type(convert::parse_dtype_name(name));
+c10::ScalarType state_dtype(const config::Dtype& dtype, c10::ScalarType otherwise) {
+  return dtype ? storage::scalar_type(*dtype) : otherwise;
 }
 
 at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {

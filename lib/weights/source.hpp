@@ -64,7 +64,7 @@ at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Devi
 // A device of the config as LibTorch names it; disk has no such device (an Error).
 c10::Device torch_device(const config::Device& device);
 
-// A state's dtype by name; "auto" or none: `otherwise`.
-c10::ScalarType state_dtype(const std::string& name, c10::ScalarType otherwise);
+// A state's dtype; "auto": `otherwise`.
+c10::ScalarType state_dtype(const config::Dtype& dtype, c10::ScalarType otherwise);
 
 }  // namespace vramd::weights

@@ -233,3 +233,19 @@ TEST_CASE("load_tensors refuses a dtype LibTorch lacks before reading anything")
   std::vector<const TensorInfo*> wanted = {&map.at("w")};
   CHECK_THROWS_WITH(load_tensors(map, wanted), path + ": tensor 'w': dtype F4 has no LibTorch equivalent");
 }
+
+TEST_CASE("dtype names in LibTorch's spelling are exactly the types LibTorch has") {
+  for (int i = 0; i <= static_cast<int>(DType::Q8_K); ++i) {
+    const auto dtype = static_cast<DType>(i);
+    const std::string torch_name(torch_dtype_name(dtype));
+    INFO(torch_name);
+    const bool has_torch_name = torch_name != dtype_name(dtype);
+    CHECK(parse_torch_dtype(torch_name) == (has_torch_name ? std::optional(dtype) : std::nullopt));
+    if (has_torch_name) CHECK(dtype_of(scalar_type(dtype)) == dtype);
+    else CHECK_THROWS_AS(scalar_type(dtype), vramd::Error);
+  }
+  CHECK(torch_dtype_name(DType::BF16) == "bfloat16");
+  CHECK(torch_dtype_name(DType::F8_E4M3) == "float8_e4m3fn");
+  CHECK_FALSE(parse_torch_dtype("BF16"));  // safetensors' spelling is not LibTorch's
+  CHECK_FALSE(parse_torch_dtype("auto"));
+}

@@ -16,8 +16,8 @@ constexpr uint64_t KiB = 1024;
 config::ModelConfig streamed(std::optional<uint64_t> limit, std::string onload = "disk") {
   config::ModelConfig config;
   config.path = "models/m.toml";
-  config.vram.computation = {config::Device::named("cpu"), "float32"};
-  config.vram.onload = {config::Device::named(onload), "auto"};
+  config.vram.computation = {config::Device::named("cpu"), storage::DType::F32};
+  config.vram.onload = {config::Device::named(onload), std::nullopt};
   config.vram.limit = limit;
   return config;
 }
