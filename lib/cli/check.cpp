@@ -7,6 +7,7 @@
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
 #include "model/dry_run.hpp"
+#include "model/hyperparams.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -47,7 +48,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       } catch (const model::NoArchitecture&) {
         verdict.warnings.push_back(path + ": no architecture, so vramd cannot load it; checked the index and converter only");
         if (!model.converter.empty()) try {
-            auto plan = convert::run_converter(model.converter, map, model.arch_json);
+            auto plan = convert::run_converter(model.converter, map, model::Hyperparams::for_model(model, map).json());
             verdict.tensors = plan.tensors.size();
             verdict.bytes = 0;
             for (const auto& conversion : plan.tensors)

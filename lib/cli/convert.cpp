@@ -8,6 +8,7 @@
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
+#include "model/hyperparams.hpp"
 #include "storage/tensor_io.hpp"
 #include "storage/disk_map.hpp"
 #include "util/format.hpp"
@@ -18,7 +19,8 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
   auto model = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   auto map = storage::DiskMap::open(model.checkpoint, {model.prefix, !model.keep_prefix});
   for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
-  auto plan = model.converter.empty() ? convert::identity_plan(map) : convert::run_converter(model.converter, map, model.arch_json);
+  auto plan = model.converter.empty() ? convert::identity_plan(map)
+                                      : convert::run_converter(model.converter, map, model::Hyperparams::for_model(model, map).json());
   for (const auto& line : plan.printed) err << "print: " << line << '\n';
   if (!options.output.empty()) {
     storage::NamedTensors tensors;

@@ -4,6 +4,9 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "config/model_config.hpp"
+#include "model/gguf_config.hpp"
+#include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
@@ -93,6 +96,13 @@ Hyperparams Hyperparams::for_checkpoint(const std::string& folder, const std::st
   }
   if (origin.empty()) origin = "no config.json in " + folder + " and no [arch] in " + config_path;
   return Hyperparams(std::make_shared<Impl>(Impl{std::move(values), std::move(origin), {}, {}}));
+}
+
+Hyperparams Hyperparams::for_model(const config::ModelConfig& config, const storage::DiskMap& map) {
+  const auto& first = map.files()[0];
+  const bool gguf = first.format == storage::FileFormat::Gguf;
+  return for_checkpoint(fs::path(first.path).parent_path().string(), config.arch_json, config.path,
+                        gguf ? gguf_config_json(map) : "", "the GGUF metadata of " + first.path);
 }
 
 namespace {

@@ -9,6 +9,13 @@
 #include <string_view>
 #include <vector>
 
+namespace vramd::config {
+struct ModelConfig;
+}
+namespace vramd::storage {
+class DiskMap;
+}
+
 namespace vramd::model {
 
 class Hyperparams {
@@ -23,6 +30,9 @@ class Hyperparams {
   static Hyperparams for_checkpoint(const std::string& folder, const std::string& overrides_json,
                                     const std::string& config_path, const std::string& own_json = {},
                                     const std::string& own_origin = {});
+  // Those of a model config's checkpoint, `map`: beside its first file, or a GGUF file's own,
+  // with the config's [arch] over them. What the architecture reads and a converter's `arch` is.
+  static Hyperparams for_model(const config::ModelConfig& config, const storage::DiskMap& map);
 
   bool has(std::string_view key) const;  // present and not null
   int64_t integer(std::string_view key) const;  // throws Error when missing or not an integer

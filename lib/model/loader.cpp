@@ -9,7 +9,6 @@
 #include <set>
 
 #include "convert/converter.hpp"
-#include "model/gguf_config.hpp"
 #include "model/registry.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/clock.hpp"
@@ -86,10 +85,7 @@ Prepared prepare(const config::ModelConfig& config) {
                                              (config.prefix.empty() ? "" : " under prefix " + quote(config.prefix)));
 
   const std::string folder = fs::path(map.files()[0].path).parent_path().string();
-  const bool gguf = map.files()[0].format == storage::FileFormat::Gguf;
-  const Hyperparams hyperparams =
-      Hyperparams::for_checkpoint(folder, config.arch_json, config.path, gguf ? gguf_config_json(map) : "",
-                                  "the GGUF metadata of " + map.files()[0].path);
+  const Hyperparams hyperparams = Hyperparams::for_model(config, map);
   std::string architecture = config.architecture.empty() ? hyperparams.string("model_type", "") : config.architecture;
   if (architecture.empty())
     throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + known_architectures() +

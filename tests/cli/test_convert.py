@@ -59,3 +59,19 @@ def test_a_converter_that_escapes_is_stopped_and_named(tmp_path):
     assert result.returncode == 1
     assert result.stderr == f"vramctl convert: {tmp_path / 'convert.lua'}:1: unknown global 'os'\n"
     assert not (tmp_path / "escaped").exists()
+
+
+def test_arch_is_the_merged_hyperparameters_in_convert_and_check(tmp_path):
+    # arch: config.json beside the checkpoint, with the model config's [arch] merged over it,
+    # the same table the architecture reads; vramctl convert and check see what a load sees.
+    config = setup(tmp_path, 'assert(arch.vocab_size == 7, "config.json not seen")\n'
+                             'assert(arch.hidden_size == 3, "[arch] not merged over config.json")\n'
+                             'return { x = src["a.weight"]:reshape({arch.n_heads, arch.hidden_size}) }\n')
+    (tmp_path / "config.json").write_text('{"vocab_size": 7, "hidden_size": 99, "n_heads": 5}')
+    config.write_text('checkpoint = "ck.safetensors"\nconverter = "convert.lua"\n[arch]\nhidden_size = 3\nn_heads = 2\n')
+    result = vramctl("convert", config, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tensors"]["x"]["shape"] == [2, 3]
+    result = vramctl("check", config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"ok    {config}: model 'm', 1 tensors, 24 B\n" in result.stdout, result.stdout
