@@ -104,8 +104,8 @@ def test_a_client_mistake_is_a_4xx_naming_the_input(hostile):
         status, body = forward(hostile, "gpt2", {"input_ids": torch.tensor(ids).to(dtype)})
         assert status == 200, (dtype, body)
         assert torch.equal(load(body)["logits"], expected), dtype
-    huge = torch.tensor([[1, 2]], dtype=torch.uint64)
-    huge[0, 1] = 2**63 + 5
+    # 2^63 + 5 as uint64, made from int64's same bits: torch before 2.15 cannot assign it directly.
+    huge = torch.tensor([[1, 2**63 + 5 - 2**64]], dtype=torch.int64).view(torch.uint64)
     for bad, words in [({"input_ids": huge}, b"2^63"),
                        ({"input_ids": torch.tensor([[70000, 1]], dtype=torch.uint32)}, b"70000"),
                        ({"input_ids": torch.tensor([[1.0, 2.0]])}, b"Float"),
