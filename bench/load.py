@@ -23,14 +23,14 @@ SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hid
              num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
 
 
-def make_checkpoint(folder):
+def make_checkpoint(folder, shape=SHAPE):
     import torch
     import transformers
     from safetensors.torch import save_file
     if (folder / "model.safetensors").exists():
         return
     folder.mkdir(parents=True, exist_ok=True)
-    config = transformers.LlamaConfig(**SHAPE, dtype="bfloat16")
+    config = transformers.LlamaConfig(**shape, dtype="bfloat16")
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(0)
@@ -40,9 +40,9 @@ def make_checkpoint(folder):
     config.save_pretrained(folder)
 
 
-def warm_checkpoint(folder):
+def warm_checkpoint(folder, shape=SHAPE):
     """Makes the checkpoint when missing and reads it once, so that the page cache holds it; its size."""
-    make_checkpoint(folder)
+    make_checkpoint(folder, shape)
     subprocess.run(["cat", str(folder / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
     return (folder / "model.safetensors").stat().st_size
 

@@ -76,6 +76,7 @@ def test_partitioned_outputs_equal_the_single_process_ones(witnesses, case, rank
     assert f"rank 0 of {ranks}: holds 1/{ranks} of" in vram["plan"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: gathers on a CUDA device (Gloo) not run")
 def test_partitioned_on_cuda_equals_the_single_process_model_on_cuda(witnesses, tmp_path):
     # Two ranks share the one GPU of a test machine: Gloo carries CUDA tensors (NCCL would need a

@@ -248,6 +248,7 @@ def test_the_trace_shows_every_change_of_the_held_bytes(witnesses, tmp_path):
     assert "model.embed_tokens" in acquired and "lm_head" in acquired
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA GPU here: the CUDA streaming path (pinned staging buffers, copy stream) is not run")
 @pytest.mark.parametrize("onload,direct", [("disk", False), ("cpu", False), ("disk", True)],

@@ -1,0 +1,335 @@
+"""The GPU check's benchmarks (scripts/gpu-check runs them): vramd's paths on one device, each
+against a peer or a bound measured in the same run on the same device. A LLaMA-shaped bfloat16
+checkpoint of random weights (bench/load.py's 1.1B, or --size small), page cache warm; every
+contender runs in a fresh process.
+
+    .venv/bin/python bench/gpu.py [--device cuda:0] [--size 1b|small] [--workdir DIR]
+                                  [--forwards 5] [--json FILE]
+
+  staging     host to device: vramd's streamed onload from host memory (bytes streamed over the
+              time spent bringing them in) against a plain copy of pinned host memory to the
+              device (torch's non_blocking .to(): one cudaMemcpyAsync per tensor) of the same
+              bytes; disk to device: vramd's onload from disk with direct_io (every forward
+              reads the disk, around the page cache) against reading the checkpoint alone with
+              the page cache dropped
+  streaming   [vram].limit a quarter of the model, onload on the host and on disk, against
+              accelerate (load_checkpoint_and_dispatch, decoder layers on "cpu" or "disk", the
+              rest on the device): forward median, vramd's peak weight bytes against its limit,
+              the CUDA allocator's own peak
+  ready       time to ready on the device: vramctl run's plan and load against transformers'
+              from_pretrained(device_map=DEVICE)
+  float8      onload resting in float8_e4m3fn, computed in bfloat16, against bfloat16 onload:
+              bytes streamed and forward median
+  sleep/wake  through the daemon: offload (to the host from a GPU; to disk on the CPU) and onload
+              again, seconds per GiB
+
+With --device cpu the same steps run on the CPU where they mean something (not GPU figures), and
+the report lists the others as skipped, with the reason. DiffSynth-Studio's VRAM management is a
+peer on the CPU only so far (bench/vram.py); on a GPU it is listed as skipped.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VRAMCTL = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl"))
+VRAMD = Path(os.environ.get("VRAMD", ROOT / "build" / "bin" / "vramd"))
+sys.path.insert(0, str(ROOT / "bench"))
+import load as load_bench  # noqa: E402  (makes the checkpoint)
+
+SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+GIB = 1 << 30
+
+
+def synchronize(device):
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+# Contenders that run in a fresh Python process (--contender NAME).
+
+def accelerate_contender(folder, device, where, tokens, forwards, offload_dir):
+    """Decoder layers on `where` ("cpu" or "disk"), the rest on `device`, computed on `device`."""
+    import torch
+    import accelerate
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    device_map = {name: device for name in ("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head")}
+    device_map.update({f"model.layers.{i}": where for i in range(config.num_hidden_layers)})
+    model = accelerate.load_checkpoint_and_dispatch(model, str(Path(folder) / "model.safetensors"),
+                                                    device_map=device_map, offload_folder=offload_dir,
+                                                    dtype=torch.bfloat16)
+    model.eval()
+    ids = (torch.arange(tokens).view(1, tokens) % config.vocab_size).to(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(forwards):
+            synchronize(device)
+            start = time.perf_counter()
+            model(input_ids=ids)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
+    return {"forward_median_seconds": statistics.median(times[1:] or times), "device_peak_allocated": peak}
+
+
+def transformers_ready_contender(folder, device):
+    import torch
+    import transformers
+    start = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=device)
+    synchronize(device)
+    ready = time.perf_counter() - start
+    del model
+    return {"ready_seconds": ready}
+
+
+def copy_bound_contender(folder, device):
+    """Every tensor of the checkpoint in pinned host memory, then copied to the device: GB/s."""
+    import torch
+    from safetensors.torch import load_file
+    tensors = [t.pin_memory() for t in load_file(str(Path(folder) / "model.safetensors")).values()]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    best = 0.0
+    for _ in range(3):
+        synchronize(device)
+        start = time.perf_counter()
+        copies = [t.to(device, non_blocking=True) for t in tensors]
+        synchronize(device)
+        best = max(best, total / (time.perf_counter() - start))
+        del copies
+    return {"bytes": total, "bytes_per_second": best}
+
+
+CONTENDERS = {
+    "accelerate-cpu": lambda a: accelerate_contender(a.folder, a.device, "cpu", a.tokens, a.forwards, a.offload_dir),
+    "accelerate-disk": lambda a: accelerate_contender(a.folder, a.device, "disk", a.tokens, a.forwards, a.offload_dir),
+    "transformers-ready": lambda a: transformers_ready_contender(a.folder, a.device),
+    "copy-bound": lambda a: copy_bound_contender(a.folder, a.device),
+}
+
+
+def contender(name, args, folder, offload_dir=""):
+    out = subprocess.run([sys.executable, __file__, "--contender", name, "--folder", str(folder), "--device", args.device,
+                          "--tokens", str(args.tokens), "--forwards", str(args.forwards), "--offload-dir", offload_dir],
+                         capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# vramd's side, through vramctl run and the daemon.
+
+BUDGETS = '[budgets]\ncpu = "64GiB"\n"cuda:0" = "64GiB"\n'  # a [vram].limit needs its device's budget
+
+
+def vramctl_run(workdir, folder, name, vram, args):
+    config = workdir / f"{name}.toml"
+    config.write_text(f'checkpoint = "{folder}"\ndtype = "bfloat16"\n[vram]\n{vram}')
+    (workdir / "vramd.toml").write_text(BUDGETS)
+    stats = workdir / f"{name}-stats.json"
+    out = subprocess.run([VRAMCTL, "run", config, "--daemon-config", workdir / "vramd.toml", "-i", workdir / "inputs.safetensors",
+                          "--repeat", str(args.forwards), "--stats-json", stats], capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        raise RuntimeError(f"vramctl run {name} failed:\n{out.stderr[-4000:]}")
+    return json.loads(stats.read_text())
+
+
+def drop_page_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def cold_read_bytes_per_second(path):
+    drop_page_cache(path)
+    start = time.perf_counter()
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(16 << 20):
+            total += len(chunk)
+    seconds = time.perf_counter() - start
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # warm again for the others
+    return total / seconds
+
+
+def sleep_wake(workdir, folder, device):
+    """Through the daemon: load on `device`, offload, onload; seconds per GiB each way."""
+    import vramd
+    folder_d = workdir / "daemon"
+    (folder_d / "models").mkdir(parents=True, exist_ok=True)
+    sock = Path(tempfile.mkdtemp(prefix="vramd-gpu-")) / "vramd.sock"
+    (folder_d / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\nlog_level = "warn"\n{BUDGETS}')
+    offload = "cpu" if device.startswith("cuda") else "disk"
+    (folder_d / "models" / "bench.toml").write_text(
+        f'checkpoint = "{folder}"\ndtype = "bfloat16"\n[vram]\ncomputation = {{ device = "{device}" }}\n'
+        f'offload = {{ device = "{offload}" }}\n')
+    daemon = subprocess.Popen([VRAMD, "--config", folder_d / "vramd.toml"], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if sock.exists():
+                break
+            time.sleep(0.1)
+        with vramd.connect(sock) as client:
+            client.load("bench")
+            sleeps, wakes = [], []
+            for _ in range(3):
+                moved = client.offload("bench")["moved"]
+                sleeps.append(moved["seconds"] / (moved["bytes"] / GIB) if moved["bytes"] else None)
+                moved = client.onload("bench")["moved"]
+                wakes.append(moved["seconds"] / (moved["bytes"] / GIB) if moved["bytes"] else None)
+        return {"offload_to": offload, "sleep_seconds_per_gib": min(s for s in sleeps if s is not None),
+                "wake_seconds_per_gib": min(w for w in wakes if w is not None)}
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+
+
+def streamed_config(device, onload, limit, onload_dtype=None, direct_io=None):
+    dtype = f', dtype = "{onload_dtype}"' if onload_dtype else ""
+    direct = f"direct_io = {str(direct_io).lower()}\n" if direct_io is not None else ""
+    return (f'computation = {{ device = "{device}" }}\noffload = {{ device = "{onload}" }}\n'
+            f'onload = {{ device = "{onload}"{dtype} }}\nlimit = {limit}\n{direct}')
+
+
+def staging_rate(stats):
+    v = stats["vram"]
+    return v["bytes_streamed"] / v["read_seconds"] if v["read_seconds"] else None
+
+
+def run(args):
+    import torch
+    from safetensors.torch import load_file, save_file
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    folder = workdir / ("llama1b" if args.size == "1b" else "llama-small")
+    size = load_bench.warm_checkpoint(folder, load_bench.SHAPE if args.size == "1b" else SMALL)
+    shape = load_bench.SHAPE if args.size == "1b" else SMALL
+    save_file({"input_ids": (torch.arange(args.tokens).view(1, args.tokens) % shape["vocab_size"]).contiguous()},
+              workdir / "inputs.safetensors")
+    largest = max(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
+    limit = max(size // 4, largest * 5 // 4)
+    gpu = args.device.startswith("cuda")
+    results = {"device": args.device, "size": args.size, "checkpoint_bytes": size, "limit": limit,
+               "tokens": args.tokens, "forwards": args.forwards, "skipped": {}}
+    if gpu:
+        results["gpu"] = torch.cuda.get_device_name(args.device)
+    skip = results["skipped"]
+
+    def step(name, body):
+        print(f"gpu bench: {name}", file=sys.stderr, flush=True)
+        try:
+            results[name] = body()
+        except Exception as e:  # one failed step is reported and the others still run
+            results[name] = {"error": str(e)}
+
+    step("resident", lambda: vramctl_run(workdir, folder, "resident", f'computation = {{ device = "{args.device}" }}\n', args))
+    step("vramd_disk", lambda: vramctl_run(workdir, folder, "streamed-disk", streamed_config(args.device, "disk", limit), args))
+    step("vramd_disk_direct", lambda: vramctl_run(workdir, folder, "streamed-disk-direct",
+                                                  streamed_config(args.device, "disk", limit, direct_io=True), args))
+    step("accelerate_disk", lambda: contender("accelerate-disk", args, folder, str(workdir / "accelerate-offload")))
+    step("read_bound_bytes_per_second", lambda: cold_read_bytes_per_second(folder / "model.safetensors"))
+    step("transformers_ready", lambda: contender("transformers-ready", args, folder))
+    step("sleep_wake", lambda: sleep_wake(workdir, folder, args.device))
+    if gpu:
+        step("vramd_host", lambda: vramctl_run(workdir, folder, "streamed-host", streamed_config(args.device, "cpu", limit), args))
+        step("vramd_host_float8", lambda: vramctl_run(workdir, folder, "streamed-host-fp8",
+                                                      streamed_config(args.device, "cpu", limit, "float8_e4m3fn"), args))
+        step("accelerate_cpu", lambda: contender("accelerate-cpu", args, folder))
+        step("copy_bound", lambda: contender("copy-bound", args, folder))
+    else:
+        why = "no CUDA device: "
+        skip["vramd_host"] = why + "streaming from host memory to a GPU"
+        skip["vramd_host_float8"] = why + "float8 onload computed in bfloat16 on a GPU"
+        skip["accelerate_cpu"] = why + "accelerate's CPU offload computes on a GPU"
+        skip["copy_bound"] = why + "the pinned host-to-GPU copy bound"
+    skip["diffsynth"] = ("DiffSynth-Studio's enable_vram_management is a peer on the CPU only so far (bench/vram.py)"
+                         if gpu else "DiffSynth-Studio on the CPU: bench/vram.py")
+    results["summary"] = summarise(results)
+    return results
+
+
+def ok(results, *names):
+    return all(isinstance(results.get(n), (dict, float, int)) and not (isinstance(results[n], dict) and "error" in results[n])
+               for n in names)
+
+
+def summarise(r):
+    """One line per comparison: what was measured against what, and the ratio."""
+    lines = []
+    fwd = lambda name: r[name]["forward_median_seconds"]  # noqa: E731
+    if ok(r, "vramd_disk", "accelerate_disk"):
+        lines.append(f"streaming from disk: vramd {fwd('vramd_disk'):.3f} s a forward, accelerate {fwd('accelerate_disk'):.3f} s "
+                     f"({fwd('accelerate_disk') / fwd('vramd_disk'):.2f}x); vramd's peak {r['vramd_disk']['vram']['peak']} "
+                     f"of its {r['limit']} byte limit")
+    if ok(r, "vramd_host", "accelerate_cpu"):
+        lines.append(f"streaming from host: vramd {fwd('vramd_host'):.3f} s a forward, accelerate {fwd('accelerate_cpu'):.3f} s "
+                     f"({fwd('accelerate_cpu') / fwd('vramd_host'):.2f}x); vramd's peak {r['vramd_host']['vram']['peak']} "
+                     f"of its {r['limit']} byte limit, the CUDA allocator's peak {r['vramd_host'].get('device_peak_allocated')}")
+    if ok(r, "vramd_host", "copy_bound") and staging_rate(r["vramd_host"]):
+        rate, bound = staging_rate(r["vramd_host"]), r["copy_bound"]["bytes_per_second"]
+        lines.append(f"host-to-GPU staging: {rate / 1e9:.2f} GB/s against a pinned copy's {bound / 1e9:.2f} GB/s "
+                     f"({rate / bound:.0%})")
+    if ok(r, "vramd_disk_direct", "read_bound_bytes_per_second") and staging_rate(r["vramd_disk_direct"]):
+        rate, bound = staging_rate(r["vramd_disk_direct"]), r["read_bound_bytes_per_second"]
+        lines.append(f"disk-to-device onload (direct_io): {rate / 1e9:.2f} GB/s against reading the file cold at "
+                     f"{bound / 1e9:.2f} GB/s ({rate / bound:.0%}); forward {fwd('vramd_disk_direct'):.3f} s")
+    if ok(r, "resident", "transformers_ready"):
+        ours = r["resident"]["plan_seconds"] + r["resident"]["load_seconds"]
+        theirs = r["transformers_ready"]["ready_seconds"]
+        lines.append(f"ready on {r['device']}: vramd {ours:.3f} s, from_pretrained {theirs:.3f} s ({theirs / ours:.2f}x)")
+    if ok(r, "vramd_host", "vramd_host_float8"):
+        a, b = r["vramd_host"], r["vramd_host_float8"]
+        lines.append(f"float8 onload: {b['vram']['bytes_streamed']} bytes streamed against {a['vram']['bytes_streamed']} in "
+                     f"bfloat16, forward {fwd('vramd_host_float8'):.3f} s against {fwd('vramd_host'):.3f} s")
+    if ok(r, "sleep_wake"):
+        s = r["sleep_wake"]
+        lines.append(f"sleep/wake (offload to {s['offload_to']}): {s['sleep_seconds_per_gib']:.4f} s/GiB to sleep, "
+                     f"{s['wake_seconds_per_gib']:.4f} s/GiB to wake")
+    for name, value in r.items():
+        if isinstance(value, dict) and "error" in value:
+            lines.append(f"FAILED {name}: {value['error'].strip().splitlines()[-1] if value['error'].strip() else '?'}")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--size", choices=["1b", "small"], default="1b")
+    parser.add_argument("--workdir", default="/tmp/vramd-bench")
+    parser.add_argument("--forwards", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--contender", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--offload-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.contender:
+        print(json.dumps(CONTENDERS[args.contender](args)))
+        return
+    results = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    for line in results["summary"]:
+        print(line)
+    for name, why in results["skipped"].items():
+        print(f"skipped {name}: {why}")
+    failed = [n for n, v in results.items() if isinstance(v, dict) and "error" in v]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

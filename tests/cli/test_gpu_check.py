@@ -1,0 +1,41 @@
+"""scripts/gpu-check where there is no GPU, as CI and every CPU machine run it: the same steps on
+the CPU, every skip named with its reason in the report, exit 0. (On a GPU machine the same script
+must run every CUDA test; tests/conftest.py makes a skip fail there.)"""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
+def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([ROOT / "scripts" / "gpu-check", "--no-setup", "--forwards", "2", "--workdir", tmp_path / "work",
+                           out], capture_output=True, text=True, timeout=900, env=os.environ)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert report.startswith("# vramd GPU check: passed"), report
+    assert "**No CUDA GPU here**" in report
+    # Every CUDA test is listed, each as skipped with why.
+    assert report.count("- skipped: `parity.test_vram.test_streamed_on_cuda_equals_resident_on_cuda[") == 3, report
+    assert "- skipped: `parity.test_partition.test_partitioned_on_cuda" in report
+    assert "FAILED" not in report
+
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["device"] == "cpu" and "gpu" not in figures and "torch:" in figures["environment"]
+    for step in ("resident", "vramd_disk", "vramd_disk_direct", "accelerate_disk", "transformers_ready", "sleep_wake"):
+        assert "error" not in figures[step], (step, figures[step])
+    assert 0 < figures["vramd_disk"]["vram"]["peak"] <= figures["limit"]
+    assert figures["vramd_disk_direct"]["vram"]["bytes_streamed"] > 0
+    assert set(figures["skipped"]) == {"vramd_host", "vramd_host_float8", "accelerate_cpu", "copy_bound", "diffsynth"}
+    for name, why in figures["skipped"].items():
+        assert f"- skipped {name}: {why}" in report
+    assert any(line.startswith("streaming from disk: vramd ") for line in figures["summary"])
+    assert any(line.startswith("ready on cpu: vramd ") for line in figures["summary"])
+    for log in ("tests.log", "tests.xml", "bench.log", "environment.txt"):
+        assert (out / log).exists(), log
