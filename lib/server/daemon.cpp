@@ -35,10 +35,13 @@ class Daemon {
 
   int run() {
     uv_loop_t* loop = uv_default_loop();
-    server_.listen_unix(config_.socket);  // first: a second daemon must not load anything
+    // First: a second daemon must not load anything.
+    const auto activated = activated_socket();
+    if (activated) server_.listen_activated(*activated, config_.socket);
+    else server_.listen_unix(config_.socket);
     if (!config_.tcp.empty()) server_.listen_tcp(config_.tcp);
     registry_.start();  // clients are accepted once the loop runs, after every config is known
-    log::info("vramd " + std::string(VRAMD_VERSION) + " serving on " + config_.socket +
+    log::info("vramd " + std::string(VRAMD_VERSION) + " serving on " + config_.socket + (activated ? " (from systemd)" : "") +
               (config_.tcp.empty() ? "" : " and tcp " + config_.tcp) + " (pid " + std::to_string(::getpid()) + ")");
     for (auto* signal : {&sigterm_, &sigint_}) {
       uv_signal_init(loop, signal);

@@ -9,6 +9,8 @@
 #include <array>
 #include <cerrno>
 #include <cstdio>
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -16,6 +18,7 @@
 #include "server/boundary.hpp"
 #include "server/reply.hpp"
 #include "util/error.hpp"
+#include "util/format.hpp"
 #include "util/log.hpp"
 #include "util/utf8.hpp"
 
@@ -433,6 +436,44 @@ void Server::listen_unix(const std::string& path) {
   }
   if (!access_.uids.empty()) mode = 0666;  // listed users get in; SO_PEERCRED checks each connection
   ::chmod(path.c_str(), mode);
+  check_uv(uv_listen(reinterpret_cast<uv_stream_t*>(pipe), 128, on_connection), "cannot listen on " + path);
+}
+
+std::optional<int> activated_socket() {
+  const char* pid = std::getenv("LISTEN_PID");
+  const char* fds = std::getenv("LISTEN_FDS");
+  const bool ours = pid && fds && std::string(pid) == std::to_string(::getpid());
+  const std::string count = fds ? fds : "";
+  for (const char* name : {"LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"}) ::unsetenv(name);
+  if (!ours) return std::nullopt;
+  if (count != "1")
+    throw Error("socket activation: LISTEN_FDS=" + escape_invalid_utf8(count) +
+                ", and vramd serves one socket: give its .socket unit one ListenStream=");
+  return 3;  // SD_LISTEN_FDS_START
+}
+
+void Server::listen_activated(int fd, const std::string& path) {
+  const std::string what = "the socket systemd handed over (fd " + std::to_string(fd) + ")";
+  int type = 0, listening = 0;
+  socklen_t size = sizeof type;
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &size) != 0) fail(what, std::string("not a socket: ") + std::strerror(errno));
+  sockaddr_un address{};
+  socklen_t address_size = sizeof address;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &address_size) != 0 || address.sun_family != AF_UNIX ||
+      type != SOCK_STREAM)
+    fail(what, "not a Unix stream socket: vramd's .socket unit needs ListenStream=/path/to/vramd.sock");
+  size = sizeof listening;
+  if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) != 0 || !listening) fail(what, "not listening");
+  const size_t path_bytes = address_size > offsetof(sockaddr_un, sun_path) ? address_size - offsetof(sockaddr_un, sun_path) : 0;
+  const std::string bound(address.sun_path, ::strnlen(address.sun_path, path_bytes));
+  if (bound != path)
+    fail(what, "listens at " + quote(bound) + ", but this daemon's socket is " + quote(path) +
+                   ", where vramctl looks: make the daemon config's socket and the unit's ListenStream= the same");
+  auto* pipe = new uv_pipe_t;
+  uv_pipe_init(loop_, pipe, 0);
+  pipe->data = this;
+  listeners_.push_back(reinterpret_cast<uv_stream_t*>(pipe));
+  check_uv(uv_pipe_open(pipe, fd), "cannot use " + what);
   check_uv(uv_listen(reinterpret_cast<uv_stream_t*>(pipe), 128, on_connection), "cannot listen on " + path);
 }
 

@@ -89,6 +89,10 @@ class Server {
   // A stale socket of this user's, left by a dead daemon, is replaced; a live one, one of
   // another user's or a folder others can write is not: throws Error.
   void listen_unix(const std::string& path);
+  // Serves the listening socket systemd handed over (activated_socket()), which must be a Unix
+  // stream socket listening at `path`: throws Error saying what it is instead. The socket file
+  // is systemd's and stays when the daemon stops, so clients connect across restarts.
+  void listen_activated(int fd, const std::string& path);
   void listen_tcp(const std::string& host_port);
 
   // Stops accepting and removes the socket file; connections already open carry on.
@@ -114,6 +118,12 @@ class Server {
   std::vector<uv_stream_t*> listeners_;
   std::vector<Connection*> connections_;
 };
+
+// Socket activation as systemd does it (sd_listen_fds(3)): the socket is fd 3 when LISTEN_PID is
+// this process and LISTEN_FDS is 1. The variables are removed either way, so that processes this
+// daemon starts do not take them for theirs. nullopt when no socket was handed over; throws
+// Error for more than one.
+std::optional<int> activated_socket();
 
 // "Not Found" for 404, and so on.
 const char* status_text(int status);
