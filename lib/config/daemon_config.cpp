@@ -95,6 +95,7 @@ DaemonConfig load_daemon_config(const std::string& path) {
     else
       root.bad_value("log_level", "expected one of error, warn, info, debug");
   }
+  if (auto log_file = root.string("log_file")) config.log_file = resolve(*log_file);
   if (auto budgets = root.table("budgets")) {
     for (auto device : budgets->keys()) {
       if (!is_device_name(canonical_device(std::string(device)))) {

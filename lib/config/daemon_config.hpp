@@ -36,6 +36,7 @@ struct DaemonConfig {
   std::string models;                   // folder of model configs
   std::vector<std::string> converters;  // folders converter scripts may come from
   std::string log_level = "info";       // error | warn | info | debug
+  std::string log_file;                 // also log here (appended); empty: stderr (the journal) only
   std::map<std::string, uint64_t> budgets;  // device ("cpu", "cuda:0") -> bytes
   std::optional<std::chrono::milliseconds> keep_alive = std::chrono::minutes(10);  // nullopt: forever
   AccessConfig access;

@@ -233,6 +233,7 @@ int serve(const config::DaemonConfig& config) {
   std::signal(SIGPIPE, SIG_IGN);
   storage::survive_cut_files();  // Runtime checks every model's mappings after reading through them
   log::set_level(config.log_level);
+  if (!config.log_file.empty()) log::open_file(config.log_file);
   Daemon daemon(config);
   return daemon.run();
 }

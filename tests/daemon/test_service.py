@@ -1,6 +1,8 @@
 """vramd as a service: a socket handed over as systemd hands it over (the listening socket as
 fd 3, LISTEN_PID the daemon's own pid, LISTEN_FDS=1; configs/systemd/vramd.socket), which
-outlives the daemon's restarts."""
+outlives the daemon's restarts, and logs for the journal and for a file."""
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -85,3 +87,18 @@ def test_a_handover_vramd_cannot_serve_is_refused_naming_what_it_got(tmp_path):
                             "needs ListenStream=/path/to/vramd.sock")
     tcp.close()
 
+
+def test_logs_carry_journal_priorities_and_go_to_the_log_file_at_the_configured_level(tmp_path):
+    daemon = Daemon(tmp_path, extra='log_file = "service.log"', log_level="info")
+    daemon.log.touch()
+    stream = os.stat(daemon.log)  # systemd names the journal's stream by device and inode
+    with daemon.start(env={"JOURNAL_STREAM": f"{stream.st_dev}:{stream.st_ino}"}):
+        request(daemon.sock, "GET", "/v1/models/absent")
+        assert daemon.stop() == 0
+    lines = daemon.log.read_text().splitlines()
+    assert lines and all(re.match(r"<[3467]>vramd: (error|warn|info|debug): ", line) for line in lines), lines
+    assert any(line.startswith("<6>vramd: info: vramd ") and "serving on" in line for line in lines), lines
+    written = (tmp_path / "service.log").read_text().splitlines()
+    assert [re.sub(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", "", line) for line in written] == [
+        re.sub(r"^<\d>", "", line) for line in lines]
+    assert not any(": debug: " in line for line in written)  # log_level = "info"
