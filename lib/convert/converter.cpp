@@ -418,6 +418,9 @@ int source_renamed(lua_State* L) {
 int global_cat(lua_State* L) {
   return guarded(L, [&] { push_tensor(L, cat(check_tensor_list(L, 1), lua_isnoneornil(L, 2) ? 0 : check_int(L, 2))); return 1; });
 }
+int global_zeros(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, zeros(check_ints(L, 1), parse_dtype_name(luaL_checkstring(L, 2)))); return 1; });
+}
 int global_stack(lua_State* L) {
   return guarded(L, [&] { push_tensor(L, stack(check_tensor_list(L, 1), lua_isnoneornil(L, 2) ? 0 : check_int(L, 2))); return 1; });
 }
@@ -481,6 +484,8 @@ void install_api(lua_State* L, Source* source) {
   set_global(L, "cat");
   lua_pushcfunction(L, global_stack);
   set_global(L, "stack");
+  lua_pushcfunction(L, global_zeros);
+  set_global(L, "zeros");
 }
 
 // A JSON value as Lua values: objects and arrays become tables, null becomes nil.

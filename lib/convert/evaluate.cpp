@@ -2,6 +2,7 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
@@ -18,6 +19,7 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
   };
   switch (expr.op) {
     case Expr::Op::Source: return storage::load_tensor(map, expr.source, {.dtype = std::nullopt, .mode = mode});
+    case Expr::Op::Zeros: return at::zeros(expr.shape, at::TensorOptions().dtype(storage::scalar_type(expr.dtype)));
     case Expr::Op::Transpose: return input(0).transpose(expr.args[0], expr.args[1]);
     case Expr::Op::Permute: return input(0).permute(expr.args);
     case Expr::Op::Reshape: return input(0).reshape(expr.args);

@@ -67,6 +67,7 @@ std::string Expr::describe() const {
   };
   switch (op) {
     case Op::Source: return "src[" + quote(source) + "]";
+    case Op::Zeros: return "zeros(" + list_text(shape) + ", " + dtype_torch_name(dtype) + ")";
     case Op::Transpose: return "transpose(" + first() + ", " + std::to_string(args[0]) + ", " + std::to_string(args[1]) + ")";
     case Op::Permute: return "permute(" + first() + ", " + list_text(args) + ")";
     case Op::Reshape: return "reshape(" + first() + ", " + list_text(args) + ")";
@@ -96,6 +97,23 @@ std::vector<std::string> Expr::sources() const {
 ExprPtr source(std::string key, DType dtype, std::vector<int64_t> shape) {
   auto expr = node(Expr::Op::Source, {});
   expr->source = std::move(key);
+  expr->dtype = dtype;
+  expr->shape = std::move(shape);
+  return expr;
+}
+
+ExprPtr zeros(std::vector<int64_t> shape, DType dtype) {
+  // Not read from the checkpoint, so not bounded by it: a cap keeps a script from asking for
+  // more memory than any weight needs.
+  constexpr uint64_t kMaxElements = uint64_t{1} << 32;
+  uint64_t elements = 1;
+  for (const int64_t dim : shape) {
+    if (dim < 0) throw Error("zeros(" + format_shape(shape) + "): dimension " + std::to_string(dim) + " is negative");
+    if (dim > 0 && elements > kMaxElements / static_cast<uint64_t>(dim))
+      throw Error("zeros(" + format_shape(shape) + "): more than 2^32 elements");
+    elements *= static_cast<uint64_t>(dim);
+  }
+  auto expr = node(Expr::Op::Zeros, {});
   expr->dtype = dtype;
   expr->shape = std::move(shape);
   return expr;

@@ -16,7 +16,7 @@ struct Expr;
 using ExprPtr = std::shared_ptr<const Expr>;
 
 struct Expr {
-  enum class Op { Source, Transpose, Permute, Reshape, Narrow, Cat, Stack, Cast, Scale };
+  enum class Op { Source, Zeros, Transpose, Permute, Reshape, Narrow, Cat, Stack, Cast, Scale };
   Op op;
   std::vector<ExprPtr> inputs;
   std::string source;         // Op::Source: the key in the source checkpoint
@@ -45,6 +45,9 @@ struct Expr {
 
 // Each throws Error naming the operation, its operands' sources and shapes, and what is wrong.
 ExprPtr source(std::string key, storage::DType dtype, std::vector<int64_t> shape);
+// A tensor of zeros, read from nowhere: a weight a checkpoint leaves out because it is zero (a
+// bias of a model trained without biases).
+ExprPtr zeros(std::vector<int64_t> shape, storage::DType dtype);
 ExprPtr transpose(const ExprPtr& input, int64_t dim0, int64_t dim1);
 ExprPtr permute(const ExprPtr& input, std::vector<int64_t> dims);
 ExprPtr reshape(const ExprPtr& input, std::vector<int64_t> shape);  // one dimension may be -1

@@ -2,10 +2,20 @@
 --
 -- nanoGPT names its weights as GPT-2 does but keeps the four projections as nn.Linear, [out, in],
 -- where GPT-2's Conv1D keeps [in, out]: those are transposed, everything else passes through.
--- lm_head.weight is tied to transformer.wte.weight, so the loader reads it once. A model saved
--- after torch.compile has every key under "_orig_mod.": set prefix = "_orig_mod." in the model
--- config. nanoGPT saves no config.json: give n_embd, n_head, n_layer, vocab_size and
--- n_positions in [arch].
+-- lm_head.weight is tied to transformer.wte.weight, so the loader reads it once.
+--
+-- The layouts it takes:
+-- - a state dict saved alone; after torch.compile every key is under "_orig_mod.": set
+--   prefix = "_orig_mod." in the model config;
+-- - the ckpt.pt that train.py saves ({"model": ..., "optimizer": ..., "model_args": ...}):
+--   prefix = "model." (or "model._orig_mod." when compiled); the rest of the file is left out.
+--
+-- nanoGPT saves no config.json: give n_embd, n_head, n_layer, vocab_size and n_positions
+-- (nanoGPT's block_size) in [arch], from the checkpoint's model_args. Two more keys:
+-- - bias = false when model_args has bias=False (train.py's default): such a model has no bias
+--   tensors, and GPT-2 without biases is GPT-2 with zero biases, which this script adds;
+-- - activation_function = "gelu": nanoGPT's MLP uses exact GELU (nn.GELU()), where the gpt2
+--   family defaults to GPT-2's tanh approximation ("gelu_new"), 2.4e-4 apart.
 
 local linear = { "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj" }
 
@@ -15,5 +25,19 @@ for name, t in src:items() do
   for _, module in ipairs(linear) do
     if name:sub(-#module - 7) == module .. ".weight" then out[name] = t:t() end
   end
+end
+
+if arch.bias == false then
+  local e, dtype = arch.n_embd, src["transformer.wte.weight"].dtype
+  local sizes = { ["ln_1.bias"] = e, ["attn.c_attn.bias"] = 3 * e, ["attn.c_proj.bias"] = e, ["ln_2.bias"] = e,
+                  ["mlp.c_fc.bias"] = arch.n_inner or 4 * e, ["mlp.c_proj.bias"] = e }
+  local function zero(key, size)
+    if src:has(key) then error("bias = false in [arch], but the checkpoint has " .. key .. "; leave bias out") end
+    out[key] = zeros({ size }, dtype)
+  end
+  for i = 0, arch.n_layer - 1 do
+    for suffix, size in pairs(sizes) do zero("transformer.h." .. i .. "." .. suffix, size) end
+  end
+  zero("transformer.ln_f.bias", e)
 end
 return out

@@ -244,3 +244,19 @@ return out
   // `return src:renamed(...)` is a tail call, whose line Lua no longer knows: the script is named.
   CHECK(f.error_of("return src:renamed('h')") == path + ": src:renamed takes a table of { pattern, replacement } rules, not a string");
 }
+
+TEST_CASE("zeros makes a tensor read from nowhere and refuses a bad or huge shape") {
+  Fixture f;
+  const auto plan = run_converter(f.script("return { b = zeros({2, 3}, 'bfloat16'), w = src['h.0.ln.weight'] }"), f.map());
+  const auto& zeros = find(plan, "b");
+  CHECK(zeros.expr->describe() == "zeros([2, 3], bfloat16)");
+  CHECK((zeros.expr->shape == std::vector<int64_t>{2, 3} && zeros.expr->dtype == storage::DType::BF16));
+  CHECK(zeros.expr->sources().empty());
+  CHECK(at::equal(evaluate(*zeros.expr, f.map()), at::zeros({2, 3}, at::kBFloat16)));
+  auto path = f.dir / "convert.lua";
+  CHECK(f.error_of("return { b = zeros({2, -1}, 'float32') }") == path + ":1: zeros([2, -1]): dimension -1 is negative");
+  CHECK(f.error_of("return { b = zeros({65536, 65536, 2}, 'float32') }") ==
+        path + ":1: zeros([65536, 65536, 2]): more than 2^32 elements");
+  CHECK(f.error_of("return { b = zeros({2}, 'float7') }") ==
+        path + ":1: unknown dtype 'float7' (expected float32, bfloat16, float16, float64, float8_e4m3fn, float8_e5m2, int64, int32, int16, int8, uint8 or bool)");
+}

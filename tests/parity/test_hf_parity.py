@@ -238,6 +238,48 @@ def test_a_nanogpt_checkpoint_loads_through_the_shipped_converter(witnesses, tmp
     assert "'transformer.h.0.mlp.c_fc.weight' is [256, 64], the architecture expects [64, 256]" in result.stderr
 
 
+def test_a_nanogpt_training_checkpoint_without_biases_loads_as_train_py_saves_it(witnesses, tmp_path):
+    # train.py's default: bias=False, exact GELU, a compiled model, and a ckpt.pt holding the
+    # optimizer state and model_args beside the weights. The witness is transformers' GPT-2 with
+    # the same weights, zero biases and activation "gelu".
+    import transformers
+    folder = witnesses["gpt2", "float32"]
+    inputs = load_file(folder / "inputs.safetensors")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_head=4, n_layer=2, vocab_size=1000, n_positions=64, activation_function="gelu")).eval()
+    with torch.no_grad():
+        for name, parameter in hf.named_parameters():
+            if name.endswith(".bias"):
+                parameter.zero_()
+        expected = hf(**{k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}).logits
+    linear = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+    weights = {k: (v.t().contiguous() if k.endswith(linear) else v.clone())
+               for k, v in hf.state_dict().items() if not k.endswith(".bias") and ".attn.bias" not in k}
+    optimizer = torch.optim.AdamW(hf.parameters())
+    hf(input_ids=inputs["input_ids"]).logits.sum().backward()
+    optimizer.step()
+    torch.save({"model": {"_orig_mod." + k: v for k, v in weights.items()}, "optimizer": optimizer.state_dict(),
+                "model_args": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "bias": False,
+                               "vocab_size": 1000, "dropout": 0.0},
+                "iter_num": 100, "best_val_loss": torch.tensor(2.5), "config": {"learning_rate": 6e-4}},
+               tmp_path / "ckpt.pt")
+    converters = Path(__file__).resolve().parents[2] / "scripts" / "converters"
+    arch = ('[arch]\nn_embd = 64\nn_head = 4\nn_layer = 2\nvocab_size = 1000\nn_positions = 64\n'
+            'activation_function = "gelu"\n')
+    config = tmp_path / "nano.toml"
+    config.write_text(f'checkpoint = "ckpt.pt"\nprefix = "model._orig_mod."\narchitecture = "gpt2"\n'
+                      f'converter = "{converters / "nanogpt.lua"}"\n{arch}bias = false\n')
+    output = tmp_path / "out.safetensors"
+    result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
+    assert result.returncode == 0, result.stderr
+    assert relative_error(load_file(output)["logits"], expected) <= TOLERANCE["float32"]
+    # Without bias = false the 13 biases are missing, and the load says so.
+    config.write_text(config.read_text().replace("bias = false\n", ""))
+    result = vramctl("run", config)
+    assert result.returncode == 1 and "13 missing" in result.stderr, result.stderr
+
+
 def test_a_family_is_not_forced_on_a_checkpoint_of_another(tmp_path):
     # Gemma's weights have LLaMA's names and shapes: forced to load as "llama", they used to load
     # without a word and give all-zero logits. The checkpoint's model_type now has the last word,
