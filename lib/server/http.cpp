@@ -407,6 +407,14 @@ void check_uv(int status, const std::string& what) {
 
 }  // namespace
 
+uv_pipe_t* Server::add_pipe_listener() {
+  auto* pipe = new uv_pipe_t;
+  uv_pipe_init(loop_, pipe, 0);
+  pipe->data = this;
+  listeners_.push_back(reinterpret_cast<uv_stream_t*>(pipe));
+  return pipe;
+}
+
 void Server::listen_unix(const std::string& path) {
   if (path.size() >= sizeof(sockaddr_un{}.sun_path)) fail(path, "socket path longer than " + std::to_string(sizeof(sockaddr_un{}.sun_path) - 1) + " bytes");
   check_socket_folder(path);
@@ -419,10 +427,7 @@ void Server::listen_unix(const std::string& path) {
     log::info("replacing the stale socket " + path + " left by a daemon that did not exit cleanly");
     ::unlink(path.c_str());
   }
-  auto* pipe = new uv_pipe_t;
-  uv_pipe_init(loop_, pipe, 0);
-  pipe->data = this;
-  listeners_.push_back(reinterpret_cast<uv_stream_t*>(pipe));
+  uv_pipe_t* pipe = add_pipe_listener();
   const mode_t old_mask = ::umask(0177);  // no moment where others could connect
   const int bound = uv_pipe_bind(pipe, path.c_str());
   ::umask(old_mask);
@@ -469,10 +474,7 @@ void Server::listen_activated(int fd, const std::string& path) {
   if (bound != path)
     fail(what, "listens at " + quote(bound) + ", but this daemon's socket is " + quote(path) +
                    ", where vramctl looks: make the daemon config's socket and the unit's ListenStream= the same");
-  auto* pipe = new uv_pipe_t;
-  uv_pipe_init(loop_, pipe, 0);
-  pipe->data = this;
-  listeners_.push_back(reinterpret_cast<uv_stream_t*>(pipe));
+  uv_pipe_t* pipe = add_pipe_listener();
   check_uv(uv_pipe_open(pipe, fd), "cannot use " + what);
   check_uv(uv_listen(reinterpret_cast<uv_stream_t*>(pipe), 128, on_connection), "cannot listen on " + path);
 }

@@ -106,6 +106,8 @@ class Server {
 
  private:
   friend class Connection;
+  // A pipe handle on the loop, among the listeners stop_listening() closes.
+  uv_pipe_t* add_pipe_listener();
   static void on_connection(uv_stream_t* listener, int status);
   void accept(uv_stream_t* listener, bool is_unix);
   bool allowed(int fd, ucred& credentials, std::string& peer, std::string& refusal) const;
