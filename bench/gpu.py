@@ -216,8 +216,8 @@ def run(args):
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     folder = workdir / ("llama1b" if args.size == "1b" else "llama-small")
-    size = load_bench.warm_checkpoint(folder, load_bench.SHAPE if args.size == "1b" else SMALL)
     shape = load_bench.SHAPE if args.size == "1b" else SMALL
+    size = load_bench.warm_checkpoint(folder, shape)
     save_file({"input_ids": (torch.arange(args.tokens).view(1, args.tokens) % shape["vocab_size"]).contiguous()},
               workdir / "inputs.safetensors")
     largest = max(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
