@@ -32,7 +32,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
     auto model = config::load_model_config(path, daemon);
     verdict.name = model.name;
     try {
-      auto map = storage::DiskMap::open(model.checkpoint, {model.prefix, !model.keep_prefix});
+      auto map = config::open_checkpoint(model);
       verdict.tensors = map.tensors().size();
       verdict.bytes = map.total_bytes();
       verdict.warnings.assign(map.warnings().begin(), map.warnings().end());

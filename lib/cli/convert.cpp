@@ -17,7 +17,7 @@ namespace vramd::cli {
 
 void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err) {
   auto model = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
-  auto map = storage::DiskMap::open(model.checkpoint, {model.prefix, !model.keep_prefix});
+  auto map = config::open_checkpoint(model);
   for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
   auto plan = model.converter.empty() ? convert::identity_plan(map)
                                       : convert::run_converter(model.converter, map, model::Hyperparams::for_model(model, map).json());

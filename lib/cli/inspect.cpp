@@ -50,10 +50,16 @@ void print_json(const DiskMap& map, std::ostream& out) {
                      {"metadata", std::move(metadata)}});
   }
   auto& tensors = doc["tensors"] = nlohmann::ordered_json::object();
-  for (const auto& t : map.tensors())
-    tensors[std::string(t.name())] = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.shape},
-                       {"file", map.files()[t.file].path}, {"key", t.key},
-                       {"offset", t.offset}, {"nbytes", t.nbytes}};
+  // A name several files hold (slices of one tensor): "shards", each file's entry in file order.
+  for (const auto& t : map.tensors()) {
+    nlohmann::ordered_json entry = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.shape},
+                                    {"file", map.files()[t.file].path}, {"key", t.key},
+                                    {"offset", t.offset}, {"nbytes", t.nbytes}};
+    auto& slot = tensors[std::string(t.name())];
+    if (t.shard == 0) slot = std::move(entry);
+    else if (t.shard == 1) slot = {{"shards", {std::move(slot), std::move(entry)}}};
+    else slot["shards"].push_back(std::move(entry));
+  }
   auto& totals = doc["totals"] = nlohmann::ordered_json::object();
   for (const auto& [dtype, total] : totals_by_dtype(map))
     totals[dtype] = {{"tensors", total.tensors}, {"bytes", total.bytes}};
@@ -96,7 +102,7 @@ void print_text(const DiskMap& map, std::ostream& out) {
 }  // namespace
 
 void inspect(const InspectOptions& options, std::ostream& out, std::ostream& err) {
-  auto map = DiskMap::open(options.sources, {options.prefix, !options.keep_prefix});
+  auto map = DiskMap::open(options.sources, {.prefix = options.prefix, .strip_prefix = !options.keep_prefix, .shards = true});
   for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
   if (options.json)
     print_json(map, out);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "config/daemon_config.hpp"
+#include "storage/disk_map.hpp"
 #include "storage/dtype.hpp"
 
 namespace vramd::config {
@@ -71,5 +72,9 @@ struct ModelConfig {
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon);
 // The same, from the file's bytes as read once (the daemon compares them with what it serves).
 ModelConfig load_model_config(const std::string& path, const std::string& text, const DaemonConfig& daemon);
+
+// The model's checkpoint as its config reads it: under its prefix, and with a converter, the
+// same name in several files as slices for the converter to join (DiskMapOptions::shards).
+storage::DiskMap open_checkpoint(const ModelConfig& config);
 
 }  // namespace vramd::config

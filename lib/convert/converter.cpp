@@ -19,10 +19,25 @@ namespace {
 constexpr const char* kTensorType = "vramd.Tensor";
 constexpr const char* kSourceType = "vramd.Source";
 
-// A checkpoint tensor as an expression; GGUF's block types read as float32 (load_tensor unpacks).
-ExprPtr source_of(const storage::TensorInfo& info) {
+// A checkpoint tensor as an expression, the slice `info.shard` of `shards`; GGUF's block types
+// read as float32 (load_tensor unpacks).
+ExprPtr source_of(const storage::TensorInfo& info, uint32_t shards = 1) {
   const auto dtype = storage::dtype_block(info.dtype) == 1 ? info.dtype : storage::DType::F32;
-  return source(std::string(info.name()), dtype, info.shape);
+  return source(std::string(info.name()), dtype, info.shape, info.shard, shards);
+}
+
+// Whether tensors[i] is the first of a name several files hold.
+bool sharded_at(std::span<const storage::TensorInfo> tensors, size_t i) {
+  return i + 1 < tensors.size() && tensors[i + 1].shard > 0 && tensors[i + 1].name() == tensors[i].name();
+}
+
+// Raises "<what>: 2 files hold a slice of 'x' (a.pth, b.pth); ...", the script's line first.
+int sharded_error(lua_State* L, const storage::DiskMap& map, const std::string& what, std::string_view name) {
+  std::string files;
+  const auto shards = map.shards(name);
+  for (const auto& shard : shards) files += (files.empty() ? "" : ", ") + map.files()[shard.file].path;
+  return luaL_error(L, "%s: %d files hold a slice of %s (%s); src:shards(name) gives each, for cat to join",
+                    what.c_str(), static_cast<int>(shards.size()), quote(name).c_str(), files.c_str());
 }
 
 // string.find and string.gsub, for the rules rename() leaves to Lua (see rename_in_lua).
@@ -193,15 +208,18 @@ void push_source_tensor(lua_State* L, const storage::TensorInfo& info, int metat
   push_tensor(L, source_of(info), metatable);
 }
 
-bool push_source_tensor(lua_State* L, Source& source, const std::string& name) {
-  const auto* info = source.map->find(name);
-  if (info) push_source_tensor(L, *info);
-  return info != nullptr;
+// The tensor of that name, for src[name] and src:get(name); false when there is none.
+bool push_source_tensor(lua_State* L, Source& source, const std::string& name, bool get) {
+  const auto shards = source.map->shards(name);
+  if (shards.size() > 1)
+    sharded_error(L, *source.map, get ? "src:get(" + quote(name) + ")" : "src[" + quote(name) + "]", name);
+  if (!shards.empty()) push_source_tensor(L, shards.front());
+  return !shards.empty();
 }
 
 int source_get(lua_State* L) {
   auto& source = check_source(L, 1);
-  if (!push_source_tensor(L, source, luaL_checkstring(L, 2))) lua_pushnil(L);
+  if (!push_source_tensor(L, source, luaL_checkstring(L, 2), true)) lua_pushnil(L);
   return 1;
 }
 int source_has(lua_State* L) {
@@ -209,13 +227,34 @@ int source_has(lua_State* L) {
   lua_pushboolean(L, source.map->find(luaL_checkstring(L, 2)) != nullptr);
   return 1;
 }
+// The number of names: a name several files hold counts once.
+size_t name_count(const storage::DiskMap& map) {
+  const auto tensors = map.tensors();
+  return static_cast<size_t>(
+      std::count_if(tensors.begin(), tensors.end(), [](const storage::TensorInfo& t) { return t.shard == 0; }));
+}
 int source_keys(lua_State* L) {
   auto& source = check_source(L, 1);
-  const auto tensors = source.map->tensors();
-  lua_createtable(L, static_cast<int>(tensors.size()), 0);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto name = tensors[i].name();
+  lua_createtable(L, static_cast<int>(name_count(*source.map)), 0);
+  int n = 0;
+  for (const auto& tensor : source.map->tensors()) {
+    if (tensor.shard > 0) continue;
+    const auto name = tensor.name();
     lua_pushlstring(L, name.data(), name.size());
+    lua_rawseti(L, -2, ++n);
+  }
+  return 1;
+}
+// src:shards(name): each file's slice of the name, in file order (one tensor when one file holds it).
+int source_shards(lua_State* L) {
+  auto& source = check_source(L, 1);
+  const std::string name = luaL_checkstring(L, 2);
+  const auto shards = source.map->shards(name);
+  if (shards.empty())
+    return luaL_error(L, "src:shards(%s): the checkpoint has no tensor of that name", quote(name).c_str());
+  lua_createtable(L, static_cast<int>(shards.size()), 0);
+  for (size_t i = 0; i < shards.size(); ++i) {
+    push_tensor(L, source_of(shards[i], static_cast<uint32_t>(shards.size())));
     lua_rawseti(L, -2, static_cast<int>(i + 1));
   }
   return 1;
@@ -226,6 +265,7 @@ int source_next(lua_State* L) {
   auto position = static_cast<size_t>(lua_tonumber(L, lua_upvalueindex(2)));
   const auto tensors = source.map->tensors();
   if (position >= tensors.size()) return 0;
+  if (sharded_at(tensors, position)) return sharded_error(L, *source.map, "src:items()", tensors[position].name());
   lua_pushnumber(L, static_cast<lua_Number>(position + 1));
   lua_replace(L, lua_upvalueindex(2));
   const auto name = tensors[position].name();
@@ -245,6 +285,7 @@ int source_items(lua_State* L) {
 std::string nearest_names(const storage::DiskMap& map, std::string_view name) {
   std::vector<std::pair<size_t, std::string_view>> scored;
   for (const auto& tensor : map.tensors()) {
+    if (tensor.shard > 0) continue;
     const std::string_view candidate = tensor.name();
     const size_t gap = candidate.size() > name.size() ? candidate.size() - name.size() : name.size() - candidate.size();
     if (gap <= 16) scored.emplace_back(edit_distance(candidate, name), candidate);
@@ -265,12 +306,12 @@ int source_index(lua_State* L) {
   lua_getfield(L, -1, key.c_str());
   if (!lua_isnil(L, -1)) return 1;
   lua_pop(L, 3);
-  if (push_source_tensor(L, source, key)) return 1;
+  if (push_source_tensor(L, source, key, false)) return 1;
   return luaL_error(L, "the checkpoint has no tensor %s (nearest: %s); src:get(name) gives nil for a name that may be missing",
                     quote(key).c_str(), nearest_names(*source.map, key).c_str());
 }
 int source_len(lua_State* L) {
-  lua_pushnumber(L, static_cast<lua_Number>(check_source(L, 1).map->tensors().size()));
+  lua_pushnumber(L, static_cast<lua_Number>(name_count(*check_source(L, 1).map)));
   return 1;
 }
 
@@ -396,8 +437,10 @@ int source_renamed(lua_State* L) {
   const int out = lua_gettop(L);
   luaL_getmetatable(L, kTensorType);
   const int metatable = out + 1;
-  for (const auto& info : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& info = tensors[i];
     const auto name = info.name();
+    if (sharded_at(tensors, i)) return sharded_error(L, *source.map, "src:renamed", name);
     if (std::none_of(rules.begin(), rules.end(), [&](const RenameRule& rule) { return push_renamed(L, name, rule); }))
       lua_pushlstring(L, name.data(), name.size());  // [..., target]
     lua_pushvalue(L, -1);
@@ -473,7 +516,7 @@ void install_api(lua_State* L, Source* source) {
                 {{"__tostring", tensor_tostring}, {"__gc", tensor_gc}});
   register_type(L, kSourceType, source_index,
                 {{"get", source_get}, {"has", source_has}, {"keys", source_keys}, {"items", source_items},
-                 {"renamed", source_renamed}},
+                 {"shards", source_shards}, {"renamed", source_renamed}},
                 {{"__len", source_len}});
   auto* memory = static_cast<Source*>(lua_newuserdata(L, sizeof(Source)));
   *memory = *source;
@@ -568,9 +611,15 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
   const auto tensors = map.tensors();
   std::vector<char> used(tensors.size());
   for (const auto& conversion : plan.tensors)
-    conversion.expr->for_each_source([&](const std::string& key) { used[map.find(key) - tensors.data()] = 1; });
-  for (size_t i = 0; i < tensors.size(); ++i)
-    if (!used[i]) plan.unused.emplace_back(tensors[i].name());
+    conversion.expr->for_each_source([&](const Expr& source) { used[&map.at(source.source, source.shard) - tensors.data()] = 1; });
+  // A name several files hold is used when any slice of it is: Meta's norms are whole in each.
+  for (size_t i = 0; i < tensors.size();) {
+    size_t end = i + 1;
+    while (end < tensors.size() && tensors[end].shard > 0) ++end;
+    if (std::none_of(used.begin() + i, used.begin() + end, [](char u) { return u != 0; }))
+      plan.unused.emplace_back(tensors[i].name());
+    i = end;
+  }
   return plan;
 }
 

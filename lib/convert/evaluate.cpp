@@ -18,7 +18,7 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
     return tensors;
   };
   switch (expr.op) {
-    case Expr::Op::Source: return storage::load_tensor(map, expr.source, {.dtype = std::nullopt, .mode = mode});
+    case Expr::Op::Source: return storage::load_tensor(map, map.at(expr.source, expr.shard), {.dtype = std::nullopt, .mode = mode});
     case Expr::Op::Zeros: return at::zeros(expr.shape, at::TensorOptions().dtype(storage::scalar_type(expr.dtype)));
     case Expr::Op::Transpose: return input(0).transpose(expr.args[0], expr.args[1]);
     case Expr::Op::Permute: return input(0).permute(expr.args);

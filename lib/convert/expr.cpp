@@ -22,7 +22,7 @@ std::string operand(const Expr& expr) {
   auto keys = expr.sources();
   std::string from;
   for (const auto& key : keys) from += (from.empty() ? "" : ", ") + quote(key);
-  return (expr.op == Expr::Op::Source ? "src[" + quote(expr.source) + "]" : "an expression of " + from) +
+  return (expr.op == Expr::Op::Source ? expr.describe() : "an expression of " + from) +
          " (shape " + format_shape(expr.shape) + ")";
 }
 
@@ -66,7 +66,9 @@ std::string Expr::describe() const {
     return text + "]";
   };
   switch (op) {
-    case Op::Source: return "src[" + quote(source) + "]";
+    case Op::Source:
+      return shards > 1 ? "src:shards(" + quote(source) + ")[" + std::to_string(shard + 1) + "]"
+                        : "src[" + quote(source) + "]";
     case Op::Zeros: return "zeros(" + list_text(shape) + ", " + dtype_torch_name(dtype) + ")";
     case Op::Transpose: return "transpose(" + first() + ", " + std::to_string(args[0]) + ", " + std::to_string(args[1]) + ")";
     case Op::Permute: return "permute(" + first() + ", " + list_text(args) + ")";
@@ -88,15 +90,17 @@ std::string Expr::describe() const {
 
 std::vector<std::string> Expr::sources() const {
   std::vector<std::string> out;
-  for_each_source([&](const std::string& key) {
-    if (std::find(out.begin(), out.end(), key) == out.end()) out.push_back(key);
+  for_each_source([&](const Expr& node) {
+    if (std::find(out.begin(), out.end(), node.source) == out.end()) out.push_back(node.source);
   });
   return out;
 }
 
-ExprPtr source(std::string key, DType dtype, std::vector<int64_t> shape) {
+ExprPtr source(std::string key, DType dtype, std::vector<int64_t> shape, uint32_t shard, uint32_t shards) {
   auto expr = node(Expr::Op::Source, {});
   expr->source = std::move(key);
+  expr->shard = shard;
+  expr->shards = shards;
   expr->dtype = dtype;
   expr->shape = std::move(shape);
   return expr;

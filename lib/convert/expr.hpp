@@ -20,31 +20,35 @@ struct Expr {
   Op op;
   std::vector<ExprPtr> inputs;
   std::string source;         // Op::Source: the key in the source checkpoint
+  uint32_t shard = 0;         // Op::Source: which file's slice of it (DiskMap::shards), in file order
+  uint32_t shards = 1;        // Op::Source: how many files hold a slice of it
   std::vector<int64_t> args;  // dims (Transpose, Permute), shape (Reshape), dim/start/length (Narrow), dim (Cat, Stack)
   double factor = 1;          // Op::Scale
   storage::DType dtype;       // of the result
   std::vector<int64_t> shape;
 
-  // "narrow(t(src['h.0.attn.c_attn.weight']), 0, 0, 768)"
+  // "narrow(t(src['h.0.attn.c_attn.weight']), 0, 0, 768)"; a shard: "src:shards('wq')[2]"
   std::string describe() const;
   // The source keys it reads, in order, each once.
   std::vector<std::string> sources() const;
-  // Calls `visit` with the key of every source node, depth first (a key read twice, twice).
+  // Calls `visit` with every source node, depth first (a key read twice, twice).
   template <typename Visit>
   void for_each_source(Visit&& visit) const {
-    if (op == Op::Source) return visit(source);  // most targets: no stack to allocate
+    if (op == Op::Source) return visit(*this);  // most targets: no stack to allocate
     std::vector<const Expr*> pending = {this};
     while (!pending.empty()) {
       const Expr* expr = pending.back();
       pending.pop_back();
-      if (expr->op == Op::Source) visit(expr->source);
+      if (expr->op == Op::Source) visit(*expr);
       for (auto it = expr->inputs.rbegin(); it != expr->inputs.rend(); ++it) pending.push_back(it->get());
     }
   }
 };
 
 // Each throws Error naming the operation, its operands' sources and shapes, and what is wrong.
-ExprPtr source(std::string key, storage::DType dtype, std::vector<int64_t> shape);
+// `shard` of `shards`: the slice of the key in one of several files that each hold a slice.
+ExprPtr source(std::string key, storage::DType dtype, std::vector<int64_t> shape, uint32_t shard = 0,
+               uint32_t shards = 1);
 // A tensor of zeros, read from nowhere: a weight a checkpoint leaves out because it is zero (a
 // bias of a model trained without biases).
 ExprPtr zeros(std::vector<int64_t> shape, storage::DType dtype);

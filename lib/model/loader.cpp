@@ -77,7 +77,7 @@ struct Prepared {
 Prepared prepare(const config::ModelConfig& config) {
   const auto plan_start = Clock::now();
   const std::string& where = config.path;
-  auto map = storage::DiskMap::open(config.checkpoint, {config.prefix, !config.keep_prefix});
+  auto map = config::open_checkpoint(config);
   LoadReport report;
   report.checkpoint = map.description();
   report.warnings.assign(map.warnings().begin(), map.warnings().end());
@@ -137,8 +137,8 @@ Prepared prepare(const config::ModelConfig& config) {
       continue;
     }
     uint64_t order = UINT64_MAX;
-    expr->for_each_source([&](const std::string& key) {
-      const auto& info = map.at(key);
+    expr->for_each_source([&](const convert::Expr& source) {
+      const auto& info = map.at(source.source, source.shard);
       order = std::min(order, (uint64_t{info.file} << 48) + info.offset);
     });
     assignments.push_back({parameter, expr, order});

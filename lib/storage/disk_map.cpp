@@ -3,6 +3,7 @@
 #include <glob.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -96,9 +97,17 @@ void add_index(const std::string& index_path, std::vector<Part>& parts) {
   }
 }
 
+// Meta's tensor-parallel files: consolidated.00.pth, consolidated.01.pth, ...
+bool is_meta_shard(const std::string& path) {
+  const std::string name = fs::path(path).filename().string();
+  return name.size() == 19 && name.starts_with("consolidated.") && ends_with(name, ".pth") &&
+         std::isdigit(static_cast<unsigned char>(name[13])) && std::isdigit(static_cast<unsigned char>(name[14]));
+}
+
 // A folder's checkpoint as Hugging Face finds it: the index of its shards, else the one file
 // named as the libraries save it (model.safetensors, diffusion_pytorch_model.safetensors,
-// pytorch_model.bin), else the folder's only checkpoint file. Other checkpoint files beside the
+// pytorch_model.bin), else the folder's only checkpoint file; Meta's consolidated.NN.pth files
+// are taken together, as transformers' conversion takes them. Other checkpoint files beside the
 // one chosen are left out with a warning; several and none chosen is an error saying how to
 // name them.
 void add_folder(const std::string& folder, std::vector<Part>& parts, std::vector<std::string>& warnings) {
@@ -109,8 +118,21 @@ void add_folder(const std::string& folder, std::vector<Part>& parts, std::vector
     if (indexes.size() == 1) add_index(indexes[0], parts);
     return indexes.size() == 1;
   };
-  const auto pick = [&](std::vector<std::string> files, std::initializer_list<const char*> known, const char* glob) {
+  const auto pick = [&](std::vector<std::string> files, std::initializer_list<const char*> known) {
     if (files.empty()) return false;
+    // All of them: checkpoint = "<folder>/*.pth" for consolidated.00.pth and .01.pth, a list
+    // when their extensions differ.
+    const auto extension = fs::path(files[0]).extension();
+    std::string all = "\"" + (fs::path(folder) / ("*" + extension.string())).string() + "\"";
+    if (std::any_of(files.begin(), files.end(), [&](const auto& file) { return fs::path(file).extension() != extension; })) {
+      all.clear();
+      for (const auto& file : files) all += (all.empty() ? "[\"" : ", \"") + file + "\"";
+      all += "]";
+    }
+    if (files.size() > 1 && std::all_of(files.begin(), files.end(), is_meta_shard)) {
+      for (const auto& file : files) parts.push_back(Part{file, {}, std::nullopt});
+      return true;
+    }
     std::string chosen = files.size() == 1 ? files[0] : "";
     for (const char* name : known)
       if (chosen.empty() && std::find(files.begin(), files.end(), (fs::path(folder) / name).string()) != files.end())
@@ -121,26 +143,23 @@ void add_folder(const std::string& folder, std::vector<Part>& parts, std::vector
     if (chosen.empty())
       fail(folder, "holds " + std::to_string(files.size()) + " checkpoint files (" + others + ") and neither an index " +
                        "naming its shards nor a file named as Hugging Face saves one (" + *known.begin() +
-                       "); name the file to load, or load them together with checkpoint = \"" +
-                       (fs::path(folder) / glob).string() + "\"");
+                       "); name the file to load, or load them together with checkpoint = " + all);
     if (!others.empty())
       warnings.push_back(folder + ": loading " + fs::path(chosen).filename().string() + " as Hugging Face would; " +
-                         others + " beside it left out (checkpoint = \"" + (fs::path(folder) / glob).string() +
-                         "\" loads them all)");
+                         others + " beside it left out (checkpoint = " + all + " loads them all)");
     parts.push_back(Part{chosen, {}, std::nullopt});
     return true;
   };
   if (index(".safetensors.index.json") ||
-      pick(sorted_matches(folder, ".safetensors"), {"model.safetensors", "diffusion_pytorch_model.safetensors"},
-           "*.safetensors") ||
+      pick(sorted_matches(folder, ".safetensors"), {"model.safetensors", "diffusion_pytorch_model.safetensors"}) ||
       index(".bin.index.json"))
     return;
   std::vector<std::string> pickles;
   for (const char* suffix : {".bin", ".pt", ".pth", ".ckpt"})
     for (auto& path : sorted_matches(folder, suffix)) pickles.push_back(std::move(path));
   std::sort(pickles.begin(), pickles.end());
-  if (!pick(pickles, {"pytorch_model.bin", "diffusion_pytorch_model.bin"}, "*.bin") &&
-      !pick(sorted_matches(folder, ".gguf"), {"model.gguf"}, "*.gguf"))
+  if (!pick(pickles, {"pytorch_model.bin", "diffusion_pytorch_model.bin"}) &&
+      !pick(sorted_matches(folder, ".gguf"), {"model.gguf"}))
     fail(folder, "holds no checkpoint (looked for *.safetensors.index.json, *.bin.index.json, *.safetensors, "
                  "*.bin, *.pt, *.pth, *.ckpt, *.gguf)");
 }
@@ -308,12 +327,21 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
                                 std::to_string(indexer.keys_seen) + " keys, such as " + examples + ")");
   }
   // A single safetensors file arrives sorted already: stripping a prefix keeps the order.
+  // sort_by is stable, so a name several files hold stays in file order.
   sort_by(impl->tensors, [](const TensorInfo& t) { return t.name(); });
-  auto twin = std::adjacent_find(impl->tensors.begin(), impl->tensors.end(),
-                                 [](const TensorInfo& a, const TensorInfo& b) { return a.name() == b.name(); });
-  if (twin != impl->tensors.end())
-    fail(impl->files[twin[1].file].path, "holds the key " + quote(twin[1].key) + ", which " +
-                                             impl->files[twin[0].file].path + " holds too");
+  for (size_t i = 1; i < impl->tensors.size(); ++i) {
+    auto& earlier = impl->tensors[i - 1];
+    auto& tensor = impl->tensors[i];
+    if (earlier.name() != tensor.name()) continue;
+    const auto& path = impl->files[tensor.file].path;
+    if (earlier.file == tensor.file) fail(path, "holds the key " + quote(tensor.key) + " twice");
+    if (!options.shards)
+      fail(path, "holds the key " + quote(tensor.key) + ", which " + impl->files[earlier.file].path +
+                     " holds too; when each file holds a slice of every tensor (tensor-parallel shards, as "
+                     "Meta's consolidated.NN.pth), a converter joins them: src:shards(name) gives each "
+                     "file's slice (scripts/converters/meta_llama.lua does this)");
+    tensor.shard = earlier.shard + 1;
+  }
   return DiskMap(std::move(impl));
 }
 
@@ -324,15 +352,25 @@ const std::string& DiskMap::description() const { return impl_->description; }
 uint64_t DiskMap::total_bytes() const { return impl_->total_bytes; }
 
 const TensorInfo* DiskMap::find(std::string_view name) const {
-  const auto& tensors = impl_->tensors;
-  auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
-                             [](const TensorInfo& t, std::string_view n) { return t.name() < n; });
-  return it != tensors.end() && it->name() == name ? &*it : nullptr;
+  const auto found = shards(name);
+  return found.empty() ? nullptr : &found.front();
 }
 
-const TensorInfo& DiskMap::at(std::string_view name) const {
-  if (const auto* info = find(name)) return *info;
-  fail(impl_->description, "has no tensor " + quote(name));
+std::span<const TensorInfo> DiskMap::shards(std::string_view name) const {
+  const auto& tensors = impl_->tensors;
+  auto begin = std::lower_bound(tensors.begin(), tensors.end(), name,
+                                [](const TensorInfo& t, std::string_view n) { return t.name() < n; });
+  auto end = std::find_if(begin, tensors.end(), [&](const TensorInfo& t) { return t.name() != name; });
+  return {begin, end};
+}
+
+const TensorInfo& DiskMap::at(std::string_view name, uint32_t shard) const {
+  const auto found = shards(name);
+  if (found.empty()) fail(impl_->description, "has no tensor " + quote(name));
+  if (shard >= found.size())
+    fail(impl_->description, "holds " + quote(name) + " in " + std::to_string(found.size()) + " files, not " +
+                                 std::to_string(shard + 1));
+  return found[shard];
 }
 
 void DiskMap::read(const TensorInfo& info, std::span<std::byte> dst) const {

@@ -43,6 +43,7 @@ struct TensorInfo {
   DType dtype;
   std::vector<int64_t> shape;
   uint32_t file = 0;    // index into DiskMap::files()
+  uint32_t shard = 0;   // which of the files that hold this name it comes from, in file order (DiskMapOptions::shards)
   uint64_t offset = 0;  // absolute byte offset of the data in that file
   uint64_t nbytes = 0;
 
@@ -52,8 +53,12 @@ struct TensorInfo {
 };
 
 struct DiskMapOptions {
-  std::string prefix;        // empty: every key
+  std::string prefix = {};   // empty: every key
   bool strip_prefix = true;  // serve "model.x" as "x" when prefix is "model."
+  // Several files may hold the same name, each a slice of one tensor (tensor-parallel shards,
+  // as Meta's consolidated.NN.pth): tensors() then lists it once per file, in file order, for a
+  // converter to join (src:shards). Without it, such a name is an error naming both files.
+  bool shards = false;
 };
 
 class DiskMap {
@@ -61,13 +66,17 @@ class DiskMap {
   static DiskMap open(const std::vector<std::string>& sources, const DiskMapOptions& options = {});
   static DiskMap open(const std::string& source, const DiskMapOptions& options = {});
 
-  std::span<const TensorInfo> tensors() const;  // sorted by name
+  std::span<const TensorInfo> tensors() const;  // sorted by name, then by file
   std::span<const CheckpointFile> files() const;
   std::span<const std::string> warnings() const;  // e.g. shard tensors an index leaves out
   const std::string& description() const;         // the sources, for messages
 
+  // The tensor of that name; with shards, the first file's.
   const TensorInfo* find(std::string_view name) const;
-  const TensorInfo& at(std::string_view name) const;  // throws Error naming the key and sources
+  // Each file's tensor of that name, in file order; empty when there is none.
+  std::span<const TensorInfo> shards(std::string_view name) const;
+  // Throws Error naming the key and sources.
+  const TensorInfo& at(std::string_view name, uint32_t shard = 0) const;
 
   uint64_t total_bytes() const;  // of the tensors in the map
 

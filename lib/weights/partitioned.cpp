@@ -42,8 +42,8 @@ bool matches_any(const std::string& name, const std::vector<std::string>& patter
 void read_flat(const Source& source, const Assignment& assignment, int64_t begin, int64_t end, at::Tensor out) {
   const convert::Expr& expr = *assignment.expr;
   const auto& map = source.map;
-  if (expr.op == convert::Expr::Op::Source && storage::dtype_block(map.at(expr.source).dtype) == 1) {
-    const auto& info = map.at(expr.source);
+  if (expr.op == convert::Expr::Op::Source && storage::dtype_block(map.at(expr.source, expr.shard).dtype) == 1) {
+    const auto& info = map.at(expr.source, expr.shard);
     const c10::ScalarType stored = storage::scalar_type(map, info);
     const auto size = static_cast<int64_t>(c10::elementSize(stored));
     at::Tensor target = stored == out.scalar_type() ? out : at::empty({end - begin}, at::TensorOptions().dtype(stored));

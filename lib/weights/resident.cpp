@@ -39,7 +39,7 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
   for (const auto& a : source_->assignments) {
     const at::Tensor value = source_->read(a, device, dtype, views);
     if (zero_copy && views && a.expr->op == convert::Expr::Op::Source &&
-        value.const_data_ptr() == map.bytes(map.at(a.expr->source)).first.data())
+        value.const_data_ptr() == map.bytes(map.at(a.expr->source, a.expr->shard)).first.data())
       ++*zero_copy;
     a.parameter->value = value;
     progress.bytes_done += value.nbytes();

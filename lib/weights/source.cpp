@@ -23,14 +23,14 @@ c10::ScalarType state_dtype(const config::Dtype& dtype, c10::ScalarType otherwis
 at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
   const auto mode = views ? storage::ReadMode::Auto : direct ? storage::ReadMode::Direct : storage::ReadMode::Copy;
   at::Tensor value = a.expr->op == convert::Expr::Op::Source
-                         ? storage::load_tensor(map, map.at(a.expr->source), {.dtype = dtype, .mode = mode})
+                         ? storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = dtype, .mode = mode})
                          : convert::evaluate(*a.expr, map, mode).to(dtype);
   return device.is_cpu() ? value : value.to(device);
 }
 
 const storage::TensorInfo* Source::stored(const Assignment& a, c10::ScalarType dtype) const {
   if (a.expr->op != convert::Expr::Op::Source) return nullptr;
-  const auto& info = map.at(a.expr->source);
+  const auto& info = map.at(a.expr->source, a.expr->shard);
   if (storage::dtype_block(info.dtype) != 1) return nullptr;  // packed: unpacked on reading
   return storage::scalar_type(map, info) == dtype ? &info : nullptr;
 }

@@ -260,3 +260,45 @@ TEST_CASE("zeros makes a tensor read from nowhere and refuses a bad or huge shap
   CHECK(f.error_of("return { b = zeros({2}, 'float7') }") ==
         path + ":1: unknown dtype 'float7' (expected float32, bfloat16, float16, float64, float8_e4m3fn, float8_e5m2, int64, int32, int16, int8, uint8 or bool)");
 }
+
+TEST_CASE("src shards gives each file's slice for cat to join and other reads of such a name say so") {
+  TempDir dir;
+  const at::Tensor whole = at::arange(6 * 4, at::kFloat).reshape({6, 4});
+  const at::Tensor norm = at::ones({4}, at::kFloat);
+  storage::save_tensors(dir / "consolidated.00.safetensors", {{"wq", whole.narrow(0, 0, 2)}, {"norm", norm}});
+  storage::save_tensors(dir / "consolidated.01.safetensors", {{"wq", whole.narrow(0, 2, 4)}, {"norm", norm}});
+  const auto map = storage::DiskMap::open(dir / "consolidated.*.safetensors", {.shards = true});
+  const auto path = dir.write("convert.lua", R"lua(
+local q = src:shards("wq")
+assert(#q == 2 and #src:shards("norm") == 2 and #src == 2 and #src:keys() == 2)
+assert(q[1].shape[1] == 2 and q[2].shape[1] == 4)
+return { ["q.weight"] = cat(q, 0), ["norm.weight"] = src:shards("norm")[1] }
+)lua");
+  const auto plan = run_converter(path, map);
+  const auto& q = find(plan, "q.weight");
+  CHECK(q.expr->describe() == "cat([src:shards('wq')[1], src:shards('wq')[2]], 0)");
+  CHECK(at::equal(evaluate(*q.expr, map), whole));
+  CHECK(plan.unused == std::vector<std::string>{});
+
+  const auto error_of = [&](const std::string& code) {
+    try {
+      run_converter(dir.write("bad.lua", code), map);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  const std::string files = "2 files hold a slice of 'wq' (" + dir / "consolidated.00.safetensors" + ", " +
+                            dir / "consolidated.01.safetensors" + "); src:shards(name) gives each, for cat to join";
+  const auto bad = dir / "bad.lua";
+  CHECK(error_of("return { w = src['wq'] }") == bad + ":1: src['wq']: " + files);
+  CHECK(error_of("return { w = src:get('wq') }") == bad + ":1: src:get('wq'): " + files);
+  CHECK(error_of("local out = {}\nfor name, t in src:items() do out[name] = t end\nreturn out") ==
+        bad + ":2: src:items(): 2 files hold a slice of 'norm' (" + dir / "consolidated.00.safetensors" + ", " +
+            dir / "consolidated.01.safetensors" + "); src:shards(name) gives each, for cat to join");
+  CHECK(error_of("return { w = src:shards('wk')[1] }") ==
+        bad + ":1: src:shards('wk'): the checkpoint has no tensor of that name");
+  // A name is used when a slice of it is (a norm whole in every file is read from one).
+  const auto partial = run_converter(dir.write("partial.lua", "return { w = src:shards('wq')[2] }"), map);
+  CHECK(partial.unused == std::vector<std::string>{"norm"});
+}

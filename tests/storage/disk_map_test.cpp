@@ -155,7 +155,36 @@ TEST_CASE("a glob or a list are merged and a key in two files is refused") {
 
   write_safetensors(dir / "c.safetensors", a.data);
   CHECK(error_of([&] { DiskMap::open(dir / "*.safetensors"); }) ==
-        dir / "c.safetensors" + ": holds the key 'x', which " + dir / "a.safetensors" + " holds too");
+        dir / "c.safetensors" + ": holds the key 'x', which " + dir / "a.safetensors" + " holds too; when each " +
+            "file holds a slice of every tensor (tensor-parallel shards, as Meta's consolidated.NN.pth), a " +
+            "converter joins them: src:shards(name) gives each file's slice (scripts/converters/meta_llama.lua " +
+            "does this)");
+}
+
+TEST_CASE("with shards allowed, a name several files hold is listed once per file, in file order") {
+  TempDir dir;
+  Tensors first, second;
+  first.add("w", 4);
+  first.add("norm", 2);
+  second.add("w", 6);
+  second.add("norm", 2);
+  write_safetensors(dir / "consolidated.00.safetensors", first.data);
+  write_safetensors(dir / "consolidated.01.safetensors", second.data);
+  const auto map = DiskMap::open(dir / "consolidated.*.safetensors", {.shards = true});
+  REQUIRE(map.tensors().size() == 4);
+  const auto w = map.shards("w");
+  REQUIRE(w.size() == 2);
+  CHECK(map.files()[w[0].file].path == dir / "consolidated.00.safetensors");
+  CHECK(map.files()[w[1].file].path == dir / "consolidated.01.safetensors");
+  CHECK((w[0].shard == 0 && w[1].shard == 1 && w[1].shape == std::vector<int64_t>{6}));
+  CHECK(map.find("w") == &w[0]);
+  CHECK(&map.at("w", 1) == &w[1]);
+  CHECK(map.shards("absent").empty());
+  std::vector<float> slice(6);
+  map.read(map.at("w", 1), {reinterpret_cast<std::byte*>(slice.data()), 24});
+  CHECK(slice == second.of("w"));
+  CHECK(error_of([&] { map.at("w", 2); }) ==
+        dir / "consolidated.*.safetensors" + ": holds 'w' in 2 files, not 3");
 }
 
 TEST_CASE("a folder is read as Hugging Face reads one") {
