@@ -177,3 +177,125 @@ def test_diffusers_sd3_converted_by_vramd_is_what_diffusers_converts_back(tmp_pa
     assert sorted(back) == sorted(state)
     for key in state:
         assert torch.equal(back[key], state[key]), key
+
+
+def meta_checkpoint(dim, heads, kv_heads, layers, hidden, vocab):
+    """A LLaMA checkpoint in Meta's names and layout, whole (as model parallel size 1 saves it)."""
+    head_dim = dim // heads
+    meta = {"tok_embeddings.weight": torch.randn(vocab, dim), "norm.weight": torch.rand(dim),
+            "output.weight": torch.randn(vocab, dim), "rope.freqs": torch.rand(head_dim // 2)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        meta |= {p + "attention.wq.weight": torch.randn(dim, dim),
+                 p + "attention.wk.weight": torch.randn(kv_heads * head_dim, dim),
+                 p + "attention.wv.weight": torch.randn(kv_heads * head_dim, dim),
+                 p + "attention.wo.weight": torch.randn(dim, dim),
+                 p + "feed_forward.w1.weight": torch.randn(hidden, dim), p + "feed_forward.w2.weight": torch.randn(dim, hidden),
+                 p + "feed_forward.w3.weight": torch.randn(hidden, dim), p + "attention_norm.weight": torch.rand(dim),
+                 p + "ffn_norm.weight": torch.rand(dim)}
+    return meta
+
+
+def meta_split(meta, shards, embedding_dim):
+    """The whole checkpoint as Meta's model-parallel ranks hold it: ColumnParallelLinear (wq, wk,
+    wv, w1, w3, output) keeps a block of rows, RowParallelLinear (wo, w2) of columns, the
+    embedding a block of columns (LLaMA 1 and 2's ParallelEmbedding) or of rows (LLaMA 3's
+    VocabParallelEmbedding), and every rank holds the norms and rope.freqs whole."""
+    def along(name):
+        if name in ("norm.weight", "rope.freqs") or name.endswith("_norm.weight"):
+            return None
+        if name == "tok_embeddings.weight":
+            return embedding_dim
+        return 1 if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0
+    return [{name: (t if along(name) is None else t.chunk(shards, along(name))[rank]).clone()
+             for name, t in meta.items()} for rank in range(shards)]
+
+
+def transformers_conversion(files, heads, kv_heads, embedding_dim):
+    """Hugging Face names from Meta's shards by the rules of transformers' LLaMA conversion
+    script (convert_llama_weights_to_hf): each tensor concatenated across the files along the
+    dimension its layer splits, the norms taken from the first file, and q and k rows permuted
+    from interleaved rotary pairs to halves."""
+    def permute(w, n_heads):
+        rows, columns = w.shape
+        return w.view(n_heads, rows // n_heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+    def joined(name, dim):
+        return torch.cat([f[name] for f in files], dim=dim)
+
+    hf = {"model.embed_tokens.weight": joined("tok_embeddings.weight", embedding_dim),
+          "model.norm.weight": files[0]["norm.weight"], "lm_head.weight": joined("output.weight", 0)}
+    layers = 1 + max(int(name.split(".")[1]) for name in files[0] if name.startswith("layers."))
+    for i in range(layers):
+        m, p = f"layers.{i}.", f"model.layers.{i}."
+        hf |= {p + "self_attn.q_proj.weight": permute(joined(m + "attention.wq.weight", 0), heads),
+               p + "self_attn.k_proj.weight": permute(joined(m + "attention.wk.weight", 0), kv_heads),
+               p + "self_attn.v_proj.weight": joined(m + "attention.wv.weight", 0),
+               p + "self_attn.o_proj.weight": joined(m + "attention.wo.weight", 1),
+               p + "mlp.gate_proj.weight": joined(m + "feed_forward.w1.weight", 0),
+               p + "mlp.down_proj.weight": joined(m + "feed_forward.w2.weight", 1),
+               p + "mlp.up_proj.weight": joined(m + "feed_forward.w3.weight", 0),
+               p + "input_layernorm.weight": files[0][m + "attention_norm.weight"],
+               p + "post_attention_layernorm.weight": files[0][m + "ffn_norm.weight"]}
+    return hf
+
+
+# (shards, heads, kv_heads, the embedding's split dimension): LLaMA 2-13B's two files and its
+# ParallelEmbedding; four files of a grouped-query model with LLaMA 3's VocabParallelEmbedding.
+@pytest.mark.parametrize("shards,heads,kv_heads,embedding_dim", [(2, 8, 8, 1), (4, 8, 4, 0)])
+def test_meta_llama_in_several_files_is_what_transformers_converts_and_computes(
+        tmp_path, shards, heads, kv_heads, embedding_dim):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(shards)
+    dim, layers, hidden, vocab = 64, 2, 96, 48
+    files = meta_split(meta_checkpoint(dim, heads, kv_heads, layers, hidden, vocab), shards, embedding_dim)
+    folder = tmp_path / "llama-meta"
+    folder.mkdir()
+    for rank, tensors in enumerate(files):
+        torch.save(tensors, folder / f"consolidated.{rank:02d}.pth")
+    (folder / "params.json").write_text(json.dumps({"dim": dim, "n_heads": heads, "n_kv_heads": kv_heads}))
+    expected = transformers_conversion(files, heads, kv_heads, embedding_dim)
+
+    config = tmp_path / "llama.toml"
+    config.write_text(f'checkpoint = "{folder}"\nconverter = "{CONVERTERS / "meta_llama.lua"}"\n'
+                      f'architecture = "llama"\n[arch]\nhidden_size = {dim}\nnum_attention_heads = {heads}\n'
+                      f'num_key_value_heads = {kv_heads}\nnum_hidden_layers = {layers}\n'
+                      f'intermediate_size = {hidden}\nvocab_size = {vocab}\nrms_norm_eps = 1e-5\n')
+    result = vramctl("convert", config, "--output", tmp_path / "hf.safetensors")
+    assert result.returncode == 0, result.stderr
+    converted = load_file(tmp_path / "hf.safetensors")
+    assert sorted(converted) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(converted[name], tensor), name
+
+    hf_config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
+                                         num_hidden_layers=layers, num_attention_heads=heads,
+                                         num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+                                         tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.load_state_dict(expected, strict=True)
+    ids = torch.tensor([[1, 7, 30, 2, 47, 11], [5, 5, 9, 40, 3, 0]])
+    save_file({"input_ids": ids}, tmp_path / "in.safetensors")
+    result = vramctl("run", config, "--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors")
+    assert result.returncode == 0, result.stderr
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    got = load_file(tmp_path / "out.safetensors")["logits"]
+    assert ((got - logits).abs().max() / logits.abs().max()).item() <= 1e-5
+
+
+def test_meta_shards_without_a_converter_are_refused_naming_the_way_to_join_them(tmp_path):
+    files = meta_split(meta_checkpoint(16, 2, 2, 1, 24, 8), 2, 1)
+    for rank, tensors in enumerate(files):
+        torch.save(tensors, tmp_path / f"consolidated.{rank:02d}.pth")
+    result = vramctl("inspect", tmp_path, "--json")
+    assert result.returncode == 0, result.stderr
+    shards = json.loads(result.stdout)["tensors"]["layers.0.attention.wq.weight"]["shards"]
+    assert [(Path(s["file"]).name, s["shape"]) for s in shards] == \
+        [("consolidated.00.pth", [8, 16]), ("consolidated.01.pth", [8, 16])]
+    config = tmp_path / "plain.toml"
+    config.write_text(f'checkpoint = "{tmp_path}"\narchitecture = "weights"\n')
+    result = vramctl("check", config)
+    assert result.returncode != 0
+    assert f"{tmp_path}/consolidated.01.pth: holds the key 'layers.0.attention.wk.weight', which " \
+           f"{tmp_path}/consolidated.00.pth holds too; when each file holds a slice of every tensor" in result.stdout + result.stderr
