@@ -76,6 +76,8 @@ DaemonConfig load_daemon_config(const std::string& path) {
   config.models = resolve(root.string("models").value_or(config.models));
   for (const auto& converters : root.strings("converters").value_or(std::vector<std::string>{}))
     config.converters.push_back(resolve(converters));
+  for (const auto& architectures : root.strings("architectures").value_or(std::vector<std::string>{}))
+    config.architectures.push_back(resolve(architectures));
   if (auto tcp = root.string("tcp")) {
     const auto colon = tcp->rfind(':');
     in_addr address{};

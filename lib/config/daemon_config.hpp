@@ -35,6 +35,7 @@ struct DaemonConfig {
   std::string tcp;                      // "127.0.0.1:PORT" also listens on loopback TCP; empty: off
   std::string models;                   // folder of model configs
   std::vector<std::string> converters;  // folders converter scripts may come from
+  std::vector<std::string> architectures;  // folders of family files beside the shipped ones
   std::string log_level = "info";       // error | warn | info | debug
   std::string log_file;                 // also log here (appended); empty: stderr (the journal) only
   std::map<std::string, uint64_t> budgets;  // device ("cpu", "cuda:0") -> bytes

@@ -137,6 +137,34 @@ ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemo
   return load_model_config(path, read_regular_file(path, kMaxConfigBytes), daemon);
 }
 
+namespace {
+
+// Where a file a model config names may be: beside the config, else (a relative name) in one
+// of the daemon's folders for that kind of file.
+std::vector<fs::path> script_candidates(const std::string& name, const fs::path& folder, const std::vector<std::string>& folders) {
+  std::vector<fs::path> candidates = {folder / name};
+  if (fs::path(name).is_relative())
+    for (const auto& scripts : folders) candidates.push_back(fs::path(scripts) / name);
+  return candidates;
+}
+
+std::optional<std::string> find_script(const std::string& name, const fs::path& folder, const std::vector<std::string>& folders) {
+  for (const auto& candidate : script_candidates(name, folder, folders)) {
+    std::error_code ec;  // a looping link is no script, not an exception
+    if (fs::is_regular_file(candidate, ec)) return fs::absolute(candidate).lexically_normal().string();
+  }
+  return std::nullopt;
+}
+
+std::string searched_text(const std::string& name, const fs::path& folder, const std::vector<std::string>& folders) {
+  std::string searched;
+  for (const auto& candidate : script_candidates(name, folder, folders))
+    searched += (searched.empty() ? "" : ", ") + candidate.lexically_normal().string();
+  return searched;
+}
+
+}  // namespace
+
 ModelConfig load_model_config(const std::string& path, const std::string& text, const DaemonConfig& daemon) {
   Problems problems(path);
   auto document = parse_toml_text(text, path, problems);
@@ -153,6 +181,14 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
     root.bad_value("name", std::string(name ? "" : "the file's name " + quote(config.name) + " is no model name: ") +
                                "a name is 1-128 ASCII letters, digits, '-', '_' or '.', starting with a letter or digit");
   config.architecture = root.string("architecture").value_or("");
+  config.architecture_folders = daemon.architectures;
+  if (config.architecture.ends_with(".toml")) {  // a family file of the user's
+    if (auto found = find_script(config.architecture, folder, daemon.architectures))
+      config.architecture = *found;
+    else
+      root.bad_value("architecture", "no such family file (looked for " +
+                                         searched_text(config.architecture, folder, daemon.architectures) + ")");
+  }
 
   if (auto checkpoint = root.strings("checkpoint")) {
     if (checkpoint->empty()) root.bad_value("checkpoint", "names no checkpoint");
@@ -169,16 +205,9 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   auto converter = root.string("converter");
   if (!converter && gguf) converter = "gguf.lua";
   if (converter && !converter->empty()) {  // "": the checkpoint's own names, a GGUF file's too
-    std::vector<fs::path> candidates = {folder / *converter};
-    if (fs::path(*converter).is_relative())
-      for (const auto& scripts : daemon.converters) candidates.push_back(fs::path(scripts) / *converter);
-    auto found = std::find_if(candidates.begin(), candidates.end(), [](const fs::path& p) {
-      std::error_code ec;  // a looping link is no script, not an exception
-      return fs::is_regular_file(p, ec);
-    });
-    if (found == candidates.end()) {
-      std::string searched;
-      for (const auto& candidate : candidates) searched += (searched.empty() ? "" : ", ") + candidate.lexically_normal().string();
+    const auto found = find_script(*converter, folder, daemon.converters);
+    if (!found) {
+      const std::string searched = searched_text(*converter, folder, daemon.converters);
       if (root.raw().contains("converter"))
         root.bad_value("converter", "no such script (looked for " + searched + ")");
       else
@@ -186,7 +215,7 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
                                      "daemon's converter folders holds (looked for " + searched +
                                      "); set converter = \"/path/to/vramd/scripts/converters/gguf.lua\"");
     } else {
-      config.converter = fs::absolute(*found).lexically_normal().string();
+      config.converter = *found;
     }
   }
 

@@ -54,7 +54,10 @@ struct PartitionConfig {
 struct ModelConfig {
   std::string path;  // the file read
   std::string name;
-  std::string architecture;             // empty until given
+  // A family's name, the absolute path of a family file, "weights", or empty: the family that
+  // declares the checkpoint's model_type (family/catalog.hpp).
+  std::string architecture;
+  std::vector<std::string> architecture_folders;  // the daemon's, for families by name
   std::vector<std::string> checkpoint;  // absolute paths or globs
   std::string prefix;
   bool keep_prefix = false;

@@ -83,6 +83,10 @@ at::Tensor Layer::apply(const std::vector<at::Tensor>& w, const at::Tensor& inpu
       // In float32, scaled back in the input's dtype (as LLaMA does).
       const at::Tensor x = input.to(at::kFloat);
       const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, true) + options_.eps);
+      if (options_.in_float) {
+        const at::Tensor scale = options_.offset == 0 ? w[0].to(at::kFloat) : w[0].to(at::kFloat) + options_.offset;
+        return (normed * scale).to(input.scalar_type());
+      }
       return w[0] * normed.to(input.scalar_type());
     }
     case LayerKind::Conv2d:

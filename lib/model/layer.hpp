@@ -40,6 +40,11 @@ struct Parameter {
 
 struct LayerOptions {
   double eps = 1e-5;        // LayerNorm, RMSNorm
+  // RMSNorm: LLaMA's scales the normalised input, cast back to its dtype, by the weight; with
+  // `in_float` the weight plus `offset` scales it in float32 before the cast (Gemma's 1 + w,
+  // OLMo 2's w).
+  double offset = 0;
+  bool in_float = false;
   int64_t stride = 1;       // Conv2d
   int64_t padding = 0;      // Conv2d
 };

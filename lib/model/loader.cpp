@@ -86,10 +86,10 @@ Prepared prepare(const config::ModelConfig& config) {
 
   const std::string folder = fs::path(map.files()[0].path).parent_path().string();
   const Hyperparams hyperparams = Hyperparams::for_model(config, map);
-  std::string architecture = config.architecture.empty() ? hyperparams.string("model_type", "") : config.architecture;
-  if (architecture.empty())
-    throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + known_architectures() +
-                         ") or put a config.json with model_type in " + folder);
+  const family::Catalog families(config.architecture_folders);
+  if (config.architecture.empty() && hyperparams.string("model_type", "").empty())
+    throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + families.names() +
+                         ", weights) or put a config.json with model_type in " + folder);
 
   const auto plan = [&] {
     if (config.converter.empty()) return convert::identity_plan(map);
@@ -105,12 +105,12 @@ Prepared prepare(const config::ModelConfig& config) {
   std::unique_ptr<Model> model;
   try {
     TensorShapes shapes;
-    if (architecture == "weights")
-      for (const auto& [target, expr] : plan.tensors) shapes.emplace_back(target, expr->shape);
-    model = build_model(architecture, hyperparams, dtype, shapes);
+    for (const auto& [target, expr] : plan.tensors) shapes.emplace_back(target, expr->shape);
+    model = build_model(config.architecture, hyperparams, dtype, shapes, families);
   } catch (const Error& e) {
     fail(where, e.what());
   }
+  const std::string& architecture = model->architecture();
 
   // Every checkpoint tensor to its parameter.
   const NameMatcher names(*model, plan);
@@ -172,7 +172,7 @@ Prepared prepare(const config::ModelConfig& config) {
     report.largest = std::max<uint64_t>(report.largest, a.parameter->elements() * c10::elementSize(dtype));
   }
   report.tensors = assignments.size();
-  return {std::move(map), std::move(architecture), std::move(model), std::move(assignments), std::move(report)};
+  return {std::move(map), architecture, std::move(model), std::move(assignments), std::move(report)};
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/full.h>
@@ -83,8 +84,8 @@ Layer& Model::tensors(const std::string& path, std::vector<std::pair<std::string
   return add(path, LayerKind::Tensors, std::move(shapes), {});
 }
 
-Layer& Model::rms_norm(const std::string& path, int64_t dim, double eps) {
-  return add(path, LayerKind::RMSNorm, {{"weight", {dim}}}, {.eps = eps});
+Layer& Model::rms_norm(const std::string& path, int64_t dim, double eps, double offset, bool in_float) {
+  return add(path, LayerKind::RMSNorm, {{"weight", {dim}}}, {.eps = eps, .offset = offset, .in_float = in_float});
 }
 
 void Model::tie(Layer& follower, const Layer& leader) {
@@ -215,6 +216,8 @@ at::Tensor gelu_new(const at::Tensor& x) {
   return 0.5 * x * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x.pow(3.0))));
 }
 at::Tensor silu(const at::Tensor& x) { return at::silu(x); }
+// CLIP's "quick_gelu".
+at::Tensor quick_gelu(const at::Tensor& x) { return x * at::sigmoid(1.702 * x); }
 at::Tensor relu(const at::Tensor& x) { return at::relu(x); }
 
 }  // namespace
@@ -225,7 +228,8 @@ Activation activation(const std::string& name, const std::string& origin) {
   if (name == "gelu_pytorch_tanh") return gelu_tanh;
   if (name == "silu" || name == "swish") return silu;
   if (name == "relu") return relu;
-  fail(origin, "activation " + quote(name) + " is not supported (gelu, gelu_new, gelu_pytorch_tanh, silu, swish, relu)");
+  if (name == "quick_gelu") return quick_gelu;
+  fail(origin, "activation " + quote(name) + " is not supported (gelu, gelu_new, gelu_pytorch_tanh, quick_gelu, silu, swish, relu)");
 }
 
 }  // namespace vramd::model

@@ -47,7 +47,7 @@ class Model {
   Layer& conv1d(const std::string& path, int64_t in, int64_t out);  // GPT-2's transposed Linear
   Layer& embedding(const std::string& path, int64_t count, int64_t dim);
   Layer& layer_norm(const std::string& path, int64_t dim, double eps, bool bias = true);
-  Layer& rms_norm(const std::string& path, int64_t dim, double eps);
+  Layer& rms_norm(const std::string& path, int64_t dim, double eps, double offset = 0, bool in_float = false);
   // Parameters held and never applied (LayerKind::Tensors), named `path`.`name` (`name` when
   // `path` is empty).
   Layer& tensors(const std::string& path, std::vector<std::pair<std::string, std::vector<int64_t>>> shapes);
@@ -98,7 +98,7 @@ at::Tensor padding_mask(const at::Tensor& keep, c10::ScalarType dtype);
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
                      double scale);
 
-// Hugging Face activation names: "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish", "relu".
+// Hugging Face activation names: "gelu", "gelu_new", "gelu_pytorch_tanh", "quick_gelu", "silu", "swish", "relu".
 using Activation = at::Tensor (*)(const at::Tensor&);
 Activation activation(const std::string& name, const std::string& origin);
 

@@ -2,17 +2,12 @@
 
 #include <map>
 
+#include "family/blueprint.hpp"
+#include "model/engine.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
 namespace vramd::model {
-
-// Each architecture's file defines its builder; `name` is the registered name it was asked for.
-using Builder = std::unique_ptr<Model> (*)(const std::string& name, const Hyperparams&, c10::ScalarType);
-std::unique_ptr<Model> build_llama(const std::string&, const Hyperparams&, c10::ScalarType);
-std::unique_ptr<Model> build_gpt2(const std::string&, const Hyperparams&, c10::ScalarType);
-std::unique_ptr<Model> build_bert(const std::string&, const Hyperparams&, c10::ScalarType);
-
 namespace {
 
 class WeightsOnly : public Model {
@@ -36,54 +31,35 @@ class WeightsOnly : public Model {
 
 }  // namespace
 
-namespace {
-
-struct Entry {
-  const char* name;
-  Builder build;
-};
-
-constexpr Entry kArchitectures[] = {
-    {"llama", build_llama}, {"mistral", build_llama}, {"qwen2", build_llama},
-    {"gpt2", build_gpt2},   {"bert", build_bert},
-};
-
-}  // namespace
-
-std::string known_architectures() {
-  std::string known;
-  for (const auto& entry : kArchitectures) known += (known.empty() ? "" : ", ") + std::string(entry.name);
-  return known + ", weights";
-}
-
 std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperparams& hyperparams,
-                                   c10::ScalarType dtype, const TensorShapes& tensors) {
+                                   c10::ScalarType dtype, const TensorShapes& tensors, const family::Catalog& families) {
   if (architecture == "weights") return std::make_unique<WeightsOnly>(tensors, dtype);
-  for (const auto& entry : kArchitectures) {
-    if (architecture != entry.name) continue;
-    // Each family declares the model_type it computes. Another family's weights often have the
-    // same names and shapes and would load without a word, then compute nonsense (Gemma's as
-    // LLaMA: all-zero logits), so a checkpoint that says what it is is taken at its word.
-    const std::string model_type = hyperparams.string("model_type", "");
-    if (!model_type.empty() && model_type != entry.name)
-      throw Error("the checkpoint's model_type is " + quote(model_type) + ", which architecture " + quote(architecture) +
-                  " does not declare: it would compute another model. Leave architecture unset to use the "
-                  "checkpoint's own (known: " + known_architectures() + "), or, if it truly is " +
-                  quote(architecture) + ", say so with [arch] model_type = \"" + architecture + "\"");
-    // Every missing hyperparameter at once: the family reads them all, missing ones as 1, and
-    // any error that placeholder caused gives way to the list of what is missing.
-    const Hyperparams reading = hyperparams.collecting();
-    std::unique_ptr<Model> model;
-    try {
-      model = entry.build(architecture, reading, dtype);
-    } catch (...) {
-      reading.check_complete();
-      throw;
-    }
+  const std::string model_type = hyperparams.string("model_type", "");
+  const auto family = architecture.empty() ? families.for_model_type(model_type) : families.named(architecture);
+  // Each family declares the model_types it computes. Another family's weights often have the
+  // same names and shapes and would load without a word, then compute nonsense (Gemma's as
+  // LLaMA: all-zero logits), so a checkpoint that says what it is is taken at its word.
+  const auto& declared = family->model_types;
+  if (!model_type.empty() && std::find(declared.begin(), declared.end(), model_type) == declared.end())
+    throw Error("the checkpoint's model_type is " + quote(model_type) + ", which architecture " + quote(family->name) +
+                " does not declare: it would compute another model. Leave architecture unset to use the "
+                "checkpoint's own (known: " + families.names() + "), or, if it truly is " + quote(family->name) +
+                ", say so with [arch] model_type = \"" + declared.front() + "\"");
+  std::vector<std::string> names;
+  names.reserve(tensors.size());
+  for (const auto& [name, shape] : tensors) names.push_back(name);
+  // Every missing hyperparameter at once: the blueprint reads them all, missing ones as 1, and
+  // any error that placeholder caused gives way to the list of what is missing.
+  const Hyperparams reading = hyperparams.collecting();
+  family::Blueprint blueprint;
+  try {
+    blueprint = family::resolve(*family, reading, names);
+  } catch (...) {
     reading.check_complete();
-    return model;
+    throw;
   }
-  throw Error("unknown architecture " + quote(architecture) + " (known: " + known_architectures() + ")");
+  reading.check_complete();
+  return build_transformer(std::move(blueprint), dtype);
 }
 
 }  // namespace vramd::model

@@ -167,8 +167,8 @@ TEST_CASE("memory while loading stays within the final size plus the largest ten
 TEST_CASE("an architecture names every missing hyperparameter at once") {
   const model::Hyperparams none(R"({"model_type": "llama"})", "cfg.json");
   CHECK_THROWS_WITH(model::build_model("llama", none, at::kFloat),
-                    "cfg.json: 5 missing hyperparameters: 'hidden_size' (an integer), 'num_attention_heads' (an "
-                    "integer), 'vocab_size' (an integer), 'intermediate_size' (an integer), 'num_hidden_layers' (an "
+                    "cfg.json: 5 missing hyperparameters: 'hidden_size' (an integer), 'num_hidden_layers' (an "
+                    "integer), 'num_attention_heads' (an integer), 'vocab_size' (an integer), 'intermediate_size' (an "
                     "integer); set them in config.json or [arch]");
   // In a nested object, with its path.
   const model::Hyperparams linear(
@@ -176,8 +176,8 @@ TEST_CASE("an architecture names every missing hyperparameter at once") {
           "intermediate_size": 128, "num_hidden_layers": 1, "rope_parameters": {"rope_type": "linear"}})",
       "cfg.json");
   CHECK_THROWS_WITH(model::build_model("llama", linear, at::kFloat),
-                    "cfg.json: missing hyperparameter 'rope_parameters.factor' (a number; set it in config.json or "
-                    "[arch])");
+                    "cfg.json: missing hyperparameter 'rope_parameters.factor' (a number, for rope type 'linear'; set "
+                    "it in config.json or [arch])");
   // Rules between values still hold once nothing is missing, and a zero divides nothing.
   const model::Hyperparams zero(
       R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0, "vocab_size": 100,
