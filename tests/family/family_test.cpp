@@ -124,9 +124,11 @@ TEST_CASE("a family extends another and a user's folder adds and replaces famili
   CHECK((b.norm == family::NormKind::Layer && !b.mlp_gated && b.blocks[0].up == "layers.0.fc" && b.blocks[0].gate.empty()));
 }
 
-TEST_CASE("every shipped family parses and names every block it needs") {
+TEST_CASE("every shipped family parses and computes the model types it declares") {
   const family::Catalog catalog;
-  CHECK(catalog.names() == "bert, gpt2, llama, mistral, qwen2");
-  for (const char* type : {"llama", "mistral", "qwen2", "gpt2", "bert"})
+  CHECK(catalog.names() ==
+        "bert, clip_text, gemma, gemma2, gemma3, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3, roberta, t5_encoder");
+  for (const char* type : {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2",
+                           "bert", "roberta", "xlm-roberta", "clip_text_model", "t5"})
     CHECK(!catalog.for_model_type(type)->names.empty());
 }

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 VOCAB = 1000
 
-# name -> (config, the model class that saves it)
+# name -> (config, the model class that saves it[, keyword arguments of that class])
 CASES = {
     "llama": lambda: (T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
@@ -45,17 +45,99 @@ CASES = {
     "bert": lambda: (T.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=64),
                      T.BertModel),
+    # Families as files (configs/architectures/): each switch a family sets is exercised.
+    # Layers 1 and 2 in a window shorter than the inputs (from max_window_layers on).
+    "qwen2_sliding": lambda: (T.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                            use_sliding_window=True, sliding_window=5, max_window_layers=1),
+                              T.Qwen2ForCausalLM),
+    # Per-head q and k norms, a head_dim that is not hidden_size / heads, YaRN rotary scaling.
+    "qwen3": lambda: (T.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                    max_position_embeddings=256,
+                                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                     "original_max_position_embeddings": 64}),
+                      T.Qwen3ForCausalLM),
+    # (1 + w) norms, embeddings scaled by sqrt(hidden_size), a tied head.
+    "gemma": lambda: (T.GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=1, head_dim=16),
+                      T.GemmaForCausalLM),
+    # Norms around each sublayer, soft-capped scores and logits, alternating sliding layers.
+    "gemma2": lambda: (T.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                      query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                      final_logit_softcapping=3.0),
+                       T.Gemma2ForCausalLM),
+    # Per-head (1 + w) q and k norms, a rotary base per layer type.
+    "gemma3": lambda: (T.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=16, sliding_window=5, sliding_window_pattern=2,
+                                          query_pre_attn_scalar=16),
+                       T.Gemma3ForCausalLM),
+    # Fused qkv and gate_up projections, half the dimensions rotating, LongRoPE past the original
+    # context (the inputs' 12 tokens exceed 8, so the long factors apply).
+    "phi3": lambda: (T.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                  original_max_position_embeddings=8, partial_rotary_factor=0.5, pad_token_id=0,
+                                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                   "short_factor": [1.0, 1.5, 2.0, 2.5],
+                                                   "long_factor": [3.0, 5.0, 7.0, 9.0]}),
+                     T.Phi3ForCausalLM),
+    # Norms after each sublayer, q and k norms over whole projections, rotation in float32.
+    "olmo2": lambda: (T.Olmo2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, pad_token_id=1),
+                      T.Olmo2ForCausalLM),
+    # A BERT saved without its pooler (add_pooling_layer=False).
+    "bert_no_pooler": lambda: (T.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=128,
+                                            max_position_embeddings=64),
+                               T.BertModel, {"add_pooling_layer": False}),
+    # Positions counted from pad_token_id + 1 over the tokens that are not padding.
+    "roberta": lambda: (T.RobertaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=66, type_vocab_size=1,
+                                        layer_norm_eps=1e-5),
+                        T.RobertaModel),
+    "xlm_roberta": lambda: (T.XLMRobertaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=128,
+                                               max_position_embeddings=66, type_vocab_size=1),
+                            T.XLMRobertaModel),
+    # Causal pre-LayerNorm blocks, quick_gelu, the end-of-text token's state through a projection.
+    "clip_text": lambda: (T.CLIPTextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                                           projection_dim=48, eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 2),
+                          T.CLIPTextModelWithProjection),
+    # CLIPTextModel saves its names without "text_model."; the legacy eos_token_id 2 pools at the
+    # largest id.
+    "clip_text_plain": lambda: (T.CLIPTextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4,
+                                                 max_position_embeddings=32, eos_token_id=2, hidden_act="gelu"),
+                                T.CLIPTextModel),
+    # Relative position buckets, unscaled attention, no biases; v1.1's gated GELU and v1.0's ReLU.
+    "t5_encoder": lambda: (T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                      relative_attention_num_buckets=8, relative_attention_max_distance=10,
+                                      feed_forward_proj="gated-gelu"),
+                           T.T5EncoderModel),
+    "t5_encoder_relu": lambda: (T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=24, d_ff=128, num_layers=2,
+                                           num_heads=4, feed_forward_proj="relu"),
+                                T.T5EncoderModel),
 }
+# Encoders whose outputs are the hidden states and the pooled ones, not logits.
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "CLIPTextModel", "CLIPTextModelWithProjection",
+            "T5EncoderModel")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def inputs_for(config_class_name):
+def inputs_for(model):
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=generator)
+    ids = torch.randint(3, VOCAB - 2, (2, 12), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0  # the second sequence is right-padded
+    if model.config.pad_token_id is not None:
+        ids[1, 9:] = model.config.pad_token_id  # as a tokenizer pads (RoBERTa's positions count the rest)
+    if model.config.model_type == "clip_text_model":  # each row ends with end-of-text
+        ids[0, 11] = ids[1, 8] = model.config.eos_token_id if model.config.eos_token_id != 2 else VOCAB - 1
     inputs = {"input_ids": ids, "attention_mask": mask}
-    if config_class_name == "BertModel":
+    if type(model).__name__ == "BertModel":
         inputs["token_type_ids"] = (torch.arange(12) >= 6).long().expand(2, 12).contiguous()
     return inputs
 
@@ -64,15 +146,17 @@ def outputs(model, inputs):
     """What vramd names its outputs, computed by transformers."""
     with torch.no_grad():
         output = model(**inputs)
-        if type(model).__name__ == "BertModel":
-            return {"last_hidden_state": output.last_hidden_state, "pooler_output": output.pooler_output}
+        if type(model).__name__ in ENCODERS:
+            return {name: getattr(output, name) for name in ("last_hidden_state", "pooler_output", "text_embeds")
+                    if getattr(output, name, None) is not None}
         return {"logits": output.logits, "last_hidden_state": model.base_model(**inputs).last_hidden_state}
 
 
 def make(case, dtype_name, out):
-    config, model_class = CASES[case]()
+    config, model_class, *options = CASES[case]()
+    options = options[0] if options else {}
     torch.manual_seed(0)
-    model = model_class(config).to(DTYPES[dtype_name]).eval()
+    model = model_class(config, **options).to(DTYPES[dtype_name]).eval()
     # Hugging Face initialises with std 0.02; larger weights make differences visible.
     with torch.no_grad():
         for parameter in model.parameters():
@@ -82,8 +166,8 @@ def make(case, dtype_name, out):
     model.save_pretrained(folder / "model", safe_serialization=True)
     # The witness is the model as users load it: from_pretrained keeps buffers such as LLaMA's
     # rotary frequencies in float32, which .to(bfloat16) above would round.
-    model = model_class.from_pretrained(folder / "model", dtype=DTYPES[dtype_name]).eval()
-    inputs = inputs_for(model_class.__name__)
+    model = model_class.from_pretrained(folder / "model", dtype=DTYPES[dtype_name], **options).eval()
+    inputs = inputs_for(model)
     expected = outputs(model, inputs)
     save_file({k: v.contiguous() for k, v in inputs.items()}, folder / "inputs.safetensors")
     save_file({k: v.contiguous() for k, v in expected.items()}, folder / "expected.safetensors")

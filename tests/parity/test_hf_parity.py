@@ -10,7 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 import hf_models  # noqa: E402
+from daemon_support import Daemon, request  # noqa: E402
+from safetensors.torch import load  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
 # float32 must agree to 1e-5 relative, bfloat16 to its own precision; both are bit-exact today
@@ -55,15 +58,42 @@ def test_outputs_match_transformers(witnesses, case, dtype, tmp_path):
         assert relative_error(got[name], expected) <= TOLERANCE[dtype], name
 
 
+def test_every_family_serves_from_the_daemon_what_transformers_computes(witnesses, tmp_path):
+    # One daemon, every case in both dtypes, each model loaded on its first forward.
+    daemon = Daemon(tmp_path)
+    for (case, dtype), folder in witnesses.items():
+        (daemon.models / f"{case}-{dtype}.toml").write_text(f'checkpoint = "{folder / "model"}"\n')
+    daemon.start()
+    try:
+        for (case, dtype), folder in witnesses.items():
+            inputs = (folder / "inputs.safetensors").read_bytes()
+            status, body = request(daemon.sock, "POST", f"/v1/models/{case}-{dtype}/forward", inputs)
+            assert status == 200, (case, dtype, body)
+            got = load(body)
+            for name, expected in load_file(folder / "expected.safetensors").items():
+                assert relative_error(got[name], expected) <= TOLERANCE[dtype], (case, dtype, name)
+    finally:
+        assert daemon.stop() == 0
+
+
 def test_the_sliding_window_and_rope_scaling_matter(witnesses, tmp_path):
     # Negative controls: with the window or the scaling switched off the outputs must differ,
     # or the matches above would prove nothing about them.
     for case, override in [("mistral", "sliding_window = 1000"),
-                           ("llama3", 'rope_parameters = { rope_type = "default", rope_theta = 500000.0 }')]:
+                           ("llama3", 'rope_parameters = { rope_type = "default", rope_theta = 500000.0 }'),
+                           ("qwen2_sliding", "use_sliding_window = false"),
+                           ("qwen3", 'rope_parameters = { rope_type = "default", rope_theta = 10000.0 }'),
+                           ("gemma2", "attn_logit_softcapping = 1000.0"),
+                           ("gemma2", "final_logit_softcapping = 1000.0"),
+                           ("gemma3", 'layer_types = ["full_attention", "full_attention", "full_attention"]'),
+                           ("phi3", "original_max_position_embeddings = 32"),
+                           ("roberta", "pad_token_id = 0"),
+                           ("t5_encoder", "relative_attention_max_distance = 128")]:
         folder = witnesses[case, "float32"]
         got = run(folder, tmp_path, f"[arch]\n{override}\n")
-        expected = load_file(folder / "expected.safetensors")["logits"]
-        assert relative_error(got["logits"], expected) > 1e-3, case
+        output = "logits" if "logits" in got else "last_hidden_state"
+        expected = load_file(folder / "expected.safetensors")[output]
+        assert relative_error(got[output], expected) > 1e-3, (case, override)
 
 
 def test_a_forced_dtype_converts_the_weights(witnesses, tmp_path):

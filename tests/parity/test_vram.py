@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
-CASES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert"]  # llama3 and gpt2 tie their head
+CASES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert",  # llama3, gpt2, gemma2 tie their head
+         "gemma2", "phi3", "olmo2", "clip_text", "t5_encoder"]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +187,7 @@ def test_host_memory_stays_flat_over_hundreds_of_streamed_forwards(witnesses, tm
 def through_float8(case, folder, fp8):
     """transformers' outputs with every weight rounded through `fp8` and computed in bfloat16:
     what a model whose weights wait in float8 must give."""
-    _, model_class = hf_models.CASES[case]()
+    _, model_class, *_ = hf_models.CASES[case]()
     model = model_class.from_pretrained(folder / "model", dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for parameter in model.parameters():
