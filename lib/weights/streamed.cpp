@@ -428,11 +428,14 @@ void StreamedWeights::release(const Layer& layer) {
   if (!slot.resident) prefetch_after(slot.position);
 }
 
-// Queues the streamed slots after `position` (wrapping into the next forward) while they fit.
+// Queues the streamed slots after `position` while they fit, wrapping into the next forward
+// once one forward has followed another: a model run once (vramctl run) reads each streamed
+// layer once, and a served one has the next request's first layers ready.
 void StreamedWeights::prefetch_after(size_t position) {
   std::unique_lock lock(mutex_);
   const size_t n = order_.size();
-  for (size_t step = 1; step < n; ++step) {
+  const size_t steps = order_.learned() ? n : n - position;
+  for (size_t step = 1; step < steps; ++step) {
     Slot* next = order_[(position + step) % n];
     if (next->resident || next->state != Slot::State::Away) continue;
     std::vector<at::Tensor> buffers;
