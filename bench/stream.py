@@ -39,6 +39,10 @@ What it measures, in one run:
                       tensors into memory once and drops them (transformers' spawn_materialize),
                       so its load reads nearly the whole checkpoint ("read during load"): in a
                       small run, every decoder layer's bytes.
+  vramd direct_io=auto, accelerate's resident bytes
+                      the same as "auto" with accelerate's bytes on the CPU as the limit: its
+                      device map keeps room free for the offloaded modules, so it holds less than
+                      max_memory; this row compares peak RSS at equal resident weights.
 
 Per contender: wall (process start to exit: load, the forwards, writing the logits), load (vramd:
 plan + load; accelerate: the from_pretrained call), forward (--forwards 1: the one forward; more:
@@ -89,6 +93,11 @@ import vram as vram_bench  # noqa: E402  (evict, status_bytes, streamed_vram)
 GIB = 2**30
 BLOCK = 8 << 20  # the read bound's block size
 DIRECT_IO = {"vramd direct_io=true": "true", "vramd direct_io=false": "false", "vramd direct_io=auto": '"auto"'}
+# The same as auto, with the bytes accelerate kept on the CPU under its max_memory as the limit
+# (its device map keeps room free for offloaded modules, so it holds less than the limit): peak
+# RSS at equal resident weights. Runs after accelerate.
+AT_ACCELERATES = "vramd direct_io=auto, accelerate's resident bytes"
+DIRECT_IO[AT_ACCELERATES] = '"auto"'
 
 
 def parse_size(text):
@@ -510,13 +519,21 @@ def main():
 
     # 3. The contenders, each in a fresh process, the checkpoint evicted before each.
     results, errors = {}, {}
-    names = [*DIRECT_IO, "accelerate"]
+    names = [name for name in DIRECT_IO if name != AT_ACCELERATES] + ["accelerate", AT_ACCELERATES]
     for name in names:
         if args.only and args.only not in name:
             continue
+        limit = args.limit
+        if name == AT_ACCELERATES:
+            if "accelerate" not in results:
+                continue
+            limit = results["accelerate"]["device_map"].get("cpu", 0)
+            if limit == 0:
+                errors[name] = "accelerate kept no weights on the CPU: nothing to compare at equal bytes"
+                continue
         evict(files)
         if name in DIRECT_IO:
-            vram = (vram_bench.streamed_vram(args.limit) + 'computation = { device = "cpu", dtype = "bfloat16" }\n'
+            vram = (vram_bench.streamed_vram(limit) + 'computation = { device = "cpu", dtype = "bfloat16" }\n'
                     f"direct_io = {DIRECT_IO[name]}\n")
             r, error = vramd_run(vramctl, workdir, name, folder, vram, inputs, args.forwards)
         else:
