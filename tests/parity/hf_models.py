@@ -5,6 +5,7 @@ the outputs transformers computes for them: the witnesses the model tests compar
 
 writes OUT_DIR/CASE-DTYPE/model/ (as save_pretrained writes it) and OUT_DIR/CASE-DTYPE/{inputs,expected}.safetensors.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -125,6 +126,11 @@ CASES = {
 ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "CLIPTextModel", "CLIPTextModelWithProjection",
             "T5EncoderModel")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Under the sanitizers (CI's second run of the suite) every case runs the same C++ in both
+# dtypes: bfloat16 is checked in the plain build only, which keeps CI's time.
+SANITIZED = "ASAN_OPTIONS" in os.environ
+DTYPES_THIS_RUN = ["float32"] if SANITIZED else list(DTYPES)
+SKIP_UNDER_SANITIZERS = "bfloat16 runs in the plain build; under the sanitizers float32 covers the same C++"
 
 
 def inputs_for(model):
