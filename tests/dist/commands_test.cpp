@@ -2,28 +2,13 @@
 // joined in this process, on a free port.
 #include "dist/commands.hpp"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <catch2/catch.hpp>
 #include <cstdlib>
 
 #include "dist/group.hpp"
+#include "support/free_port.hpp"
 
 namespace {
-
-uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
-  socklen_t size = sizeof address;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
 
 std::shared_ptr<vramd::dist::Group> join(int rank, uint16_t port) {
   vramd::dist::GroupOptions options;
@@ -38,7 +23,7 @@ std::shared_ptr<vramd::dist::Group> join(int rank, uint16_t port) {
 
 TEST_CASE("dist commands reach the other ranks in order and are erased once read") {
   using namespace vramd::dist;
-  const uint16_t port = free_port();
+  const uint16_t port = vramd::test::free_port();
   auto leader = join(0, port);
   auto follower = join(1, port);
 
