@@ -68,15 +68,16 @@ int main(int argc, char** argv) {
     // A group for models with [partition]: from torchrun's variables, else [group] world_size
     // ranks started here, which are started again when they exit. Rank 0 serves; the others do
     // what it sends them.
-    auto group_options = vramd::dist::options_from_environment();
+    auto group_options = vramd::dist::options_from_environment(config);
     std::optional<vramd::dist::LocalRankSupervisor> local;
     if (!group_options && config.world_size > 1) {
       local.emplace(vramd::dist::start_local_ranks(config.world_size, std::vector<std::string>(argv, argv + argc)),
                     [](const std::string& line) { vramd::log::warn(line); });
-      group_options = vramd::dist::options_from_environment();
+      group_options = vramd::dist::options_from_environment(config);
     }
     if (!group_options || group_options->world_size == 1) return vramd::server::serve(config);
     auto group = vramd::dist::Group::join(*group_options);
+    vramd::log::info(group->describe_address());
     if (group->rank() > 0) return vramd::server::Runtime::follow(config, group);
     if (local) local->set_rejoin_value([group] { return std::to_string(vramd::dist::next_command(*group)); });
     vramd::server::Runtime::use_group(group);

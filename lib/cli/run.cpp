@@ -62,15 +62,17 @@ std::string ms(double seconds) {
 void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   if (options.threads > 0) at::set_num_threads(options.threads);
   else if (const int threads = dist::threads_per_local_rank()) at::set_num_threads(threads);
-  const auto config = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
+  const auto daemon = config::find_daemon_config(options.daemon_config);
+  const auto config = config::load_model_config(options.config, daemon);
   const storage::NamedTensors inputs = options.input.empty() ? storage::NamedTensors{} : read_inputs(options.input);
 
   const bool counting = model::count_cpu_allocations();
   const uint64_t rss_before = peak_rss();
   model::LoadOptions load_options;
   load_options.zero_copy = !options.copy;
-  if (const auto group = dist::options_from_environment(); group && group->world_size > 1) {
+  if (const auto group = dist::options_from_environment(daemon); group && group->world_size > 1) {
     load_options.group = dist::Group::join(*group);
+    err << "vramctl run: " << load_options.group->describe_address() << '\n';
     load_options.partition_name = "run/" + config.name;
   }
   auto loaded = model::load_model(config, load_options);

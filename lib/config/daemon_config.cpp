@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <grp.h>
+#include <net/if.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -45,6 +46,21 @@ std::string Device::str() const {
   }
   return "?";
 }
+
+namespace {
+
+// "lo, eth0": the names `ip link` lists.
+std::string interface_names() {
+  std::string names;
+  if (struct if_nameindex* all = if_nameindex()) {
+    for (const struct if_nameindex* each = all; each->if_index != 0; ++each)
+      names += (names.empty() ? "" : ", ") + std::string(each->if_name);
+    if_freenameindex(all);
+  }
+  return names;
+}
+
+}  // namespace
 
 DaemonConfig default_daemon_config() {
   DaemonConfig config;
@@ -148,6 +164,12 @@ DaemonConfig load_daemon_config(const std::string& path) {
   }
   if (auto group = root.table("group")) {
     config.world_size = static_cast<int>(group->integer("world_size", 1, 256).value_or(1));
+    if (auto interface = group->string("interface")) {
+      if (if_nametoindex(interface->c_str()) == 0)
+        group->bad_value("interface", "no such network interface on this machine (it has " + interface_names() + ")");
+      else
+        config.interface = *interface;
+    }
     group->finish();
   }
   root.finish();

@@ -45,6 +45,9 @@ struct DaemonConfig {
   // [group]: ranks this daemon starts on this machine, as copies of itself, for models with
   // [partition] (rank 0 serves; the others follow it). torchrun's variables override it.
   int world_size = 1;
+  // [group] interface: the network interface whose address the ranks' Gloo connections use on
+  // this host; empty: the one that reaches MASTER_ADDR. GLOO_SOCKET_IFNAME overrides it.
+  std::string interface;
 };
 
 // Relative paths in the file are resolved against its folder. Throws Error listing every

@@ -17,8 +17,9 @@
 #include <fstream>
 #include <thread>
 
-#include "dist/communicator.hpp"
 #include "config/units.hpp"
+#include "dist/communicator.hpp"
+#include "dist/network.hpp"
 #include "util/format.hpp"
 
 namespace vramd::dist {
@@ -75,13 +76,20 @@ bool has_exited(pid_t pid) {
 
 }  // namespace
 
-std::optional<GroupOptions> options_from_environment() {
+std::optional<GroupOptions> options_from_environment(const config::DaemonConfig& daemon) {
   if (!env("WORLD_SIZE")) return std::nullopt;
   GroupOptions options;
   options.world_size = static_cast<int>(env_integer("WORLD_SIZE", 1, 4096));
   options.rank = static_cast<int>(env_integer("RANK", 0, options.world_size - 1));
   options.master_addr = env("MASTER_ADDR").value_or("127.0.0.1");
   if (env("MASTER_PORT")) options.master_port = static_cast<uint16_t>(env_integer("MASTER_PORT", 1, 65535));
+  if (auto interface = env("GLOO_SOCKET_IFNAME")) {
+    options.interface = *interface;
+    options.interface_setting = "GLOO_SOCKET_IFNAME";
+  } else if (!daemon.interface.empty()) {
+    options.interface = daemon.interface;
+    options.interface_setting = daemon.path + ": [group] interface";
+  }
   return options;
 }
 
@@ -89,10 +97,22 @@ struct Group::Impl {
   c10::intrusive_ptr<c10d::Store> store;
 };
 
-Group::Group(GroupOptions options, std::unique_ptr<Impl> impl) : options_(std::move(options)), impl_(std::move(impl)) {}
+Group::Group(GroupOptions options, std::string address, std::unique_ptr<Impl> impl)
+    : options_(std::move(options)), address_(std::move(address)), impl_(std::move(impl)) {}
 Group::~Group() = default;
 
 std::shared_ptr<Group> Group::join(const GroupOptions& options) {
+  const std::string me = "rank " + std::to_string(options.rank) + " of " + std::to_string(options.world_size);
+  const std::string master = "MASTER_ADDR=" + options.master_addr;
+  std::string address;
+  try {
+    address = options.interface.empty() ? address_toward(options.master_addr, options.master_port)
+                                        : interface_address(options.interface);
+  } catch (const Error& e) {
+    throw Error(me + ": " +
+                (options.interface.empty() ? master : options.interface_setting + " = " + quote(options.interface)) +
+                ": " + e.what());
+  }
   c10d::TCPStoreOptions store_options;
   store_options.port = options.master_port;
   store_options.isServer = options.rank == 0;
@@ -108,7 +128,15 @@ std::shared_ptr<Group> Group::join(const GroupOptions& options) {
                 (options.rank == 0 ? "cannot serve the group's store on " : "cannot reach the group's store on ") + where +
                 ": " + text_of(e));
   }
-  return std::shared_ptr<Group>(new Group(options, std::move(impl)));
+  return std::shared_ptr<Group>(new Group(options, std::move(address), std::move(impl)));
+}
+
+std::string Group::describe_address() const {
+  const std::string why = options_.interface.empty() ? "the address that reaches MASTER_ADDR=" + options_.master_addr
+                                                     : "the address of interface " + quote(options_.interface) + " (" +
+                                                           options_.interface_setting + ")";
+  return "rank " + std::to_string(rank()) + " of " + std::to_string(size()) + " on " + host_name() + ": Gloo uses " +
+         address_ + ", " + why;
 }
 
 void Group::set(const std::string& key, std::string_view value) {
@@ -159,13 +187,6 @@ struct Communicator::Pending::Work {
 
 namespace {
 
-std::shared_ptr<::gloo::transport::Device> gloo_device(const GroupOptions& options) {
-  if (auto interface = env("GLOO_SOCKET_IFNAME")) return c10d::ProcessGroupGloo::createDeviceForInterface(*interface);
-  const bool loopback = options.master_addr == "localhost" || options.master_addr.starts_with("127.");
-  if (loopback) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  return c10d::ProcessGroupGloo::createDefaultDevice();
-}
-
 std::string ranks_text(const std::vector<int>& ranks) {
   std::string text = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
@@ -180,7 +201,7 @@ Communicator::Communicator(std::shared_ptr<Group> group, std::string name, std::
   mark("joined");
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   try {
-    options->devices.push_back(gloo_device(group_->options()));
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(group_->address()));
     impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank(), size(), options);
   } catch (const std::exception& e) {
     const auto absent = missing("joined");

@@ -4,6 +4,11 @@
 // (dist/communicator.hpp). The conventions are torchrun's: RANK, WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT. This header is LibTorch-free; the daemon's control messages go through the
 // store with set() and get().
+//
+// Gloo's connections use one address of this host: that of GLOO_SOCKET_IFNAME's interface, else
+// of [group] interface's (the daemon config), else the one the kernel's routes choose towards
+// MASTER_ADDR, which is loopback only when MASTER_ADDR is (Gloo's own choice, the address the
+// host name resolves to, is 127.0.1.1 on Debian, which no other host reaches).
 #pragma once
 
 #include <chrono>
@@ -14,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "config/daemon_config.hpp"
 #include "util/error.hpp"
 
 namespace vramd::dist {
@@ -24,11 +30,14 @@ struct GroupOptions {
   std::string master_addr = "127.0.0.1";
   uint16_t master_port = 29500;
   std::chrono::milliseconds timeout{60'000};  // to reach the store
+  std::string interface;          // Gloo's addresses are this interface's; empty: the one towards master_addr
+  std::string interface_setting;  // where it was named, for messages: "GLOO_SOCKET_IFNAME", "FILE: [group] interface"
 };
 
-// The group torchrun (or a user) described in the environment: nullopt when WORLD_SIZE is
-// unset. Throws Error naming the variable that is missing or malformed.
-std::optional<GroupOptions> options_from_environment();
+// The group torchrun (or a user) described in the environment, with `daemon`'s [group]
+// interface: nullopt when WORLD_SIZE is unset. Throws Error naming the variable that is missing
+// or malformed.
+std::optional<GroupOptions> options_from_environment(const config::DaemonConfig& daemon);
 
 // A key did not appear in the store in time.
 class Timeout : public Error {
@@ -53,6 +62,9 @@ class Group {
   int rank() const { return options_.rank; }
   int size() const { return options_.world_size; }
   const GroupOptions& options() const { return options_; }
+  // This host's address for Gloo's connections, and a line saying which and why, for the log.
+  const std::string& address() const { return address_; }
+  std::string describe_address() const;
 
   void set(const std::string& key, std::string_view value);
   // Waits for the key up to `timeout`; throws Timeout naming it, Error when the store is gone.
@@ -65,8 +77,9 @@ class Group {
   Impl& impl() { return *impl_; }
 
  private:
-  Group(GroupOptions options, std::unique_ptr<Impl> impl);
+  Group(GroupOptions options, std::string address, std::unique_ptr<Impl> impl);
   GroupOptions options_;
+  std::string address_;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -270,9 +270,16 @@ ranks = 2
 
 TEST_CASE("the daemon config's group table is read and its mistakes are reported") {
   TempDir dir;
-  auto good = dir.write("vramd.toml", "[group]\nworld_size = 2\n");
+  auto good = dir.write("vramd.toml", "[group]\nworld_size = 2\ninterface = \"lo\"\n");
   CHECK(load_daemon_config(good).world_size == 2);
+  CHECK(load_daemon_config(good).interface == "lo");
   CHECK(default_daemon_config().world_size == 1);
+  CHECK(default_daemon_config().interface.empty());
+  auto unknown = dir.write("unknown.toml", "[group]\ninterface = \"no-such-if0\"\n");
+  CHECK_THROWS_WITH(load_daemon_config(unknown),
+                    Catch::StartsWith(unknown + ":2:13: group.interface = 'no-such-if0': no such network interface on this "
+                                                "machine (it has ") &&
+                        Catch::Contains("lo"));
   auto bad = dir.write("bad.toml", "[group]\nworld_size = 1000\nword_size = 2\n");
   CHECK_THROWS_WITH(load_daemon_config(bad), bad + ":2:14: group.world_size = 1000: expected an integer from 1 to 256\n" +
                                                  bad + ":3:1: unknown key 'word_size' in [group]; did you mean 'world_size'?");
