@@ -70,7 +70,9 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   const uint64_t rss_before = peak_rss();
   model::LoadOptions load_options;
   load_options.zero_copy = !options.copy;
-  if (const auto group = dist::options_from_environment(daemon); group && group->world_size > 1) {
+  if (auto group = dist::options_from_environment(daemon); group && group->world_size > 1) {
+    // The model's timeout bounds reaching the store as it bounds every step after.
+    if (config.partition.world_size > 1) group->timeout = config.partition.timeout;
     load_options.group = dist::Group::join(*group);
     err << "vramctl run: " << load_options.group->describe_address() << '\n';
     load_options.partition_name = "run/" + config.name;

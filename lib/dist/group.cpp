@@ -103,6 +103,7 @@ Group::~Group() = default;
 
 std::shared_ptr<Group> Group::join(const GroupOptions& options) {
   const std::string me = "rank " + std::to_string(options.rank) + " of " + std::to_string(options.world_size);
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   const std::string master = "MASTER_ADDR=" + options.master_addr;
   std::string address;
   try {
@@ -113,20 +114,42 @@ std::shared_ptr<Group> Group::join(const GroupOptions& options) {
                 (options.interface.empty() ? master : options.interface_setting + " = " + quote(options.interface)) +
                 ": " + e.what());
   }
+  // Under torchrun, its agent on rank 0's host serves the store already, and says so.
+  const bool serves = options.rank == 0 && env("TORCHELASTIC_USE_AGENT_STORE") != "True";
   c10d::TCPStoreOptions store_options;
   store_options.port = options.master_port;
-  store_options.isServer = options.rank == 0;
+  store_options.isServer = serves;
   store_options.numWorkers = options.world_size;
   store_options.waitWorkers = false;  // ranks join per model, each with its own timeout
   store_options.timeout = options.timeout;
+  const std::string port = "MASTER_PORT=" + std::to_string(options.master_port);
+  // Rank 0 listens first, then every rank waits until MASTER_ADDR answers (rank 0 its own
+  // listener there): c10d retries past its timeout, by seconds, where this stops at it.
+  if (serves) {
+    try {
+      store_options.masterListenFd = listen_on_port(options.master_port);
+    } catch (const Error& e) {
+      throw Error(me + ": cannot serve the group's store: " + e.what() + " (" + port + ": choose a free port)");
+    }
+  }
+  try {
+    wait_until_reachable(options.master_addr, options.master_port, deadline);
+  } catch (const Error& e) {
+    if (store_options.masterListenFd) close(*store_options.masterListenFd);
+    const std::string within = " within " + config::format_duration(options.timeout) + " (" + e.what() + "): ";
+    throw Error(serves
+                    ? me + " serves the group's store on " + port + " but does not reach it at " + master + within +
+                          "MASTER_ADDR must be an address of this host (" + host_name() + ") that the other ranks reach"
+                    : me + " cannot reach the group's store at " + master + " " + port + within +
+                          "is rank 0 running, and is MASTER_ADDR an address of its host that this host (" +
+                          host_name() + ") reaches?");
+  }
   auto impl = std::make_unique<Impl>();
-  const std::string where = options.master_addr + ":" + std::to_string(options.master_port);
   try {
     impl->store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options);
   } catch (const std::exception& e) {
-    throw Error("rank " + std::to_string(options.rank) + " of " + std::to_string(options.world_size) + ": " +
-                (options.rank == 0 ? "cannot serve the group's store on " : "cannot reach the group's store on ") + where +
-                ": " + text_of(e));
+    throw Error(me + ": " + (serves ? "cannot serve the group's store at " : "cannot reach the group's store at ") +
+                master + " " + port + ": " + text_of(e));
   }
   return std::shared_ptr<Group>(new Group(options, std::move(address), std::move(impl)));
 }

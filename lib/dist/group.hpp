@@ -1,9 +1,9 @@
 // A group of vramd processes, one per rank, on PyTorch's distributed engine (c10d): rank 0
-// serves a TCPStore at MASTER_ADDR:MASTER_PORT, the other ranks connect to it, and each model
-// loaded partitioned gets its own Gloo process group under a prefix of that store
-// (dist/communicator.hpp). The conventions are torchrun's: RANK, WORLD_SIZE, MASTER_ADDR,
-// MASTER_PORT. This header is LibTorch-free; the daemon's control messages go through the
-// store with set() and get().
+// serves a TCPStore at MASTER_ADDR:MASTER_PORT (under torchrun, its agent on rank 0's host does),
+// the other ranks connect to it, and each model loaded partitioned gets its own Gloo process
+// group under a prefix of that store (dist/communicator.hpp). The conventions are torchrun's:
+// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT. This header is LibTorch-free; the daemon's control
+// messages go through the store with set() and get().
 //
 // Gloo's connections use one address of this host: that of GLOO_SOCKET_IFNAME's interface, else
 // of [group] interface's (the daemon config), else the one the kernel's routes choose towards
@@ -53,7 +53,8 @@ class RankFailure : public Error {
 
 class Group {
  public:
-  // Rank 0 serves the store; the others connect to it, retrying until the timeout.
+  // Rank 0 serves the store; the others connect to it, retrying until the timeout. Every rank
+  // reaches it at MASTER_ADDR within the timeout, or throws Error naming MASTER_ADDR.
   static std::shared_ptr<Group> join(const GroupOptions& options);
   ~Group();
   Group(const Group&) = delete;
