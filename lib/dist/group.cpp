@@ -12,9 +12,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "config/units.hpp"
@@ -72,6 +74,19 @@ bool has_exited(pid_t pid) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return false;
+}
+
+// c10d's store client waits for answers without a timeout of its own (TCPStore::check, and the
+// cancel after a wait's timeout), so a store whose host went away without closing the connection
+// would hold a rank for good: the kernel closes the connections `connect` opens after `timeout`.
+template <typename Connect>
+c10::intrusive_ptr<c10d::Store> bounded(const GroupOptions& options, std::chrono::milliseconds timeout,
+                                        Connect connect) {
+  const auto before = connections_to(options.master_addr, options.master_port);
+  c10::intrusive_ptr<c10d::Store> store = connect();
+  for (const int fd : connections_to(options.master_addr, options.master_port))
+    if (std::find(before.begin(), before.end(), fd) == before.end()) bound_connection(fd, timeout);
+  return store;
 }
 
 }  // namespace
@@ -146,7 +161,8 @@ std::shared_ptr<Group> Group::join(const GroupOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   try {
-    impl->store = c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options);
+    impl->store = bounded(options, options.timeout,
+                          [&] { return c10::make_intrusive<c10d::TCPStore>(options.master_addr, store_options); });
   } catch (const std::exception& e) {
     throw Error(me + ": " + (serves ? "cannot serve the group's store at " : "cannot reach the group's store at ") +
                 master + " " + port + ": " + text_of(e));
@@ -197,18 +213,37 @@ int64_t Group::add(const std::string& key, int64_t amount) {
 
 // --- Communicator ---
 
-struct Communicator::Impl {
-  c10::intrusive_ptr<c10d::Store> store;  // prefixed with the name
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
-};
-
-struct Communicator::Pending::Work {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<std::vector<at::Tensor>> chunks;  // kept alive until the gather is done
-  std::string step;  // when set, a failure names the ranks that have not marked it
-};
-
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Gloo waits five times its timeout for a pair's first connection (gloo/transport/tcp/pair.h: "a
+// longer timeout when waiting for initial connect"): a model's ranks are connected with a fifth
+// of its [partition] timeout, so that Gloo's wait ends with ours.
+constexpr int kGlooConnectWaits = 5;
+
+// How long a failing rank waits for the others to meet the failure too before naming those that
+// did not: a gather involves every rank, so the living meet it at about the same moment.
+constexpr std::chrono::milliseconds kRollCall{2000};
+
+// What each rank writes with its marks, "HOST PID ADDRESS": who it is, and where Gloo reaches it.
+struct Member {
+  std::string host;
+  pid_t pid = 0;
+  std::string address;
+};
+
+std::string member_text(const Group& group) {
+  return host_name() + " " + std::to_string(getpid()) + " " + group.address();
+}
+
+// From the store, so from anywhere: what does not parse stays empty.
+Member member_of(const std::string& text) {
+  Member member;
+  std::istringstream words(text);
+  words >> member.host >> member.pid >> member.address;
+  return member;
+}
 
 std::string ranks_text(const std::vector<int>& ranks) {
   std::string text = ranks.size() == 1 ? "rank " : "ranks ";
@@ -218,77 +253,148 @@ std::string ranks_text(const std::vector<int>& ranks) {
 
 }  // namespace
 
+struct Communicator::Impl {
+  c10::intrusive_ptr<c10d::Store> store;  // a connection of its own, prefixed with the name
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  std::vector<Member> members;  // by rank, once every rank has joined
+};
+
+struct Communicator::Pending::Work {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::vector<at::Tensor>> chunks;  // kept alive until the gather is done
+  std::string step;  // when set, a failure names the ranks that have not marked it
+};
+
 Communicator::Communicator(std::shared_ptr<Group> group, std::string name, std::chrono::milliseconds timeout)
-    : group_(std::move(group)), name_(std::move(name)), impl_(std::make_unique<Impl>()) {
-  impl_->store = c10::make_intrusive<c10d::PrefixStore>(name_, group_->impl().store);
-  mark("joined");
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    : group_(std::move(group)), name_(std::move(name)), timeout_(timeout), impl_(std::make_unique<Impl>()) {
+  const std::string of = " of " + std::to_string(size());
+  try {
+    // Its own connection to the store, so that the waits of Gloo's rendezvous end with this
+    // model's timeout (its fifth, as Gloo's connections'), not the group's.
+    auto connection = bounded(group_->options(), timeout, [&] { return group_->impl().store->clone(); });
+    connection->setTimeout(timeout / kGlooConnectWaits);
+    impl_->store = c10::make_intrusive<c10d::PrefixStore>(name_, connection);
+  } catch (const std::exception& e) {
+    throw RankFailure(name_ + ": joining failed on rank " + std::to_string(rank()) + of + ": " + rank0_gone("closed") +
+                      " (" + text_of(e) + ")");
+  }
+  std::vector<std::string> joined;
+  for (int r = 0; r < size(); ++r) joined.push_back("joined/" + std::to_string(r));
+  try {
+    mark("joined");
+    impl_->store->wait(joined, timeout);
+    for (const auto& key : joined) {
+      const auto bytes = impl_->store->get(key);
+      impl_->members.push_back(member_of(std::string(bytes.begin(), bytes.end())));
+    }
+  } catch (const std::exception& e) {
+    std::vector<int> absent;
+    try {
+      absent = missing("joined");
+    } catch (const std::exception&) {  // the store is gone: fail() says so
+    }
+    if (!absent.empty())
+      throw RankFailure(name_ + ": " + ranks_text(absent) + of + " did not join within " +
+                        config::format_duration(timeout) + " (is a process running with RANK=" +
+                        std::to_string(absent.front()) + " and WORLD_SIZE=" + std::to_string(size()) + "?)");
+    fail("joining", text_of(e));
+  }
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout / kGlooConnectWaits);
   try {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(group_->address()));
     impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank(), size(), options);
   } catch (const std::exception& e) {
-    const auto absent = missing("joined");
-    if (!absent.empty())
-      throw RankFailure(name_ + ": " + ranks_text(absent) + " of " + std::to_string(size()) + " did not join within " +
-                  config::format_duration(timeout) + " (is a process running with RANK=" + std::to_string(absent.front()) +
-                  " and WORLD_SIZE=" + std::to_string(size()) + "?)");
-    fail("connecting the ranks", text_of(e));
+    const auto& members = impl_->members;
+    const bool hosts =
+        std::any_of(members.begin(), members.end(), [&](const Member& m) { return m.host != members[0].host; });
+    std::string addresses, loopback;
+    for (int r = 0; r < size(); ++r) {
+      addresses +=
+          (r ? ", rank " : "rank ") + std::to_string(r) + " at " + members[r].address + " on " + members[r].host;
+      if (hosts && is_loopback_address(members[r].address))
+        loopback = "rank " + std::to_string(r) + "'s is a loopback address, which the other hosts do not reach; ";
+    }
+    fail("connecting the ranks", text_of(e), {},
+         "every rank must reach the others at the addresses they advertised (" + addresses + "): " + loopback +
+             "where one does not, set GLOO_SOCKET_IFNAME, or [group] interface in the daemon config, to the interface "
+             "that does");
   }
+  impl_->store->setTimeout(timeout);
+  impl_->gloo->setTimeout(timeout);
 }
 
 Communicator::~Communicator() = default;
 
-// Each mark holds the rank's host and process id, so that a failure can say which rank exited.
 void Communicator::mark(const std::string& step) {
-  const std::string who = host_name() + " " + std::to_string(getpid());
+  const std::string who = member_text(*group_);
   impl_->store->set(step + "/" + std::to_string(rank()), std::vector<uint8_t>(who.begin(), who.end()));
-}
-
-// "rank 1 (pid 4242) has exited" for the ranks on this host whose process is gone.
-std::string Communicator::exited() {
-  std::string text;
-  for (int r = 0; r < size(); ++r) {
-    if (r == rank()) continue;
-    try {
-      const std::string key = "joined/" + std::to_string(r);
-      if (!impl_->store->check({key})) continue;
-      const auto bytes = impl_->store->get(key);
-      const std::string who(bytes.begin(), bytes.end());
-      const auto space = who.rfind(' ');
-      if (space == std::string::npos || who.substr(0, space) != host_name()) continue;
-      const pid_t pid = static_cast<pid_t>(std::stol(who.substr(space + 1)));
-      if (has_exited(pid))
-        text += (text.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") has exited");
-    } catch (const std::exception&) {
-    }
-  }
-  return text;
 }
 
 std::vector<int> Communicator::missing(const std::string& step) {
   std::vector<int> absent;
-  for (int r = 0; r < size(); ++r) {
-    try {
-      if (!impl_->store->check({step + "/" + std::to_string(r)})) absent.push_back(r);
-    } catch (const c10::Error&) {
-      absent.push_back(r);
-    }
-  }
+  for (int r = 0; r < size(); ++r)
+    if (!impl_->store->check({step + "/" + std::to_string(r)})) absent.push_back(r);
   return absent;
 }
 
-void Communicator::fail(const std::string& during, const std::string& cause, const std::string& step) {
+// Rank 0 serves the group's store (or torchrun's agent beside it): when the store closes or stops
+// answering, rank 0 has exited or its host is gone.
+std::string Communicator::rank0_gone(const std::string& how) const {
+  const auto& options = group_->options();
+  std::string who = "rank 0";
+  if (!impl_->members.empty()) who += " (" + impl_->members[0].address + " on " + impl_->members[0].host + ")";
+  return who + " is gone: the group's store on its host, at MASTER_ADDR=" + options.master_addr +
+         " MASTER_PORT=" + std::to_string(options.master_port) + ", " + how;
+}
+
+// The other ranks that have not marked "failed" within kRollCall: "rank 1 (pid 4242) has exited"
+// for a rank of this host whose process is gone, else "rank 2 (10.0.0.3 on node2) did not answer".
+std::string Communicator::unanswered() {
+  const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout_, kRollCall);
+  std::vector<int> silent;
+  for (;;) {
+    silent = missing("failed");
+    std::erase(silent, rank());
+    if (silent.empty() || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::string text;
+  for (const int r : silent) {
+    const Member* member = static_cast<size_t>(r) < impl_->members.size() ? &impl_->members[r] : nullptr;
+    std::string line = "rank " + std::to_string(r);
+    if (member && member->host == host_name() && member->pid > 0 && has_exited(member->pid))
+      line += " (pid " + std::to_string(member->pid) + ") has exited";
+    else
+      line += (member ? " (" + member->address + " on " + member->host + ")" : "") + " did not answer";
+    text += (text.empty() ? "" : ", ") + line;
+  }
+  return text;
+}
+
+void Communicator::fail(const std::string& during, const std::string& cause, const std::string& step,
+                        const std::string& advice) {
   std::string who;
   try {
-    const auto absent = step.empty() ? std::vector<int>{} : missing(step);
-    if (!absent.empty()) who = ranks_text(absent) + " did not finish " + step;
-    const std::string gone = exited();
-    if (!gone.empty()) who += (who.empty() ? "" : ": ") + gone;
-  } catch (const std::exception&) {
+    mark("failed");
+    // Whether the store is there, before the queries a store that went away would hold (bounded()).
+    const auto& options = group_->options();
+    const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout_, kRollCall);
+    if (const std::string why = try_reach(options.master_addr, options.master_port, deadline); !why.empty()) {
+      who = rank0_gone("does not answer (" + why + ")");
+    } else {
+      const auto absent = step.empty() ? std::vector<int>{} : missing(step);
+      if (!absent.empty()) who = ranks_text(absent) + " did not finish " + step;
+      const std::string silent = unanswered();
+      if (!silent.empty()) who += (who.empty() ? "" : ": ") + silent;
+      if (who.empty()) who = "the other ranks failed too";
+    }
+  } catch (const c10::DistNetworkError& e) {
+    who = rank0_gone("closed (" + text_of(e) + ")");
+  } catch (const std::exception& e) {  // the store did not answer in time
+    who = "the group's store did not answer (" + text_of(e) + ")";
   }
-  if (who.empty()) who = "a rank exited or stopped answering";
-  throw RankFailure(name_ + ": " + during + " failed on rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-              ": " + who + " (" + cause + ")");
+  throw RankFailure(name_ + ": " + during + " failed on rank " + std::to_string(rank()) + " of " +
+                    std::to_string(size()) + ": " + who + " (" + cause + ")" + (advice.empty() ? "" : "; " + advice));
 }
 
 // One broadcast per rank, each straight into that rank's chunk of `output`: Gloo's own
