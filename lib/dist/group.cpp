@@ -432,7 +432,11 @@ void Communicator::Pending::wait() {
 }
 
 std::vector<int64_t> Communicator::all_gather_values(int64_t value, const std::string& step) {
-  mark(step);
+  try {
+    mark(step);
+  } catch (const std::exception& e) {  // the store is gone: fail() names rank 0
+    fail("a gather", text_of(e), step);
+  }
   const at::Tensor shard = at::full({1}, value, at::kLong);
   const at::Tensor output = at::empty({size()}, at::kLong);
   auto pending = all_gather(output, shard);
