@@ -251,6 +251,26 @@ std::string ranks_text(const std::vector<int>& ranks) {
   return text;
 }
 
+// What to check when Gloo could not connect the ranks: the addresses they advertised, and what sets them.
+std::string reach_advice(const std::vector<Member>& members) {
+  const bool hosts =
+      std::any_of(members.begin(), members.end(), [&](const Member& m) { return m.host != members[0].host; });
+  std::string addresses;
+  std::vector<int> loopback;
+  for (size_t r = 0; r < members.size(); ++r) {
+    addresses += (r ? ", rank " : "rank ") + std::to_string(r) + " at " + members[r].address + " on " + members[r].host;
+    if (hosts && is_loopback_address(members[r].address)) loopback.push_back(static_cast<int>(r));
+  }
+  std::string text = "every rank must reach the others at the addresses they advertised (" + addresses + "): ";
+  if (!loopback.empty())
+    text += ranks_text(loopback) +
+            (loopback.size() == 1 ? " advertised a loopback address" : " advertised loopback addresses") +
+            ", which the other hosts do not reach; ";
+  return text +
+         "where one does not, set GLOO_SOCKET_IFNAME, or [group] interface in the daemon config, to the interface "
+         "that does";
+}
+
 }  // namespace
 
 struct Communicator::Impl {
@@ -304,20 +324,7 @@ Communicator::Communicator(std::shared_ptr<Group> group, std::string name, std::
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(group_->address()));
     impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank(), size(), options);
   } catch (const std::exception& e) {
-    const auto& members = impl_->members;
-    const bool hosts =
-        std::any_of(members.begin(), members.end(), [&](const Member& m) { return m.host != members[0].host; });
-    std::string addresses, loopback;
-    for (int r = 0; r < size(); ++r) {
-      addresses +=
-          (r ? ", rank " : "rank ") + std::to_string(r) + " at " + members[r].address + " on " + members[r].host;
-      if (hosts && is_loopback_address(members[r].address))
-        loopback = "rank " + std::to_string(r) + "'s is a loopback address, which the other hosts do not reach; ";
-    }
-    fail("connecting the ranks", text_of(e), {},
-         "every rank must reach the others at the addresses they advertised (" + addresses + "): " + loopback +
-             "where one does not, set GLOO_SOCKET_IFNAME, or [group] interface in the daemon config, to the interface "
-             "that does");
+    fail("connecting the ranks", text_of(e), {}, reach_advice(impl_->members));
   }
   impl_->store->setTimeout(timeout);
   impl_->gloo->setTimeout(timeout);

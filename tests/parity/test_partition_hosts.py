@@ -4,9 +4,10 @@ as Debian's /etc/hosts makes it (127.0.1.1), and no GLOO_SOCKET_IFNAME. The rank
 addresses that reach MASTER_ADDR and give the single process's outputs bit for bit; rank 0
 killed during the load or a forward fails rank 1 at once, naming rank 0 and its address; rank 1
 killed during a forward fails rank 0, naming rank 1 and its address; when host 1 goes away (its
-link down), both fail within the timeout, each naming the other; a MASTER_ADDR no host has fails
-every rank within [partition] timeout, naming it. Needs root, iproute2's `ip` and
-util-linux's `unshare`; skipped without them."""
+link down), both fail within the timeout, each naming the other; ranks made to advertise loopback
+fail within the timeout, saying what to set; a MASTER_ADDR no host has fails every rank within
+[partition] timeout, naming it. Needs root, iproute2's `ip` and util-linux's `unshare`; skipped
+without them."""
 import os
 import shutil
 import signal
@@ -90,9 +91,11 @@ def case(tmp_path_factory):
 class Rank:
     """A vramctl run of one rank, its stderr read as it comes."""
 
-    def __init__(self, hosts, rank, config, master_addr, port, *args):
+    def __init__(self, hosts, rank, config, master_addr, port, *args, interface=None):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
         env.pop("GLOO_SOCKET_IFNAME", None)
+        if interface:
+            env["GLOO_SOCKET_IFNAME"] = interface
         argv = [VRAMCTL, "run", config, "--daemon-config", config.parent / "vramd.toml", "--threads", "1", *args]
         self.started = time.monotonic()
         self.process = subprocess.Popen(hosts.command(rank, argv), env=env, stderr=subprocess.PIPE, text=True)
@@ -246,6 +249,25 @@ def test_a_host_that_goes_away_during_a_forward_fails_both_ranks_naming_the_othe
     # Closed by host 1's kernel once its keepalive probes went unanswered, or found silent by one last attempt.
     assert (f"run/m: a gather failed on rank 1 of 2: rank 0 ({hosts.addresses[0]} on node0) is gone: the group's store "
             f"on its host, at MASTER_ADDR={hosts.addresses[0]} MASTER_PORT={port}, ") in ranks[1].stderr()
+
+
+def test_ranks_that_advertise_loopback_fail_within_the_timeout_saying_what_to_set(hosts, case, tmp_path):
+    # What Gloo's own choice did on Debian, forced here with GLOO_SOCKET_IFNAME=lo: the store is
+    # reached, and no rank can connect to another. Gloo alone waited five times the timeout.
+    config = write_configs(tmp_path / "c", case)
+    port = free_port()
+    ranks = [Rank(hosts, r, config, hosts.addresses[0], port, "--input", case / "inputs.safetensors", interface="lo")
+             for r in (0, 1)]
+    for r, rank in enumerate(ranks):
+        status, seconds = rank.finish()
+        assert status == 1, rank.stderr()
+        assert seconds < TIMEOUT + SLACK, rank.stderr()
+        assert "Gloo uses 127.0.0.1, the address of interface 'lo' (GLOO_SOCKET_IFNAME)" in rank.stderr()
+        assert f"run/m: connecting the ranks failed on rank {r} of 2: rank {1 - r} " in rank.stderr()
+        assert ("every rank must reach the others at the addresses they advertised (rank 0 at 127.0.0.1 on node0, "
+                "rank 1 at 127.0.0.1 on node1): ranks 0, 1 advertised loopback addresses, which the other hosts do "
+                "not reach; where one does not, set GLOO_SOCKET_IFNAME, or [group] interface in the daemon config, "
+                "to the interface that does") in rank.stderr()
 
 
 def test_a_wrong_master_addr_fails_every_rank_within_the_timeout_naming_it(hosts, case, tmp_path):
