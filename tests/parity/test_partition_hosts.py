@@ -198,29 +198,35 @@ def test_rank_0_killed_during_the_load_fails_rank_1_naming_it(hosts, case, tmp_p
     assert status == 1, rank1.stderr()
     assert time.monotonic() - killed < TIMEOUT + SLACK, rank1.stderr()
     assert "run/m: joining failed on rank 1 of 2: rank 0" in rank1.stderr()
-    assert f"is gone: the group's store on its host, at MASTER_ADDR={hosts.addresses[0]} MASTER_PORT={port}," in rank1.stderr()
+    assert f"is gone: the group's store on its host, at MASTER_ADDR={hosts.addresses[0]} MASTER_PORT={port}," \
+        in rank1.stderr()
     rank0.finish()
+
+
+def forwarding(hosts, case, tmp_path):
+    """Both ranks running forwards, as many as they are let: (ranks, the store's port)."""
+    config = write_configs(tmp_path / "c", case)
+    port = free_port()
+    ranks = [Rank(hosts, r, config, hosts.addresses[0], port, "--input", case / "inputs.safetensors",
+                  "--repeat", 1000000, "--stats") for r in (0, 1)]
+    ranks[0].wait_for_line("loaded m (")  # rank 0's load is done, which needs rank 1's too
+    time.sleep(0.5)
+    return ranks, port
 
 
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_rank_killed_during_a_forward_fails_the_other_naming_it(hosts, case, tmp_path, killed):
-    config = write_configs(tmp_path / "c", case)
-    port = free_port()
-    inputs = case / "inputs.safetensors"
-    # Forwards until one is killed; rank 0 says when its load is done, which needs rank 1's too.
-    ranks = [Rank(hosts, r, config, hosts.addresses[0], port, "--input", inputs, "--repeat", 1000000, "--stats")
-             for r in (0, 1)]
-    ranks[0].wait_for_line("loaded m (")
-    time.sleep(0.5)
+    ranks, _ = forwarding(hosts, case, tmp_path)
     ranks[killed].kill()
     killed_at = time.monotonic()
     survivor = ranks[1 - killed]
     status, _ = survivor.finish()
     assert status == 1, survivor.stderr()
     assert time.monotonic() - killed_at < TIMEOUT + SLACK, survivor.stderr()
-    assert f"run/m: a gather failed on rank {1 - killed} of 2: rank {killed} ({hosts.addresses[killed]} on node{killed})" \
-        in survivor.stderr()
-    assert ("is gone: the group's store on its host, at MASTER_ADDR=" if killed == 0 else "did not answer") in survivor.stderr()
+    named = f"rank {killed} ({hosts.addresses[killed]} on node{killed})"
+    assert f"run/m: a gather failed on rank {1 - killed} of 2: {named}" in survivor.stderr()
+    said = f"{named} is gone: the group's store on its host" if killed == 0 else f"{named} did not answer"
+    assert said in survivor.stderr()
     ranks[killed].finish()
 
 
@@ -228,13 +234,7 @@ def test_a_host_that_goes_away_during_a_forward_fails_both_ranks_naming_the_othe
     # Host 1's link goes down: no connection is closed, nothing is refused; each side's gather
     # waits for the timeout, and the rank that fails names the other (2 s are given to the
     # others to fail too, which a rank on a host that went away never does).
-    config = write_configs(tmp_path / "c", case)
-    port = free_port()
-    inputs = case / "inputs.safetensors"
-    ranks = [Rank(hosts, r, config, hosts.addresses[0], port, "--input", inputs, "--repeat", 1000000, "--stats")
-             for r in (0, 1)]
-    ranks[0].wait_for_line("loaded m (")
-    time.sleep(0.5)
+    ranks, port = forwarding(hosts, case, tmp_path)
     link = ["ip", "-n", hosts.names[1], "link", "set", hosts.links[1]]
     sh(*link, "down")
     try:
@@ -246,7 +246,8 @@ def test_a_host_that_goes_away_during_a_forward_fails_both_ranks_naming_the_othe
         sh(*link, "up")
     assert f"run/m: a gather failed on rank 0 of 2: rank 1 ({hosts.addresses[1]} on node1) did not answer" \
         in ranks[0].stderr()
-    # Closed by host 1's kernel once its keepalive probes went unanswered, or found silent by one last attempt.
+    # Closed by host 1's kernel once its keepalive probes went unanswered, or found silent by a
+    # last connection attempt.
     assert (f"run/m: a gather failed on rank 1 of 2: rank 0 ({hosts.addresses[0]} on node0) is gone: the group's store "
             f"on its host, at MASTER_ADDR={hosts.addresses[0]} MASTER_PORT={port}, ") in ranks[1].stderr()
 
