@@ -26,7 +26,7 @@ import hf_models  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
 TIMEOUT = 5  # [partition] timeout, in seconds
-SLACK = 3    # a process's start (LibTorch's libraries) and its exit, on a busy machine
+SLACK = 4    # a process's start (LibTorch's libraries) and its exit, on a busy machine
 SUBNET = "10.99.0"  # inside the namespaces only: no address outside them is touched
 
 pytestmark = pytest.mark.skipif(
@@ -264,7 +264,9 @@ def test_ranks_that_advertise_loopback_fail_within_the_timeout_saying_what_to_se
         assert status == 1, rank.stderr()
         assert seconds < TIMEOUT + SLACK, rank.stderr()
         assert "Gloo uses 127.0.0.1, the address of interface 'lo' (GLOO_SOCKET_IFNAME)" in rank.stderr()
-        assert f"run/m: connecting the ranks failed on rank {r} of 2: rank {1 - r} " in rank.stderr()
+        # Who is named depends on which failed first (Gloo's connecting side fails at once, its
+        # listening side at the timeout); what to set does not.
+        assert f"run/m: connecting the ranks failed on rank {r} of 2: " in rank.stderr()
         assert ("every rank must reach the others at the addresses they advertised (rank 0 at 127.0.0.1 on node0, "
                 "rank 1 at 127.0.0.1 on node1): ranks 0, 1 advertised loopback addresses, which the other hosts do "
                 "not reach; where one does not, set GLOO_SOCKET_IFNAME, or [group] interface in the daemon config, "
