@@ -4,25 +4,30 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
+#include "storage/dequantize_ops.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 
 namespace vramd::convert {
 namespace {
 
-at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMode mode) {
-  auto input = [&](size_t i) { return value(*expr.inputs.at(i), map, mode); };
+// `packed`: the block type whose bytes the sources are read as (packed_type() accepted the
+// expression), so a reshape takes the packed shape of its result.
+at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMode mode,
+                 std::optional<storage::DType> packed) {
+  auto input = [&](size_t i) { return value(*expr.inputs.at(i), map, mode, packed); };
   auto all = [&] {
     std::vector<at::Tensor> tensors;
-    for (const auto& part : expr.inputs) tensors.push_back(value(*part, map, mode));
+    for (const auto& part : expr.inputs) tensors.push_back(value(*part, map, mode, packed));
     return tensors;
   };
+  const std::optional<c10::ScalarType> read_as = packed ? std::optional(c10::kByte) : std::nullopt;
   switch (expr.op) {
-    case Expr::Op::Source: return storage::load_tensor(map, map.at(expr.source, expr.shard), {.dtype = std::nullopt, .mode = mode});
+    case Expr::Op::Source: return storage::load_tensor(map, map.at(expr.source, expr.shard), {.dtype = read_as, .mode = mode});
     case Expr::Op::Zeros: return at::zeros(expr.shape, at::TensorOptions().dtype(storage::scalar_type(expr.dtype)));
     case Expr::Op::Transpose: return input(0).transpose(expr.args[0], expr.args[1]);
     case Expr::Op::Permute: return input(0).permute(expr.args);
-    case Expr::Op::Reshape: return input(0).reshape(expr.args);
+    case Expr::Op::Reshape: return input(0).reshape(packed ? storage::packed_shape(*packed, expr.shape) : expr.args);
     case Expr::Op::Narrow: return input(0).narrow(expr.args[0], expr.args[1], expr.args[2]);
     case Expr::Op::Cat: return at::cat(all(), expr.args[0]);
     case Expr::Op::Stack: return at::stack(all(), expr.args[0]);
@@ -32,10 +37,52 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
   throw Error("unknown expression");
 }
 
+// Whether the op leaves the last dimension of its operands (of `rank` dimensions) whole and in
+// place, so that it moves whole rows of blocks.
+bool moves_rows(const Expr& expr, int64_t rank) {
+  const int64_t last = rank - 1;
+  switch (expr.op) {
+    case Expr::Op::Source: return true;
+    case Expr::Op::Transpose: return expr.args[0] == expr.args[1] || (expr.args[0] != last && expr.args[1] != last);
+    case Expr::Op::Permute: return expr.args.back() == last;
+    case Expr::Op::Reshape:
+      return !expr.shape.empty() && rank > 0 && expr.shape.back() == expr.inputs[0]->shape.back();
+    case Expr::Op::Narrow:
+    case Expr::Op::Cat: return expr.args[0] != last;
+    case Expr::Op::Stack: return expr.args[0] != rank;  // a new last dimension would split rows
+    case Expr::Op::Zeros:
+    case Expr::Op::Cast:
+    case Expr::Op::Scale: return false;
+  }
+  return false;
+}
+
 }  // namespace
 
 at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode) {
-  return value(expr, source, mode).contiguous();
+  return value(expr, source, mode, std::nullopt).contiguous();
+}
+
+std::optional<storage::DType> packed_type(const Expr& expr, const storage::DiskMap& source) {
+  if (expr.op == Expr::Op::Source) {
+    const storage::DType stored = source.at(expr.source, expr.shard).dtype;
+    return storage::dtype_block(stored) != 1 ? std::optional(stored) : std::nullopt;
+  }
+  if (expr.inputs.empty() || !moves_rows(expr, static_cast<int64_t>(expr.inputs[0]->shape.size()))) return std::nullopt;
+  std::optional<storage::DType> type;
+  for (const auto& input : expr.inputs) {
+    const auto inner = packed_type(*input, source);
+    if (!inner || (type && *type != *inner)) return std::nullopt;
+    type = inner;
+  }
+  return type;
+}
+
+at::Tensor evaluate_packed(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode) {
+  const auto type = packed_type(expr, source);
+  if (!type) throw Error("the value of " + expr.describe() + " cannot stay packed: it reads no GGUF block type, "
+                         "or its operations split the rows of blocks");
+  return value(expr, source, mode, type).contiguous();
 }
 
 }  // namespace vramd::convert

@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 #include "convert/expr.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
@@ -15,5 +17,16 @@ namespace vramd::convert {
 // be re-read from disk on every use. With ReadMode::Copy sources are read into fresh memory
 // instead, so the result never points into the file.
 at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode = storage::ReadMode::Auto);
+
+// The GGUF block type in which the expression's value can stay packed: every source it reads
+// holds that type, and every op moves whole rows (none touches the last dimension, along which
+// the blocks run), so that applied to the packed bytes it gives the value's packed bytes, as
+// gguf.lua's reordering of LLaMA's q and k rows does. nullopt for any other expression.
+std::optional<storage::DType> packed_type(const Expr& expr, const storage::DiskMap& source);
+
+// The value of an expression packed_type() accepts, packed: uint8, contiguous, shaped
+// storage::packed_shape (storage/dequantize_ops.hpp). Reads as evaluate() does.
+at::Tensor evaluate_packed(const Expr& expr, const storage::DiskMap& source,
+                           storage::ReadMode mode = storage::ReadMode::Auto);
 
 }  // namespace vramd::convert

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "storage/dequantize.hpp"
+#include "storage/dequantize_ops.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -82,8 +83,33 @@ at::Tensor unpacked(const DiskMap& map, const TensorInfo& info, std::span<const 
   return tensor;
 }
 
+// The tensor's bytes as they are stored, shaped `shape` in `type`: a view of the mapping where
+// `mode` allows and the bytes are aligned for `type`, else read into fresh memory.
+at::Tensor stored_bytes(const DiskMap& map, const TensorInfo& info, c10::ScalarType type, c10::IntArrayRef shape,
+                        ReadMode mode) {
+  const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
+  if (mode == ReadMode::Auto) {
+    const auto mapped = map.bytes(info);
+    const std::span<std::byte> bytes = mapped.first;
+    const std::shared_ptr<void> owner = mapped.second;
+    if (reinterpret_cast<uintptr_t>(bytes.data()) % c10::elementSize(type) == 0)
+      return at::from_blob(bytes.data(), shape, [owner](void*) {}, cpu);
+    at::Tensor tensor = at::empty(shape, cpu);
+    std::memcpy(tensor.mutable_data_ptr(), bytes.data(), bytes.size());
+    return tensor;
+  }
+  at::Tensor tensor = at::empty(shape, cpu);
+  std::span<std::byte> dst(static_cast<std::byte*>(tensor.mutable_data_ptr()), info.nbytes);
+  if (mode == ReadMode::Direct)
+    map.read_direct(info, dst);
+  else
+    map.read(info, dst);
+  return tensor;
+}
+
 at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options) {
-  if (dtype_block(info.dtype) != 1) {  // GGUF's block types: read packed, unpacked to float32
+  if (dtype_block(info.dtype) != 1) {  // GGUF's block types: as stored, or unpacked to float32
+    if (options.dtype == c10::kByte) return stored_bytes(map, info, c10::kByte, packed_shape(info.dtype, info.shape), options.mode);
     std::vector<std::byte> packed(info.nbytes);
     if (options.mode == ReadMode::Direct)
       map.read_direct(info, packed);
@@ -93,27 +119,7 @@ at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOpt
     return options.dtype ? tensor.to(*options.dtype) : tensor;  // to() of the same dtype is the tensor itself
   }
   const c10::ScalarType type = scalar_type(map, info);
-  const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
-  at::Tensor tensor;
-  if (options.mode == ReadMode::Auto) {
-    const auto mapped = map.bytes(info);
-    const std::span<std::byte> bytes = mapped.first;
-    const std::shared_ptr<void> owner = mapped.second;
-    const size_t item = c10::elementSize(type);
-    if (reinterpret_cast<uintptr_t>(bytes.data()) % item == 0) {
-      tensor = at::from_blob(bytes.data(), info.shape, [owner](void*) {}, cpu);
-    } else {
-      tensor = at::empty(info.shape, cpu);
-      std::memcpy(tensor.mutable_data_ptr(), bytes.data(), bytes.size());
-    }
-  } else {
-    tensor = at::empty(info.shape, cpu);
-    std::span<std::byte> dst(static_cast<std::byte*>(tensor.mutable_data_ptr()), info.nbytes);
-    if (options.mode == ReadMode::Direct)
-      map.read_direct(info, dst);
-    else
-      map.read(info, dst);
-  }
+  at::Tensor tensor = stored_bytes(map, info, type, info.shape, options.mode);
   if (options.dtype && *options.dtype != type) tensor = tensor.to(*options.dtype);
   return tensor;
 }
@@ -125,12 +131,12 @@ void unmap(void* context) { delete static_cast<Mapping*>(context); }
 }  // namespace
 
 at::Tensor map_tensor(const DiskMap& map, const TensorInfo& info) {
-  if (dtype_block(info.dtype) != 1) return {};
-  const c10::ScalarType type = scalar_type(map, info);
+  const bool packed = dtype_block(info.dtype) != 1;
+  const c10::ScalarType type = packed ? c10::kByte : scalar_type(map, info);
   if (info.nbytes == 0 || info.offset % c10::elementSize(type) != 0) return {};
   auto mapping = map.map_range(info);
   std::byte* data = mapping->data() + (mapping->size() - info.nbytes);
-  return at::for_blob(data, info.shape)
+  return at::for_blob(data, packed ? packed_shape(info.dtype, info.shape) : info.shape)
       .context(mapping.release(), &unmap)
       .options(at::TensorOptions().dtype(type).device(c10::kCPU))
       .make_tensor();

@@ -33,14 +33,15 @@ struct ReadOptions {
 
 // The tensor on the CPU. Views keep the file mapping alive for as long as they live; writes
 // to a view stay private to this process. GGUF's block types are read packed and unpacked to
-// float32 (then options.dtype), never views.
+// float32 (then options.dtype), never views; or, with options.dtype uint8, left packed: their
+// bytes as stored, shaped storage::packed_shape (storage/dequantize_ops.hpp), views in Auto mode.
 at::Tensor load_tensor(const DiskMap& map, const TensorInfo& info, const ReadOptions& options = {});
 at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOptions& options = {});
 
-// A view of the tensor's bytes, in its stored dtype, in a read-only mapping made for it alone
-// (File::map_range): nothing is copied, and the mapping goes with the tensor, so nothing of the
-// file stays mapped after. Writing to it faults. Undefined when the data is not aligned to its
-// dtype or is empty, and for block types.
+// A view of the tensor's bytes, in its stored dtype (a block type's packed bytes as uint8,
+// shaped storage::packed_shape), in a read-only mapping made for it alone (File::map_range):
+// nothing is copied, and the mapping goes with the tensor, so nothing of the file stays mapped
+// after. Writing to it faults. Undefined when the data is not aligned to its dtype or is empty.
 at::Tensor map_tensor(const DiskMap& map, const TensorInfo& info);
 // A block-typed tensor's packed bytes unpacked to float32 (storage/dequantize.hpp); throws
 // Error naming its file and key.
