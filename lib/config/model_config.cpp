@@ -62,6 +62,17 @@ DeviceState read_state(TableReader& vram, std::string_view key, DeviceState stat
     else
       table->bad_value("dtype", "expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
   }
+  if (auto packed = table->boolean("packed")) {
+    if (key == "computation")
+      table->bad_value("packed", "ops compute on unpacked weights; GGUF blocks stay packed in offload, onload and "
+                                 "preparing, and are unpacked into the computation dtype right before each op");
+    else if (state.device.is_disk())
+      table->bad_value("packed", std::string(key) + " is on disk, where weights are the checkpoint's own bytes; " +
+                                     "packed says how a state in memory holds them (preparing = { packed = true } " +
+                                     "streams GGUF blocks packed)");
+    else
+      state.packed = *packed;
+  }
   table->finish();
   return state;
 }
@@ -241,6 +252,10 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
       else config.partition.timeout = **timeout;
     }
     if (!partition->raw().contains("world_size")) partition->problem("missing key 'world_size' in [partition] (the number of ranks)");
+    const auto& vram = config.vram;
+    if (config.partition.world_size > 1 && (vram.offload.packed == true || vram.onload.packed == true || vram.preparing.packed == true))
+      partition->bad_value("world_size", "each rank holds a slice of every weight, cut element by element, which would "
+                                         "cut GGUF blocks apart: remove packed = true from [vram] to partition the model");
     partition->finish();
   }
 

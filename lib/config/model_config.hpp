@@ -23,6 +23,10 @@ std::string dtype_str(const Dtype& dtype);  // LibTorch's spelling, or "auto"
 struct DeviceState {
   Device device;
   Dtype dtype;
+  // GGUF block-quantized weights held as their packed bytes (the rest in `dtype`): true, false,
+  // or unset ("auto": packed when the model streams under [vram].limit). Never in computation;
+  // meaningless on disk, where weights are the checkpoint's own bytes.
+  std::optional<bool> packed = std::nullopt;
 };
 
 struct VramConfig {

@@ -22,7 +22,12 @@ const char* state_name(ModelState state) {
 
 namespace {
 
-json state_json(const config::DeviceState& state) { return {{"device", state.device.str()}, {"dtype", config::dtype_str(state.dtype)}}; }
+// `packed` for the states that can hold GGUF blocks packed: true, false or "auto".
+json state_json(const config::DeviceState& state, bool packable = true) {
+  json j = {{"device", state.device.str()}, {"dtype", config::dtype_str(state.dtype)}};
+  if (packable) j["packed"] = state.packed ? json(*state.packed) : json("auto");
+  return j;
+}
 
 std::string clock_text(std::chrono::system_clock::time_point when, const char* format) {
   const std::time_t t = std::chrono::system_clock::to_time_t(when);
@@ -88,7 +93,7 @@ json entry_json(const Entry& e) {
     j["checkpoint"] = e.dry->report.checkpoint;
     if (!e.dry->report.warnings.empty()) j["warnings"] = e.dry->report.warnings;
     j["vram"] = {{"offload", state_json(c.vram.offload)}, {"onload", state_json(c.vram.onload)},
-                 {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation)},
+                 {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation, false)},
                  {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)},
                  {"onload_limit", c.vram.onload_limit ? json(*c.vram.onload_limit) : json(nullptr)},
                  {"direct_io", c.vram.direct_io ? json(*c.vram.direct_io) : json("auto")}};

@@ -108,6 +108,40 @@ TEST_CASE("a float8 model dtype makes weights wait and rest in it and compute in
   }
 }
 
+TEST_CASE("packed is read per state and passed on as device and dtype are") {
+  TempDir dir;
+  auto path = dir.write("q.toml", "checkpoint = \"w\"\n[vram]\npreparing = { packed = true }\n"
+                                  "offload = { device = \"cpu\", packed = false }\n");
+  auto config = load_model_config(path, default_daemon_config());
+  CHECK(config.vram.preparing.packed == true);
+  CHECK(config.vram.onload.packed == true);
+  CHECK(config.vram.offload.packed == false);
+  CHECK(!config.vram.computation.packed);
+  auto unset = load_model_config(dir.write("auto.toml", "checkpoint = \"w\"\n"), default_daemon_config());
+  for (const auto* state : {&unset.vram.offload, &unset.vram.onload, &unset.vram.preparing}) CHECK(!state->packed);
+}
+
+TEST_CASE("packed where weights cannot be held packed is an error naming it") {
+  TempDir dir;
+  auto path = dir.write("q.toml", R"(checkpoint = "w"
+[vram]
+computation = { packed = true }
+onload = { device = "disk", packed = true }
+[partition]
+world_size = 2
+)");
+  auto partitioned = dir.write("p.toml", "checkpoint = \"w\"\n[vram]\npreparing = { packed = true }\n"
+                                         "[partition]\nworld_size = 2\n");
+  CHECK(problems_of(path, default_daemon_config()) ==
+        path + ":3:26: vram.computation.packed = true: ops compute on unpacked weights; GGUF blocks stay packed in offload, "
+               "onload and preparing, and are unpacked into the computation dtype right before each op\n" +
+        path + ":4:38: vram.onload.packed = true: onload is on disk, where weights are the checkpoint's own bytes; packed says "
+               "how a state in memory holds them (preparing = { packed = true } streams GGUF blocks packed)");
+  CHECK(problems_of(partitioned, default_daemon_config()) ==
+        partitioned + ":5:14: partition.world_size = 2: each rank holds a slice of every weight, cut element by element, "
+                      "which would cut GGUF blocks apart: remove packed = true from [vram] to partition the model");
+}
+
 TEST_CASE("preparing is on the computation device") {
   TempDir dir;
   auto path = dir.write("p.toml", "checkpoint = \"w\"\n[vram]\npreparing = { device = \"cuda:0\" }\n");
