@@ -168,7 +168,8 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
       for (const auto& e : weights.take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});
       std::ofstream(options.trace) << nlohmann::json{{"model", config.name}, {"limit", v.limit}, {"peak", v.peak}, {"events", events}}.dump() << '\n';
     }
-    if (options.stats) log << "vram: " << v.plan << "; " << v.loads << " streamed loads, "
+    if (options.stats) log << "vram: " << v.plan << "; " << v.loads << " streamed loads ("
+                           << format_bytes(v.bytes_streamed) << ", " << format_bytes(v.bytes_packed) << " of it packed), "
                            << v.prefetched << " prefetched, waited " << ms(v.wait_seconds) << '\n';
   }
   const double first = seconds.front();

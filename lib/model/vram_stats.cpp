@@ -14,6 +14,7 @@ void to_json(nlohmann::json& out, const VramStats& v) {
          {"resident_layers", v.resident_slots},
          {"onload", v.onload},
          {"disk_layers", v.disk_slots},
+         {"packed", v.packed},
          {"held", v.held},
          {"staging", v.staging},
          {"peak", v.peak},
@@ -21,6 +22,7 @@ void to_json(nlohmann::json& out, const VramStats& v) {
          {"prefetched", v.prefetched},
          {"bytes_streamed", v.bytes_streamed},
          {"bytes_mapped", v.bytes_mapped},
+         {"bytes_packed", v.bytes_packed},
          {"wait_seconds", v.wait_seconds},
          {"read_seconds", v.read_seconds},
          {"order_learned", v.order_learned}};

@@ -18,11 +18,13 @@ struct VramStats {
   uint64_t onload = 0;           // streamed slots' bytes resting on the onload device (in its dtype)
   size_t disk_slots = 0;         // streamed slots re-read from the checkpoint
   uint64_t disk = 0;             // their bytes, prepared
+  uint64_t packed = 0;           // of total, GGUF blocks held packed (unpacked before each op)
   uint64_t held = 0;             // bytes on the computation device now (all of the below)
   uint64_t staging = 0;          // of those, buffers kept for reuse by the next streamed layers
   uint64_t peak = 0;             // most bytes on the computation device at any moment
   uint64_t bytes_streamed = 0;   // brought in since load
   uint64_t bytes_mapped = 0;     // of those, mapped from the page cache instead of copied (CPU)
+  uint64_t bytes_packed = 0;     // of those, GGUF blocks brought in packed
   size_t loads = 0;              // streamed slot loads since load
   size_t prefetched = 0;         // of those, ready before their op asked
   double wait_seconds = 0;       // time ops waited for their weights

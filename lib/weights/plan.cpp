@@ -23,6 +23,7 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   const SlotBytes* biggest = nullptr;
   for (const auto& slot : slots) {
     stats.total += slot.prepared;
+    stats.packed += slot.packed;
     largest_copy = std::max(largest_copy, slot.copy);
     if (!biggest || slot.prepared + slot.copy > largest) biggest = &slot, largest = slot.prepared + slot.copy;
   }
@@ -38,6 +39,7 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   if (!fits && vram.onload.device == vram.computation.device && !vram.onload_limit)
     fail(config.path, "vram.onload.device = " + vram.onload.device.str() + " is the computation device, so every weight would count against "
                       "vram.limit (" + format_bytes(limit) + " < " + format_bytes(stats.total) +
+                      (stats.total <= limit ? " plus a " + format_bytes(largest_copy) + " computation copy" : "") +
                       "); use \"disk\" or another device for onload and offload");
   stats.streaming = fits ? largest_copy : limit >= 3 * largest ? 2 * largest : largest;
 

@@ -20,12 +20,13 @@ struct SlotBytes {
   uint64_t prepared = 0;  // on the computation device in the preparing dtype
   uint64_t copy = 0;      // the computation copy while its op runs (0: preparing is computation)
   uint64_t onload = 0;    // resting on the onload device, in the onload dtype
+  uint64_t packed = 0;    // of prepared, GGUF blocks held packed
 };
 
 struct StreamPlan {
   std::vector<bool> resident;   // per slot: kept prepared on the computation device
   std::vector<bool> from_disk;  // per slot: streamed and re-read from the checkpoint
-  model::VramStats stats;       // limit, total, slots, streaming room, resident, onload and disk figures
+  model::VramStats stats;       // limit, total, packed, slots, streaming room, resident, onload and disk figures
 };
 
 // Everything prepared when it fits with room for one computation copy; else room to stream the

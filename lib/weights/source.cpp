@@ -5,10 +5,12 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "convert/evaluate.hpp"
+#include "storage/dequantize_ops.hpp"
 #include "storage/page_cache.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
@@ -20,19 +22,75 @@ c10::ScalarType state_dtype(const config::Dtype& dtype, c10::ScalarType otherwis
   return dtype ? storage::scalar_type(*dtype) : otherwise;
 }
 
+bool packed_state(const config::DeviceState& state, const config::ModelConfig& config) {
+  if (state.device.is_disk() || config.partition.world_size > 1) return false;
+  return state.packed.value_or(config.vram.limit.has_value());
+}
+
+void check_packed(const Source& source, const config::ModelConfig& config) {
+  const auto& vram = config.vram;
+  const char* key = vram.preparing.packed == true ? "preparing" : vram.onload.packed == true ? "onload"
+                  : vram.offload.packed == true ? "offload" : nullptr;
+  if (!key || std::any_of(source.assignments.begin(), source.assignments.end(), [](const Assignment& a) { return a.block; }))
+    return;
+  bool blocks = false;
+  for (const auto& info : source.map.tensors()) blocks = blocks || storage::dtype_block(info.dtype) != 1;
+  fail(config.path, std::string("vram.") + key + ".packed = true, but no weight of " + source.map.description() +
+                        " can stay packed: " +
+                        (blocks ? "the converter's expressions cut the rows of its GGUF blocks apart, or change their values"
+                                : "it holds no GGUF block-quantized tensor (Q4_0 ... Q6_K)") +
+                        "; remove packed = true");
+}
+
+c10::ScalarType held_dtype(const Assignment& a, c10::ScalarType dtype, bool packed) {
+  return packed && a.block ? kPacked : dtype;
+}
+
+uint64_t held_bytes(const Assignment& a, c10::ScalarType held) {
+  const auto elements = static_cast<uint64_t>(a.parameter->elements());
+  return held == kPacked ? storage::dtype_bytes(*a.block, elements).value() : elements * c10::elementSize(held);
+}
+
+std::vector<int64_t> held_shape(const Assignment& a, c10::ScalarType held) {
+  return held == kPacked ? storage::packed_shape(*a.block, a.parameter->shape) : a.parameter->shape;
+}
+
 at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
   const auto mode = views ? storage::ReadMode::Auto : direct ? storage::ReadMode::Direct : storage::ReadMode::Copy;
-  at::Tensor value = a.expr->op == convert::Expr::Op::Source
-                         ? storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = dtype, .mode = mode})
-                         : convert::evaluate(*a.expr, map, mode).to(dtype);
+  at::Tensor value;
+  if (a.expr->op == convert::Expr::Op::Source)
+    value = storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = dtype, .mode = mode});
+  else if (dtype == kPacked)
+    value = convert::evaluate_packed(*a.expr, map, mode);
+  else
+    value = convert::evaluate(*a.expr, map, mode).to(dtype);
   return device.is_cpu() ? value : value.to(device);
 }
 
 const storage::TensorInfo* Source::stored(const Assignment& a, c10::ScalarType dtype) const {
   if (a.expr->op != convert::Expr::Op::Source) return nullptr;
   const auto& info = map.at(a.expr->source, a.expr->shard);
-  if (storage::dtype_block(info.dtype) != 1) return nullptr;  // packed: unpacked on reading
+  if (storage::dtype_block(info.dtype) != 1) return dtype == kPacked ? &info : nullptr;  // else unpacked on reading
   return storage::scalar_type(map, info) == dtype ? &info : nullptr;
+}
+
+at::Tensor Source::convert(const Assignment& a, const at::Tensor& value, c10::Device device, c10::ScalarType dtype) const {
+  if (value.scalar_type() == kPacked && dtype != kPacked) {
+    at::Tensor out = at::empty(a.parameter->shape, at::TensorOptions().device(device).dtype(dtype));
+    convert_into(a, value, out);
+    return out;
+  }
+  if (value.scalar_type() != kPacked && dtype == kPacked) return read(a, device, kPacked, false);
+  return value.to(device, dtype);
+}
+
+void Source::convert_into(const Assignment& a, const at::Tensor& value, at::Tensor& out) const {
+  if (value.scalar_type() == kPacked && out.scalar_type() != kPacked)
+    storage::dequantize_into(*a.block, value.to(out.device()).contiguous(), out);
+  else if (value.scalar_type() != kPacked && out.scalar_type() == kPacked)
+    out.copy_(read(a, c10::kCPU, kPacked, false));
+  else
+    out.copy_(value);
 }
 
 void Source::read_into(const Assignment& a, at::Tensor& out) const {
@@ -70,6 +128,7 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
     if (config.vram.onload.device.is_cpu()) held += config.vram.onload_limit.value_or(0);
     direct = storage::choose_direct_io(map.total_bytes(), held, storage::page_cache_room());
   }
+  for (auto& a : assignments) a.block = convert::packed_type(*a.expr, map);
   return std::make_shared<Source>(
       Source{std::move(map), std::move(assignments), config.path, direct.direct, std::move(direct.why)});
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -23,7 +24,22 @@ struct Assignment {
   model::Parameter* parameter;
   convert::ExprPtr expr;
   uint64_t order;  // where its first source lies in the checkpoint, to read in file order
+  // The GGUF block type its value can be held in, packed (convert::packed_type); set by
+  // make_source. None for any other value.
+  std::optional<storage::DType> block = std::nullopt;
 };
+
+// A weight held packed is a uint8 tensor of its GGUF blocks' bytes, shaped storage::packed_shape;
+// parameters are floating-point, so uint8 means packed wherever weights are held.
+inline constexpr c10::ScalarType kPacked = c10::kByte;
+
+// The dtype a weight is held in by a state of `dtype` that keeps GGUF blocks `packed`: kPacked
+// where its value can stay packed, else `dtype`.
+c10::ScalarType held_dtype(const Assignment& assignment, c10::ScalarType dtype, bool packed);
+// Its bytes so held.
+uint64_t held_bytes(const Assignment& assignment, c10::ScalarType held);
+// Its shape so held.
+std::vector<int64_t> held_shape(const Assignment& assignment, c10::ScalarType held);
 
 struct Source {
   storage::DiskMap map;
@@ -33,18 +49,28 @@ struct Source {
   std::string direct_why;  // which path reads take and why, for the plan (storage::DirectChoice)
 
   // One parameter's value, read with positioned reads into fresh memory (or, when `views`, as
-  // a view of the file mapping where dtype and alignment allow), in `dtype` on `device`.
-  // Reads that are not views go around the page cache when `direct`.
+  // a view of the file mapping where dtype and alignment allow), in `dtype` (kPacked: its
+  // packed bytes, for an assignment with a block type) on `device`. Reads that are not views go
+  // around the page cache when `direct`.
   at::Tensor read(const Assignment& assignment, c10::Device device, c10::ScalarType dtype, bool views) const;
-  // The same into `out` (contiguous, on the CPU, the parameter's shape, any dtype): a
-  // positioned read straight into it when the checkpoint already holds that dtype.
+  // The same into `out` (contiguous, on the CPU, as held_shape says, any dtype): a positioned
+  // read straight into it when the checkpoint already holds that dtype.
   void read_into(const Assignment& assignment, at::Tensor& out) const;
   // Several parameters at once into their `outs`, as read_into, the plain stored ones with
   // their reads in flight together (storage::read_ranges).
   void read_into(std::span<const Assignment* const> assignments, std::span<at::Tensor> outs) const;
   // The checkpoint tensor that fills the parameter as it is stored, when the expression is a
-  // plain source held in `dtype` (its shape is the parameter's, checked at load); else null.
+  // plain source held in `dtype` (kPacked for a block type; its shape is the parameter's,
+  // checked at load); else null.
   const storage::TensorInfo* stored(const Assignment& assignment, c10::ScalarType dtype) const;
+
+  // `value`, the parameter held in one state, as another state holds it: in `dtype` on
+  // `device`. Packed bytes are unpacked on `device` (storage/dequantize_ops.hpp); unpacked
+  // values are never packed again, so packed bytes wanted from them are read from the checkpoint.
+  at::Tensor convert(const Assignment& assignment, const at::Tensor& value, c10::Device device,
+                     c10::ScalarType dtype) const;
+  // The same into `out` (held_shape of its dtype, contiguous).
+  void convert_into(const Assignment& assignment, const at::Tensor& value, at::Tensor& out) const;
 };
 
 // The source of a model loaded with `config`: reads take O_DIRECT or the page cache as its
@@ -66,5 +92,14 @@ c10::Device torch_device(const config::Device& device);
 
 // A state's dtype; "auto": `otherwise`.
 c10::ScalarType state_dtype(const config::Dtype& dtype, c10::ScalarType otherwise);
+
+// Whether `state` of a model loaded with `config` keeps GGUF blocks packed: as its `packed`
+// says, or ("auto") when the model streams under [vram].limit; never on disk, nor for a
+// partitioned model, whose slices would cut blocks apart.
+bool packed_state(const config::DeviceState& state, const config::ModelConfig& config);
+
+// Throws Error naming config.path and the [vram] key when a state asks for packed weights
+// (packed = true) and none of `source`'s can stay packed: a switch that would do nothing.
+void check_packed(const Source& source, const config::ModelConfig& config);
 
 }  // namespace vramd::weights

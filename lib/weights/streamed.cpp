@@ -36,6 +36,12 @@ using Clock = std::chrono::steady_clock;
 
 std::string dtype_text(c10::ScalarType type) { return c10::toString(type); }
 
+// The preparing state's dtype as the plan's errors name it.
+std::string prepared_text(c10::ScalarType prepared, std::span<const SlotBytes> slots) {
+  const bool packed = std::any_of(slots.begin(), slots.end(), [](const SlotBytes& slot) { return slot.packed; });
+  return dtype_text(prepared) + (packed ? " and packed GGUF blocks" : "");
+}
+
 // Waits for the copies queued on the calling thread's current stream of `device`.
 void synchronise(c10::Device device) {
   if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
@@ -46,6 +52,7 @@ void synchronise(c10::Device device) {
 struct StreamedWeights::Slot {
   Layer* layer = nullptr;
   std::vector<const Assignment*> parts;  // per parameter (a tied one: its leader's); null: never loaded
+  std::vector<c10::ScalarType> forms;    // per parameter, its dtype prepared (kPacked: its GGUF blocks)
   uint64_t bytes = 0;      // prepared, in the preparing dtype
   uint64_t copy = 0;       // the computation copy while the op runs (0: preparing is computation)
   bool resident = false;
@@ -70,16 +77,47 @@ struct StreamedWeights::Staging {
 
 namespace {
 
-// Each layer's bytes (its tied parameters too) in the states the plan counts.
-std::vector<SlotBytes> slot_bytes(const model::Model& model, const config::ModelConfig& config) {
-  const c10::ScalarType dtype = model.dtype(), prepared = state_dtype(config.vram.preparing.dtype, dtype);
-  const size_t onload = c10::elementSize(state_dtype(config.vram.onload.dtype, dtype));
-  std::vector<SlotBytes> slots;
+// Each layer's parameters' assignments (a tied one: its leader's); null where none was loaded.
+std::vector<std::vector<const Assignment*>> layer_parts(const model::Model& model, const Source& source) {
+  std::map<const Parameter*, const Assignment*> by_parameter;
+  for (const auto& a : source.assignments) by_parameter[a.parameter] = &a;
+  std::vector<std::vector<const Assignment*>> layers;
   for (const auto& layer : model.layers()) {
-    uint64_t elements = 0;
-    for (const auto& parameter : layer->parameters()) elements += static_cast<uint64_t>(parameter.elements());
-    slots.push_back({elements * c10::elementSize(prepared), prepared == dtype ? 0 : elements * c10::elementSize(dtype),
-                     elements * onload});
+    auto& parts = layers.emplace_back();
+    for (const auto& parameter : layer->parameters()) {
+      auto it = by_parameter.find(parameter.tied ? parameter.tied : &parameter);
+      parts.push_back(it == by_parameter.end() ? nullptr : it->second);
+    }
+  }
+  return layers;
+}
+
+// A parameter's bytes held in `dtype` by a state that keeps GGUF blocks `packed`.
+uint64_t bytes_held(const Parameter& parameter, const Assignment* part, c10::ScalarType dtype, bool packed) {
+  if (!part) return static_cast<uint64_t>(parameter.elements()) * c10::elementSize(dtype);
+  return held_bytes(*part, held_dtype(*part, dtype, packed));
+}
+
+// Each layer's bytes (its tied parameters too) in the states the plan counts.
+std::vector<SlotBytes> slot_bytes(const model::Model& model, const Source& source, const config::ModelConfig& config) {
+  const c10::ScalarType dtype = model.dtype(), prepared = state_dtype(config.vram.preparing.dtype, dtype);
+  const c10::ScalarType onload = state_dtype(config.vram.onload.dtype, dtype);
+  const bool packed = packed_state(config.vram.preparing, config), onload_packed = packed_state(config.vram.onload, config);
+  const auto parts = layer_parts(model, source);
+  std::vector<SlotBytes> slots;
+  for (size_t l = 0; l < model.layers().size(); ++l) {
+    SlotBytes slot;
+    const auto parameters = model.layers()[l]->parameters();
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      const Assignment* part = parts[l][i];
+      const uint64_t bytes = bytes_held(parameters[i], part, prepared, packed);
+      const bool kept_packed = part && held_dtype(*part, prepared, packed) == kPacked;
+      slot.prepared += bytes;
+      slot.packed += kept_packed ? bytes : 0;
+      if (kept_packed || prepared != dtype) slot.copy += static_cast<uint64_t>(parameters[i].elements()) * c10::elementSize(dtype);
+      slot.onload += bytes_held(parameters[i], part, onload, onload_packed);
+    }
+    slots.push_back(slot);
   }
   return slots;
 }
@@ -88,7 +126,8 @@ std::vector<SlotBytes> slot_bytes(const model::Model& model, const config::Model
 
 VramStats StreamedWeights::plan(const model::Model& model, const Source& source, const config::ModelConfig& config) {
   const c10::ScalarType dtype = model.dtype(), prepared = state_dtype(config.vram.preparing.dtype, dtype);
-  VramStats stats = plan_streaming(slot_bytes(model, config), config, dtype_text(prepared), dtype_text(dtype)).stats;
+  const auto sizes = slot_bytes(model, source, config);
+  VramStats stats = plan_streaming(sizes, config, prepared_text(prepared, sizes), dtype_text(dtype)).stats;
   stats.plan = describe(stats, config, prepared, dtype, source.direct_why);
   return stats;
 }
@@ -96,25 +135,24 @@ VramStats StreamedWeights::plan(const model::Model& model, const Source& source,
 StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config)
     : model_(model), source_(std::move(source)), config_(config), device_(torch_device(config.vram.computation.device)),
       dtype_(model.dtype()), prepared_dtype_(state_dtype(config.vram.preparing.dtype, model.dtype())),
-      limit_(config.vram.limit.value_or(UINT64_MAX)), pool_(device_.is_cpu()) {
-  std::map<const Parameter*, const Assignment*> by_parameter;
-  for (const auto& a : source_->assignments) by_parameter[a.parameter] = &a;
-  for (const auto& layer : model.layers()) {
+      limit_(config.vram.limit.value_or(UINT64_MAX)), pool_(device_.is_cpu()),
+      onload_packed_(packed_state(config.vram.onload, config)), offload_packed_(packed_state(config.vram.offload, config)) {
+  const bool packed = packed_state(config.vram.preparing, config);
+  auto parts = layer_parts(model, *source_);
+  for (size_t l = 0; l < model.layers().size(); ++l) {
     auto slot = std::make_unique<Slot>();
-    slot->layer = layer.get();
-    for (const auto& parameter : layer->parameters()) {
-      const Parameter* owner = parameter.tied ? parameter.tied : &parameter;
-      auto it = by_parameter.find(owner);
-      slot->parts.push_back(it == by_parameter.end() ? nullptr : it->second);
-    }
+    slot->layer = model.layers()[l].get();
+    slot->parts = std::move(parts[l]);
+    for (const Assignment* part : slot->parts)
+      slot->forms.push_back(part ? held_dtype(*part, prepared_dtype_, packed) : prepared_dtype_);
     slots_.push_back(std::move(slot));
   }
   std::vector<Slot*> layer_order;
   for (const auto& slot : slots_) layer_order.push_back(slot.get());
   order_ = LearnedOrder<Slot>(std::move(layer_order));
 
-  const auto sizes = slot_bytes(model, config);
-  const StreamPlan plan = plan_streaming(sizes, config, dtype_text(prepared_dtype_), dtype_text(dtype_));
+  const auto sizes = slot_bytes(model, *source_, config);
+  const StreamPlan plan = plan_streaming(sizes, config, prepared_text(prepared_dtype_, sizes), dtype_text(dtype_));
   for (size_t i = 0; i < slots_.size(); ++i) {
     slots_[i]->bytes = sizes[i].prepared;
     slots_[i]->copy = sizes[i].copy;
@@ -143,15 +181,16 @@ StreamedWeights::~StreamedWeights() {
 // straight into it); else 0.
 uint64_t StreamedWeights::phase(const Slot& slot, size_t i) const {
   if (!source_->direct || !slot.parts[i]) return 0;
-  const storage::TensorInfo* info = source_->stored(*slot.parts[i], prepared_dtype_);
+  const storage::TensorInfo* info = source_->stored(*slot.parts[i], slot.forms[i]);
   const uint64_t phase = info ? info->offset % storage::File::kDirectAlignment : 0;
-  return phase % c10::elementSize(prepared_dtype_) == 0 ? phase : 0;
+  return phase % c10::elementSize(slot.forms[i]) == 0 ? phase : 0;
 }
 
-// The slot's weights on the computation device in the preparing dtype, read into `buffers`
-// where given (the rest freshly allocated). On the CPU the reads of all of them are in flight
-// together. On CUDA, reads go through pinned staging buffers and are copied on the calling
-// thread's current stream, then waited for.
+// The slot's weights on the computation device as the preparing state holds them (slot.forms),
+// read into `buffers` where given (the rest freshly allocated). On the CPU the reads of all of
+// them are in flight together. On CUDA, reads go through pinned staging buffers and are copied
+// on the calling thread's current stream, then waited for. Weights held packed in the onload
+// state and unpacked when prepared are unpacked here, on the computation device.
 std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<at::Tensor> buffers) const {
   buffers.resize(slot.parts.size());
   const auto parameters = slot.layer->parameters();
@@ -162,21 +201,24 @@ std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<a
     if (!part)
       throw Error("layer " + quote(slot.layer->path()) + ": parameter " + quote(parameters[i].name) + " was never loaded");
     at::Tensor& out = buffers[i];
+    const c10::ScalarType form = slot.forms[i];
     if (!slot.held.empty()) {
-      if (!out.defined() && device_.is_cpu()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
-      if (out.defined()) out.copy_(slot.held[i]);
-      else out = slot.held[i].to(device_, prepared_dtype_, /*non_blocking=*/slot.held[i].is_pinned());
+      const at::Tensor& held = slot.held[i];
+      if (!out.defined() && (device_.is_cpu() || held.scalar_type() != form))
+        out = fresh_buffer(held_shape(*part, form), form, device_);
+      if (out.defined()) source_->convert_into(*part, held, out);
+      else out = held.to(device_, form, /*non_blocking=*/held.is_pinned());
     } else if (device_.is_cpu()) {
-      if (at::Tensor view = mapped(slot, *part); view.defined()) {
+      if (at::Tensor view = mapped(slot, i); view.defined()) {
         out = std::move(view);  // the buffer it replaces, if any, is freed
       } else {
         // A spare from claim_locked already has the phase.
-        if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_, phase(slot, i));
+        if (!out.defined()) out = fresh_buffer(held_shape(*part, form), form, device_, phase(slot, i));
         reads.push_back(part);
         outs.push_back(out);
       }
     } else {
-      if (!out.defined()) out = fresh_buffer(parameters[i].shape, prepared_dtype_, device_);
+      if (!out.defined()) out = fresh_buffer(held_shape(*part, form), form, device_);
       stage(*part, out);
     }
   }
@@ -192,9 +234,9 @@ std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<a
 // op threads as cores, that copy takes a core from the op). Unmapped on release, so host
 // memory stays flat. Undefined where that cannot be: a resident slot (whose pages the kernel
 // could reclaim), O_DIRECT reads, a converter's expression, another dtype, misaligned data.
-at::Tensor StreamedWeights::mapped(const Slot& slot, const Assignment& part) const {
+at::Tensor StreamedWeights::mapped(const Slot& slot, size_t i) const {
   if (slot.resident || source_->direct) return {};
-  const storage::TensorInfo* info = source_->stored(part, prepared_dtype_);
+  const storage::TensorInfo* info = source_->stored(*slot.parts[i], slot.forms[i]);
   return info ? storage::map_tensor(source_->map, *info) : at::Tensor();
 }
 
@@ -227,12 +269,16 @@ void StreamedWeights::stage(const Assignment& part, at::Tensor& out) const {
   }
 }
 
-std::vector<at::Tensor> StreamedWeights::computation_copy(const std::vector<at::Tensor>& prepared,
+// The computation copies of the slot's weights whose prepared form is not the computation
+// dtype (packed ones unpacked, on the computation device); undefined for the others, which the
+// op uses as they are prepared.
+std::vector<at::Tensor> StreamedWeights::computation_copy(const Slot& slot, const std::vector<at::Tensor>& prepared,
                                                         std::vector<at::Tensor> buffers) const {
   buffers.resize(prepared.size());
   for (size_t i = 0; i < prepared.size(); ++i) {
-    if (!buffers[i].defined()) buffers[i] = fresh_buffer(prepared[i].sizes(), dtype_, device_);
-    buffers[i].copy_(prepared[i]);
+    if (slot.forms[i] == dtype_) continue;
+    if (!buffers[i].defined()) buffers[i] = fresh_buffer(slot.layer->parameters()[i].shape, dtype_, device_);
+    source_->convert_into(*slot.parts[i], prepared[i], buffers[i]);
   }
   return buffers;
 }
@@ -247,17 +293,19 @@ void StreamedWeights::materialise_plan() {
     if (slot->resident) {
       slot->tensors = prepare(*slot, {});
       auto parameters = slot->layer->parameters();
-      for (size_t i = 0; i < parameters.size(); ++i)
-        if (!parameters[i].tied) parameters[i].value = slot->tensors[i];
+      for (size_t i = 0; i < parameters.size(); ++i)  // packed bytes are no value an op could use
+        if (!parameters[i].tied && slot->forms[i] != kPacked) parameters[i].value = slot->tensors[i];
       slot->held.clear();
     } else if (slot->from_disk) {
       slot->held.clear();
     } else {
       std::vector<at::Tensor> held;
       for (size_t i = 0; i < slot->parts.size(); ++i) {
-        if (!slot->parts[i]) continue;
-        at::Tensor copy = slot->held.empty() ? source_->read(*slot->parts[i], onload_device, onload_dtype, false)
-                                             : slot->held[i].to(onload_device, onload_dtype);
+        const Assignment* part = slot->parts[i];
+        if (!part) continue;
+        const c10::ScalarType form = held_dtype(*part, onload_dtype, onload_packed_);
+        at::Tensor copy = slot->held.empty() ? source_->read(*part, onload_device, form, false)
+                                             : source_->convert(*part, slot->held[i], onload_device, form);
         held.push_back(pin ? copy.pin_memory() : copy);
       }
       slot->held = std::move(held);
@@ -311,21 +359,24 @@ bool StreamedWeights::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_
 
 // Buffers for the slot's parameters in `dtype` (`bytes` in all): spares of the same size first,
 // the rest reserved. Buffers left undefined are allocated by whoever fills them.
-bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype,
-                                 uint64_t bytes, std::vector<at::Tensor>& buffers, const Slot* needed) {
+bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, bool copy, uint64_t bytes,
+                                   std::vector<at::Tensor>& buffers, const Slot* needed) {
   buffers.assign(slot.parts.size(), at::Tensor());
   uint64_t taken = 0;
   const auto parameters = slot.layer->parameters();
   for (size_t i = 0; i < buffers.size() && !spares_.empty(); ++i) {
-    const auto nbytes = static_cast<int64_t>(parameters[i].elements() * c10::elementSize(dtype));
-    const uint64_t want = dtype == prepared_dtype_ ? phase(slot, i) : 0;
+    if (copy && slot.forms[i] == dtype_) continue;  // used as prepared: no copy
+    const c10::ScalarType dtype = copy ? dtype_ : slot.forms[i];
+    const auto shape = copy || !slot.parts[i] ? parameters[i].shape : held_shape(*slot.parts[i], dtype);
+    const auto nbytes = static_cast<int64_t>(storage::element_count(shape) * c10::elementSize(dtype));
+    const uint64_t want = copy ? 0 : phase(slot, i);
     auto it = std::find_if(spares_.begin(), spares_.end(), [&](const at::Tensor& t) {
       return t.numel() == nbytes && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % storage::File::kDirectAlignment == want;
     });
     if (it == spares_.end()) continue;
     taken += nbytes;
     stats_.staging -= nbytes;
-    buffers[i] = it->view(dtype).view(parameters[i].shape);
+    buffers[i] = it->view(dtype).view(shape);
     spares_.erase(it);
   }
   if (reserve_locked(lock, bytes - taken, needed)) return true;
@@ -337,13 +388,16 @@ bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slo
 
 void StreamedWeights::count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors) {
   stats_.bytes_streamed += slot.bytes;
-  for (const auto& t : tensors)
+  for (const auto& t : tensors) {
     if (storage::is_mapped_view(t)) stats_.bytes_mapped += t.nbytes();
+    if (t.scalar_type() == kPacked) stats_.bytes_packed += t.nbytes();
+  }
 }
 
 // Released weights become spares for the next streamed slots where nothing else holds them.
 void StreamedWeights::give_back_locked(std::vector<at::Tensor>& tensors) {
   for (auto& tensor : tensors) {
+    if (!tensor.defined()) continue;  // a computation copy the op did not need
     if (pool_ && tensor.use_count() == 1 && tensor.storage().use_count() == 1 && !storage::is_mapped_view(tensor)) {
       stats_.staging += tensor.nbytes();
       spares_.push_back(tensor.view({-1}).view(c10::kByte));  // any slot of the same size can use it
@@ -369,7 +423,7 @@ std::vector<at::Tensor> StreamedWeights::acquire(const Layer& layer) {
     }
     if (slot.state == Slot::State::Away) {
       std::vector<at::Tensor> buffers;
-      claim_locked(lock, slot, prepared_dtype_, slot.bytes, buffers, &slot);
+      claim_locked(lock, slot, false, slot.bytes, buffers, &slot);
       slot.state = Slot::State::Loading;
       lock.unlock();
       const auto read_start = Clock::now();
@@ -392,15 +446,17 @@ std::vector<at::Tensor> StreamedWeights::acquire(const Layer& layer) {
   }
   if (slot.copy) {
     std::vector<at::Tensor> buffers;
-    claim_locked(lock, slot, dtype_, slot.copy, buffers, &slot);
+    claim_locked(lock, slot, true, slot.copy, buffers, &slot);
     lock.unlock();
-    auto computed = computation_copy(slot.tensors, std::move(buffers));  // slot.tensors stay while in use
+    auto computed = computation_copy(slot, slot.tensors, std::move(buffers));  // slot.tensors stay while in use
     lock.lock();
     slot.computed = std::move(computed);
   }
   stats_.wait_seconds += seconds_since(start);
   note_locked(slot, "acquire");
-  auto tensors = slot.copy ? slot.computed : slot.tensors;
+  auto tensors = slot.tensors;
+  for (size_t i = 0; i < slot.computed.size(); ++i)
+    if (slot.computed[i].defined()) tensors[i] = slot.computed[i];
   lock.unlock();
   if (!device_.is_cpu()) {
     // Prefetched weights were allocated on the copy stream: keep their memory from being reused
@@ -439,7 +495,7 @@ void StreamedWeights::prefetch_after(size_t position) {
     Slot* next = order_[(position + step) % n];
     if (next->resident || next->state != Slot::State::Away) continue;
     std::vector<at::Tensor> buffers;
-    if (!claim_locked(lock, *next, prepared_dtype_, next->bytes, buffers, nullptr)) break;  // never skip ahead
+    if (!claim_locked(lock, *next, false, next->bytes, buffers, nullptr)) break;  // never skip ahead
     next->tensors = std::move(buffers);
     next->state = Slot::State::Loading;
     note_locked(*next, "prefetch");
@@ -492,7 +548,7 @@ uint64_t StreamedWeights::sleep() {
            std::none_of(slots_.begin(), slots_.end(), [](auto& s) { return s->state == Slot::State::Loading; });
   });
   const config::DeviceState& state = config_.vram.offload;
-  const uint64_t freed = in_use_;
+  uint64_t moved = state.device.is_disk() ? in_use_ : 0;  // released, or moved into the offload state
   for (const auto& slot : slots_) {
     if (state.device.is_disk()) {
       slot->held.clear();
@@ -501,11 +557,13 @@ uint64_t StreamedWeights::sleep() {
       const auto dtype = state_dtype(state.dtype, dtype_);
       std::vector<at::Tensor> held;
       const auto& from = slot->resident ? slot->tensors : slot->held;
-      if (!from.empty()) {
-        for (const auto& t : from) held.push_back(t.to(device, dtype));
-      } else {
-        for (const auto* part : slot->parts)
-          if (part) held.push_back(source_->read(*part, device, dtype, false));
+      for (size_t i = 0; i < slot->parts.size(); ++i) {
+        const Assignment* part = slot->parts[i];
+        if (!part) continue;
+        const c10::ScalarType form = held_dtype(*part, dtype, offload_packed_);
+        held.push_back(from.empty() ? source_->read(*part, device, form, false)
+                                    : source_->convert(*part, from[i], device, form));
+        moved += held.back().nbytes();
       }
       slot->held = std::move(held);
     }
@@ -518,7 +576,7 @@ uint64_t StreamedWeights::sleep() {
   spares_.clear();
   stats_.staging = 0;
   in_use_ = 0;
-  return freed;
+  return moved;
 }
 
 uint64_t StreamedWeights::wake() {
@@ -556,21 +614,26 @@ std::map<std::string, uint64_t> StreamedWeights::bytes_by_device() const {
 }
 
 void StreamedWeights::check_leasable(const std::string& model) const {
-  throw NotLeasable("model " + quote(model) + " streams its weights under its [vram] table (a limit, or a preparing " +
-                    "dtype of its own), so they are never all resident; a lease needs them all: remove [vram].limit and " +
-                    "[vram].preparing from its config to lease it");
+  throw NotLeasable("model " + quote(model) + " streams its weights under its [vram] table (a limit, a preparing " +
+                    "dtype of its own, or GGUF blocks held packed), so they are never all resident in their computation " +
+                    "dtype; a lease needs them so: remove [vram].limit, [vram].preparing and packed = true from its " +
+                    "config to lease it");
 }
 
 std::string StreamedWeights::describe(const VramStats& s, const config::ModelConfig& config, c10::ScalarType prepared,
                                       c10::ScalarType dtype, const std::string& direct_why) {
   std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
-                     format_bytes(s.resident) + " in " + dtype_text(prepared) + ")";
+                     format_bytes(s.resident) + " in " + dtype_text(prepared) + (s.packed ? " and packed" : "") + ")";
   if (const size_t from_onload = s.slots - s.resident_slots - s.disk_slots)
     text += ", " + std::to_string(from_onload) + " streamed from " + config.vram.onload.device.str() + " (" +
             format_bytes(s.total - s.resident - s.disk) + ")";
   if (s.disk_slots)
     text += ", " + std::to_string(s.disk_slots) + " streamed from disk (" + format_bytes(s.disk) + "; " + direct_why + ")";
-  text += "; room kept: " + format_bytes(s.streaming) + (prepared != dtype ? ", computed in " + dtype_text(dtype) : "");
+  if (s.packed)
+    text += "; GGUF blocks packed: " + format_bytes(s.packed) + " of " + format_bytes(s.total) +
+            ", unpacked into " + dtype_text(dtype) + " right before each op";
+  text += "; room kept: " + format_bytes(s.streaming) +
+          (prepared != dtype || s.packed ? ", computed in " + dtype_text(dtype) : "");
   return text + "; limit " + (s.limit ? format_bytes(s.limit) : std::string("none"));
 }
 

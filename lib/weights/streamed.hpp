@@ -67,15 +67,16 @@ class StreamedWeights final : public Weights {
   struct Slot;
   Slot& slot_of(const model::Layer& layer);
   std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
-  at::Tensor mapped(const Slot& slot, const Assignment& part) const;
+  at::Tensor mapped(const Slot& slot, size_t i) const;
   uint64_t phase(const Slot& slot, size_t i) const;
   void stage(const Assignment& part, at::Tensor& out) const;
-  std::vector<at::Tensor> computation_copy(const std::vector<at::Tensor>& prepared, std::vector<at::Tensor> buffers) const;
+  std::vector<at::Tensor> computation_copy(const Slot& slot, const std::vector<at::Tensor>& prepared,
+                                           std::vector<at::Tensor> buffers) const;
   void materialise_plan();
   void prefetch_after(size_t position);
   void prefetch_loop();
   bool reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed);
-  bool claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, c10::ScalarType dtype, uint64_t bytes,
+  bool claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, bool copy, uint64_t bytes,
                     std::vector<at::Tensor>& buffers, const Slot* needed);
   void count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors);
   void give_back_locked(std::vector<at::Tensor>& tensors);
@@ -88,10 +89,11 @@ class StreamedWeights final : public Weights {
   config::ModelConfig config_;
   c10::Device device_;
   c10::ScalarType dtype_;            // computation
-  c10::ScalarType prepared_dtype_;   // preparing
+  c10::ScalarType prepared_dtype_;   // preparing (of the weights not held packed: Slot::forms)
   uint64_t limit_;                   // UINT64_MAX without one
   bool onload_on_disk_ = true;
   bool pool_ = false;                // keep released buffers for reuse (CPU; CUDA's allocator does that itself)
+  bool onload_packed_, offload_packed_;  // those states keep GGUF blocks packed (weights/source.hpp)
   std::vector<std::unique_ptr<Slot>> slots_;
   LearnedOrder<Slot> order_;         // layer order until the first forward's is learned
 

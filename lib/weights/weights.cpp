@@ -39,16 +39,21 @@ std::shared_ptr<Weights> partitioned(model::Model& model, std::shared_ptr<Source
   return weights;
 }
 
-// Layer by layer under a limit, or prepared in a dtype of their own.
+// Layer by layer under a limit, or prepared in a dtype of their own, or held packed in some
+// state (a resident model that sleeps packed, too).
 bool streams(const model::Model& model, const config::ModelConfig& config) {
-  return config.vram.limit || state_dtype(config.vram.preparing.dtype, model.dtype()) != model.dtype();
+  const auto& vram = config.vram;
+  return vram.limit || state_dtype(vram.preparing.dtype, model.dtype()) != model.dtype() ||
+         packed_state(vram.preparing, config) || packed_state(vram.onload, config) || packed_state(vram.offload, config);
 }
 
 }  // namespace
 
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config) {
-  if (config.partition.world_size > 1 || !streams(model, config)) return std::nullopt;
+  if (config.partition.world_size > 1) return std::nullopt;
+  check_packed(source, config);
+  if (!streams(model, config)) return std::nullopt;
   return StreamedWeights::plan(model, source, config);
 }
 
@@ -56,6 +61,7 @@ std::shared_ptr<Weights> make_weights(model::Model& model, std::shared_ptr<Sourc
                                       const config::ModelConfig& config, const model::LoadOptions& options,
                                       model::LoadReport& report) {
   if (config.partition.world_size > 1) return partitioned(model, std::move(source), config, options);
+  check_packed(*source, config);
   if (streams(model, config)) {
     const size_t tensors = source->assignments.size();
     auto weights = std::make_shared<StreamedWeights>(model, std::move(source), config);

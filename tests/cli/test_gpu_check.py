@@ -24,6 +24,8 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     # Every CUDA test is listed, each as skipped with why.
     assert report.count("- skipped: `parity.test_vram.test_streamed_on_cuda_equals_resident_on_cuda[") == 3, report
     assert "- skipped: `parity.test_partition.test_partitioned_on_cuda" in report
+    assert "- skipped: `storage.test_gguf.test_every_block_type_kept_packed_unpacks_on_cuda" in report
+    assert report.count("- skipped: `storage.test_gguf.test_a_gguf_model_streamed_packed_on_cuda") == 2, report
     assert "FAILED" not in report
 
     figures = json.loads((out / "figures.json").read_text())

@@ -1,11 +1,13 @@
 """GGUF files through vramctl inspect. The witness is the `gguf` package (llama.cpp's own Python
 reader and writer) in this same run: what it writes, vramd indexes exactly as its reader does;
 hostile files, forged byte by byte here, are refused in one line naming the file."""
+import importlib.util
 import json
 import os
 import re
 import struct
 import subprocess
+import sys
 
 from pathlib import Path
 
@@ -190,14 +192,15 @@ def test_a_hostile_file_is_refused_in_one_line(tmp_path, name, data, message):
 SCALE_OFFSETS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
-def random_blocks(qtype_name, rows, columns, rng):
-    """Random blocks of a K type whose float16 scales are finite: every bit pattern of the
-    quants, and scales as a real file has them (gguf cannot quantize to these types)."""
+def random_blocks(qtype_name, rows, columns, rng, scale=2.0):
+    """Random blocks of a K type whose float16 scales are finite (within +-scale): every bit
+    pattern of the quants, and scales as a real file has them (gguf cannot quantize to these
+    types)."""
     qtype = gguf.GGMLQuantizationType[qtype_name]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * columns // block, size), dtype=np.uint8)
     for offset in SCALE_OFFSETS[qtype_name]:
-        scales = rng.uniform(-2, 2, len(blocks)).astype(np.float16)
+        scales = rng.uniform(-scale, scale, len(blocks)).astype(np.float16)
         blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
@@ -232,7 +235,10 @@ def test_every_block_type_unpacks_to_the_gguf_packages_values_bit_for_bit(tmp_pa
 def llama_gguf(path, model, quantize_to=None, extra=None):
     """A transformers LlamaForCausalLM (or Qwen2ForCausalLM) written as llama.cpp's converter
     writes one: its names, LLaMA's q and k rows of each head in Meta's rotary order, the
-    hyperparameters as metadata; the 2-D weights quantized to `quantize_to` where given."""
+    hyperparameters as metadata; the 2-D weights quantized to `quantize_to` where given. The gguf
+    package cannot quantize to the K types: they are small random blocks instead of the model's
+    values (a file for vramd against itself, not for transformers)."""
+    rng = np.random.default_rng(3)
     c = model.config
     arch = c.model_type
     writer = gguf.GGUFWriter(path, arch)
@@ -261,7 +267,9 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
         if heads and arch == "llama":
             w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
         if quantize_to and w.ndim == 2:
-            writer.add_tensor(target, gguf.quants.quantize(w, quantize_to), raw_dtype=quantize_to)
+            data = (random_blocks(quantize_to.name, *w.shape, rng, scale=1e-3) if quantize_to.name in SCALE_OFFSETS
+                    else gguf.quants.quantize(w, quantize_to))
+            writer.add_tensor(target, data, raw_dtype=quantize_to)
         else:
             writer.add_tensor(target, np.ascontiguousarray(w))
     writer.write_header_to_file()
@@ -270,12 +278,12 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
     writer.close()
 
 
-def tiny(family):
+def tiny(family, hidden_size=64, intermediate_size=128):
     import torch
     import transformers
     torch.manual_seed(0)
-    shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    shape = dict(vocab_size=1000, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
@@ -327,18 +335,193 @@ def test_a_gguf_key_vramd_cannot_honour_is_refused(tiny_llama, tmp_path):
             ), result.stderr
 
 
-def test_a_gguf_model_streamed_under_a_limit_gives_the_resident_outputs(tiny_llama, tmp_path):
-    from safetensors.torch import load_file, save_file
+# --- GGUF blocks kept packed ------------------------------------------------------------------------
+
+def run_gguf(tmp_path, name, checkpoint, extra, inputs, device_config=CONFIGS / "vramd.toml"):
+    """vramctl run of `checkpoint` with `extra` config lines: its outputs and its stats."""
+    from safetensors.torch import load_file
+    config = tmp_path / f"{name}.toml"
+    config.write_text(f'checkpoint = "{checkpoint}"\n{extra}')
+    result = vramctl("run", config, "--daemon-config", device_config, "--input", inputs, "--output",
+                     tmp_path / f"{name}.safetensors", "--stats-json", tmp_path / f"{name}.json", "--repeat", "2")
+    assert result.returncode == 0, result.stderr
+    return load_file(tmp_path / f"{name}.safetensors"), json.loads((tmp_path / f"{name}.json").read_text())
+
+
+# A family of one embedding and nothing else (a user's family file, docs/architectures.md): its
+# outputs are the rows of its weight as the op gets them, so they show the values unpacked
+# right before the op, bit for bit.
+ROWS_FAMILY = """summary = "an embedding alone: its outputs are its weight's rows"
+model_types = ["llama"]
+[hyperparameters]
+hidden_size = "hidden_size"
+num_heads = "num_attention_heads"
+vocab_size = "vocab_size"
+[switches]
+num_layers = 0
+positions = "none"
+[names]
+embed_tokens = "token_embd"
+layer = "blk.{i}"
+"""
+
+
+def packed_rows(tmp_path, device):
+    """For every block type, the rows of a [6, 512] tensor of random blocks kept packed and unpacked
+    on `device` right before the op, against the gguf package's dequantize."""
+    from safetensors.torch import save_file
     import torch
+    rng = np.random.default_rng(2)
+    (tmp_path / "rows.toml").write_text(ROWS_FAMILY)
+    save_file({"input_ids": torch.arange(6).view(1, 6)}, tmp_path / "inputs.safetensors")
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "1GiB"\n"cuda:0" = "1GiB"\n')
+    for qtype_name in QUANTIZED:
+        qtype = gguf.GGMLQuantizationType[qtype_name]
+        data = (random_blocks(qtype_name, 6, 512, rng) if qtype_name in SCALE_OFFSETS
+                else gguf.quants.quantize(rng.standard_normal((6, 512)).astype(np.float32) * 3, qtype))
+        path = tmp_path / f"{qtype_name}.gguf"
+        writer = gguf.GGUFWriter(path, "llama")
+        for key, value in [("embedding_length", 512), ("block_count", 1), ("attention.head_count", 1)]:
+            writer.add_uint32(f"llama.{key}", value)
+        writer.add_tensor("token_embd.weight", data, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        stored = gguf.GGUFReader(path).tensors[0]
+        expected = gguf.quants.dequantize(stored.data, qtype).astype(np.float32)
+        outputs, stats = run_gguf(tmp_path, qtype_name, path.name,
+                                  f'architecture = "rows.toml"\nconverter = ""\n[vram]\npreparing = {{ packed = true }}\n'
+                                  f'computation = {{ device = "{device}" }}\n', tmp_path / "inputs.safetensors",
+                                  tmp_path / "vramd.toml")
+        assert stats["vram"]["packed"] == stored.n_bytes, stats["vram"]
+        rows = outputs["last_hidden_state"][0].numpy()
+        assert rows.dtype == np.float32 and np.array_equal(rows.view(np.uint32), expected.view(np.uint32)), qtype_name
+
+
+def test_every_block_type_kept_packed_unpacks_to_the_gguf_packages_values_bit_for_bit(tmp_path):
+    packed_rows(tmp_path, "cpu")
+
+
+def cuda_available():
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA GPU here: GGUF blocks unpacked on CUDA are not run")
+def test_every_block_type_kept_packed_unpacks_on_cuda_to_the_gguf_packages_values(tmp_path):
+    packed_rows(tmp_path, "cuda:0")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(),
+                    reason="no CUDA GPU here: GGUF blocks staged packed to CUDA and unpacked there are not run")
+@pytest.mark.parametrize("onload", ["disk", "cpu"])
+def test_a_gguf_model_streamed_packed_on_cuda_gives_the_resident_outputs_on_cuda(tiny_llama, tmp_path, onload):
+    # From disk the packed bytes go through the pinned staging buffers; from cpu they rest pinned,
+    # packed. Either way they are unpacked on the GPU: the logits of the model resident there.
+    import torch
+    from safetensors.torch import save_file
     llama_gguf(tmp_path / "tiny.gguf", tiny_llama, gguf.GGMLQuantizationType.Q8_0)
     save_file({"input_ids": torch.tensor([[1, 5, 9, 200, 31]])}, tmp_path / "inputs.safetensors")
-    logits = {}
-    for name, extra in [("resident", ""), ("streamed", '[vram]\noffload = { device = "disk" }\n'
-                                                       'onload = { device = "disk" }\nlimit = "300KiB"\n')]:
-        config = tmp_path / f"{name}.toml"
-        config.write_text(f'checkpoint = "tiny.gguf"\n{extra}')
-        result = vramctl("run", config, "--daemon-config", CONFIGS / "vramd.toml", "--input",
-                         tmp_path / "inputs.safetensors", "--output", tmp_path / f"{name}.safetensors")
-        assert result.returncode == 0, result.stderr
-        logits[name] = load_file(tmp_path / f"{name}.safetensors")["logits"]
-    assert torch.equal(logits["resident"], logits["streamed"])
+    (tmp_path / "vramd.toml").write_text(f'converters = ["{CONFIGS.parent / "scripts" / "converters"}"]\n'
+                                         '[budgets]\ncpu = "1GiB"\n"cuda:0" = "1GiB"\n')
+    cuda = '[vram]\ncomputation = { device = "cuda:0" }\n'
+    inputs, daemon_config = tmp_path / "inputs.safetensors", tmp_path / "vramd.toml"
+    resident, _ = run_gguf(tmp_path, "resident", "tiny.gguf", cuda, inputs, daemon_config)
+    streamed, stats = run_gguf(tmp_path, "streamed", "tiny.gguf",
+                               cuda + f'offload = {{ device = "cpu" }}\nonload = {{ device = "{onload}" }}\n'
+                               'limit = "400KiB"\n' + ('onload_limit = "200KiB"\n' if onload == "cpu" else ""),
+                               inputs, daemon_config)
+    assert torch.equal(streamed["logits"], resident["logits"])
+    v = stats["vram"]
+    assert v["loads"] > 0 and 0 < v["bytes_packed"] <= v["bytes_streamed"] and v["peak"] <= v["limit"], v
+
+
+STREAMED = '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\nlimit = "400KiB"\n'
+
+
+# Limits that hold the largest layer packed with its float32 copy, and not the whole model so.
+@pytest.mark.parametrize("family, qtype, limit", [("llama", "Q8_0", "400KiB"), ("llama", "Q4_K", "1400KiB"),
+                                                  ("qwen2", "Q5_0", "320KiB")])
+def test_a_gguf_model_streamed_under_a_limit_moves_packed_bytes_and_gives_the_resident_outputs(tmp_path, family,
+                                                                                               qtype, limit):
+    # Under a limit, GGUF blocks stay packed by default (llama's q and k rows reordered packed by
+    # gguf.lua); packed = false streams them unpacked, as before. All three: the resident logits.
+    import torch
+    from safetensors.torch import save_file
+    k_type = qtype in SCALE_OFFSETS  # 256-element blocks: rows of 256
+    model = tiny(family, hidden_size=256, intermediate_size=512) if k_type else tiny(family)
+    llama_gguf(tmp_path / "tiny.gguf", model, gguf.GGMLQuantizationType[qtype])
+    save_file({"input_ids": torch.tensor([[1, 5, 9, 200, 31]])}, tmp_path / "inputs.safetensors")
+    streamed = STREAMED.replace("400KiB", limit)
+    inputs = tmp_path / "inputs.safetensors"
+    resident, _ = run_gguf(tmp_path, "resident", "tiny.gguf", "", inputs)
+    packed, packed_stats = run_gguf(tmp_path, "packed", "tiny.gguf", streamed, inputs)
+    unpacked, unpacked_stats = run_gguf(tmp_path, "unpacked", "tiny.gguf", streamed + "preparing = { packed = false }\n",
+                                        inputs)
+    host, host_stats = run_gguf(tmp_path, "host", "tiny.gguf",
+                                streamed.replace('onload = { device = "disk" }', 'onload = { device = "cpu" }') +
+                                'onload_limit = "200KiB"\n', inputs)
+    for outputs in (packed, unpacked, host):
+        assert torch.equal(outputs["logits"], resident["logits"])
+    p, u, h = packed_stats["vram"], unpacked_stats["vram"], host_stats["vram"]
+    assert p["loads"] > 0 and 0 < p["bytes_packed"] <= p["bytes_streamed"] and p["peak"] <= p["limit"], p
+    assert p["packed"] > 0 and "GGUF blocks packed" in p["plan"], p
+    assert u["loads"] > 0 and u["bytes_packed"] == 0 and u["packed"] == 0, u
+    assert h["loads"] > 0 and 0 < h["bytes_packed"] <= h["bytes_streamed"] and "streamed from cpu" in h["plan"], h
+    # Packed, the same limit keeps more of the model resident, and the same forwards stream a
+    # fraction of the bytes (mapped from the page cache, as stored: no copy at all).
+    assert p["resident"] / p["total"] > u["resident"] / u["total"], (p, u)
+    assert p["bytes_streamed"] < u["bytes_streamed"] / 3 and p["bytes_mapped"] == p["bytes_packed"], (p, u)
+
+
+def test_packed_true_on_a_checkpoint_without_gguf_blocks_is_an_error_naming_it(tiny_llama, tmp_path):
+    llama_gguf(tmp_path / "f32.gguf", tiny_llama)  # F32 throughout: nothing to keep packed
+    config = tmp_path / "f32.toml"
+    config.write_text('checkpoint = "f32.gguf"\n[vram]\npreparing = { packed = true }\n')
+    result = vramctl("check", config, "--daemon-config", CONFIGS / "vramd.toml")
+    assert result.returncode == 1
+    assert (f"{config}: vram.preparing.packed = true, but no weight of {tmp_path / 'f32.gguf'} can stay packed: it holds "
+            "no GGUF block-quantized tensor (Q4_0 ... Q6_K); remove packed = true") in result.stdout, result.stdout
+
+
+def test_the_daemon_streams_and_sleeps_a_gguf_model_packed_and_says_so(tiny_llama, tmp_path):
+    # Asleep in host memory, the packed model holds its GGUF blocks as they are stored: a fraction
+    # of what the same model holds unpacked. Awake, both give the resident logits.
+    import torch
+    from safetensors.torch import load, save
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+    from daemon_support import Daemon, model, request
+    llama_gguf(tmp_path / "tiny.gguf", tiny_llama, gguf.GGMLQuantizationType.Q8_0)
+    d = Daemon(tmp_path, extra=f'converters = ["{CONFIGS.parent / "scripts" / "converters"}"]')
+    vram = '[vram]\noffload = { device = "cpu" }\nonload = { device = "disk" }\nlimit = "400KiB"\n'
+    for name, extra in [("resident", ""), ("packed", vram), ("unpacked", vram + "preparing = { packed = false }\n")]:
+        (d.models / f"{name}.toml").write_text(f'checkpoint = "{tmp_path / "tiny.gguf"}"\n{extra}')
+    inputs = save({"input_ids": torch.tensor([[1, 5, 9, 200, 31]])})
+
+    def forward(name):
+        status, body = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
+        assert status == 200, body
+        return load(body)["logits"]
+
+    with d.start():
+        expected = forward("resident")
+        moved = {}
+        for name in ("packed", "unpacked"):
+            assert torch.equal(forward(name), expected), name
+            status, body = request(d.sock, "POST", f"/v1/models/{name}/offload")
+            assert status == 200, body
+            slept = json.loads(body)
+            assert slept["state"] == "offloaded", slept
+            moved[name] = slept["moved"]["bytes"]
+            assert torch.equal(forward(name), expected), name  # woken by the forward
+        packed, unpacked = model(d.sock, "packed"), model(d.sock, "unpacked")
+        assert packed["vram"]["preparing"]["packed"] == "auto" and unpacked["vram"]["offload"]["packed"] is False
+        assert "computation" in packed["vram"] and "packed" not in packed["vram"]["computation"]
+        w = packed["weights"]
+        assert w["packed"] > 0 and 0 < w["bytes_packed"] <= w["bytes_streamed"] and "GGUF blocks packed" in w["plan"], w
+        assert unpacked["weights"]["bytes_packed"] == 0 and unpacked["weights"]["packed"] == 0
+        assert 0 < moved["packed"] < moved["unpacked"] / 3, moved
+        assert d.stop() == 0

@@ -96,6 +96,20 @@ TEST_CASE("streaming plan keeps room for the computation copy even when everythi
   CHECK(tight.resident == std::vector<bool>{false, false});
 }
 
+TEST_CASE("streaming plan counts packed GGUF blocks with their unpacked copy") {
+  // A Q8_0 layer of 64K elements: 68 KiB packed, unpacked into 256 KiB of float32 for its op;
+  // a float32 norm beside it.
+  const std::vector<SlotBytes> slots = {{68 * KiB, 256 * KiB, 68 * KiB, 68 * KiB}, {1 * KiB, 0, 1 * KiB, 0}};
+  const auto plan = plan_streaming(slots, streamed(400 * KiB), "Float and packed GGUF blocks", "Float");
+  CHECK(plan.stats.total == 69 * KiB);
+  CHECK(plan.stats.packed == 68 * KiB);
+  CHECK(plan.stats.streaming == 256 * KiB);
+  CHECK(plan.resident == std::vector<bool>{true, true});
+  CHECK(error_of([&] { plan_streaming(slots, streamed(300 * KiB), "Float and packed GGUF blocks", "Float"); }) ==
+        "models/m.toml: vram.limit = 300.00 KiB cannot hold the largest layer (68.00 KiB in Float and packed GGUF "
+        "blocks plus its 256.00 KiB copy in Float while it computes); raise it to at least 324.00 KiB");
+}
+
 TEST_CASE("streaming plan refuses onload on the computation device when the weights do not fit") {
   const auto slots = slots_of({10, 40, 20});
   CHECK_THAT(error_of([&] { plan_streaming(slots, streamed(50 * KiB, "cpu"), "Float", "Float"); }),
