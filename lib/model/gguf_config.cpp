@@ -25,9 +25,16 @@ constexpr std::pair<const char*, const char*> kKeys[] = {
     {"rope.freq_base", "rope_theta"},
     {"vocab_size", "vocab_size"},
 };
+// Keys only some architectures read: llama.cpp's Phi-3 attends within a window, as the original does.
+struct ArchitectureKey {
+  const char* architecture;
+  const char* ours;
+  const char* theirs;
+};
+constexpr ArchitectureKey kArchitectureKeys[] = {{"phi3", "attention.sliding_window", "sliding_window"}};
 // Read to check, not copied: they must agree with the rest.
 constexpr const char* kChecked[] = {"attention.value_length", "rope.dimension_count"};
-constexpr const char* kArchitectures[] = {"llama", "qwen2"};
+constexpr const char* kArchitectures[] = {"llama", "qwen2", "qwen3", "phi3"};
 
 }  // namespace
 
@@ -40,7 +47,7 @@ std::string gguf_config_json(const storage::DiskMap& map) {
     refuse("GGUF metadata has no general.architecture string");
   const std::string architecture = metadata["general.architecture"];
   if (std::find(std::begin(kArchitectures), std::end(kArchitectures), architecture) == std::end(kArchitectures))
-    refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama, qwen2 are)");
+    refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama, qwen2, qwen3, phi3 are)");
 
   Json config = {{"model_type", architecture}};
   Json checked = Json::object();
@@ -51,6 +58,8 @@ std::string gguf_config_json(const storage::DiskMap& map) {
     bool known = false;
     for (const auto& [ours, theirs] : kKeys)
       if (name == ours) config[theirs] = value, known = true;
+    for (const auto& key : kArchitectureKeys)
+      if (architecture == key.architecture && name == key.ours) config[key.theirs] = value, known = true;
     for (const char* ours : kChecked)
       if (name == ours) checked[ours] = value, known = true;
     if (!known) refuse("GGUF key " + quote(key) + " is not read by vramd, and a model that ignored it could compute "

@@ -1,9 +1,11 @@
 -- llama.cpp's GGUF tensor names -> Hugging Face's, for the families vramd runs from GGUF
--- (llama, qwen2). The hyperparameters come from the file's metadata (model/gguf_config.cpp).
+-- (llama, qwen2, qwen3, phi3). The hyperparameters come from the file's metadata
+-- (model/gguf_config.cpp).
 --
 -- llama.cpp's converter reorders the rows of each head of LLaMA's q and k from Hugging Face's
 -- rotary layout (dimension i rotates with i + d/2) to Meta's (pairs 2i, 2i+1 rotate together);
--- this undoes it, as transformers does when it reads GGUF. Qwen2's are stored as they are.
+-- this undoes it, as transformers does when it reads GGUF. The others' are stored as they are.
+-- Phi-3 keeps its fused projections fused: attn_qkv, and ffn_up holding gate then up.
 
 local heads = arch.num_attention_heads
 local head_dim = arch.head_dim or arch.hidden_size / heads
@@ -22,7 +24,13 @@ local layer_names = {
   ["ffn_gate.weight"] = "mlp.gate_proj.weight",
   ["ffn_up.weight"] = "mlp.up_proj.weight",
   ["ffn_down.weight"] = "mlp.down_proj.weight",
+  ["attn_q_norm.weight"] = "self_attn.q_norm.weight",
+  ["attn_k_norm.weight"] = "self_attn.k_norm.weight",
+  ["attn_qkv.weight"] = "self_attn.qkv_proj.weight",
 }
+if arch.model_type == "phi3" then
+  layer_names["ffn_up.weight"] = "mlp.gate_up_proj.weight"
+end
 local names = {
   ["token_embd.weight"] = "model.embed_tokens.weight",
   ["output_norm.weight"] = "model.norm.weight",
@@ -50,7 +58,7 @@ for name, t in src:items() do
     out[names[name]] = t
   else
     error("GGUF tensor '" .. name .. "' is not read for " .. arch.model_type ..
-          " (rope_freqs: LLaMA 3.1's rope scaling is not read yet)")
+          " (rope_freqs, rope_factors_long/short: LLaMA 3.1's and LongRoPE's rope scaling are not read yet)")
   end
 end
 return out

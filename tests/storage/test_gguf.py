@@ -249,14 +249,24 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
-    writer.add_uint32(f"{arch}.rope.dimension_count", c.hidden_size // c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    if arch == "qwen3":  # llama.cpp writes the head size where config.json has it
+        writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", head_dim)
+    if arch == "phi3":  # and its tokens: transformers takes them from here, else Phi-3's 32000 and more
+        writer.add_uint32(f"{arch}.attention.sliding_window", 2047)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_pad_token_id(0)
     for key, value in (extra or {}).items():
         writer.add_string(key, value)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+             "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
     for name, tensor in model.state_dict().items():
         base, kind = name.removeprefix("model.").rsplit(".", 1)
         layer = base.split(".")[1] if base.startswith("layers.") else None
@@ -286,6 +296,15 @@ def tiny(family, hidden_size=64, intermediate_size=128):
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    if family == "qwen3":  # head_dim 128, Qwen3's default, which transformers' GGUF loader keeps
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).eval()
+        with torch.no_grad():  # q and k norms that are not ones, so that a lost one shows
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        return model
+    if family == "phi3":
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**shape, pad_token_id=0)).eval()
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
     with torch.no_grad():  # biases that are not zero, so that a lost one shows
         for layer in model.model.layers:
@@ -299,7 +318,8 @@ def tiny_llama():
     return tiny("llama")
 
 
-@pytest.mark.parametrize("family, qtype", [("llama", None), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0")])
+@pytest.mark.parametrize("family, qtype", [("llama", None), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0"),
+                                           ("qwen3", "Q8_0"), ("phi3", "Q4_1")])
 def test_a_gguf_model_runs_from_one_line_as_transformers_reads_it(tmp_path, family, qtype):
     # The witness is transformers' own GGUF loader (gguf_file=), which dequantizes to float32.
     import torch
@@ -444,7 +464,7 @@ STREAMED = '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\
 
 # Limits that hold the largest layer packed with its float32 copy, and not the whole model so.
 @pytest.mark.parametrize("family, qtype, limit", [("llama", "Q8_0", "400KiB"), ("llama", "Q4_K", "1400KiB"),
-                                                  ("qwen2", "Q5_0", "320KiB")])
+                                                  ("qwen2", "Q5_0", "320KiB"), ("phi3", "Q4_1", "320KiB")])
 def test_a_gguf_model_streamed_under_a_limit_moves_packed_bytes_and_gives_the_resident_outputs(tmp_path, family,
                                                                                                qtype, limit):
     # Under a limit, GGUF blocks stay packed by default (llama's q and k rows reordered packed by
