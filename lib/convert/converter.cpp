@@ -155,6 +155,9 @@ int tensor_cast(lua_State* L) {
 int tensor_scale(lua_State* L) {
   return guarded(L, [&] { push_tensor(L, scale(check_tensor(L, 1), luaL_checknumber(L, 2))); return 1; });
 }
+int tensor_shift(lua_State* L) {
+  return guarded(L, [&] { push_tensor(L, shift(check_tensor(L, 1), luaL_checknumber(L, 2))); return 1; });
+}
 int tensor_tostring(lua_State* L) {
   const auto& expr = check_tensor(L, 1);
   std::string text = expr->describe() + " " + dtype_torch_name(expr->dtype) + " " + format_shape(expr->shape);
@@ -512,7 +515,7 @@ void install_api(lua_State* L, Source* source) {
                 {{"t", tensor_t}, {"transpose", tensor_transpose}, {"permute", tensor_permute},
                  {"reshape", tensor_reshape}, {"view", tensor_reshape}, {"narrow", tensor_narrow},
                  {"chunk", tensor_chunk}, {"split", tensor_split}, {"cast", tensor_cast}, {"to", tensor_cast},
-                 {"scale", tensor_scale}},
+                 {"scale", tensor_scale}, {"shift", tensor_shift}},
                 {{"__tostring", tensor_tostring}, {"__gc", tensor_gc}});
   register_type(L, kSourceType, source_index,
                 {{"get", source_get}, {"has", source_has}, {"keys", source_keys}, {"items", source_items},

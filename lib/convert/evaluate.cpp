@@ -33,6 +33,7 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
     case Expr::Op::Stack: return at::stack(all(), expr.args[0]);
     case Expr::Op::Cast: return input(0).to(storage::scalar_type(expr.dtype));
     case Expr::Op::Scale: return input(0).mul(expr.factor);
+    case Expr::Op::Shift: return input(0).add(expr.factor);
   }
   throw Error("unknown expression");
 }
@@ -52,7 +53,8 @@ bool moves_rows(const Expr& expr, int64_t rank) {
     case Expr::Op::Stack: return expr.args[0] != rank;  // a new last dimension would split rows
     case Expr::Op::Zeros:
     case Expr::Op::Cast:
-    case Expr::Op::Scale: return false;
+    case Expr::Op::Scale:
+    case Expr::Op::Shift: return false;
   }
   return false;
 }

@@ -79,10 +79,11 @@ std::string Expr::describe() const {
     case Op::Cat: return "cat(" + many() + ", " + std::to_string(args[0]) + ")";
     case Op::Stack: return "stack(" + many() + ", " + std::to_string(args[0]) + ")";
     case Op::Cast: return "cast(" + first() + ", " + dtype_torch_name(dtype) + ")";
-    case Op::Scale: {
+    case Op::Scale:
+    case Op::Shift: {
       char factor_text[32];
       std::snprintf(factor_text, sizeof factor_text, "%.9g", factor);
-      return "scale(" + first() + ", " + factor_text + ")";
+      return (op == Op::Scale ? "scale(" : "shift(") + first() + ", " + factor_text + ")";
     }
   }
   return "?";
@@ -265,14 +266,23 @@ ExprPtr cast(const ExprPtr& input, DType dtype) {
   return expr;
 }
 
-ExprPtr scale(const ExprPtr& input, double factor) {
+namespace {
+
+// Scale and shift: a number applied to every element of a floating-point tensor.
+ExprPtr arithmetic(Expr::Op op, const char* what, const ExprPtr& input, double number) {
   if (!is_float(input->dtype))
-    refuse("scale", *input, "its dtype " + dtype_torch_name(input->dtype) + " is not a floating-point type");
-  auto expr = node(Expr::Op::Scale, {input});
-  expr->factor = factor;
+    refuse(what, *input, "its dtype " + dtype_torch_name(input->dtype) + " is not a floating-point type");
+  auto expr = node(op, {input});
+  expr->factor = number;
   expr->shape = input->shape;
   return expr;
 }
+
+}  // namespace
+
+ExprPtr scale(const ExprPtr& input, double factor) { return arithmetic(Expr::Op::Scale, "scale", input, factor); }
+
+ExprPtr shift(const ExprPtr& input, double addend) { return arithmetic(Expr::Op::Shift, "shift", input, addend); }
 
 DType parse_dtype_name(const std::string& name) {
   if (auto dtype = storage::parse_torch_dtype(name); dtype && std::ranges::find(kNamed, *dtype) != std::end(kNamed))

@@ -16,14 +16,14 @@ struct Expr;
 using ExprPtr = std::shared_ptr<const Expr>;
 
 struct Expr {
-  enum class Op { Source, Zeros, Transpose, Permute, Reshape, Narrow, Cat, Stack, Cast, Scale };
+  enum class Op { Source, Zeros, Transpose, Permute, Reshape, Narrow, Cat, Stack, Cast, Scale, Shift };
   Op op;
   std::vector<ExprPtr> inputs;
   std::string source;         // Op::Source: the key in the source checkpoint
   uint32_t shard = 0;         // Op::Source: which file's slice of it (DiskMap::shards), in file order
   uint32_t shards = 1;        // Op::Source: how many files hold a slice of it
   std::vector<int64_t> args;  // dims (Transpose, Permute), shape (Reshape), dim/start/length (Narrow), dim (Cat, Stack)
-  double factor = 1;          // Op::Scale
+  double factor = 1;          // Op::Scale: what it multiplies by; Op::Shift: what it adds
   storage::DType dtype;       // of the result
   std::vector<int64_t> shape;
 
@@ -62,6 +62,8 @@ ExprPtr cat(const std::vector<ExprPtr>& inputs, int64_t dim);
 ExprPtr stack(const std::vector<ExprPtr>& inputs, int64_t dim);
 ExprPtr cast(const ExprPtr& input, storage::DType dtype);
 ExprPtr scale(const ExprPtr& input, double factor);
+// The input plus a number: GGUF's Gemma norms, stored plus one.
+ExprPtr shift(const ExprPtr& input, double addend);
 
 // "float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2", "int64", "int32",
 // "int16", "int8", "uint8", "bool", or a safetensors name ("BF16").

@@ -55,7 +55,7 @@ for name, t in src:items() do
   if layer then
     local q, k, v = t:chunk(3, 1)
     out["layers." .. layer .. ".q.weight"] = q:t()
-    out["layers." .. layer .. ".k.weight"] = k:t():scale(0.5)
+    out["layers." .. layer .. ".k.weight"] = k:t():scale(0.5):shift(-1)
     out["layers." .. layer .. ".v.weight"] = v:t():cast("bfloat16")
   end
 end
@@ -75,7 +75,9 @@ return out
   CHECK(q.expr->shape == std::vector<int64_t>{4, 4});
   CHECK(q.expr->describe() == "transpose(narrow(src['h.0.attn.c_attn.weight'], 1, 0, 4), 0, 1)");
   CHECK(at::equal(evaluate(*q.expr, map), f.fused.narrow(1, 0, 4).t()));
-  CHECK(at::equal(evaluate(*find(plan, "layers.0.k.weight").expr, map), f.fused.narrow(1, 4, 4).t() * 0.5));
+  const auto& k = find(plan, "layers.0.k.weight");
+  CHECK(k.expr->describe() == "shift(scale(transpose(narrow(src['h.0.attn.c_attn.weight'], 1, 4, 4), 0, 1), 0.5), -1)");
+  CHECK(at::equal(evaluate(*k.expr, map), f.fused.narrow(1, 4, 4).t() * 0.5 - 1));
   const auto& v = find(plan, "layers.0.v.weight");
   CHECK(v.expr->dtype == storage::DType::BF16);
   CHECK(at::equal(evaluate(*v.expr, map), f.fused.narrow(1, 8, 4).t().to(at::kBFloat16)));
