@@ -25,16 +25,26 @@ constexpr std::pair<const char*, const char*> kKeys[] = {
     {"rope.freq_base", "rope_theta"},
     {"vocab_size", "vocab_size"},
 };
-// Keys only some architectures read: llama.cpp's Phi-3 attends within a window, as the original does.
+// Keys only some architectures read: the families that attend within a window or soft-cap.
 struct ArchitectureKey {
   const char* architecture;
   const char* ours;
   const char* theirs;
 };
-constexpr ArchitectureKey kArchitectureKeys[] = {{"phi3", "attention.sliding_window", "sliding_window"}};
+constexpr ArchitectureKey kArchitectureKeys[] = {
+    {"phi3", "attention.sliding_window", "sliding_window"},
+    {"gemma2", "attention.sliding_window", "sliding_window"},
+    {"gemma2", "attn_logit_softcapping", "attn_logit_softcapping"},
+    {"gemma2", "final_logit_softcapping", "final_logit_softcapping"},
+    {"gemma3", "attention.sliding_window", "sliding_window"},
+};
 // Read to check, not copied: they must agree with the rest.
 constexpr const char* kChecked[] = {"attention.value_length", "rope.dimension_count"};
-constexpr const char* kArchitectures[] = {"llama", "qwen2", "qwen3", "phi3"};
+// llama.cpp's architecture, and the model_type of the family that computes it.
+constexpr std::pair<const char*, const char*> kArchitectures[] = {
+    {"llama", "llama"}, {"qwen2", "qwen2"}, {"qwen3", "qwen3"}, {"phi3", "phi3"}, {"gemma2", "gemma2"},
+    {"gemma3", "gemma3_text"},  // a GGUF file of Gemma 3 holds its text model alone
+};
 
 }  // namespace
 
@@ -46,10 +56,13 @@ std::string gguf_config_json(const storage::DiskMap& map) {
   if (!metadata.contains("general.architecture") || !metadata["general.architecture"].is_string())
     refuse("GGUF metadata has no general.architecture string");
   const std::string architecture = metadata["general.architecture"];
-  if (std::find(std::begin(kArchitectures), std::end(kArchitectures), architecture) == std::end(kArchitectures))
-    refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama, qwen2, qwen3, phi3 are)");
+  const auto* runs = std::find_if(std::begin(kArchitectures), std::end(kArchitectures),
+                                  [&](const auto& entry) { return architecture == entry.first; });
+  if (runs == std::end(kArchitectures))
+    refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama, qwen2, qwen3, phi3, gemma2, "
+           "gemma3 are)");
 
-  Json config = {{"model_type", architecture}};
+  Json config = {{"model_type", runs->second}};
   Json checked = Json::object();
   const std::string prefix = architecture + ".";
   for (const auto& [key, value] : metadata.items()) {

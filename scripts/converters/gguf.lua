@@ -1,11 +1,12 @@
 -- llama.cpp's GGUF tensor names -> Hugging Face's, for the families vramd runs from GGUF
--- (llama, qwen2, qwen3, phi3). The hyperparameters come from the file's metadata
+-- (llama, qwen2, qwen3, phi3, gemma2, gemma3). The hyperparameters come from the file's metadata
 -- (model/gguf_config.cpp).
 --
 -- llama.cpp's converter reorders the rows of each head of LLaMA's q and k from Hugging Face's
 -- rotary layout (dimension i rotates with i + d/2) to Meta's (pairs 2i, 2i+1 rotate together);
 -- this undoes it, as transformers does when it reads GGUF. The others' are stored as they are.
--- Phi-3 keeps its fused projections fused: attn_qkv, and ffn_up holding gate then up.
+-- Phi-3 keeps its fused projections fused: attn_qkv, and ffn_up holding gate then up. Gemma's
+-- norms scale by 1 + w, and llama.cpp stores 1 + w: one is taken off again, as transformers does.
 
 local heads = arch.num_attention_heads
 local head_dim = arch.head_dim or arch.hidden_size / heads
@@ -31,6 +32,12 @@ local layer_names = {
 if arch.model_type == "phi3" then
   layer_names["ffn_up.weight"] = "mlp.gate_up_proj.weight"
 end
+local gemma = arch.model_type == "gemma2" or arch.model_type == "gemma3_text"
+if gemma then  -- a norm before and after each sublayer
+  layer_names["post_attention_norm.weight"] = "post_attention_layernorm.weight"
+  layer_names["ffn_norm.weight"] = "pre_feedforward_layernorm.weight"
+  layer_names["post_ffw_norm.weight"] = "post_feedforward_layernorm.weight"
+end
 local names = {
   ["token_embd.weight"] = "model.embed_tokens.weight",
   ["output_norm.weight"] = "model.norm.weight",
@@ -49,6 +56,7 @@ end
 
 local out = {}
 for name, t in src:items() do
+  if gemma and name:match("norm%.weight$") then t = t:shift(-1) end
   local layer, rest = name:match("^blk%.(%d+)%.(.+)$")
   if layer and layer_names[rest] then
     local target = "model.layers." .. layer .. "." .. layer_names[rest]

@@ -233,14 +233,16 @@ def test_every_block_type_unpacks_to_the_gguf_packages_values_bit_for_bit(tmp_pa
 # --- Running a GGUF model -------------------------------------------------------------------------
 
 def llama_gguf(path, model, quantize_to=None, extra=None):
-    """A transformers LlamaForCausalLM (or Qwen2ForCausalLM) written as llama.cpp's converter
-    writes one: its names, LLaMA's q and k rows of each head in Meta's rotary order, the
-    hyperparameters as metadata; the 2-D weights quantized to `quantize_to` where given. The gguf
+    """A transformers LlamaForCausalLM (or Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3) written as
+    llama.cpp's converter writes one: its names, LLaMA's q and k rows of each head in Meta's
+    rotary order, Gemma's norms plus one, the hyperparameters as metadata; the 2-D weights
+    quantized to `quantize_to` where given. The gguf
     package cannot quantize to the K types: they are small random blocks instead of the model's
     values (a file for vramd against itself, not for transformers)."""
     rng = np.random.default_rng(3)
     c = model.config
-    arch = c.model_type
+    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
+    gemma = arch in ("gemma2", "gemma3")
     writer = gguf.GGUFWriter(path, arch)
     for key, value in [("context_length", c.max_position_embeddings), ("embedding_length", c.hidden_size),
                        ("feed_forward_length", c.intermediate_size), ("block_count", c.num_hidden_layers),
@@ -248,12 +250,18 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
                        ("attention.head_count_kv", c.num_key_value_heads), ("vocab_size", c.vocab_size)]:
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3's global layers' base
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
-    if arch == "qwen3":  # llama.cpp writes the head size where config.json has it
+    if arch == "qwen3" or gemma:  # llama.cpp writes the head size where config.json has it
         writer.add_uint32(f"{arch}.attention.key_length", head_dim)
         writer.add_uint32(f"{arch}.attention.value_length", head_dim)
+    if gemma:
+        writer.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+    if arch == "gemma2":
+        writer.add_float32(f"{arch}.attn_logit_softcapping", c.attn_logit_softcapping)
+        writer.add_float32(f"{arch}.final_logit_softcapping", c.final_logit_softcapping)
     if arch == "phi3":  # and its tokens: transformers takes them from here, else Phi-3's 32000 and more
         writer.add_uint32(f"{arch}.attention.sliding_window", 2047)
         writer.add_bos_token_id(1)
@@ -267,12 +275,19 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    if gemma:
+        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"})
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # the embedding's
         base, kind = name.removeprefix("model.").rsplit(".", 1)
         layer = base.split(".")[1] if base.startswith("layers.") else None
         part = base.split(".", 2)[2] if layer else base
         target = (f"blk.{layer}." if layer else "") + names[part] + "." + kind
         w = tensor.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            w = w + np.float32(1)
         heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(names[part])
         if heads and arch == "llama":
             w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
@@ -305,6 +320,15 @@ def tiny(family, hidden_size=64, intermediate_size=128):
         return model
     if family == "phi3":
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**shape, pad_token_id=0)).eval()
+    if family in ("gemma2", "gemma3"):  # tied, as every Gemma is: transformers reads no output.weight for them
+        shape["tie_word_embeddings"] = True
+        model = (transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape)) if family == "gemma2" else
+                 transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**shape))).eval()
+        with torch.no_grad():  # norms that are not zeros (1 + w: ones), so that a lost one shows
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    parameter.uniform_(-0.5, 0.5)
+        return model
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
     with torch.no_grad():  # biases that are not zero, so that a lost one shows
         for layer in model.model.layers:
@@ -319,7 +343,8 @@ def tiny_llama():
 
 
 @pytest.mark.parametrize("family, qtype", [("llama", None), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0"),
-                                           ("qwen3", "Q8_0"), ("phi3", "Q4_1")])
+                                           ("qwen3", "Q8_0"), ("phi3", "Q4_1"), ("gemma2", "Q8_0"),
+                                           ("gemma3", "Q4_1")])
 def test_a_gguf_model_runs_from_one_line_as_transformers_reads_it(tmp_path, family, qtype):
     # The witness is transformers' own GGUF loader (gguf_file=), which dequantizes to float32.
     import torch
