@@ -178,7 +178,10 @@ class Transformer final : public Model {
         const auto halves = (*block.gate_up)(y).chunk(2, -1);
         inner = halves[1] * act_(halves[0]);
       } else if (block.gate) {
-        inner = act_((*block.gate)(y)) * (*block.up)(y);
+        // gate before up, in two statements: the operands of * are evaluated in no fixed order,
+        // and the order layers are asked for is the order streamed weights prefetch in.
+        const at::Tensor gate = act_((*block.gate)(y));
+        inner = gate * (*block.up)(y);
       } else {
         inner = act_((*block.up)(y));
       }

@@ -80,8 +80,9 @@ def test_one_forward_reads_each_streamed_layer_once(witnesses, tmp_path):
     # reads no layer twice (issue #26 measured a quarter more than the plan before).
     folder = witnesses["llama", "float32"]
     trace = tmp_path / "trace.json"
+    sizes = [t.numel() * t.element_size() for t in load_file(folder / "model" / "model.safetensors").values()]
     (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
-    (tmp_path / "model.toml").write_text(f'checkpoint = "{folder / "model"}"\n{streamed(chr(34) + "600KiB" + chr(34))}')
+    (tmp_path / "model.toml").write_text(f'checkpoint = "{folder / "model"}"\n{streamed(max(sizes) * 5 // 4)}')
     for repeat in (1, 2):
         subprocess.run([VRAMCTL, "run", tmp_path / "model.toml", "--daemon-config", tmp_path / "vramd.toml", "--input",
                         folder / "inputs.safetensors", "--repeat", str(repeat), "--trace", trace],
@@ -92,6 +93,10 @@ def test_one_forward_reads_each_streamed_layer_once(witnesses, tmp_path):
                  if e[3] == "prefetch" and any(a[3] == "acquire" and a[2] == e[2] for a in events[:i])]
         if repeat == 1:
             assert again == [], again
+            # The first forward asks for its layers in the order they were made (the MLP's gate
+            # before its up), so nothing prefetched is evicted and read again.
+            assert not [e for e in events if e[3] == "evict"], [e[2] for e in events if e[3] == "evict"]
+            assert len([e for e in events if e[3] == "prefetch"]) == len({e[2] for e in events if e[3] == "prefetch"})
         else:
             assert again, "a served model's next forward finds its first layers prefetched"
 
