@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
   for (auto* command : {unload_cmd, offload_cmd})
     command->add_flag("!--no-wait", remote.wait, "Refuse at once (naming the holders) while the model is leased");
   auto* lease_cmd = add_remote("lease", "Take a lease of a model's weights and describe it (docs/api.md, Leases)", true);
-  lease_cmd->add_option("--device", remote.device, "Where the weights are wanted: cpu (cuda:N is not built yet)");
+  lease_cmd->add_option("--device", remote.device, "Where the weights are wanted: cpu or cuda:N (where the model holds them)");
   lease_cmd->add_flag("--hold", remote.hold, "Keep the lease until standard input ends");
   add_remote("onload", "Wake a sleeping model: weights back to its computation state", true);
   auto* forward_cmd = add_remote("forward", "Run one forward on the daemon (loads the model when needed)", true);

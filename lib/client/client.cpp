@@ -259,6 +259,26 @@ Lease Client::lease(const std::string& model, const std::string& device) {
   throw Error("lease of " + model + " refused (HTTP " + std::to_string(refusal.status) + "): " + error_text(refusal));
 }
 
+std::vector<std::shared_ptr<cuda::VmmRegion>> map_cuda_regions(const Lease& lease) {
+  const auto manifest = nlohmann::json::parse(lease.manifest);
+  const std::string device = manifest.at("device").get<std::string>();
+  if (!device.starts_with("cuda:")) throw Error("a lease on " + device + " holds no CUDA memory");
+  const int ordinal = std::stoi(device.substr(5));
+  const auto& regions = manifest.at("regions");
+  if (regions.size() != lease.regions.size())
+    throw Error("vramd sent " + std::to_string(lease.regions.size()) + " descriptors for " +
+                std::to_string(regions.size()) + " regions");
+  std::vector<std::shared_ptr<cuda::VmmRegion>> mapped;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    try {
+      mapped.push_back(cuda::VmmRegion::import(ordinal, lease.regions[i].get(), regions[i].at("size").get<uint64_t>(), true));
+    } catch (const Error& e) {
+      throw Error("region " + std::to_string(i) + " of the lease: " + e.what());
+    }
+  }
+  return mapped;
+}
+
 std::string error_text(const Response& response) {
   const auto body = nlohmann::json::parse(response.body, nullptr, false);
   if (body.is_object() && body.contains("error") && body["error"].is_string()) return body["error"].get<std::string>();

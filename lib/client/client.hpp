@@ -3,10 +3,12 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "util/cuda_vmm.hpp"
 #include "util/unique_fd.hpp"
 
 namespace vramd::client {
@@ -51,6 +53,12 @@ class Client {
   std::string path_;
   int fd_ = -1;
 };
+
+// The regions of a lease of GPU memory (its manifest's "device" is "cuda:N"), each imported and
+// mapped into this process read-only where the driver allows (util/cuda_vmm.hpp): tensor t's
+// bytes start at regions[t.region]->data() + t.offset. Throws Error for a lease of host memory,
+// or naming the region the driver refuses.
+std::vector<std::shared_ptr<cuda::VmmRegion>> map_cuda_regions(const Lease& lease);
 
 // The daemon's own words for a refusal (its {"error": "..."}), else the status and the body's start.
 std::string error_text(const Response& response);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <map>
@@ -131,12 +132,11 @@ std::string Runtime::forward(std::string_view safetensors) {
 }
 
 weights::Manifest Runtime::lease(const std::string& device) {
-  if (device.starts_with("cuda"))
-    throw BadInput("device " + quote(device) + ": leases of CUDA memory are not built yet, only of host memory; lease with "
-                   "device \"cpu\"");
-  if (device != "cpu") throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
+  const bool cuda = device.size() > 5 && device.starts_with("cuda:") && device.size() <= 8 &&
+                    std::all_of(device.begin() + 5, device.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (device != "cpu" && !cuda) throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
   if (impl_->offloaded) onload();
-  auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name);
+  auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name, device);
   impl_->check_mappings();
   return manifest;
 }

@@ -1,7 +1,9 @@
 // What a lease hands a client: every weight of a loaded model as a region of shared memory and
-// a place in it. Regions are sealed memfds (weights/shared_region.hpp) or, for weights that
-// are plain views of a checkpoint, the checkpoint file itself, read-only: the same page cache,
-// nothing copied. LibTorch-free; weights/lease_memory.cpp builds it from a loaded model.
+// a place in it. On the host, regions are sealed memfds (weights/shared_region.hpp) or, for
+// weights that are plain views of a checkpoint, the checkpoint file itself, read-only: the same
+// page cache, nothing copied. On a GPU, regions are allocations of CUDA's virtual memory API
+// (util/cuda_vmm.hpp) whose descriptors the client imports. LibTorch-free;
+// weights/lease_memory.cpp builds it from a loaded model.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "util/cuda_vmm.hpp"
 #include "util/error.hpp"
 #include "weights/shared_region.hpp"
 
@@ -26,7 +29,7 @@ class NotLeasable : public Error {
 };
 
 struct LeaseRegion {
-  std::string kind;  // "memfd" or "file"
+  std::string kind;  // "memfd", "file" or "cuda"
   std::string path;  // of a file region
   uint64_t size = 0;
   UniqueFd fd;       // a duplicate, the manifest's own
@@ -51,13 +54,16 @@ struct Manifest {
 class LeaseMemory {
  public:
   // Moves every weight that is neither in a region made before nor a view of a checkpoint into
-  // one new sealed region (the model then computes from it too), and describes them all. Runs
-  // where the model's jobs run (they must not overlap). Throws NotLeasable for a model whose
-  // weights are streamed, partitioned or not in host memory.
-  Manifest share(model::LoadedModel& loaded, const std::string& name);
+  // one new region (sealed, on the host; on `device` when that is a GPU): the model then computes
+  // from it too. Describes them all. Runs where the model's jobs run (they must not overlap).
+  // Throws NotLeasable for a model whose weights are streamed, partitioned or not on `device`
+  // ("cpu" or "cuda:N").
+  Manifest share(model::LoadedModel& loaded, const std::string& name, const std::string& device);
 
  private:
+  Manifest share_cuda(model::LoadedModel& loaded, const std::string& name, const std::string& device);
   std::vector<std::weak_ptr<SharedRegion>> regions_;
+  std::vector<std::weak_ptr<cuda::VmmRegion>> cuda_regions_;
 };
 
 }  // namespace vramd::weights

@@ -1,3 +1,4 @@
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/ops/from_blob.h>
 
 #include <cstring>
@@ -29,10 +30,49 @@ uint64_t extent(const at::Tensor& t) {
 // The value a parameter computes with (a tied one's is its leader's); undefined when it has none.
 const at::Tensor& value_of(const model::Parameter& p) { return p.tied ? p.tied->value : p.value; }
 
+// A weight's region (an index into the manifest's regions) and its offset in bytes there.
+using Placement = std::pair<size_t, uint64_t>;
+
+// The weights `placed` finds no place for (tied ones and those without elements aside), and
+// their bytes packed at kAlignment.
+template <typename Placed>
+std::pair<std::vector<model::Parameter*>, uint64_t> unplaced(const model::LoadedModel& loaded, const Placed& placed) {
+  std::vector<model::Parameter*> params;
+  uint64_t bytes = 0;
+  for (auto* p : loaded.model->parameters()) {
+    if (p->tied || !p->value.defined() || p->value.is_meta() || p->value.numel() == 0 || placed(p->value)) continue;
+    params.push_back(p);
+    bytes += align_up(p->value.nbytes());
+  }
+  return {std::move(params), bytes};
+}
+
+// Every weight of `loaded` into manifest.tensors, each put where `place` says (tied ones counted
+// once in manifest.bytes).
+template <typename Place>
+void describe(const model::LoadedModel& loaded, const std::string& name, Manifest& manifest, const Place& place) {
+  for (const auto* p : loaded.model->parameters()) {
+    const at::Tensor& value = value_of(*p);
+    if (!value.defined() || value.is_meta()) continue;  // missing from the checkpoint (strict = false)
+    LeaseTensor tensor{p->name, convert::dtype_torch_name(storage::dtype_of(value.scalar_type())),
+                       std::vector<int64_t>(value.sizes().begin(), value.sizes().end()),
+                       std::vector<int64_t>(value.strides().begin(), value.strides().end()), std::nullopt, 0};
+    if (!p->tied) manifest.bytes += value.nbytes();
+    if (value.numel() > 0) {
+      const std::optional<Placement> placement = place(value);
+      if (!placement) throw Error("model " + quote(name) + ": weight " + quote(p->name) + " is not in shareable memory");
+      tensor.region = placement->first;
+      tensor.offset = placement->second;
+    }
+    manifest.tensors.push_back(std::move(tensor));
+  }
+}
+
 }  // namespace
 
-Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name) {
-  loaded.weights->check_leasable(name);
+Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name, const std::string& device) {
+  loaded.weights->check_leasable(name, device);
+  if (device != "cpu") return share_cuda(loaded, name, device);
   const auto& map = loaded.source->map;
   std::vector<std::shared_ptr<SharedRegion>> regions;
   for (const auto& weak : regions_)
@@ -54,13 +94,7 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name)
   };
 
   // Weights in memory of the daemon's own go into one new region, packed contiguously.
-  std::vector<model::Parameter*> to_pack;
-  uint64_t pack_bytes = 0;
-  for (auto* p : loaded.model->parameters()) {
-    if (p->tied || !p->value.defined() || p->value.is_meta() || p->value.numel() == 0 || locate(p->value)) continue;
-    to_pack.push_back(p);
-    pack_bytes += align_up(p->value.nbytes());
-  }
+  const auto [to_pack, pack_bytes] = unplaced(loaded, locate);
   if (!to_pack.empty()) {
     auto region = SharedRegion::create(pack_bytes, "vramd:" + name);
     uint64_t at = 0;
@@ -84,34 +118,75 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name)
   Manifest manifest;
   // A region of ours or a checkpoint file -> its index in manifest.regions, added when first used.
   std::map<std::pair<bool, size_t>, size_t> index;
-  const auto region_of = [&](const Place& place) {
-    const auto [it, added] = index.emplace(std::pair{place.region.has_value(), place.region.value_or(*place.file)},
+  describe(loaded, name, manifest, [&](const at::Tensor& value) -> std::optional<Placement> {
+    const auto place = locate(value);
+    if (!place) return std::nullopt;
+    const auto [it, added] = index.emplace(std::pair{place->region.has_value(), place->region.value_or(*place->file)},
                                            manifest.regions.size());
-    if (!added) return it->second;
-    if (place.region) {
-      const auto& region = *regions[*place.region];
+    if (added && place->region) {
+      const auto& region = *regions[*place->region];
       manifest.regions.push_back({"memfd", "", region.size(), UniqueFd::duplicate(region.fd(), "model " + quote(name))});
-    } else {
-      const auto& file = map.files()[*place.file];
-      manifest.regions.push_back({"file", file.path, file.size, UniqueFd::duplicate(map.descriptor(*place.file), file.path)});
+    } else if (added) {
+      const auto& file = map.files()[*place->file];
+      manifest.regions.push_back({"file", file.path, file.size, UniqueFd::duplicate(map.descriptor(*place->file), file.path)});
     }
-    return it->second;
+    return Placement{it->second, place->offset};
+  });
+  return manifest;
+}
+
+Manifest LeaseMemory::share_cuda(model::LoadedModel& loaded, const std::string& name, const std::string& device) {
+  const int ordinal = std::stoi(device.substr(device.find(':') + 1));  // check_leasable saw the weights there
+  std::vector<std::shared_ptr<cuda::VmmRegion>> regions;
+  for (const auto& weak : cuda_regions_)
+    if (auto region = weak.lock()) regions.push_back(std::move(region));
+  const auto locate = [&](const at::Tensor& value) -> std::optional<Placement> {
+    const auto* p = static_cast<const std::byte*>(value.const_data_ptr());
+    for (size_t i = 0; i < regions.size(); ++i)
+      if (regions[i]->contains(p) && p + extent(value) <= regions[i]->data() + regions[i]->size())
+        return Placement{i, static_cast<uint64_t>(p - regions[i]->data())};
+    return std::nullopt;
   };
-  for (const auto* p : loaded.model->parameters()) {
-    const at::Tensor& value = value_of(*p);
-    if (!value.defined() || value.is_meta()) continue;  // missing from the checkpoint (strict = false)
-    LeaseTensor tensor{p->name, convert::dtype_torch_name(storage::dtype_of(value.scalar_type())),
-                       std::vector<int64_t>(value.sizes().begin(), value.sizes().end()),
-                       std::vector<int64_t>(value.strides().begin(), value.strides().end()), std::nullopt, 0};
-    if (!p->tied) manifest.bytes += value.nbytes();
-    if (value.numel() > 0) {
-      const auto place = locate(value);
-      if (!place) throw Error("model " + quote(name) + ": weight " + quote(p->name) + " is not in shareable memory");
-      tensor.region = region_of(*place);
-      tensor.offset = place->offset;
+
+  // Weights in the caching allocator's memory move into one new exportable allocation.
+  const auto [to_pack, pack_bytes] = unplaced(loaded, locate);
+  if (!to_pack.empty()) {
+    std::shared_ptr<cuda::VmmRegion> region;
+    try {
+      region = cuda::VmmRegion::create(ordinal, pack_bytes);
+    } catch (const Error& e) {
+      throw NotLeasable("model " + quote(name) + ": cannot share its weights on " + device + ": " + e.what());
     }
-    manifest.tensors.push_back(std::move(tensor));
+    uint64_t at = 0;
+    for (auto* p : to_pack) {
+      at::Tensor placed = at::for_blob(region->data() + at, p->value.sizes())
+                              .deleter([region](void*) {})
+                              .options(p->value.options())
+                              .target_device(p->value.device())
+                              .make_tensor();
+      placed.copy_(p->value);
+      at += align_up(p->value.nbytes());
+      p->value = std::move(placed);
+    }
+    at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(ordinal));  // in place before a client reads
+    at::accelerator::emptyCache();  // the weights' former memory back to the driver
+    regions.push_back(region);
+    cuda_regions_.push_back(region);
   }
+
+  Manifest manifest;
+  manifest.device = device;
+  std::map<size_t, size_t> index;  // regions[i] -> its index in manifest.regions
+  describe(loaded, name, manifest, [&](const at::Tensor& value) -> std::optional<Placement> {
+    const auto place = locate(value);
+    if (!place) return std::nullopt;
+    const auto [it, added] = index.emplace(place->first, manifest.regions.size());
+    if (added) {
+      const auto& region = *regions[place->first];
+      manifest.regions.push_back({"cuda", "", region.size(), UniqueFd::duplicate(region.fd(), "model " + quote(name))});
+    }
+    return Placement{it->second, place->second};
+  });
   return manifest;
 }
 

@@ -99,14 +99,15 @@ std::map<std::string, uint64_t> ResidentWeights::bytes_by_device() const {
   return bytes;
 }
 
-void ResidentWeights::check_leasable(const std::string& model) const {
+void ResidentWeights::check_leasable(const std::string& model, const std::string& device) const {
   for (const auto* p : model_.parameters()) {
     const at::Tensor& value = p->tied ? p->tied->value : p->value;
     if (!value.defined() || value.is_meta()) continue;
-    if (!value.device().is_cpu())
-      throw NotLeasable("model " + quote(model) + " computes on " + value.device().str() + "; leases of " +
-                        "CUDA memory are not built yet, only of host memory: set [vram].computation.device = \"cpu\" " +
-                        "to lease it");
+    if (value.device().str() != device)
+      throw NotLeasable("model " + quote(model) + " holds its weights on " + value.device().str() + ", not on " + device +
+                        "; a lease hands over the weights the model computes with: lease it on " +
+                        value.device().str() + ", or set [vram].computation.device = " + quote(device) +
+                        " in its config to lease it there");
   }
 }
 

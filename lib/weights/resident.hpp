@@ -28,7 +28,7 @@ class ResidentWeights final : public Weights {
   uint64_t wake() override;
   std::optional<model::VramStats> stats() const override;
   std::map<std::string, uint64_t> bytes_by_device() const override;
-  void check_leasable(const std::string& model) const override;
+  void check_leasable(const std::string& model, const std::string& device) const override;
 
  private:
   uint64_t read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options, size_t* zero_copy);

@@ -613,7 +613,7 @@ std::map<std::string, uint64_t> StreamedWeights::bytes_by_device() const {
   return {{device_.str(), in_use_}};
 }
 
-void StreamedWeights::check_leasable(const std::string& model) const {
+void StreamedWeights::check_leasable(const std::string& model, const std::string&) const {
   throw NotLeasable("model " + quote(model) + " streams its weights under its [vram] table (a limit, a preparing " +
                     "dtype of its own, or GGUF blocks held packed), so they are never all resident in their computation " +
                     "dtype; a lease needs them so: remove [vram].limit, [vram].preparing and packed = true from its " +

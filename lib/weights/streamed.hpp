@@ -59,7 +59,7 @@ class StreamedWeights final : public Weights {
   uint64_t wake() override;
   std::optional<model::VramStats> stats() const override;
   std::map<std::string, uint64_t> bytes_by_device() const override;
-  void check_leasable(const std::string& model) const override;
+  void check_leasable(const std::string& model, const std::string& device) const override;
   bool start_trace() override;
   std::vector<VramEvent> take_trace() override;
 

@@ -60,8 +60,8 @@ class Weights : public model::LayerWeights {
   virtual std::map<std::string, uint64_t> bytes_by_device() const = 0;
 
   // Throws NotLeasable (weights/lease.hpp) naming `model` and what to change in its config,
-  // when a lease cannot hand these weights over whole.
-  virtual void check_leasable(const std::string& model) const = 0;
+  // when a lease on `device` ("cpu", "cuda:0") cannot hand these weights over whole.
+  virtual void check_leasable(const std::string& model, const std::string& device) const = 0;
 
   // Records every change of the bytes on the computation device from now on, replacing an
   // earlier record; false where nothing changes while the model computes, or none is kept.

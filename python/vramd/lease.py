@@ -1,4 +1,5 @@
-"""Leases: a model's weights, as the daemon holds them, mapped read-only into this process.
+"""Leases: a model's weights, as the daemon holds them, mapped read-only into this process:
+host memory (sealed memfds, checkpoint files) with mmap, GPU memory through the CUDA driver.
 
 One connection is one lease. The client sends `POST /v1/models/NAME/lease` with
 {"device": ..., "wait": ...}; the daemon answers an HTTP error, or `101 Switching Protocols`
@@ -32,18 +33,26 @@ class Lease:
     """A model's weights leased from vramd: `state_dict` maps each tensor's name (in the
     manifest's order) to a zero-copy, read-only view of the daemon's memory.
 
-    Writing to one of these tensors faults (SIGSEGV: the pages are mapped read-only); `.clone()`
-    gives a writable copy. The daemon counts the leased memory in its budgets and keeps it from
+    Writing to one of these tensors faults (SIGSEGV: the pages are mapped read-only; on a GPU an
+    illegal-address error, where the driver maps read-only: `read_only` tells); `.clone()` gives a
+    writable copy. The daemon counts the leased memory in its budgets and keeps it from
     being freed or changed only while the lease is open: after close() the tensors still read the
     mapped pages (they keep the mappings alive), but the daemon may then unload or reload the
     model, and what they hold is no longer its weights' promise.
 
     Used as a context manager, `with client.lease("minilm") as state_dict:` closes at the end."""
 
-    def __init__(self, sock: socket.socket, manifest: dict, state_dict: dict[str, torch.Tensor]):
+    def __init__(self, sock: socket.socket, manifest: dict, state_dict: dict[str, torch.Tensor], regions: list):
         self._sock = sock
+        self._regions = [region for region in regions if region is not None]
         self.manifest = manifest
         self.state_dict = state_dict
+
+    @property
+    def read_only(self) -> bool:
+        """Whether every region is mapped read-only (host memory always is; a driver may refuse
+        read-only mappings of GPU memory, which then come writable)."""
+        return all(getattr(region, "read_only", True) for region in self._regions)
 
     @property
     def closed(self) -> bool:
@@ -87,14 +96,14 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
             manifest = json.loads(line)
         except ValueError as e:
             raise ProtocolError(f"sent a lease manifest that is not JSON: {e}") from None
-        regions, tensors = _check_manifest(manifest)
+        regions, tensors, ordinal = _check_manifest(manifest)
         if len(fds) != len(regions):
             raise ProtocolError(f"sent {len(fds)} file descriptors for a manifest of {len(regions)} regions")
         lengths = [_length(region, fd, i) for i, (region, fd) in enumerate(zip(regions, fds))]
         for t in tensors:  # every check before the first mapping
             _check_bounds(t, lengths)
-        mappings = _map_all(regions, fds, lengths)
-        state_dict = {t["name"]: _view(t, mappings) for t in tensors}
+        mappings = _map_all(regions, fds, lengths, ordinal)
+        state_dict = {t["name"]: _view(t, mappings, manifest["device"]) for t in tensors}
     except BaseException as e:
         timeout = sock.gettimeout()
         sock.close()
@@ -105,11 +114,12 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
     finally:
         for fd in fds:  # a mapping outlives its descriptor
             os.close(fd)
-    return Lease(sock, manifest, state_dict)
+    return Lease(sock, manifest, state_dict, mappings)
 
 
-def _check_manifest(manifest) -> tuple[list[dict], list[dict]]:
-    """The manifest's regions and tensors, each field checked (dtype names made torch dtypes)."""
+def _check_manifest(manifest) -> tuple[list[dict], list[dict], int | None]:
+    """The manifest's regions and tensors, each field checked (dtype names made torch dtypes), and
+    the CUDA device's ordinal (None for host memory)."""
     if not isinstance(manifest, dict):
         raise _shape.NotAsDocumented("sent a lease manifest that is not a JSON object")
     where = "sent a lease manifest whose "
@@ -117,11 +127,17 @@ def _check_manifest(manifest) -> tuple[list[dict], list[dict]]:
         _shape.field(manifest, key, str, where)
     for key in ("lease", "bytes"):
         _shape.natural(manifest, key, where)
+    device = manifest["device"]
+    ordinal = int(device[5:]) if device.startswith("cuda:") and device[5:].isdigit() else None
+    if device != "cpu" and ordinal is None:
+        raise _shape.NotAsDocumented(f"{where}device {device!r} is neither 'cpu' nor 'cuda:N'")
     regions = _shape.objects(manifest, "regions", where)
     for i, region in enumerate(regions):
         at = f"{where}region {i}'s "
         kind = _shape.field(region, "kind", str, at)
-        if kind not in ("memfd", "file"):
+        if ordinal is not None and kind != "cuda":
+            raise _shape.NotAsDocumented(f"{at}kind {kind!r} is not 'cuda', on {device}")
+        if ordinal is None and kind not in ("memfd", "file"):
             raise _shape.NotAsDocumented(f"{at}kind {kind!r} is neither 'memfd' nor 'file'")
         _shape.natural(region, "size", at)
         if kind == "file":
@@ -145,7 +161,7 @@ def _check_manifest(manifest) -> tuple[list[dict], list[dict]]:
         elif _shape.natural(t, "region", at) >= len(regions):
             raise _shape.NotAsDocumented(f"{at}region {t['region']} is not one of the {len(regions)} regions")
         _shape.natural(t, "offset", at)
-    return regions, tensors
+    return regions, tensors, ordinal
 
 
 def _describe(region: dict, index: int) -> str:
@@ -155,6 +171,8 @@ def _describe(region: dict, index: int) -> str:
 def _length(region: dict, fd: int, index: int) -> int:
     """How many bytes of region `index` to map: its size, or the whole file when that is larger."""
     what = _describe(region, index)
+    if region["kind"] == "cuda":
+        return region["size"]  # the driver checks it against the allocation when mapping
     try:
         held = os.fstat(fd).st_size
     except OSError as e:
@@ -181,8 +199,12 @@ def _span(shape: list[int], strides: list[int]) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
 
 
-def _map_all(regions: list[dict], fds: list[int], lengths: list[int]) -> list[mmap.mmap | None]:
-    """Each region mapped read-only and shared: the daemon's pages, not a copy (None when empty)."""
+def _map_all(regions: list[dict], fds: list[int], lengths: list[int], ordinal: int | None) -> list:
+    """Each region mapped read-only and shared: the daemon's pages or GPU memory, not a copy (None
+    when empty)."""
+    if ordinal is not None:
+        from . import _cuda  # ctypes and the CUDA driver only for a lease of GPU memory
+        return [_cuda.Region(fd, length, ordinal) for fd, length in zip(fds, lengths)]
     mappings: list[mmap.mmap | None] = []
     try:
         for fd, length in zip(fds, lengths):
@@ -197,12 +219,14 @@ def _map_all(regions: list[dict], fds: list[int], lengths: list[int]) -> list[mm
     return mappings
 
 
-def _view(tensor: dict, mappings: list[mmap.mmap | None]) -> torch.Tensor:
+def _view(tensor: dict, mappings: list, device: str) -> torch.Tensor:
     """A tensor of the manifest (bounds checked) as a strided view of its region's mapping; the
     view keeps the mapping alive."""
     dtype, shape, strides = TORCH_DTYPES[tensor["dtype"]], tensor["shape"], tensor["strides"]
     if math.prod(shape) == 0:
-        return torch.empty_strided(shape, strides, dtype=dtype)
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    if device != "cpu":
+        return mappings[tensor["region"]].view(dtype, shape, strides, tensor["offset"])
     with warnings.catch_warnings():  # read-only on purpose: a write faults instead of reaching the daemon
         warnings.filterwarnings("ignore", "The given buffer is not writable")
         flat = torch.frombuffer(mappings[tensor["region"]], dtype=dtype, count=_span(shape, strides),

@@ -40,6 +40,19 @@ def nanogpt_checkpoint(folder):
     return state
 
 
+def nanogpt_config(folder, computation):
+    """The config of nanogpt_checkpoint(folder): its converter, [arch], and `computation`'s table."""
+    return textwrap.dedent(f"""\
+        checkpoint = "{folder / 'ckpt.safetensors'}"
+        architecture = "gpt2"
+        converter = "{ROOT / 'scripts/converters/nanogpt.lua'}"
+        [arch]
+        {chr(10).join(f'{k} = {v}' for k, v in NANO.items())}
+        [vram]
+        computation = {{ {computation} }}
+        """)
+
+
 def tiny_unet(folder):
     """A small random diffusers UNet, as save_pretrained writes it."""
     import diffusers
@@ -59,15 +72,7 @@ def served(tmp_path_factory):
     nano_state = nanogpt_checkpoint(folder)
     d = Daemon(folder, budgets='cpu = "4GiB"')
     (d.models / "minilm.toml").write_text(f'checkpoint = "{minilm}"\n')
-    (d.models / "nano.toml").write_text(textwrap.dedent(f"""\
-        checkpoint = "{folder / 'ckpt.safetensors'}"
-        architecture = "gpt2"
-        converter = "{ROOT / 'scripts/converters/nanogpt.lua'}"
-        [arch]
-        {chr(10).join(f'{k} = {v}' for k, v in NANO.items())}
-        [vram]
-        computation = {{ dtype = "bfloat16" }}
-        """))
+    (d.models / "nano.toml").write_text(nanogpt_config(folder, 'dtype = "bfloat16"'))
     unet = tiny_unet(folder / "unet")
     (d.models / "unet.toml").write_text(f'checkpoint = "{unet}"\narchitecture = "weights"\n')
     (d.models / "streamed.toml").write_text(f'checkpoint = "{minilm}"\n[vram]\nlimit = "60MiB"\nonload = {{ device = \"disk\" }}\noffload = {{ device = \"disk\" }}\n')
@@ -231,8 +236,9 @@ def test_bad_leases_get_clear_errors_and_harm_nothing(served):
         assert broken.status in (409, 500) and "nonexistent" in str(broken)
         streamed = refused("streamed")
         assert streamed.status == 409 and "[vram].limit" in str(streamed)
-        cuda = refused("minilm", device="cuda:0")
-        assert cuda.status == 400 and "CUDA" in str(cuda)
+        cuda = refused("minilm", device="cuda:0")  # it computes on the host, so its weights are there
+        assert cuda.status == 409 and "holds its weights on cpu, not on cuda:0" in str(cuda), cuda
+        assert refused("minilm", device="cuda:x").status == 400
         assert refused("minilm", device="tpu").status == 400
         not_loaded = refused("unet", wait=False)  # not loaded yet, and not to be waited for
         assert not_loaded.status == 409 and "leave out wait=false" in str(not_loaded)

@@ -542,6 +542,10 @@ def with_tensor(**changes):
     (UPGRADE + json.dumps({**MANIFEST, "tensors": MANIFEST["tensors"][:1] * 2}).encode() + b"\n", "'w' appears twice"),
     (UPGRADE + json.dumps({**MANIFEST, "regions": [{"kind": "shm", "size": 1}] * 2}).encode() + b"\n",
      "kind 'shm' is neither"),
+    (UPGRADE + json.dumps({**MANIFEST, "device": "cuda:0"}).encode() + b"\n", "kind 'memfd' is not 'cuda', on cuda:0"),
+    (UPGRADE + json.dumps({**MANIFEST, "device": "tpu:0"}).encode() + b"\n", "device 'tpu:0' is neither"),
+    (UPGRADE + json.dumps({**MANIFEST, "device": "cuda:0", "regions": [{"kind": "cuda", "size": 24}] * 2}).encode()
+     + b"\n", "sent CUDA memory"),  # memfds passed off as CUDA allocations: no driver here, or it refuses them
     (UPGRADE + b"[1, 2]\n", "manifest that is not a JSON object"),
     (UPGRADE + b"{nope\n", "manifest that is not JSON"),
     (UPGRADE + json.dumps(MANIFEST).encode(), "closed the connection before answering"),
