@@ -22,6 +22,9 @@ contender runs in a fresh process.
               bytes streamed and forward median
   sleep/wake  through the daemon: offload (to the host from a GPU; to disk on the CPU) and onload
               again, seconds per GiB
+  lease       through the daemon, in a fresh process: a complete state dict on the device from a
+              lease of the loaded model against safetensors' load_file(device=DEVICE), seconds
+              and the device memory the client's own process grew by
 
 With --device cpu the same steps run on the CPU where they mean something (not GPU figures), and
 the report lists the others as skipped, with the reason. DiffSynth-Studio's VRAM management is a
@@ -113,7 +116,30 @@ def copy_bound_contender(folder, device):
     return {"bytes": total, "bytes_per_second": best}
 
 
+def state_dict_contender(folder, device, sock):
+    """A complete state dict on `device`, from a lease of the daemon at `sock` or (sock empty)
+    from load_file: seconds from the call, and how much the device's free memory shrank."""
+    import torch
+    free = lambda: torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else 0  # noqa: E731
+    torch.zeros(1, device=device)  # a CUDA context is no part of either's cost
+    before = free()
+    start = time.perf_counter()
+    if sock:
+        import vramd
+        lease = vramd.connect(sock).lease("bench", device=device)  # held until the process ends
+        state_dict = lease.state_dict
+    else:
+        from safetensors.torch import load_file
+        state_dict = load_file(str(Path(folder) / "model.safetensors"), device=device)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tensors": len(state_dict), "device_bytes_grown": before - free(),
+            "bytes": sum(t.numel() * t.element_size() for t in state_dict.values())}
+
+
 CONTENDERS = {
+    "lease": lambda a: state_dict_contender(a.folder, a.device, a.socket),
+    "load-file": lambda a: state_dict_contender(a.folder, a.device, ""),
     "accelerate-cpu": lambda a: accelerate_contender(a.folder, a.device, "cpu", a.tokens, a.forwards, a.offload_dir),
     "accelerate-disk": lambda a: accelerate_contender(a.folder, a.device, "disk", a.tokens, a.forwards, a.offload_dir),
     "transformers-ready": lambda a: transformers_ready_contender(a.folder, a.device),
@@ -121,9 +147,10 @@ CONTENDERS = {
 }
 
 
-def contender(name, args, folder, offload_dir=""):
+def contender(name, args, folder, offload_dir="", sock=""):
     out = subprocess.run([sys.executable, __file__, "--contender", name, "--folder", str(folder), "--device", args.device,
-                          "--tokens", str(args.tokens), "--forwards", str(args.forwards), "--offload-dir", offload_dir],
+                          "--tokens", str(args.tokens), "--forwards", str(args.forwards), "--offload-dir", offload_dir,
+                          "--socket", str(sock)],
                          capture_output=True, text=True, timeout=1200)
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
@@ -166,9 +193,11 @@ def cold_read_bytes_per_second(path):
     return total / seconds
 
 
-def sleep_wake(workdir, folder, device):
-    """Through the daemon: load on `device`, offload, onload; seconds per GiB each way."""
+def through_daemon(workdir, folder, args):
+    """Through the daemon: load on the device; a fresh process's state dict from a lease against
+    one from load_file; then offload and onload, seconds per GiB each way."""
     import vramd
+    device = args.device
     folder_d = workdir / "daemon"
     (folder_d / "models").mkdir(parents=True, exist_ok=True)
     sock = Path(tempfile.mkdtemp(prefix="vramd-gpu-")) / "vramd.sock"
@@ -185,14 +214,17 @@ def sleep_wake(workdir, folder, device):
             time.sleep(0.1)
         with vramd.connect(sock) as client:
             client.load("bench")
+            figures = {"lease": contender("lease", args, folder, sock=sock),
+                       "load_file": contender("load-file", args, folder)}
             sleeps, wakes = [], []
             for _ in range(3):
                 moved = client.offload("bench")["moved"]
                 sleeps.append(moved["seconds"] / (moved["bytes"] / GIB) if moved["bytes"] else None)
                 moved = client.onload("bench")["moved"]
                 wakes.append(moved["seconds"] / (moved["bytes"] / GIB) if moved["bytes"] else None)
-        return {"offload_to": offload, "sleep_seconds_per_gib": min(s for s in sleeps if s is not None),
-                "wake_seconds_per_gib": min(w for w in wakes if w is not None)}
+        figures["sleep_wake"] = {"offload_to": offload, "sleep_seconds_per_gib": min(s for s in sleeps if s is not None),
+                                 "wake_seconds_per_gib": min(w for w in wakes if w is not None)}
+        return figures
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
@@ -243,7 +275,9 @@ def run(args):
     step("accelerate_disk", lambda: contender("accelerate-disk", args, folder, str(workdir / "accelerate-offload")))
     step("read_bound_bytes_per_second", lambda: cold_read_bytes_per_second(folder / "model.safetensors"))
     step("transformers_ready", lambda: contender("transformers-ready", args, folder))
-    step("sleep_wake", lambda: sleep_wake(workdir, folder, args.device))
+    step("daemon", lambda: through_daemon(workdir, folder, args))
+    if isinstance(results["daemon"], dict) and "error" not in results["daemon"]:
+        results.update(results.pop("daemon"))
     if gpu:
         step("vramd_host", lambda: vramctl_run(workdir, folder, "streamed-host", streamed_config(args.device, "cpu", limit), args))
         step("vramd_host_float8", lambda: vramctl_run(workdir, folder, "streamed-host-fp8",
@@ -295,6 +329,13 @@ def summarise(r):
         a, b = r["vramd_host"], r["vramd_host_float8"]
         lines.append(f"float8 onload: {b['vram']['bytes_streamed']} bytes streamed against {a['vram']['bytes_streamed']} in "
                      f"bfloat16, forward {fwd('vramd_host_float8'):.3f} s against {fwd('vramd_host'):.3f} s")
+    if ok(r, "lease", "load_file"):
+        a, b = r["lease"], r["load_file"]
+        memory = (f"; the device's free memory shrank by {a['device_bytes_grown'] / 2**20:.1f} MiB for the lease, "
+                  f"{b['device_bytes_grown'] / 2**20:.1f} MiB for load_file" if r["device"].startswith("cuda") else "")
+        lines.append(f"a state dict on {r['device']} in a fresh process: lease {a['seconds']:.4f} s, load_file "
+                     f"{b['seconds']:.4f} s ({b['seconds'] / a['seconds']:.1f}x), of a {a['bytes'] / 2**20:.1f} MiB "
+                     f"model{memory}")
     if ok(r, "sleep_wake"):
         s = r["sleep_wake"]
         lines.append(f"sleep/wake (offload to {s['offload_to']}): {s['sleep_seconds_per_gib']:.4f} s/GiB to sleep, "
@@ -316,6 +357,7 @@ def main():
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--offload-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.contender:
         print(json.dumps(CONTENDERS[args.contender](args)))

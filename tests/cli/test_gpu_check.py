@@ -26,11 +26,13 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert "- skipped: `parity.test_partition.test_partitioned_on_cuda" in report
     assert "- skipped: `storage.test_gguf.test_every_block_type_kept_packed_unpacks_on_cuda" in report
     assert report.count("- skipped: `storage.test_gguf.test_a_gguf_model_streamed_packed_on_cuda") == 2, report
+    assert report.count("- skipped: `client.test_lease_cuda.") == 7, report
     assert "FAILED" not in report
 
     figures = json.loads((out / "figures.json").read_text())
     assert figures["device"] == "cpu" and "gpu" not in figures and "torch:" in figures["environment"]
-    for step in ("resident", "vramd_disk", "vramd_disk_direct", "accelerate_disk", "transformers_ready", "sleep_wake"):
+    for step in ("resident", "vramd_disk", "vramd_disk_direct", "accelerate_disk", "transformers_ready", "sleep_wake", "lease",
+                 "load_file"):
         assert "error" not in figures[step], (step, figures[step])
     assert 0 < figures["vramd_disk"]["vram"]["peak"] <= figures["limit"]
     assert figures["vramd_disk_direct"]["vram"]["bytes_streamed"] > 0
@@ -39,5 +41,8 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
         assert f"- skipped {name}: {why}" in report
     assert any(line.startswith("streaming from disk: vramd ") for line in figures["summary"])
     assert any(line.startswith("ready on cpu: vramd ") for line in figures["summary"])
+    assert figures["lease"]["tensors"] == figures["load_file"]["tensors"] > 0
+    assert figures["lease"]["bytes"] == figures["load_file"]["bytes"] > 0
+    assert any(line.startswith("a state dict on cpu in a fresh process: lease ") for line in figures["summary"])
     for log in ("tests.log", "tests.xml", "bench.log", "environment.txt"):
         assert (out / log).exists(), log
