@@ -14,8 +14,9 @@ contender runs in a fresh process.
               the page cache dropped
   streaming   [vram].limit a quarter of the model, onload on the host and on disk, against
               accelerate (load_checkpoint_and_dispatch, decoder layers on "cpu" or "disk", the
-              rest on the device): forward median, vramd's peak weight bytes against its limit,
-              the CUDA allocator's own peak
+              rest on the device) and DiffSynth-Studio (enable_vram_management, offload on
+              the host or disk, vram_limit the same bytes): forward median, vramd's peak weight
+              bytes against its limit, the CUDA allocator's own peak
   ready       time to ready on the device: vramctl run's plan and load against transformers'
               from_pretrained(device_map=DEVICE)
   float8      onload resting in float8_e4m3fn, computed in bfloat16, against bfloat16 onload:
@@ -27,8 +28,9 @@ contender runs in a fresh process.
               and the device memory the client's own process grew by
 
 With --device cpu the same steps run on the CPU where they mean something (not GPU figures), and
-the report lists the others as skipped, with the reason. DiffSynth-Studio's VRAM management is a
-peer on the CPU only so far (bench/vram.py); on a GPU it is listed as skipped.
+the report lists the others as skipped, with the reason. The streaming peers are accelerate and
+DiffSynth-Studio's VRAM management (diffsynth_contender; `pip install --no-deps` of the
+diffsynth pinned in bench/requirements.txt, which scripts/setup and the offline pack bring).
 """
 import argparse
 import json
@@ -73,6 +75,12 @@ def accelerate_contender(folder, device, where, tokens, forwards, offload_dir):
                                                     device_map=device_map, offload_folder=offload_dir,
                                                     dtype=torch.bfloat16)
     model.eval()
+    return timed_forwards(model, config, device, tokens, forwards)
+
+
+def timed_forwards(model, config, device, tokens, forwards):
+    """The median forward (of those after the first) and the CUDA allocator's peak over them."""
+    import torch
     ids = (torch.arange(tokens).view(1, tokens) % config.vocab_size).to(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
@@ -86,6 +94,60 @@ def accelerate_contender(folder, device, where, tokens, forwards, offload_dir):
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
     return {"forward_median_seconds": statistics.median(times[1:] or times), "device_peak_allocated": peak}
+
+
+def diffsynth_contender(folder, device, where, tokens, forwards, limit):
+    """DiffSynth-Studio's VRAM management on the transformers model, applied as its pipelines
+    apply it: every Linear, Embedding and RMSNorm wrapped (enable_vram_management), offload and
+    onload on `where` ("cpu": the weights loaded into host memory first; "disk": read through its
+    DiskMap on the checkpoint), preparing and computation on `device` in bfloat16.
+
+    On a GPU every wrapper is onloaded, as DiffSynth's pipelines do before running a model, and
+    a layer then moves to the device for good at its first call while the device's used memory
+    (torch.cuda.mem_get_info: every process's) is under vram_limit; past it, each call copies
+    the layer in and drops it. vram_limit is the memory in use before the model plus `limit`,
+    so that the CUDA context does not count against the weights' limit. On the CPU
+    (torch.cpu has no mem_get_info, so onload plus a limit fails) the wrappers stay offloaded
+    and every call reads its weights, as in bench/vram.py."""
+    import torch
+    import transformers
+    import vram  # bench/vram.py: DiffSynth's VRAM modules without the rest of the package
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    layers = vram.import_diffsynth_vram()
+    if layers is None:
+        raise RuntimeError(vram.DIFFSYNTH_MISSING)
+    from diffsynth.core.vram.disk_map import DiskMap
+    gpu = device.startswith("cuda")
+    path = str(Path(folder) / "model.safetensors")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    if gpu:
+        torch.zeros(1, device=device)  # the CUDA context, before measuring what is in use
+    with layers.skip_model_initialization():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    if where == "disk":
+        disk_map, rest = DiskMap(path, "cpu"), "disk"
+    else:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(path), strict=False, assign=True)
+        disk_map, rest = None, torch.bfloat16
+    vram_config = {"offload_dtype": rest, "offload_device": where, "onload_dtype": rest, "onload_device": where,
+                   "preparing_dtype": torch.bfloat16, "preparing_device": device,
+                   "computation_dtype": torch.bfloat16, "computation_device": device}
+    vram_limit = None
+    if gpu:
+        free, total = torch.cuda.mem_get_info(device)
+        vram_limit = (total - free + limit) / GIB
+    module_map = {torch.nn.Linear: layers.AutoWrappedLinear, torch.nn.Embedding: layers.AutoWrappedModule,
+                  LlamaRMSNorm: layers.AutoWrappedModule}
+    model = layers.enable_vram_management(model, module_map, vram_config, vram_limit=vram_limit, disk_map=disk_map)
+    if gpu:
+        for module in model.modules():
+            if isinstance(module, layers.AutoTorchModule):
+                module.onload()
+    figures = timed_forwards(model, config, device, tokens, forwards)
+    on_device = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+    return {**figures, "vram_limit_gib": vram_limit, "weights_left_on_device": on_device if gpu else None}
 
 
 def transformers_ready_contender(folder, device):
@@ -142,15 +204,17 @@ CONTENDERS = {
     "load-file": lambda a: state_dict_contender(a.folder, a.device, ""),
     "accelerate-cpu": lambda a: accelerate_contender(a.folder, a.device, "cpu", a.tokens, a.forwards, a.offload_dir),
     "accelerate-disk": lambda a: accelerate_contender(a.folder, a.device, "disk", a.tokens, a.forwards, a.offload_dir),
+    "diffsynth-cpu": lambda a: diffsynth_contender(a.folder, a.device, "cpu", a.tokens, a.forwards, a.limit),
+    "diffsynth-disk": lambda a: diffsynth_contender(a.folder, a.device, "disk", a.tokens, a.forwards, a.limit),
     "transformers-ready": lambda a: transformers_ready_contender(a.folder, a.device),
     "copy-bound": lambda a: copy_bound_contender(a.folder, a.device),
 }
 
 
-def contender(name, args, folder, offload_dir="", sock=""):
+def contender(name, args, folder, offload_dir="", sock="", limit=0):
     out = subprocess.run([sys.executable, __file__, "--contender", name, "--folder", str(folder), "--device", args.device,
                           "--tokens", str(args.tokens), "--forwards", str(args.forwards), "--offload-dir", offload_dir,
-                          "--socket", str(sock)],
+                          "--socket", str(sock), "--limit", str(limit)],
                          capture_output=True, text=True, timeout=1200)
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
@@ -273,6 +337,7 @@ def run(args):
     step("vramd_disk_direct", lambda: vramctl_run(workdir, folder, "streamed-disk-direct",
                                                   streamed_config(args.device, "disk", limit, direct_io=True), args))
     step("accelerate_disk", lambda: contender("accelerate-disk", args, folder, str(workdir / "accelerate-offload")))
+    step("diffsynth_disk", lambda: contender("diffsynth-disk", args, folder, limit=limit))
     step("read_bound_bytes_per_second", lambda: cold_read_bytes_per_second(folder / "model.safetensors"))
     step("transformers_ready", lambda: contender("transformers-ready", args, folder))
     step("daemon", lambda: through_daemon(workdir, folder, args))
@@ -283,6 +348,7 @@ def run(args):
         step("vramd_host_float8", lambda: vramctl_run(workdir, folder, "streamed-host-fp8",
                                                       streamed_config(args.device, "cpu", limit, "float8_e4m3fn"), args))
         step("accelerate_cpu", lambda: contender("accelerate-cpu", args, folder))
+        step("diffsynth_host", lambda: contender("diffsynth-cpu", args, folder, limit=limit))
         step("copy_bound", lambda: contender("copy-bound", args, folder))
     else:
         why = "no CUDA device: "
@@ -290,8 +356,7 @@ def run(args):
         skip["vramd_host_float8"] = why + "float8 onload computed in bfloat16 on a GPU"
         skip["accelerate_cpu"] = why + "accelerate's CPU offload computes on a GPU"
         skip["copy_bound"] = why + "the pinned host-to-GPU copy bound"
-    skip["diffsynth"] = ("DiffSynth-Studio's enable_vram_management is a peer on the CPU only so far (bench/vram.py)"
-                         if gpu else "DiffSynth-Studio on the CPU: bench/vram.py")
+        skip["diffsynth_host"] = why + "DiffSynth-Studio's host offload computes on a GPU"
     results["summary"] = summarise(results)
     return results
 
@@ -305,14 +370,19 @@ def summarise(r):
     """One line per comparison: what was measured against what, and the ratio."""
     lines = []
     fwd = lambda name: r[name]["forward_median_seconds"]  # noqa: E731
-    if ok(r, "vramd_disk", "accelerate_disk"):
-        lines.append(f"streaming from disk: vramd {fwd('vramd_disk'):.3f} s a forward, accelerate {fwd('accelerate_disk'):.3f} s "
-                     f"({fwd('accelerate_disk') / fwd('vramd_disk'):.2f}x); vramd's peak {r['vramd_disk']['vram']['peak']} "
-                     f"of its {r['limit']} byte limit")
-    if ok(r, "vramd_host", "accelerate_cpu"):
-        lines.append(f"streaming from host: vramd {fwd('vramd_host'):.3f} s a forward, accelerate {fwd('accelerate_cpu'):.3f} s "
-                     f"({fwd('accelerate_cpu') / fwd('vramd_host'):.2f}x); vramd's peak {r['vramd_host']['vram']['peak']} "
-                     f"of its {r['limit']} byte limit, the CUDA allocator's peak {r['vramd_host'].get('device_peak_allocated')}")
+    def peers(ours, *names):  # "accelerate 0.468 s (4.21x), DiffSynth ..." for each peer that ran
+        return ", ".join(f"{label} {fwd(name):.3f} s ({fwd(name) / fwd(ours):.2f}x)"
+                         for label, name in zip(("accelerate", "DiffSynth"), names) if ok(r, name))
+
+    if ok(r, "vramd_disk") and (ok(r, "accelerate_disk") or ok(r, "diffsynth_disk")):
+        lines.append(f"streaming from disk: vramd {fwd('vramd_disk'):.3f} s a forward, "
+                     f"{peers('vramd_disk', 'accelerate_disk', 'diffsynth_disk')}; vramd's peak "
+                     f"{r['vramd_disk']['vram']['peak']} of its {r['limit']} byte limit")
+    if ok(r, "vramd_host") and (ok(r, "accelerate_cpu") or ok(r, "diffsynth_host")):
+        lines.append(f"streaming from host: vramd {fwd('vramd_host'):.3f} s a forward, "
+                     f"{peers('vramd_host', 'accelerate_cpu', 'diffsynth_host')}; vramd's peak "
+                     f"{r['vramd_host']['vram']['peak']} of its {r['limit']} byte limit, the CUDA allocator's peak "
+                     f"{r['vramd_host'].get('device_peak_allocated')}")
     if ok(r, "vramd_host", "copy_bound") and staging_rate(r["vramd_host"]):
         rate, bound = staging_rate(r["vramd_host"]), r["copy_bound"]["bytes_per_second"]
         lines.append(f"host-to-GPU staging: {rate / 1e9:.2f} GB/s against a pinned copy's {bound / 1e9:.2f} GB/s "
@@ -358,6 +428,7 @@ def main():
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--offload-dir", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
+    parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.contender:
         print(json.dumps(CONTENDERS[args.contender](args)))
