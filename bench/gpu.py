@@ -4,7 +4,7 @@ checkpoint of random weights (bench/load.py's 1.1B, or --size small), page cache
 contender runs in a fresh process.
 
     .venv/bin/python bench/gpu.py [--device cuda:0] [--size 1b|small] [--workdir DIR]
-                                  [--forwards 5] [--json FILE]
+                                  [--forwards 5] [--json FILE] [--deadline UNIX_TIME]
 
   staging     host to device: vramd's streamed onload from host memory (bytes streamed over the
               time spent bringing them in) against a plain copy of pinned host memory to the
@@ -47,6 +47,18 @@ VRAMCTL = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl"))
 VRAMD = Path(os.environ.get("VRAMD", ROOT / "build" / "bin" / "vramd"))
 sys.path.insert(0, str(ROOT / "bench"))
 import load as load_bench  # noqa: E402  (makes the checkpoint)
+
+# --deadline: the time (time.time()) by which every step must be done, so that the GPU check
+# writes its report inside a lent machine's 10 minutes a command; steps that would start later
+# are skipped, saying so, and a contender still running then is stopped.
+DEADLINE = None
+OUT_OF_TIME = "out of the GPU check's time budget (--deadline)"
+
+
+def time_left():
+    """Seconds a child process may take: until the deadline, at most 1200."""
+    return 1200.0 if DEADLINE is None else max(1.0, min(1200.0, DEADLINE - time.time()))
+
 
 SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
@@ -215,7 +227,7 @@ def contender(name, args, folder, offload_dir="", sock="", limit=0):
     out = subprocess.run([sys.executable, __file__, "--contender", name, "--folder", str(folder), "--device", args.device,
                           "--tokens", str(args.tokens), "--forwards", str(args.forwards), "--offload-dir", offload_dir,
                           "--socket", str(sock), "--limit", str(limit)],
-                         capture_output=True, text=True, timeout=1200)
+                         capture_output=True, text=True, timeout=time_left())
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -232,7 +244,8 @@ def vramctl_run(workdir, folder, name, vram, args):
     (workdir / "vramd.toml").write_text(BUDGETS)
     stats = workdir / f"{name}-stats.json"
     out = subprocess.run([VRAMCTL, "run", config, "--daemon-config", workdir / "vramd.toml", "-i", workdir / "inputs.safetensors",
-                          "--repeat", str(args.forwards), "--stats-json", stats], capture_output=True, text=True, timeout=1200)
+                          "--repeat", str(args.forwards), "--stats-json", stats],
+                         capture_output=True, text=True, timeout=time_left())
     if out.returncode != 0:
         raise RuntimeError(f"vramctl run {name} failed:\n{out.stderr[-4000:]}")
     return json.loads(stats.read_text())
@@ -327,6 +340,9 @@ def run(args):
 
     def step(name, body):
         print(f"gpu bench: {name}", file=sys.stderr, flush=True)
+        if DEADLINE is not None and time.time() >= DEADLINE:
+            skip[name] = OUT_OF_TIME
+            return
         try:
             results[name] = body()
         except Exception as e:  # one failed step is reported and the others still run
@@ -341,7 +357,7 @@ def run(args):
     step("read_bound_bytes_per_second", lambda: cold_read_bytes_per_second(folder / "model.safetensors"))
     step("transformers_ready", lambda: contender("transformers-ready", args, folder))
     step("daemon", lambda: through_daemon(workdir, folder, args))
-    if isinstance(results["daemon"], dict) and "error" not in results["daemon"]:
+    if isinstance(results.get("daemon"), dict) and "error" not in results["daemon"]:
         results.update(results.pop("daemon"))
     if gpu:
         step("vramd_host", lambda: vramctl_run(workdir, folder, "streamed-host", streamed_config(args.device, "cpu", limit), args))
@@ -429,7 +445,10 @@ def main():
     parser.add_argument("--offload-dir", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help="time.time() by which every step must be done")
     args = parser.parse_args()
+    global DEADLINE
+    DEADLINE = args.deadline
     if args.contender:
         print(json.dumps(CONTENDERS[args.contender](args)))
         return
@@ -441,7 +460,7 @@ def main():
     for name, why in results["skipped"].items():
         print(f"skipped {name}: {why}")
     failed = [n for n, v in results.items() if isinstance(v, dict) and "error" in v]
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if failed or OUT_OF_TIME in results["skipped"].values() else 0)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,19 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert any(line.startswith("a state dict on cpu in a fresh process: lease ") for line in figures["summary"])
     for log in ("tests.log", "tests.xml", "bench.log", "environment.txt"):
         assert (out / log).exists(), log
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
+def test_gpu_check_out_of_time_still_reports_what_ran_out(tmp_path):
+    """A lent machine stops a command at 10 minutes: past --budget the check stops its tests and
+    benchmarks and still writes its report, failing and saying what did not finish."""
+    out = tmp_path / "out"
+    done = subprocess.run([ROOT / "scripts" / "gpu-check", "--no-setup", "--forwards", "1", "--budget", "1",
+                           "--workdir", tmp_path / "work", out], capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert report.startswith("# vramd GPU check: FAILED"), report
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["skipped"]["resident"] == "out of the GPU check's time budget (--deadline)", figures["skipped"]
+    assert "- FAILED: the CUDA tests ran out of their 1 s (--budget 1)" in report, report
+    assert "- skipped daemon: out of the GPU check's time budget (--deadline)" in report, report
