@@ -3,11 +3,11 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
-#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <map>
 
+#include "config/daemon_config.hpp"
 #include "convert/expr.hpp"
 #include "dist/commands.hpp"
 #include "dist/group.hpp"
@@ -132,11 +132,12 @@ std::string Runtime::forward(std::string_view safetensors) {
 }
 
 weights::Manifest Runtime::lease(const std::string& device) {
-  const bool cuda = device.size() > 5 && device.starts_with("cuda:") && device.size() <= 8 &&
-                    std::all_of(device.begin() + 5, device.end(), [](char c) { return c >= '0' && c <= '9'; });
-  if (device != "cpu" && !cuda) throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
+  // Spelled as the manifest and the leases list will spell it: "cuda" is not taken for "cuda:0".
+  const auto parsed = config::Device::parse(device);
+  if (!parsed || parsed->is_disk() || parsed->str() != device)
+    throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
   if (impl_->offloaded) onload();
-  auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name, device);
+  auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name, *parsed);
   impl_->check_mappings();
   return manifest;
 }

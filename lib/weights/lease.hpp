@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "config/daemon_config.hpp"
 #include "util/cuda_vmm.hpp"
 #include "util/error.hpp"
 #include "weights/shared_region.hpp"
@@ -57,11 +58,11 @@ class LeaseMemory {
   // one new region (sealed, on the host; on `device` when that is a GPU): the model then computes
   // from it too. Describes them all. Runs where the model's jobs run (they must not overlap).
   // Throws NotLeasable for a model whose weights are streamed, partitioned or not on `device`
-  // ("cpu" or "cuda:N").
-  Manifest share(model::LoadedModel& loaded, const std::string& name, const std::string& device);
+  // (the host or a CUDA device).
+  Manifest share(model::LoadedModel& loaded, const std::string& name, const config::Device& device);
 
  private:
-  Manifest share_cuda(model::LoadedModel& loaded, const std::string& name, const std::string& device);
+  Manifest share_cuda(model::LoadedModel& loaded, const std::string& name, const config::Device& device);
   std::vector<std::weak_ptr<SharedRegion>> regions_;
   std::vector<std::weak_ptr<cuda::VmmRegion>> cuda_regions_;
 };

@@ -70,9 +70,9 @@ void describe(const model::LoadedModel& loaded, const std::string& name, Manifes
 
 }  // namespace
 
-Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name, const std::string& device) {
-  loaded.weights->check_leasable(name, device);
-  if (device != "cpu") return share_cuda(loaded, name, device);
+Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name, const config::Device& device) {
+  loaded.weights->check_leasable(name, device.str());
+  if (!device.is_cpu()) return share_cuda(loaded, name, device);
   const auto& map = loaded.source->map;
   std::vector<std::shared_ptr<SharedRegion>> regions;
   for (const auto& weak : regions_)
@@ -135,8 +135,7 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name,
   return manifest;
 }
 
-Manifest LeaseMemory::share_cuda(model::LoadedModel& loaded, const std::string& name, const std::string& device) {
-  const int ordinal = std::stoi(device.substr(device.find(':') + 1));  // check_leasable saw the weights there
+Manifest LeaseMemory::share_cuda(model::LoadedModel& loaded, const std::string& name, const config::Device& device) {
   std::vector<std::shared_ptr<cuda::VmmRegion>> regions;
   for (const auto& weak : cuda_regions_)
     if (auto region = weak.lock()) regions.push_back(std::move(region));
@@ -153,9 +152,9 @@ Manifest LeaseMemory::share_cuda(model::LoadedModel& loaded, const std::string& 
   if (!to_pack.empty()) {
     std::shared_ptr<cuda::VmmRegion> region;
     try {
-      region = cuda::VmmRegion::create(ordinal, pack_bytes);
+      region = cuda::VmmRegion::create(device.index, pack_bytes);
     } catch (const Error& e) {
-      throw NotLeasable("model " + quote(name) + ": cannot share its weights on " + device + ": " + e.what());
+      throw NotLeasable("model " + quote(name) + ": cannot share its weights on " + device.str() + ": " + e.what());
     }
     uint64_t at = 0;
     for (auto* p : to_pack) {
@@ -168,14 +167,14 @@ Manifest LeaseMemory::share_cuda(model::LoadedModel& loaded, const std::string& 
       at += align_up(p->value.nbytes());
       p->value = std::move(placed);
     }
-    at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(ordinal));  // in place before a client reads
+    at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(device.index));  // in place before a client reads
     at::accelerator::emptyCache();  // the weights' former memory back to the driver
     regions.push_back(region);
     cuda_regions_.push_back(region);
   }
 
   Manifest manifest;
-  manifest.device = device;
+  manifest.device = device.str();
   std::map<size_t, size_t> index;  // regions[i] -> its index in manifest.regions
   describe(loaded, name, manifest, [&](const at::Tensor& value) -> std::optional<Placement> {
     const auto place = locate(value);
