@@ -81,21 +81,18 @@ def served(tmp_path_factory):
         yield {"daemon": d, "sock": str(d.sock), "minilm": minilm, "nano": nano_state, "unet": unet}
 
 
-def client_process(served, body):
-    """A Python process that leases and then runs `body` (with `c`, `lease`, `sd` and `print`)."""
-    code = textwrap.dedent("""\
+def run_client(served, name, body, device="cpu", prelude="", **kwargs):
+    """A Python process that runs `prelude`, leases `name` on `device` and then runs `body` (with
+    `c`, `lease`, `sd` and `print`)."""
+    code = textwrap.dedent(f"""\
         import os, sys, time, torch
-        sys.path.insert(0, {python!r})
+        sys.path.insert(0, {str(ROOT / "python")!r})
         import vramd
-        c = vramd.connect({sock!r})
-        lease = c.lease({name!r})
+        """) + textwrap.dedent(prelude) + textwrap.dedent(f"""\
+        c = vramd.connect({served["sock"]!r})
+        lease = c.lease({name!r}, device={device!r})
         sd = lease.__enter__()
-        """).format(python=str(ROOT / "python"), sock=served["sock"], name="{name}") + textwrap.dedent(body)
-    return code
-
-
-def run_client(served, name, body, **kwargs):
-    code = client_process(served, body).replace("{name}", name)
+        """) + textwrap.dedent(body)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **kwargs)
 

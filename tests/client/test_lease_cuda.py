@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from daemon_support import ROOT, Daemon, model, request, vramctl, wait_for  # noqa: E402
+import test_lease  # noqa: E402
 from test_lease import nanogpt_checkpoint, nanogpt_config  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "python"))
@@ -56,18 +56,11 @@ def served(tmp_path_factory):
 
 
 def run_client(served, name, body, **kwargs):
-    """A Python process that leases `name` on cuda:0, then runs `body` (with `lease`, `sd`)."""
-    code = textwrap.dedent(f"""\
-        import os, sys, time, torch
-        sys.path.insert(0, {str(ROOT / 'python')!r})
-        import vramd
+    """test_lease's client process, leasing `name` on cuda:0 with `free_before` measured first."""
+    return test_lease.run_client(served, name, body, device="cuda:0", prelude="""\
         torch.cuda.init(); torch.zeros(1, device="cuda:0")  # the context exists before measuring
         free_before = torch.cuda.mem_get_info(0)[0]
-        lease = vramd.connect({served['sock']!r}).lease({name!r}, device="cuda:0")
-        sd = lease.__enter__()
-        """) + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **kwargs)
+        """, **kwargs)
 
 
 def test_leased_gpu_tensors_are_the_checkpoint_bit_for_bit(served):
