@@ -2,8 +2,8 @@
 #
 # We import the shared libraries directly instead of calling find_package(Torch): TorchConfig
 # insists on a CUDA toolkit matching the wheel's, and we compile no CUDA sources of our own.
-# libtorch_cuda is linked (without --as-needed) when the wheel has it, so that CUDA kernels
-# register themselves and CUDA devices work at run time wherever a GPU is present.
+# libtorch_cuda is not linked: util/torch_cuda.cpp opens it at start where a CUDA driver is, so
+# that a process without a GPU does not carry cuBLAS, cuFFT and NVRTC (about 250 MiB).
 #
 # TORCH_CMAKE_PREFIX is torch.utils.cmake_prefix_path (scripts/setup passes it).
 if(NOT TORCH_CMAKE_PREFIX)
@@ -23,9 +23,8 @@ target_compile_definitions(vramd_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=1)
 set(_torch_libs "${TORCH_LIB_DIR}/libtorch_cpu.so" "${TORCH_LIB_DIR}/libc10.so")
 if(EXISTS "${TORCH_LIB_DIR}/libtorch_cuda.so")
   set(VRAMD_TORCH_HAS_CUDA ON)
-  list(APPEND _torch_libs "${TORCH_LIB_DIR}/libtorch_cuda.so" "${TORCH_LIB_DIR}/libc10_cuda.so")
 endif()
 target_link_libraries(vramd_torch INTERFACE
   "-Wl,--no-as-needed" ${_torch_libs} "-Wl,--as-needed"
   "-Wl,-rpath,${TORCH_LIB_DIR}" "-Wl,--allow-shlib-undefined")
-message(STATUS "LibTorch: ${TORCH_ROOT} (CUDA libraries: ${VRAMD_TORCH_HAS_CUDA})")
+message(STATUS "LibTorch: ${TORCH_ROOT} (CUDA libraries, opened at run time where a driver is: ${VRAMD_TORCH_HAS_CUDA})")

@@ -14,6 +14,7 @@
 #include "cli/run.hpp"
 #include "dist/launch.hpp"
 #include "util/error.hpp"
+#include "util/torch_cuda.hpp"
 
 namespace {
 
@@ -141,6 +142,7 @@ int main(int argc, char** argv) {
     if (convert_cmd->parsed()) vramd::cli::convert(convert, std::cout, std::cerr);
     if (plan_cmd->parsed()) vramd::cli::plan(plan, std::cout, std::cerr);
     if (run_cmd->parsed()) {
+      vramd::torch_cuda::load();  // only the command that may compute on a GPU pays for LibTorch's CUDA half
       if (ranks == 1 || std::getenv("WORLD_SIZE")) {
         vramd::cli::run(run, std::cout, std::cerr);
         return 0;

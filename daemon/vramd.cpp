@@ -18,6 +18,7 @@
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
+#include "util/torch_cuda.hpp"
 
 namespace fs = std::filesystem;
 
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
     auto config = vramd::config::load_daemon_config(config_path);
     if (!socket.empty()) config.socket = fs::absolute(socket).string();
     if (check_only) return check(config);
+    vramd::torch_cuda::load();  // before any LibTorch call and any thread
     // A group for models with [partition]: from torchrun's variables, else [group] world_size
     // ranks started here, which are started again when they exit. Rank 0 serves; the others do
     // what it sends them.

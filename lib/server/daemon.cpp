@@ -19,6 +19,7 @@
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
+#include "util/torch_cuda.hpp"
 #include "util/utf8.hpp"
 
 namespace vramd::server {
@@ -43,6 +44,8 @@ class Daemon {
     registry_.start();  // clients are accepted once the loop runs, after every config is known
     log::info("vramd " + std::string(VRAMD_VERSION) + " serving on " + config_.socket + (activated ? " (from systemd)" : "") +
               (config_.tcp.empty() ? "" : " and tcp " + config_.tcp) + " (pid " + std::to_string(::getpid()) + ")");
+    const std::string& no_cuda = torch_cuda::missing();
+    log::info(no_cuda.empty() ? "CUDA devices can be used" : "models compute on the CPU only: " + no_cuda);
     for (auto* signal : {&sigterm_, &sigint_}) {
       uv_signal_init(loop, signal);
       signal->data = this;

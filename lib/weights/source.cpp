@@ -15,6 +15,7 @@
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/torch_cuda.hpp"
 
 namespace vramd::weights {
 
@@ -114,6 +115,7 @@ void Source::read_into(std::span<const Assignment* const> parts, std::span<at::T
 c10::Device torch_device(const config::Device& device) {
   if (device.is_disk()) throw Error("weights on disk are on no device");
   if (device.is_cpu()) return c10::Device(c10::kCPU);
+  if (const auto& why = torch_cuda::missing(); !why.empty()) throw Error(device.str() + ": " + why);
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
 }
 

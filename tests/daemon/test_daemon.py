@@ -1,6 +1,7 @@
 """vramd as users run it: the real daemon on a temporary folder, driven through its real socket
 with vramctl, curl and raw bytes. Outputs are checked against transformers' own (the fixture
 models of tests/parity) and against `vramctl run`."""
+import ctypes
 import json
 import os
 import shutil
@@ -44,6 +45,14 @@ def daemon(tmp_path, checkpoints):
     add_model(d, "minilm", checkpoints["minilm"])
     with d.start():
         yield d
+
+
+def cuda_driver():
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 def forward(sock, name, inputs, query=""):
@@ -155,6 +164,7 @@ def test_bad_requests_get_clear_errors_and_harm_nothing(tmp_path, checkpoints):
                               'request_timeout = "1s"\nmax_connections = 8\nqueue_length = 2')
     add_model(d, "minilm", checkpoints["minilm"])
     (d.models / "broken.toml").write_text('checkpoint = "/nonexistent/model.safetensors"\nofload = 1\n')
+    add_model(d, "gpu", checkpoints["minilm"], '[vram]\ncomputation = { device = "cuda:0" }')
     with d.start():
         s = d.sock
         assert raw(s, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400 ")
@@ -188,6 +198,12 @@ def test_bad_requests_get_clear_errors_and_harm_nothing(tmp_path, checkpoints):
         status, body = request(s, "POST", "/v1/models/broken/load")
         assert status == 409 and b"broken.toml:2:1: unknown key 'ofload'" in body
         assert "ofload" in model(s, "broken")["reason"] and model(s, "broken")["state"] == "invalid"
+        if not cuda_driver():
+            # Without a GPU the daemon never opens LibTorch's CUDA half (cuBLAS, cuFFT, NVRTC: about
+            # 250 MiB), and a model that computes on one is refused saying why.
+            assert "/libtorch_cuda.so" not in Path(f"/proc/{d.process.pid}/maps").read_text()
+            status, body = request(s, "POST", "/v1/models/gpu/load")
+            assert status == 500 and b"cuda:0: no CUDA driver here (libcuda.so.1" in body, body
 
         # Connections over the limit are refused; those within it still work.
         held = [socket.socket(socket.AF_UNIX) for _ in range(8)]
