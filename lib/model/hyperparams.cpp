@@ -6,6 +6,7 @@
 
 #include "config/model_config.hpp"
 #include "model/gguf_config.hpp"
+#include "model/meta_params.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/file.hpp"
@@ -100,9 +101,18 @@ Hyperparams Hyperparams::for_checkpoint(const std::string& folder, const std::st
 
 Hyperparams Hyperparams::for_model(const config::ModelConfig& config, const storage::DiskMap& map) {
   const auto& first = map.files()[0];
-  const bool gguf = first.format == storage::FileFormat::Gguf;
-  return for_checkpoint(fs::path(first.path).parent_path().string(), config.arch_json, config.path,
-                        gguf ? gguf_config_json(map) : "", "the GGUF metadata of " + first.path);
+  const fs::path folder = fs::path(first.path).parent_path();
+  if (first.format == storage::FileFormat::Gguf)
+    return for_checkpoint(folder.string(), config.arch_json, config.path, gguf_config_json(map),
+                          "the GGUF metadata of " + first.path);
+  // Meta's own folders have params.json where Hugging Face's have config.json.
+  if (const fs::path params = folder / "params.json"; !present(folder / "config.json") && present(params)) {
+    const bool rope_scaling = parse_object(config.arch_json, config.path + " [arch]").contains("rope_scaling");
+    return for_checkpoint(folder.string(), config.arch_json, config.path,
+                          meta_params_json(read_json_file(params), params.string(), map, rope_scaling),
+                          params.string());
+  }
+  return for_checkpoint(folder.string(), config.arch_json, config.path, "", "");
 }
 
 namespace {

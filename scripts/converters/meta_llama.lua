@@ -13,11 +13,11 @@
 -- Besides the renames, q and k are permuted: Meta's rotary embedding rotates interleaved pairs
 -- of each head's dimensions (0 with 1, 2 with 3, ...), Hugging Face's rotates halves (0 with
 -- d/2, ...), so each head's rows are reordered from interleaved to halves. The number of heads
--- comes from the model config's [arch] table (n_heads, or num_attention_heads); the number of
--- key/value heads follows from wk's shape.
+-- comes from the folder's params.json (n_heads, read as num_attention_heads) or the model
+-- config's [arch] table; the number of key/value heads follows from wk's shape.
 
 local heads = arch.n_heads or arch.num_attention_heads
-assert(heads, "set n_heads (or num_attention_heads) in the model config's [arch] table")
+assert(heads, "no n_heads in params.json: set n_heads (or num_attention_heads) in the model config's [arch] table")
 
 local rows, columns, whole = 0, 1, "whole"
 -- Meta's name within a layer -> Hugging Face's, and the dimension its slices join along.

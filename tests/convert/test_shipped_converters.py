@@ -284,6 +284,69 @@ def test_meta_llama_in_several_files_is_what_transformers_converts_and_computes(
     assert ((got - logits).abs().max() / logits.abs().max()).item() <= 1e-5
 
 
+def test_meta_llama_with_its_params_json_needs_no_arch(tmp_path):
+    """Meta's folder as Meta ships it: params.json gives the hyperparameters, read by the rules of
+    transformers' conversion script (the MLP's width from dim, multiple_of and
+    ffn_dim_multiplier; vocab_size -1 counted from output.weight); the logits are transformers'."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    dim, heads, kv_heads, layers, vocab, multiple_of, multiplier = 64, 8, 4, 2, 48, 32, 1.3
+    hidden = multiple_of * ((int(multiplier * int(8 * dim / 3)) + multiple_of - 1) // multiple_of)
+    files = meta_split(meta_checkpoint(dim, heads, kv_heads, layers, hidden, vocab), 2, 0)
+    folder = tmp_path / "llama-meta"
+    folder.mkdir()
+    for rank, tensors in enumerate(files):
+        torch.save(tensors, folder / f"consolidated.{rank:02d}.pth")
+    params = {"dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv_heads, "vocab_size": -1,
+              "multiple_of": multiple_of, "ffn_dim_multiplier": multiplier, "norm_eps": 1e-5,
+              "rope_theta": 500000.0, "max_seq_len": 128}
+    expected = transformers_conversion(files, heads, kv_heads, 0)
+    ids = torch.tensor([[1, 7, 30, 2, 47, 11], [5, 5, 9, 40, 3, 0]])
+    save_file({"input_ids": ids}, tmp_path / "in.safetensors")
+    rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 4}
+
+    def run(params, arch=""):
+        (folder / "params.json").write_text(json.dumps(params))
+        config = tmp_path / "llama.toml"
+        config.write_text(f'checkpoint = "{folder}"\nconverter = "{CONVERTERS / "meta_llama.lua"}"\n{arch}')
+        return vramctl("run", config, "--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors")
+
+    def transformers_logits(**extra):
+        hf_config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
+                                             num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=kv_heads, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                             tie_word_embeddings=False, **extra)
+        model = transformers.LlamaForCausalLM(hf_config).eval()
+        model.load_state_dict(expected, strict=True)
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    def assert_close(got, logits):
+        assert ((got - logits).abs().max() / logits.abs().max()).item() <= 1e-5
+
+    result = run(params)
+    assert result.returncode == 0, result.stderr
+    plain = transformers_logits()
+    assert_close(load_file(tmp_path / "out.safetensors")["logits"], plain)
+
+    # Llama 3.1's scaled rope: params.json does not say the factor, so [arch] must.
+    result = run(params | {"use_scaled_rope": True})
+    assert result.returncode != 0
+    assert f"{folder}/params.json: use_scaled_rope is set" in result.stderr and "rope_scaling in [arch]" in result.stderr
+    arch = "[arch.rope_scaling]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in rope_scaling.items())
+    result = run(params | {"use_scaled_rope": True}, arch)
+    assert result.returncode == 0, result.stderr
+    scaled = transformers_logits(rope_scaling=rope_scaling, max_position_embeddings=128)
+    assert (scaled - plain).abs().max() > 1e-3  # the scaling changes this model's logits
+    assert_close(load_file(tmp_path / "out.safetensors")["logits"], scaled)
+
+    # A key vramd does not read may change the model: refused, naming it.
+    result = run(params | {"moe": {"num_experts": 8}})
+    assert result.returncode != 0
+    assert f"{folder}/params.json: the key 'moe' is not one vramd reads" in result.stderr
+
+
 def test_meta_shards_without_a_converter_are_refused_naming_the_way_to_join_them(tmp_path):
     files = meta_split(meta_checkpoint(16, 2, 2, 1, 24, 8), 2, 1)
     for rank, tensors in enumerate(files):
