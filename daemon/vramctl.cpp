@@ -1,9 +1,15 @@
-// vramctl: the client, and offline tools that need no daemon.
+// vramctl: the client, and offline tools that need no daemon. Built twice: vramctl, without
+// LibTorch, and vramctl-torch (VRAMCTL_TORCH), which vramctl executes for the commands that need
+// tensors (check, convert, plan, run).
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 
 #include "cli/check.hpp"
@@ -27,6 +33,18 @@ int report(const char* command, const std::exception& error) {
   std::cerr << "vramctl " << command << who << ": " << message << '\n';
   return 1;
 }
+
+#ifndef VRAMCTL_TORCH
+// The same command line, run by vramctl-torch from this executable's folder.
+[[noreturn]] void run_with_torch(char** argv) {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::string helper = (self.parent_path() / "vramctl-torch").string();
+  ::execv(helper.c_str(), argv);
+  throw vramd::Error("cannot start " + helper + " (" + std::strerror(errno) +
+                     "), which runs check, convert, plan and run: it is built beside vramctl");
+}
+#endif
 
 void add_daemon_config_option(CLI::App* command, std::string& path) {
   command->add_option("--daemon-config", path,
@@ -138,6 +156,9 @@ int main(int argc, char** argv) {
     for (auto* command : remote_cmds)
       if (command->parsed()) return vramd::cli::remote(command->get_name(), remote, std::cout, std::cerr);
     if (inspect_cmd->parsed()) vramd::cli::inspect(inspect, std::cout, std::cerr);
+#ifndef VRAMCTL_TORCH
+    if (check_cmd->parsed() || convert_cmd->parsed() || plan_cmd->parsed() || run_cmd->parsed()) run_with_torch(argv);
+#else
     if (check_cmd->parsed()) return vramd::cli::check(check, std::cout, std::cerr) ? 1 : 0;
     if (convert_cmd->parsed()) vramd::cli::convert(convert, std::cout, std::cerr);
     if (plan_cmd->parsed()) vramd::cli::plan(plan, std::cout, std::cerr);
@@ -157,6 +178,7 @@ int main(int argc, char** argv) {
       const auto failed = vramd::dist::wait_local_ranks(group);
       if (!failed.empty()) throw vramd::Error(failed.front());
     }
+#endif
   } catch (const std::exception& error) {
     return report(app.get_subcommands().front()->get_name().c_str(), error);
   }

@@ -36,7 +36,7 @@ echo "offline_build: $covered files of $(echo $hidden | wc -w) system packages c
 [ ! -s /usr/include/uv.h ] && [ ! -s /usr/include/nlohmann/json.hpp ] || { echo "offline_build: not covered" >&2; exit 1; }
 cd "$root"
 scripts/setup --offline "$pack"
-for exe in "$VRAMD_BUILD_DIR"/bin/vramd "$VRAMD_BUILD_DIR"/bin/vramctl; do
+for exe in "$VRAMD_BUILD_DIR"/bin/vramd "$VRAMD_BUILD_DIR"/bin/vramctl "$VRAMD_BUILD_DIR"/bin/vramctl-torch; do
   for lib in libluajit-5.1 libuv liburing libhttp_parser libsimdjson; do
     where="$(ldd "$exe" | awk -v lib="$lib" 'index($1, lib) == 1 {print $3}')"
     case "$where" in

@@ -103,3 +103,21 @@ def test_check_plans_streamed_weights_and_refuses_a_limit_below_the_largest_laye
         "raise it to at least that\n")
     doc = json.loads(vramctl("check", models / "fits.toml", "--json", "--daemon-config", tmp_path / "vramd.toml").stdout)
     assert doc["configs"][0]["plan"].startswith("1 of 1 layers resident")
+
+
+def test_vramctl_runs_tensor_commands_in_vramctl_torch_and_says_when_it_is_missing(tmp_path):
+    """vramctl links no LibTorch: check, convert, plan and run are executed by vramctl-torch from
+    its folder. Without it they fail saying so; the client commands still work."""
+    models = setup(tmp_path)
+    maps = subprocess.run(["ldd", VRAMCTL], capture_output=True, text=True, check=True).stdout
+    assert "libtorch" not in maps and "libc10" not in maps, maps
+    alone = tmp_path / "bin"
+    alone.mkdir()
+    (alone / "vramctl").write_bytes(open(VRAMCTL, "rb").read())
+    (alone / "vramctl").chmod(0o755)
+    result = subprocess.run([alone / "vramctl", "check", models / "good.toml"], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr == (f"vramctl check: cannot start {alone}/vramctl-torch (No such file or directory), "
+                             "which runs check, convert, plan and run: it is built beside vramctl\n")
+    result = subprocess.run([alone / "vramctl", "health", "--socket", tmp_path / "none.sock"], capture_output=True, text=True)
+    assert result.returncode != 0 and "none.sock" in result.stderr
