@@ -2,9 +2,10 @@
 
 #include "util/error.hpp"
 
+#include <dlfcn.h>
+
 #ifdef VRAMD_HAVE_CUDA_H
 #include <cuda.h>
-#include <dlfcn.h>
 #include <fcntl.h>
 
 #include <algorithm>
@@ -12,6 +13,15 @@
 #endif
 
 namespace vramd::cuda {
+
+void* open_driver() {
+  void* library = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!library) {
+    const char* why = ::dlerror();
+    throw Error(std::string("no CUDA driver here (") + (why ? why : "libcuda.so.1 not found") + ")");
+  }
+  return library;
+}
 
 #ifndef VRAMD_HAVE_CUDA_H
 
@@ -60,10 +70,11 @@ const Driver& driver() {
   static Driver d;
   static std::once_flag once;
   std::call_once(once, [] {
-    void* library = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!library) {
-      const char* why = ::dlerror();
-      d.missing = std::string("no CUDA driver here (libcuda.so.1: ") + (why ? why : "not found") + ")";
+    void* library = nullptr;
+    try {
+      library = open_driver();
+    } catch (const Error& e) {
+      d.missing = e.what();
       return;
     }
 #define VRAMD_LOOKUP(name)                                                                   \

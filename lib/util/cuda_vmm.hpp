@@ -54,4 +54,8 @@ class VmmRegion {
 // memory are refused here whatever the machine has.
 bool built_with_cuda_h();
 
+// The CUDA driver, libcuda.so.1, opened (not initialised). Throws Error("no CUDA driver here
+// (<why>)") where it cannot be opened.
+void* open_driver();
+
 }  // namespace vramd::cuda

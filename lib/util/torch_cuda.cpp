@@ -5,6 +5,7 @@
 
 #include <mutex>
 
+#include "util/cuda_vmm.hpp"
 #include "util/error.hpp"
 
 namespace vramd::torch_cuda {
@@ -37,11 +38,8 @@ void open_libraries() {
 
 void load() {
   std::call_once(loaded, [] {
-    if (!::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)) {
-      why_not = "no CUDA driver here (" + dl_error() + ")";
-      return;
-    }
     try {
+      cuda::open_driver();
       open_libraries();
       why_not.clear();
     } catch (const Error& e) {
