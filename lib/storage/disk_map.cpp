@@ -397,6 +397,13 @@ void DiskMap::read_ranges(std::span<const Range> ranges, const ReaderOptions& op
   storage::read_ranges(resolved, options);
 }
 
+void DiskMap::read_staged(std::span<const Staged> ranges, StagingPool& pool, const ReaderOptions& options) const {
+  std::vector<StagedRange> resolved;
+  resolved.reserve(ranges.size());
+  for (const auto& range : ranges) resolved.push_back({impl_->handles.at(range.file).get(), range.offset, range.size});
+  storage::read_staged(resolved, pool, options);
+}
+
 std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const TensorInfo& info) const {
   auto mapping = impl_->handles[info.file]->mapping();
   return {mapping.subspan(info.offset, info.nbytes), impl_};

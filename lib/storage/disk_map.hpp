@@ -94,6 +94,13 @@ class DiskMap {
     std::span<std::byte> dst;
   };
   void read_ranges(std::span<const Range> ranges, const ReaderOptions& options) const;
+  // Ranges of files() read through the pool's buffers: storage::read_staged.
+  struct Staged {
+    uint32_t file;
+    uint64_t offset;
+    uint64_t size;
+  };
+  void read_staged(std::span<const Staged> ranges, StagingPool& pool, const ReaderOptions& options) const;
   // The tensor's bytes in place, in a private mapping of its file, and an owner that keeps
   // them valid for as long as it lives.
   std::pair<std::span<std::byte>, std::shared_ptr<void>> bytes(const TensorInfo& info) const;

@@ -28,23 +28,25 @@ struct FreeAligned {
   void operator()(std::byte* p) const { std::free(p); }
 };
 
-// One request: `size` bytes of the file at `offset`, into `dst`, or into a bounce buffer of
-// its own when `out` is set, of which bytes [skip, skip + out_size) are then copied to `out`.
+// One request: `size` bytes of the file at `offset` into `dst`, of which the first `need` must
+// be read (past them lies only the padding of an aligned read at the end of the file). A
+// bounced piece reads into a buffer of its own instead, of which bytes [skip, skip + out_size)
+// are then copied to `out`.
 struct Piece {
+  Piece() = default;
   Piece(const File& file, int fd, bool direct, uint64_t offset, uint64_t size, std::byte* dst)
-      : file(&file), fd(fd), direct(direct), offset(offset), size(size), dst(dst) {}
+      : file(&file), fd(fd), direct(direct), offset(offset), size(size), need(size), dst(dst) {}
 
-  const File* file;
-  int fd;
-  bool direct;
-  uint64_t offset, size;
-  std::byte* dst;
+  const File* file = nullptr;
+  int fd = -1;
+  bool direct = false;
+  uint64_t offset = 0, size = 0, need = 0;
+  std::byte* dst = nullptr;
   std::byte* out = nullptr;
   uint64_t skip = 0, out_size = 0;
   uint64_t done = 0;  // bytes read so far
   std::unique_ptr<std::byte, FreeAligned> bounce;
 
-  uint64_t needed() const { return out ? skip + out_size : size; }  // past it lies only padding
   std::byte* target() const { return out ? bounce.get() : dst; }
 };
 
@@ -70,6 +72,7 @@ void plan(const ReadRange& range, const ReaderOptions& options, std::vector<Piec
       piece.skip = std::max(at, from) - at;
       piece.out = dst + (at + piece.skip - begin);
       piece.out_size = std::min(at + piece.size, to) - at - piece.skip;
+      piece.need = piece.skip + piece.out_size;
     }
   };
   if (begin == end) return;
@@ -89,7 +92,7 @@ bool advance(Piece& piece, uint64_t got) {
     throw ReadFailure(piece.file->path() + ": unexpected end of file at offset " +
                       std::to_string(piece.offset + piece.done) + " (was it cut short while in use?)");
   piece.done += got;
-  if (piece.done < piece.needed()) return false;
+  if (piece.done < piece.need) return false;
   if (piece.out) std::memcpy(piece.out, piece.bounce.get() + piece.skip, piece.out_size);
   piece.bounce.reset();
   return true;
@@ -100,7 +103,7 @@ bool advance(Piece& piece, uint64_t got) {
 void finish_buffered(Piece& piece) {
   const uint64_t from = std::max(piece.done, piece.skip);
   std::byte* out = piece.out ? piece.out + (from - piece.skip) : piece.dst + from;
-  const uint64_t to = piece.needed();
+  const uint64_t to = piece.need;
   if (to > from) piece.file->read({out, to - from}, piece.offset + from);
   piece.bounce.reset();
 }
@@ -133,26 +136,55 @@ void read_piece(Piece& piece) {
   }
 }
 
-void read_with_threads(std::vector<Piece>& pieces, unsigned threads) {
-  std::atomic<size_t> next{0};
+// What an engine reads: pieces handed out one at a time, each handed back once complete.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // The next piece to read, or null when none can start now. When `idle` the caller has nothing
+  // else to wait for (io_uring: nothing in flight; a thread: it holds no piece), so the work may
+  // block until a piece can start, and null means that nothing is left.
+  virtual Piece* next(bool idle) = 0;
+  virtual void complete(Piece& piece) = 0;  // may throw: the reads fail with that
+};
+
+// read_ranges' work: its pieces, in order.
+class PieceList final : public Work {
+ public:
+  explicit PieceList(std::vector<Piece>& pieces) : pieces_(pieces) {}
+  Piece* next(bool) override { return next_ < pieces_.size() ? &pieces_[next_++] : nullptr; }
+  void complete(Piece&) override {}
+
+ private:
+  std::vector<Piece>& pieces_;
+  size_t next_ = 0;
+};
+
+// Positioned reads on `threads` threads, the calling one among them. The work is asked and
+// told under one lock.
+void read_with_threads(Work& work, unsigned threads) {
+  std::mutex mutex;
   std::exception_ptr failure;
-  std::mutex failure_mutex;
   auto worker = [&] {
-    for (size_t i = next++; i < pieces.size(); i = next++) {
+    for (;;) {
+      Piece* piece = nullptr;
       try {
-        read_piece(pieces[i]);
+        {
+          std::lock_guard lock(mutex);
+          if (failure || !(piece = work.next(true))) return;  // after a failure, start nothing more
+        }
+        read_piece(*piece);
+        std::lock_guard lock(mutex);
+        if (!failure) work.complete(*piece);  // after a failure, what lands is dropped
       } catch (...) {
-        std::lock_guard lock(failure_mutex);
+        std::lock_guard lock(mutex);
         if (!failure) failure = std::current_exception();
-        next = pieces.size();  // start nothing more; the reads of other threads finish first
       }
     }
   };
   std::vector<std::thread> pool;
-  threads = static_cast<unsigned>(std::min<size_t>(threads, pieces.size()));
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
-  for (auto& thread : pool) thread.join();
+  for (auto& thread : pool) thread.join();  // the reads of other threads finish first
   if (failure) std::rethrow_exception(failure);
 }
 
@@ -183,31 +215,35 @@ class Ring {
 };
 thread_local std::unique_ptr<Ring> Ring::current;
 
-void read_with_uring(std::vector<Piece>& pieces, Ring& ring, unsigned depth) {
-  std::vector<size_t> queue;  // pieces to (re)submit, last first
-  for (size_t i = pieces.size(); i-- > 0;) queue.push_back(i);
-  std::optional<ReadFailure> failure;
+void read_with_uring(Work& work, Ring& ring, unsigned depth) {
+  std::vector<Piece*> again;  // pieces to read on from where they stopped
+  std::exception_ptr failure;
   unsigned in_flight = 0;
-  auto failed = [&](const std::exception& error) {
-    if (!failure) failure.emplace(error.what());
+  auto failed = [&] {
+    if (!failure) failure = std::current_exception();
   };
-  while (in_flight > 0 || (!failure && !queue.empty())) {
-    while (!failure && !queue.empty() && in_flight < depth) {
-      Piece& piece = pieces[queue.back()];
+  for (;;) {
+    while (!failure && in_flight < depth) {
+      Piece* piece = nullptr;
       try {
-        allocate_bounce(piece);
-      } catch (const ReadFailure& error) {
-        failed(error);
+        if (again.empty()) piece = work.next(in_flight == 0);
+        else piece = again.back(), again.pop_back();
+        if (piece) allocate_bounce(*piece);
+      } catch (...) {
+        failed();
+      }
+      if (!piece || failure) break;
+      io_uring_sqe* sqe = io_uring_get_sqe(ring.get());
+      if (!sqe) {
+        again.push_back(piece);
         break;
       }
-      io_uring_sqe* sqe = io_uring_get_sqe(ring.get());
-      if (!sqe) break;
-      io_uring_prep_read(sqe, piece.fd, piece.target() + piece.done, static_cast<unsigned>(piece.size - piece.done),
-                         piece.offset + piece.done);
-      io_uring_sqe_set_data64(sqe, queue.back());
-      queue.pop_back();
+      io_uring_prep_read(sqe, piece->fd, piece->target() + piece->done, static_cast<unsigned>(piece->size - piece->done),
+                         piece->offset + piece->done);
+      io_uring_sqe_set_data(sqe, piece);
       ++in_flight;
     }
+    if (in_flight == 0) break;
     const int submitted = io_uring_submit_and_wait(ring.get(), 1);
     if (submitted < 0 && submitted != -EINTR && submitted != -EAGAIN && submitted != -EBUSY) {
       // The ring refuses work: wait for what the kernel has, then drop the ring with the rest.
@@ -223,17 +259,111 @@ void read_with_uring(std::vector<Piece>& pieces, Ring& ring, unsigned depth) {
     io_uring_for_each_cqe(ring.get(), head, cqe) {
       ++seen;
       --in_flight;
-      const size_t index = io_uring_cqe_get_data64(cqe);
-      const int res = cqe->res;
+      Piece& piece = *static_cast<Piece*>(io_uring_cqe_get_data(cqe));
       try {
-        if (!settle(pieces[index], res)) queue.push_back(index);
-      } catch (const ReadFailure& error) {
-        failed(error);
+        if (!settle(piece, cqe->res)) again.push_back(&piece);
+        else if (!failure) work.complete(piece);  // after a failure, what lands is dropped
+      } catch (...) {
+        failed();
       }
     }
     io_uring_cq_advance(ring.get(), seen);
   }
-  if (failure) throw *failure;
+  if (failure) std::rethrow_exception(failure);
+}
+
+// read_staged's work: each range in chunks that each fill at most one buffer, read into
+// whichever buffer is free. Chunks begin at multiples of the buffer size from the range's first
+// aligned offset, so that a direct read of a chunk, padded to alignment, fits its buffer.
+class StagedWork final : public Work {
+ public:
+  StagedWork(std::span<const StagedRange> ranges, StagingPool& pool, bool direct)
+      : ranges_(ranges), pool_(pool), direct_(direct), chunk_(pool.buffer(0).size()), buffers_(pool.count()),
+        pieces_(pool.count()) {
+    skip_empty();
+  }
+
+  bool finished() const { return range_ == ranges_.size(); }
+
+  Piece* next(bool idle) override {
+    if (finished()) return nullptr;
+    std::optional<unsigned> pick;
+    for (unsigned i = 0; i < buffers_.size() && !pick; ++i)
+      if (buffers_[i].state == State::Free || (buffers_[i].state == State::Taken && pool_.done(i))) pick = i;
+    if (!pick && idle) {  // every buffer's copy is queued: wait for the oldest
+      for (unsigned i = 0; i < buffers_.size(); ++i)
+        if (buffers_[i].state == State::Taken && (!pick || buffers_[i].taken < buffers_[*pick].taken)) pick = i;
+      if (pick) pool_.wait(*pick);
+    }
+    if (!pick) return nullptr;
+    return &start(*pick);
+  }
+
+  void complete(Piece& piece) override {
+    const auto i = static_cast<unsigned>(&piece - pieces_.data());
+    Buffer& buffer = buffers_[i];
+    buffer.state = State::Taken;
+    buffer.taken = ++taken_;
+    pool_.take({buffer.range, buffer.at, {pool_.buffer(i).data() + buffer.skip, buffer.size}, i});
+  }
+
+ private:
+  enum class State { Free, Reading, Taken };
+  struct Buffer {
+    State state = State::Free;
+    uint64_t taken = 0;  // when its chunk was taken, in takes
+    size_t range = 0;
+    uint64_t at = 0, skip = 0, size = 0;  // the chunk: bytes [at, at + size) of the range, `skip` into the buffer
+  };
+
+  void skip_empty() {
+    while (range_ < ranges_.size() && ranges_[range_].size == 0) ++range_;
+    if (range_ < ranges_.size()) window_ = File::align_down(ranges_[range_].offset);
+  }
+
+  // Piece i reading the next chunk into buffer i.
+  Piece& start(unsigned i) {
+    const StagedRange& range = ranges_[range_];
+    const uint64_t end = range.offset + range.size;
+    const uint64_t begin = std::max(window_, range.offset), stop = std::min(end, window_ + chunk_);
+    std::byte* const memory = pool_.buffer(i).data();
+    const int direct_fd = direct_ ? range.file->direct_fd() : -1;
+    Piece& piece = pieces_[i];
+    if (direct_fd >= 0) {
+      piece = Piece(*range.file, direct_fd, true, window_, File::align_up(stop) - window_, memory);
+      piece.need = stop - window_;
+    } else {
+      piece = Piece(*range.file, range.file->fd(), false, begin, stop - begin, memory + (begin - window_));
+    }
+    buffers_[i] = {State::Reading, 0, range_, begin - range.offset, begin - window_, stop - begin};
+    window_ += chunk_;
+    if (window_ >= end) {
+      ++range_;
+      skip_empty();
+    }
+    return piece;
+  }
+
+  std::span<const StagedRange> ranges_;
+  StagingPool& pool_;
+  bool direct_;
+  uint64_t chunk_;
+  std::vector<Buffer> buffers_;
+  std::vector<Piece> pieces_;  // piece i reads into buffer i
+  size_t range_ = 0;           // the range whose chunk is next
+  uint64_t window_ = 0;        // where in its file the next chunk's buffer begins
+  uint64_t taken_ = 0;
+};
+
+// Reads the work with the engine the options ask for, at most `depth` reads in flight.
+void run(Work& work, bool direct, unsigned depth, ReaderOptions::Engine engine) {
+  using Engine = ReaderOptions::Engine;
+  const bool uring = engine == Engine::Uring || (engine == Engine::Auto && direct);
+  if (uring && io_uring_available())
+    if (Ring* ring = Ring::get(depth)) return read_with_uring(work, *ring, depth);
+  if (engine == Engine::Uring) throw ReadFailure("io_uring is not available to this process");
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  read_with_threads(work, direct ? std::min(depth, 8u) : std::min(depth, cores));
 }
 
 }  // namespace
@@ -252,15 +382,24 @@ void read_ranges(std::span<const ReadRange> ranges, const ReaderOptions& options
   std::vector<Piece> pieces;
   for (const auto& range : ranges) plan(range, options, pieces);
   if (pieces.empty()) return;
-  const unsigned depth = std::max(1u, options.depth);
   const bool any_direct = std::any_of(pieces.begin(), pieces.end(), [](const Piece& p) { return p.direct; });
-  using Engine = ReaderOptions::Engine;
-  const bool uring = options.engine == Engine::Uring || (options.engine == Engine::Auto && any_direct);
-  if (uring && io_uring_available())
-    if (Ring* ring = Ring::get(depth)) return read_with_uring(pieces, *ring, depth);
-  if (options.engine == Engine::Uring) throw ReadFailure("io_uring is not available to this process");
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  read_with_threads(pieces, any_direct ? std::min(depth, 8u) : std::min(depth, cores));
+  const auto depth = static_cast<unsigned>(std::min<size_t>(std::max(1u, options.depth), pieces.size()));
+  PieceList work(pieces);
+  run(work, any_direct, depth, options.engine);
+}
+
+void read_staged(std::span<const StagedRange> ranges, StagingPool& pool, const ReaderOptions& options) {
+  if (pool.count() == 0) throw Error("a staged read needs at least one buffer");
+  const uint64_t chunk = pool.buffer(0).size();
+  for (unsigned i = 0; i < pool.count(); ++i) {
+    const auto buffer = pool.buffer(i);
+    if (buffer.size() != chunk || chunk == 0 || chunk % kAlign || reinterpret_cast<uintptr_t>(buffer.data()) % kAlign)
+      throw Error("staging buffer " + std::to_string(i) + " is not " + std::to_string(chunk) + " bytes aligned to " +
+                  std::to_string(kAlign));
+  }
+  StagedWork work(ranges, pool, options.direct);
+  if (work.finished()) return;
+  run(work, options.direct, std::min(std::max(1u, options.depth), pool.count()), options.engine);
 }
 
 }  // namespace vramd::storage

@@ -36,6 +36,47 @@ struct ReaderOptions {
 // and ranges that do not agree, go through small aligned bounce buffers.
 void read_ranges(std::span<const ReadRange> ranges, const ReaderOptions& options = {});
 
+// A range read through staging buffers rather than into memory of the caller's own: its bytes
+// land, a chunk at a time, in buffers the caller lends (pinned host memory that a device copies
+// from), and the caller takes each chunk away as soon as it has landed.
+struct StagedRange {
+  const File* file;
+  uint64_t offset;  // in the file
+  uint64_t size;
+};
+
+// A chunk of a StagedRange that has landed: `bytes` of the range from `at` on, in buffer `buffer`.
+struct LandedChunk {
+  size_t range;  // index in the ranges read
+  uint64_t at;
+  std::span<const std::byte> bytes;
+  unsigned buffer;
+};
+
+// The buffers a staged read lends, and what becomes of a chunk once it has landed.
+class StagingPool {
+ public:
+  virtual ~StagingPool() = default;
+  // How many buffers there are, and buffer i: its address aligned to File::kDirectAlignment,
+  // its size a multiple of it, the same on every call.
+  virtual unsigned count() const = 0;
+  virtual std::span<std::byte> buffer(unsigned i) = 0;
+  // Takes a chunk that has landed: typically queues its copy out of the buffer. Until done(i)
+  // says that copy is over (or wait(i) returns) nothing is read into that buffer again.
+  virtual void take(const LandedChunk& chunk) = 0;
+  virtual bool done(unsigned i) = 0;
+  virtual void wait(unsigned i) = 0;
+};
+
+// Reads every range through the pool's buffers in chunks of at most a buffer's size, with up
+// to options.depth reads in flight (no more than the pool has buffers), handing each chunk to
+// pool.take as soon as it has landed, in no set order. take is called from one thread at a
+// time (with the threads engine, not always the calling one). Throws as read_ranges does, and
+// rethrows what take throws, in both cases only after every read in flight has finished: no
+// buffer is written once this returns. After a failure no chunk is taken; those taken before
+// stay taken (their copies are the pool's to wait for).
+void read_staged(std::span<const StagedRange> ranges, StagingPool& pool, const ReaderOptions& options = {});
+
 // Whether io_uring can be used by this process (tried once).
 bool io_uring_available();
 
