@@ -18,6 +18,7 @@ void to_json(nlohmann::json& out, const VramStats& v) {
          {"held", v.held},
          {"staging", v.staging},
          {"peak", v.peak},
+         {"host_staging", v.host_staging},
          {"loads", v.loads},
          {"prefetched", v.prefetched},
          {"bytes_streamed", v.bytes_streamed},

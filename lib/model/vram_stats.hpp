@@ -22,6 +22,7 @@ struct VramStats {
   uint64_t held = 0;             // bytes on the computation device now (all of the below)
   uint64_t staging = 0;          // of those, buffers kept for reuse by the next streamed layers
   uint64_t peak = 0;             // most bytes on the computation device at any moment
+  uint64_t host_staging = 0;     // pinned host memory that reads from disk to a GPU go through
   uint64_t bytes_streamed = 0;   // brought in since load
   uint64_t bytes_mapped = 0;     // of those, mapped from the page cache instead of copied (CPU)
   uint64_t bytes_packed = 0;     // of those, GGUF blocks brought in packed

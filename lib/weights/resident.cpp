@@ -1,9 +1,14 @@
 #include "weights/resident.hpp"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <optional>
+#include <utility>
 
 #include "convert/expr.hpp"
 #include "model/loader.hpp"
+#include "storage/device_staging.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
@@ -27,22 +32,20 @@ std::vector<at::Tensor> ResidentWeights::acquire(const model::Layer& layer) { re
 
 void ResidentWeights::release(const model::Layer&) {}
 
-// Every assigned weight, one tensor at a time in checkpoint order, straight into `device` and
-// `dtype`. Returns the bytes read.
+// Every assigned weight, in checkpoint order, straight into `device` and `dtype`. Returns the
+// bytes read. On a GPU, the weights the checkpoint holds as they are computed are read in
+// groups through pinned staging buffers with many reads in flight (storage::DeviceStaging),
+// the rest one at a time through host memory; progress is told as each group is on the device.
 uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options,
                                    size_t* zero_copy) {
+  constexpr uint64_t kGroupBytes = 512u << 20;
   model::Progress progress;
   progress.tensors_total = source_->assignments.size();
   for (const auto& a : source_->assignments) progress.bytes_total += a.parameter->elements() * c10::elementSize(dtype);
   const bool views = zero_copy_ && device.is_cpu() && !source_->direct;  // views are read through the page cache
   const auto& map = source_->map;
-  for (const auto& a : source_->assignments) {
-    const at::Tensor value = source_->read(a, device, dtype, views);
-    if (zero_copy && views && a.expr->op == convert::Expr::Op::Source &&
-        value.const_data_ptr() == map.bytes(map.at(a.expr->source, a.expr->shard)).first.data())
-      ++*zero_copy;
-    a.parameter->value = value;
-    progress.bytes_done += value.nbytes();
+  auto done = [&](const Assignment& a) {
+    progress.bytes_done += a.parameter->value.nbytes();
     progress.tensors_done++;
     progress.tensor = a.parameter->name;
     const bool last = progress.tensors_done == progress.tensors_total;  // nothing left to cancel
@@ -51,7 +54,36 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
       throw model::Cancelled(source_->where + ": load cancelled after " + std::to_string(progress.tensors_done) + " of " +
                              std::to_string(progress.tensors_total) + " tensors");
     }
+  };
+  std::optional<storage::DeviceStaging> staging;
+  if (!device.is_cpu()) staging.emplace(device);
+  std::vector<storage::DeviceStaging::Target> group;
+  std::vector<const Assignment*> grouped;
+  uint64_t group_bytes = 0;
+  auto read_group = [&] {
+    if (group.empty()) return;
+    staging->read(map, group, source_->direct);
+    c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+    group.clear(), group_bytes = 0;
+    for (const Assignment* a : std::exchange(grouped, {})) done(*a);
+  };
+  for (const auto& a : source_->assignments) {
+    const storage::TensorInfo* info = staging ? source_->stored(a, dtype) : nullptr;
+    if (info && info->nbytes == a.parameter->elements() * c10::elementSize(dtype)) {
+      a.parameter->value = at::empty(a.parameter->shape, at::TensorOptions().device(device).dtype(dtype));
+      group.push_back({info->file, info->offset, a.parameter->value});
+      grouped.push_back(&a);
+      if ((group_bytes += info->nbytes) >= kGroupBytes) read_group();
+      continue;
+    }
+    const at::Tensor value = source_->read(a, device, dtype, views);
+    if (zero_copy && views && a.expr->op == convert::Expr::Op::Source &&
+        value.const_data_ptr() == map.bytes(map.at(a.expr->source, a.expr->shard)).first.data())
+      ++*zero_copy;
+    a.parameter->value = value;
+    done(a);
   }
+  read_group();
   return progress.bytes_done;
 }
 

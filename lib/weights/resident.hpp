@@ -13,9 +13,9 @@ namespace vramd::weights {
 
 class ResidentWeights final : public Weights {
  public:
-  // Reads every weight, one tensor at a time in checkpoint order, into the computation state,
-  // counting the views of the mapping in `zero_copy`. Throws model::Cancelled (leaving nothing
-  // allocated) when options.progress cancels.
+  // Reads every weight, in checkpoint order, into the computation state, counting the views of
+  // the mapping in `zero_copy`. Throws model::Cancelled (leaving nothing allocated) when
+  // options.progress cancels.
   ResidentWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
                   const model::LoadOptions& options, size_t& zero_copy);
   ~ResidentWeights() override;

@@ -3,7 +3,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/CachingDeviceAllocator.h>
-#include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -62,17 +61,6 @@ struct StreamedWeights::Slot {
   std::vector<at::Tensor> computed;  // the computation copy while the op runs
   std::vector<at::Tensor> held;      // copies in the onload (or, asleep, offload) state; empty: on disk
   size_t position = 0;               // in order_
-};
-
-// Two pinned host buffers of this size take turns: one is filled from the file while the
-// other's copy to the device runs.
-constexpr uint64_t kStagingChunk = 16u << 20;
-
-struct StreamedWeights::Staging {
-  explicit Staging(c10::DeviceType type) : copied{c10::Event(type), c10::Event(type)} {}
-  at::Tensor buffers[2];
-  c10::Event copied[2];  // recorded after the copy out of each buffer was queued
-  int turn = 0;          // the buffer to fill next
 };
 
 namespace {
@@ -137,6 +125,7 @@ StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> so
       dtype_(model.dtype()), prepared_dtype_(state_dtype(config.vram.preparing.dtype, model.dtype())),
       limit_(config.vram.limit.value_or(UINT64_MAX)), pool_(device_.is_cpu()),
       onload_packed_(packed_state(config.vram.onload, config)), offload_packed_(packed_state(config.vram.offload, config)) {
+  if (!device_.is_cpu()) staging_ = std::make_unique<storage::DeviceStaging>(device_);
   const bool packed = packed_state(config.vram.preparing, config);
   auto parts = layer_parts(model, *source_);
   for (size_t l = 0; l < model.layers().size(); ++l) {
@@ -187,15 +176,18 @@ uint64_t StreamedWeights::phase(const Slot& slot, size_t i) const {
 }
 
 // The slot's weights on the computation device as the preparing state holds them (slot.forms),
-// read into `buffers` where given (the rest freshly allocated). On the CPU the reads of all of
-// them are in flight together. On CUDA, reads go through pinned staging buffers and are copied
-// on the calling thread's current stream, then waited for. Weights held packed in the onload
-// state and unpacked when prepared are unpacked here, on the computation device.
+// read into `buffers` where given (the rest freshly allocated). The reads of all of them are in
+// flight together: on the CPU straight into the buffers, on CUDA through the pinned staging
+// buffers, each chunk copied on the calling thread's current stream as it lands, then waited
+// for. Weights stored otherwise (a converter's expression, another dtype) are read into host
+// memory and copied from there. Weights held packed in the onload state and unpacked when
+// prepared are unpacked here, on the computation device.
 std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<at::Tensor> buffers) const {
   buffers.resize(slot.parts.size());
   const auto parameters = slot.layer->parameters();
   std::vector<const Assignment*> reads;
   std::vector<at::Tensor> outs;
+  std::vector<storage::DeviceStaging::Target> staged;
   for (size_t i = 0; i < slot.parts.size(); ++i) {
     const Assignment* part = slot.parts[i];
     if (!part)
@@ -219,10 +211,16 @@ std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<a
       }
     } else {
       if (!out.defined()) out = fresh_buffer(held_shape(*part, form), form, device_);
-      stage(*part, out);
+      const storage::TensorInfo* info = source_->stored(*part, out.scalar_type());
+      if (info && info->nbytes == out.nbytes()) staged.push_back({info->file, info->offset, out});
+      else out.copy_(source_->read(*part, c10::kCPU, out.scalar_type(), false));
     }
   }
   source_->read_into(reads, outs);
+  if (!staged.empty()) {
+    std::lock_guard lock(staging_mutex_);
+    staging_->read(source_->map, staged, source_->direct);
+  }
   synchronise(device_);
   return buffers;
 }
@@ -238,35 +236,6 @@ at::Tensor StreamedWeights::mapped(const Slot& slot, size_t i) const {
   if (slot.resident || source_->direct) return {};
   const storage::TensorInfo* info = source_->stored(*slot.parts[i], slot.forms[i]);
   return info ? storage::map_tensor(source_->map, *info) : at::Tensor();
-}
-
-// `out`, on the device, from the checkpoint: a tensor stored in out's dtype is read a chunk at
-// a time into the staging buffers by turns, so that reading a chunk overlaps copying the one
-// before on the calling thread's stream. Anything else (a converter's expression, another
-// dtype) is read into host memory and copied from there.
-void StreamedWeights::stage(const Assignment& part, at::Tensor& out) const {
-  const storage::DiskMap& map = source_->map;
-  const storage::TensorInfo* info = source_->stored(part, out.scalar_type());
-  if (!info || info->nbytes != out.nbytes()) {
-    out.copy_(source_->read(part, c10::kCPU, out.scalar_type(), false));
-    return;
-  }
-  const auto stream = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
-  at::Tensor bytes = out.view({-1}).view(c10::kByte);
-  std::lock_guard lock(staging_mutex_);
-  if (!staging_) staging_ = std::make_unique<Staging>(device_.type());
-  Staging& staging = *staging_;
-  for (uint64_t done = 0; done < info->nbytes; done += kStagingChunk, staging.turn ^= 1) {
-    const uint64_t n = std::min(kStagingChunk, info->nbytes - done);
-    at::Tensor& buffer = staging.buffers[staging.turn];
-    if (!buffer.defined())
-      buffer = at::empty({static_cast<int64_t>(kStagingChunk)}, at::TensorOptions().dtype(c10::kByte).pinned_memory(true));
-    staging.copied[staging.turn].synchronize();  // the copy out of this buffer, a chunk ago, is done
-    map.read_file(info->file, {static_cast<std::byte*>(buffer.mutable_data_ptr()), n}, info->offset + done, source_->direct);
-    bytes.narrow(0, static_cast<int64_t>(done), static_cast<int64_t>(n))
-        .copy_(buffer.narrow(0, 0, static_cast<int64_t>(n)), /*non_blocking=*/true);
-    staging.copied[staging.turn].record(stream);
-  }
 }
 
 // The computation copies of the slot's weights whose prepared form is not the computation
@@ -603,6 +572,10 @@ std::optional<VramStats> StreamedWeights::stats() const {
   VramStats now = stats_;
   now.held = in_use_;
   lock.unlock();
+  if (staging_) {
+    std::lock_guard staging(staging_mutex_);
+    now.host_staging = staging_->host_bytes();
+  }
   now.plan = describe(now, config_, prepared_dtype_, dtype_, source_->direct_why) + ", peak " + format_bytes(now.peak);
   return now;
 }

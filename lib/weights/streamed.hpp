@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "storage/device_staging.hpp"
 #include "weights/order.hpp"
 #include "weights/plan.hpp"
 #include "weights/weights.hpp"
@@ -69,7 +70,6 @@ class StreamedWeights final : public Weights {
   std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
   at::Tensor mapped(const Slot& slot, size_t i) const;
   uint64_t phase(const Slot& slot, size_t i) const;
-  void stage(const Assignment& part, at::Tensor& out) const;
   std::vector<at::Tensor> computation_copy(const Slot& slot, const std::vector<at::Tensor>& prepared,
                                            std::vector<at::Tensor> buffers) const;
   void materialise_plan();
@@ -107,9 +107,8 @@ class StreamedWeights final : public Weights {
   std::vector<VramEvent> trace_;
   bool stopping_ = false;
   std::thread prefetcher_;
-  struct Staging;
   mutable std::mutex staging_mutex_;  // CUDA: the pinned host buffers that reads go through
-  mutable std::unique_ptr<Staging> staging_;
+  mutable std::unique_ptr<storage::DeviceStaging> staging_;
 };
 
 }  // namespace vramd::weights

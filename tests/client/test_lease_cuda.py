@@ -40,6 +40,15 @@ def tiny_bert(folder):
     return folder / "model.safetensors"
 
 
+def odd_tensors():
+    """A byte first, so that every tensor after it lies off every alignment, then tensors of many
+    dtypes and sizes: 150 MiB in all, more chunks than the staging buffers (16 of 8 MiB)."""
+    torch.manual_seed(1)
+    return {"a.byte": torch.tensor([7], dtype=torch.uint8), "b.small": torch.randn(3, 5),
+            "c.large": torch.randn(50 << 20).to(torch.bfloat16), "d.ints": torch.arange(99999),
+            "e.half": torch.randn(12289).to(torch.float16), "f.larger": torch.randn((12 << 20) + 3)}
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lease_cuda")
@@ -51,6 +60,10 @@ def served(tmp_path_factory):
     save_file({"w": torch.randn(256 << 20, dtype=torch.float16)}, folder / "big.safetensors")  # 512 MiB
     (d.models / "big.toml").write_text(f'checkpoint = "{folder / "big.safetensors"}"\narchitecture = "weights"\n{ON_CUDA}')
     (d.models / "on_cpu.toml").write_text(f'checkpoint = "{bert}"\n')
+    save_file(odd_tensors(), folder / "odd.safetensors")
+    for direct in ("true", "false"):
+        (d.models / f"odd_direct_{direct}.toml").write_text(
+            f'checkpoint = "{folder / "odd.safetensors"}"\narchitecture = "weights"\n{ON_CUDA}direct_io = {direct}\n')
     with d.start():
         yield {"daemon": d, "sock": str(d.sock), "bert": bert, "nano": nano_state}
 
@@ -91,6 +104,18 @@ def test_converted_gpu_lease_is_what_transformers_holds_in_bfloat16(served):
                 assert torch.equal(state_dict[name].cpu(), tensor.to(torch.bfloat16)), name
             assert state_dict["lm_head.weight"].data_ptr() == state_dict["transformer.wte.weight"].data_ptr()
             assert lease.read_only, "the driver mapped the leased GPU memory writable"
+
+
+@pytest.mark.parametrize("direct", ["true", "false"])
+def test_weights_read_onto_the_gpu_through_staging_are_the_checkpoint(served, direct):
+    expected = odd_tensors()
+    with vramd.connect(served["sock"]) as c:
+        c.load(f"odd_direct_{direct}")
+        with c.lease(f"odd_direct_{direct}", device="cuda:0") as state_dict:
+            assert set(state_dict) == set(expected)
+            for name, tensor in state_dict.items():
+                assert tensor.device == torch.device("cuda:0") and torch.equal(tensor.cpu(), expected[name]), name
+        c.unload(f"odd_direct_{direct}")
 
 
 def test_a_client_cannot_write_gpu_weights_and_the_forward_is_unchanged(served):

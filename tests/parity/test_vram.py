@@ -211,6 +211,7 @@ def test_host_memory_stays_flat_over_hundreds_of_streamed_forwards(witnesses, tm
     env = {"ASAN_OPTIONS": asan + ":quarantine_size_mb=0:thread_local_quarantine_size_kb=0"} if asan else None
     _, stats = run(witnesses["llama", "float32"], tmp_path, streamed('"300KiB"'), repeat=300, env=env)
     assert stats["vram"]["loads"] >= 300 * 10
+    assert stats["vram"]["host_staging"] == 0  # pinned staging buffers are for reads onto a GPU
     growth = stats["rss_end"] - stats["rss_after_first_forward"]
     assert growth < 4 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over 300 streamed forwards"
 
@@ -295,6 +296,7 @@ def test_streamed_on_cuda_equals_resident_on_cuda(witnesses, onload, direct, tmp
             f'direct_io = {str(direct).lower()}\n')
     got, stats = run(folder, tmp_path, vram, repeat=3)
     assert stats["vram"]["peak"] <= limit and stats["vram"]["prefetched"] > 0, stats["vram"]
+    assert stats["vram"]["host_staging"] == 128 << 20  # its resident layers were read through them
     assert stats["device_peak_allocated"] > 0 and "activations_peak" in stats
     for name in got:
         assert torch.equal(got[name], resident[name]), name

@@ -1,0 +1,55 @@
+// Checkpoint bytes into tensors on a device at the disk's speed: several reads in flight
+// (storage::read_staged) into pinned host buffers that are reused, and each chunk's copy to the
+// device queued as soon as the chunk lands, so that reading the next chunks overlaps copying
+// the last ones. On the CPU the buffers are plain memory and each copy is made at once (a CPU
+// tensor is better read into directly, with DiskMap::read_ranges: this serves tests there).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "storage/disk_map.hpp"
+
+namespace vramd::storage {
+
+class DeviceStaging {
+ public:
+  // 16 reads of 8 MiB in flight: what NVMe drives want to give their speed (bench/stream.py's
+  // read bound is measured so).
+  static constexpr unsigned kBuffers = 16;
+  static constexpr uint64_t kBufferBytes = 8u << 20;
+
+  // The buffers are allocated on first use, and kept until this goes.
+  explicit DeviceStaging(c10::Device device, unsigned buffers = kBuffers, uint64_t buffer_bytes = kBufferBytes);
+  ~DeviceStaging();  // waits for the copies still queued out of its buffers
+  DeviceStaging(const DeviceStaging&) = delete;
+  DeviceStaging& operator=(const DeviceStaging&) = delete;
+
+  // Bytes [offset, offset + out.nbytes()) of the map's files()[file] into `out`, a contiguous
+  // tensor on the device.
+  struct Target {
+    uint32_t file;
+    uint64_t offset;
+    at::Tensor out;
+  };
+  // Fills every target. The copies are queued on the calling thread's current stream of the
+  // device, so ops queued on it after this see the bytes; the host sees them once that stream
+  // is synchronised. Throws as DiskMap::read_staged does (ReadFailure naming the file); then
+  // what the targets hold is undefined. One read at a time.
+  void read(const DiskMap& map, std::span<const Target> targets, bool direct);
+
+  uint64_t host_bytes() const;  // the pinned host memory its buffers hold (0 before the first read)
+
+ private:
+  class Pool;
+  c10::Device device_;
+  unsigned buffers_;
+  uint64_t buffer_bytes_;
+  std::unique_ptr<Pool> pool_;
+};
+
+}  // namespace vramd::storage

@@ -1,0 +1,99 @@
+// ATen first: c10's logging defines a CHECK macro that Catch's must replace.
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "storage/device_staging.hpp"
+#include "storage/tensor_io.hpp"
+#include "support/temp_dir.hpp"
+#include "util/torch_cuda.hpp"
+
+using namespace vramd::storage;
+using vramd::test::TempDir;
+
+namespace {
+
+// Tensors of many sizes, dtypes and offsets in their file: a byte first, so that what follows
+// lies off every alignment, and several larger than the buffers of the tests below.
+std::string checkpoint(const TempDir& dir) {
+  at::manual_seed(3);
+  const auto path = dir / "odd.safetensors";
+  save_tensors(path, {{"a.byte", at::full({1}, 7, at::kByte)},
+                      {"b.small", at::randn({3, 5})},
+                      {"c.large", at::randn({700, 333}).to(at::kBFloat16)},
+                      {"d.ints", at::arange(9999, at::kLong)},
+                      {"e.half", at::randn({12289}).to(at::kHalf)},
+                      {"f.empty", at::empty({0, 4})},
+                      {"g.tail", at::randn({64 * 1024 + 3})}});
+  return path;
+}
+
+// Reads every tensor of the map through `staging` onto `device` and checks each against
+// load_tensor's copy on the CPU, twice: the second read reuses the buffers.
+void check_reads(DeviceStaging& staging, const DiskMap& map, c10::Device device, bool direct) {
+  for (int round = 0; round < 2; ++round) {
+    std::vector<DeviceStaging::Target> targets;
+    for (const auto& info : map.tensors()) {
+      targets.push_back({info.file, info.offset,
+                         at::full(info.shape, 0x55, at::TensorOptions().device(device).dtype(scalar_type(map, info)))});
+    }
+    staging.read(map, targets, direct);
+    if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+    for (size_t i = 0; i < targets.size(); ++i) {
+      const auto& info = map.tensors()[i];
+      INFO("round " << round << ", direct " << direct << ", " << info.name());
+      CHECK(at::equal(targets[i].out.cpu(), load_tensor(map, info)));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("DeviceStaging reads tensors at any offset through fewer buffers than chunks") {
+  TempDir dir;
+  const auto map = DiskMap::open(checkpoint(dir));
+  for (const bool direct : {false, true}) {
+    DeviceStaging staging(c10::kCPU, 3, 65536);
+    CHECK(staging.host_bytes() == 0);
+    check_reads(staging, map, c10::kCPU, direct);
+    CHECK(staging.host_bytes() == 3 * 65536);
+  }
+}
+
+TEST_CASE("DeviceStaging refuses a target that is not a contiguous tensor on its device") {
+  TempDir dir;
+  const auto map = DiskMap::open(checkpoint(dir));
+  const auto& info = *map.find("b.small");
+  DeviceStaging staging(c10::kCPU);
+  const DeviceStaging::Target transposed{info.file, info.offset, at::empty({5, 3}).t()};
+  CHECK_THROWS_WITH(staging.read(map, {&transposed, 1}, false),
+                    "a staged read's target must be a contiguous tensor on cpu");
+}
+
+TEST_CASE("DeviceStaging reads onto a GPU through pinned buffers, copies overlapping reads", "[cuda]") {
+  if (!vramd::torch_cuda::missing().empty() || !at::hasCUDA()) {
+    if (const char* require = std::getenv("VRAMD_REQUIRE_CUDA"); require && std::string(require) == "1")
+      FAIL("no CUDA device here, and VRAMD_REQUIRE_CUDA=1 says one must run this");
+    WARN("skipped: no CUDA device here (" << vramd::torch_cuda::missing() << "); scripts/gpu-check runs it on one");
+    return;
+  }
+  TempDir dir;
+  const auto map = DiskMap::open(checkpoint(dir));
+  const c10::Device cuda(c10::kCUDA, 0);
+  for (const bool direct : {false, true}) {
+    DeviceStaging staging(cuda, 3, 65536);
+    check_reads(staging, map, cuda, direct);
+  }
+  // The defaults, on a stream of the pool's: what the prefetch thread does.
+  DeviceStaging staging(cuda);
+  const c10::impl::VirtualGuardImpl guard(c10::kCUDA);
+  const c10::Stream side = guard.getStreamFromGlobalPool(cuda);
+  const c10::Stream before = guard.exchangeStream(side);
+  check_reads(staging, map, cuda, true);
+  guard.exchangeStream(before);
+}
