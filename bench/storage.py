@@ -164,6 +164,9 @@ def main():
     for label, seconds in (
         ("vramd load_tensors, O_DIRECT", cold(lambda: ours("read", model, 1, "bulk-direct")["seconds"][0])),
         ("vramd load_tensors, page cache", cold(lambda: ours("read", model, 1, "bulk")["seconds"][0])),
+        ("vramd staged reads (a GPU's), O_DIRECT", cold(lambda: ours("read", model, 1, "staged-direct")["seconds"][0])),
+        ("  the reads alone, into 4 KiB pages", cold(lambda: ours("read", model, 1, "staged-pages")["seconds"][0])),
+        ("  the reads alone, into huge pages", cold(lambda: ours("read", model, 1, "staged-huge")["seconds"][0])),
         ("safetensors load_file + clone", cold(theirs_cold)),
     ):
         print(f"  {label:38s} {gib / seconds:5.2f} GiB/s = {dd / seconds:.2f}x dd", flush=True)
