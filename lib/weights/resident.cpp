@@ -33,9 +33,10 @@ std::vector<at::Tensor> ResidentWeights::acquire(const model::Layer& layer) { re
 void ResidentWeights::release(const model::Layer&) {}
 
 // Every assigned weight, in checkpoint order, straight into `device` and `dtype`. Returns the
-// bytes read. On a GPU, the weights the checkpoint holds as they are computed are read in
-// groups through pinned staging buffers with many reads in flight (storage::DeviceStaging),
-// the rest one at a time through host memory; progress is told as each group is on the device.
+// bytes read. On a GPU, weights are read in groups (Source::read_into): those the checkpoint
+// holds as they are computed through pinned staging buffers with many reads in flight
+// (storage::DeviceStaging), the rest through host memory; progress is told as each group is on
+// the device.
 uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options,
                                    size_t* zero_copy) {
   constexpr uint64_t kGroupBytes = 512u << 20;
@@ -57,23 +58,22 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
   };
   std::optional<storage::DeviceStaging> staging;
   if (!device.is_cpu()) staging.emplace(device);
-  std::vector<storage::DeviceStaging::Target> group;
-  std::vector<const Assignment*> grouped;
+  std::vector<const Assignment*> group;
+  std::vector<at::Tensor> outs;
   uint64_t group_bytes = 0;
   auto read_group = [&] {
     if (group.empty()) return;
-    staging->read(map, group, source_->direct);
+    source_->read_into(group, outs, &*staging);
     c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
-    group.clear(), group_bytes = 0;
-    for (const Assignment* a : std::exchange(grouped, {})) done(*a);
+    outs.clear(), group_bytes = 0;
+    for (const Assignment* a : std::exchange(group, {})) done(*a);
   };
   for (const auto& a : source_->assignments) {
-    const storage::TensorInfo* info = staging ? source_->stored(a, dtype) : nullptr;
-    if (info && info->nbytes == a.parameter->elements() * c10::elementSize(dtype)) {
+    if (staging) {
       a.parameter->value = at::empty(a.parameter->shape, at::TensorOptions().device(device).dtype(dtype));
-      group.push_back({info->file, info->offset, a.parameter->value});
-      grouped.push_back(&a);
-      if ((group_bytes += info->nbytes) >= kGroupBytes) read_group();
+      group.push_back(&a);
+      outs.push_back(a.parameter->value);
+      if ((group_bytes += a.parameter->value.nbytes()) >= kGroupBytes) read_group();
       continue;
     }
     const at::Tensor value = source_->read(a, device, dtype, views);

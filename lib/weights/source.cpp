@@ -11,6 +11,7 @@
 
 #include "convert/evaluate.hpp"
 #include "storage/dequantize_ops.hpp"
+#include "storage/device_staging.hpp"
 #include "storage/page_cache.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
@@ -99,17 +100,24 @@ void Source::read_into(const Assignment& a, at::Tensor& out) const {
   read_into({&one, 1}, {&out, 1});
 }
 
-void Source::read_into(std::span<const Assignment* const> parts, std::span<at::Tensor> outs) const {
+void Source::read_into(std::span<const Assignment* const> parts, std::span<at::Tensor> outs,
+                       storage::DeviceStaging* staging) const {
   std::vector<storage::DiskMap::Range> reads;
+  std::vector<storage::DeviceStaging::Target> staged;
   for (size_t i = 0; i < parts.size(); ++i) {
     at::Tensor& out = outs[i];
     const storage::TensorInfo* info = stored(*parts[i], out.scalar_type());
-    if (info && out.is_contiguous() && out.nbytes() == info->nbytes)
-      reads.push_back({info->file, info->offset, {static_cast<std::byte*>(out.mutable_data_ptr()), info->nbytes}});
-    else
+    if (!info || !out.is_contiguous() || out.nbytes() != info->nbytes)
       out.copy_(read(*parts[i], c10::kCPU, out.scalar_type(), false));
+    else if (!out.is_cpu())
+      staged.push_back({info->file, info->offset, out});
+    else
+      reads.push_back({info->file, info->offset, {static_cast<std::byte*>(out.mutable_data_ptr()), info->nbytes}});
   }
   map.read_ranges(reads, {.direct = direct});
+  if (staged.empty()) return;
+  if (!staging) throw Error(where + ": reading weights onto " + staged.front().out.device().str() + " needs staging buffers");
+  staging->read(map, staged, direct);
 }
 
 c10::Device torch_device(const config::Device& device) {

@@ -17,6 +17,10 @@
 #include "model/layer.hpp"
 #include "storage/disk_map.hpp"
 
+namespace vramd::storage {
+class DeviceStaging;
+}
+
 namespace vramd::weights {
 
 // Which expression fills which parameter.
@@ -57,8 +61,11 @@ struct Source {
   // read straight into it when the checkpoint already holds that dtype.
   void read_into(const Assignment& assignment, at::Tensor& out) const;
   // Several parameters at once into their `outs`, as read_into, the plain stored ones with
-  // their reads in flight together (storage::read_ranges).
-  void read_into(std::span<const Assignment* const> assignments, std::span<at::Tensor> outs) const;
+  // their reads in flight together: straight into outs on the CPU (storage::read_ranges), through
+  // `staging` onto outs on its device (storage::DeviceStaging: their copies are queued on the
+  // calling thread's current stream). Outs not on the CPU need `staging`.
+  void read_into(std::span<const Assignment* const> assignments, std::span<at::Tensor> outs,
+                 storage::DeviceStaging* staging = nullptr) const;
   // The checkpoint tensor that fills the parameter as it is stored, when the expression is a
   // plain source held in `dtype` (kPacked for a block type; its shape is the parameter's,
   // checked at load); else null.

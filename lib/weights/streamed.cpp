@@ -187,7 +187,6 @@ std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<a
   const auto parameters = slot.layer->parameters();
   std::vector<const Assignment*> reads;
   std::vector<at::Tensor> outs;
-  std::vector<storage::DeviceStaging::Target> staged;
   for (size_t i = 0; i < slot.parts.size(); ++i) {
     const Assignment* part = slot.parts[i];
     if (!part)
@@ -200,26 +199,19 @@ std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<a
         out = fresh_buffer(held_shape(*part, form), form, device_);
       if (out.defined()) source_->convert_into(*part, held, out);
       else out = held.to(device_, form, /*non_blocking=*/held.is_pinned());
-    } else if (device_.is_cpu()) {
-      if (at::Tensor view = mapped(slot, i); view.defined()) {
-        out = std::move(view);  // the buffer it replaces, if any, is freed
-      } else {
-        // A spare from claim_locked already has the phase.
-        if (!out.defined()) out = fresh_buffer(held_shape(*part, form), form, device_, phase(slot, i));
-        reads.push_back(part);
-        outs.push_back(out);
-      }
+    } else if (at::Tensor view = device_.is_cpu() ? mapped(slot, i) : at::Tensor(); view.defined()) {
+      out = std::move(view);  // the buffer it replaces, if any, is freed
     } else {
-      if (!out.defined()) out = fresh_buffer(held_shape(*part, form), form, device_);
-      const storage::TensorInfo* info = source_->stored(*part, out.scalar_type());
-      if (info && info->nbytes == out.nbytes()) staged.push_back({info->file, info->offset, out});
-      else out.copy_(source_->read(*part, c10::kCPU, out.scalar_type(), false));
+      // A spare from claim_locked already has the phase (on the CPU; a GPU buffer has none).
+      if (!out.defined()) out = fresh_buffer(held_shape(*part, form), form, device_, phase(slot, i));
+      reads.push_back(part);
+      outs.push_back(out);
     }
   }
-  source_->read_into(reads, outs);
-  if (!staged.empty()) {
-    std::lock_guard lock(staging_mutex_);
-    staging_->read(source_->map, staged, source_->direct);
+  {
+    std::unique_lock lock(staging_mutex_, std::defer_lock);  // one staged read at a time
+    if (staging_) lock.lock();
+    source_->read_into(reads, outs, staging_.get());
   }
   synchronise(device_);
   return buffers;
