@@ -11,9 +11,10 @@ contender runs in a fresh process.
               device (torch's non_blocking .to(): one cudaMemcpyAsync per tensor) of the same
               bytes; disk to device: vramd's onload from disk with direct_io (every forward
               reads the disk, around the page cache, through pinned staging buffers) against
-              the disk's read bound on the checkpoint (16 O_DIRECT reads of 8 MiB in flight, as
-              bench/stream.py measures it without fio); the staged reads alone, into buffers of
-              4 KiB pages (as pinned memory is) and of huge pages (vramd_bench_storage)
+              the disk's read bound on the checkpoint (16 O_DIRECT reads of 8 MiB in flight
+              into either page size, the better, as bench/stream.py measures it without fio);
+              the staged reads alone, into buffers of 4 KiB pages (as pinned memory is) and of
+              huge pages (vramd_bench_storage)
   streaming   [vram].limit a quarter of the model, onload on the host and on disk, against
               accelerate (load_checkpoint_and_dispatch, decoder layers on "cpu" or "disk", the
               rest on the device) and DiffSynth-Studio (enable_vram_management, offload on
@@ -262,10 +263,11 @@ def drop_page_cache(path):
 
 
 def read_bound_bytes_per_second(path):
-    """The disk's speed on the checkpoint as bench/stream.py measures it without fio: 16 threads of
-    O_DIRECT reads of 8 MiB for 3 s. Where the file system refuses O_DIRECT, a cold buffered read."""
+    """The disk's speed on the checkpoint as bench/stream.py measures it without fio: 16 O_DIRECT
+    reads of 8 MiB in flight for 3 s, into huge pages and into 4 KiB pages, the better. Where
+    the file system refuses O_DIRECT, a cold buffered read."""
     try:
-        return stream_bench.python_bound([path], 3)[0]
+        return stream_bench.read_bound([path], 3)[0]
     except OSError:
         return cold_read_bytes_per_second(path)
 
