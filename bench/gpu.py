@@ -13,8 +13,9 @@ contender runs in a fresh process.
               reads the disk, around the page cache, through pinned staging buffers) against
               the disk's read bound on the checkpoint (16 O_DIRECT reads of 8 MiB in flight
               into either page size, the better, as bench/stream.py measures it without fio);
-              the staged reads alone, into buffers of 4 KiB pages (as pinned memory is) and of
-              huge pages (vramd_bench_storage)
+              the staged reads alone, into buffers of 4 KiB pages and of huge pages, and on a
+              GPU onto the device through huge pages registered with the driver (vramd's
+              staging) and through LibTorch's pinned memory (vramd_bench_storage)
   streaming   [vram].limit a quarter of the model, onload on the host and on disk, against
               accelerate (load_checkpoint_and_dispatch, decoder layers on "cpu" or "disk", the
               rest on the device) and DiffSynth-Studio (enable_vram_management, offload on
@@ -272,17 +273,24 @@ def read_bound_bytes_per_second(path):
         return cold_read_bytes_per_second(path)
 
 
-def staged_reads(path):
-    """vramd's staged reads alone (read_staged into 16 buffers of 8 MiB, O_DIRECT, nothing copied
-    out), page cache dropped, into memory of 4 KiB pages (as pinned staging buffers are) and of
-    huge pages: GB/s each. On a virtual disk the first can be a fraction of the second."""
+def staged_reads(path, device):
+    """vramd's staged reads (16 O_DIRECT reads of 8 MiB in flight, vramd_bench_storage), page cache
+    dropped before each: alone, nothing copied out, into memory of 4 KiB pages and of huge pages
+    (on a virtual disk the first can be a fraction of the second); and on a GPU the whole way
+    onto the device through DeviceStaging's buffers, huge pages registered with the driver
+    against LibTorch's pinned memory (4 KiB pages). GB/s each."""
+    modes = {"pages": "staged-pages", "huge": "staged-huge"}
+    if device.startswith("cuda"):
+        modes.update({"device_registered": "staged-cuda", "device_pinned": "staged-cuda-pinned"})
     figures = {}
-    for pages in ("pages", "huge"):
+    for name, mode in modes.items():
         drop_page_cache(path)
-        out = subprocess.run([VRAMCTL.parent / "vramd_bench_storage", "read", path, "1", f"staged-{pages}"],
+        out = subprocess.run([VRAMCTL.parent / "vramd_bench_storage", "read", path, "1", mode],
                              capture_output=True, text=True, check=True, timeout=time_left())
         stats = json.loads(out.stdout)
-        figures[pages] = stats["bytes"] / stats["seconds"][0]
+        figures[name] = stats["bytes"] / stats["seconds"][0]
+        if "host_memory" in stats:
+            figures[name + "_memory"] = stats["host_memory"]
     subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # warm again for the others
     return figures
 
@@ -384,7 +392,7 @@ def run(args):
     step("accelerate_disk", lambda: contender("accelerate-disk", args, folder, str(workdir / "accelerate-offload")))
     step("diffsynth_disk", lambda: contender("diffsynth-disk", args, folder, limit=limit))
     step("read_bound_bytes_per_second", lambda: read_bound_bytes_per_second(folder / "model.safetensors"))
-    step("staged_reads", lambda: staged_reads(folder / "model.safetensors"))
+    step("staged_reads", lambda: staged_reads(folder / "model.safetensors", args.device))
     step("transformers_ready", lambda: contender("transformers-ready", args, folder))
     step("daemon", lambda: through_daemon(workdir, folder, args))
     if isinstance(results.get("daemon"), dict) and "error" not in results["daemon"]:
@@ -439,9 +447,13 @@ def summarise(r):
                      f"{bound / 1e9:.2f} GB/s ({rate / bound:.0%}); forward {fwd('vramd_disk_direct'):.3f} s")
     if ok(r, "staged_reads", "read_bound_bytes_per_second"):
         pages, huge, bound = r["staged_reads"]["pages"], r["staged_reads"]["huge"], r["read_bound_bytes_per_second"]
-        lines.append(f"staged reads alone (16 of 8 MiB in flight, O_DIRECT): {pages / 1e9:.2f} GB/s into 4 KiB pages "
-                     f"(as pinned buffers are), {huge / 1e9:.2f} GB/s into huge pages, against the bound's "
-                     f"{bound / 1e9:.2f} GB/s")
+        lines.append(f"staged reads alone (16 of 8 MiB in flight, O_DIRECT): {pages / 1e9:.2f} GB/s into 4 KiB pages, "
+                     f"{huge / 1e9:.2f} GB/s into huge pages, against the bound's {bound / 1e9:.2f} GB/s")
+        if "device_registered" in r["staged_reads"]:
+            staged = r["staged_reads"]
+            lines.append(f"staged reads onto the device: {staged['device_registered'] / 1e9:.2f} GB/s through "
+                         f"{staged['device_registered_memory']}, {staged['device_pinned'] / 1e9:.2f} GB/s through "
+                         f"{staged['device_pinned_memory']}")
     if ok(r, "resident", "transformers_ready"):
         ours = r["resident"]["plan_seconds"] + r["resident"]["load_seconds"]
         theirs = r["transformers_ready"]["ready_seconds"]

@@ -8,11 +8,16 @@
 //           staged-direct        (all at once through DeviceStaging's 16 buffers of 8 MiB, the
 //                                 reads a GPU gets, each chunk copied out on the CPU into
 //                                 memory faulted in before the clock starts, as a device's is)
+//           staged-cuda | staged-cuda-pinned
+//                                (the same onto cuda:0, the clock stopped once the copies are
+//                                 done, through huge pages registered with the driver or
+//                                 LibTorch's pinned memory; "host_memory" says which it got)
 //           staged-pages | staged-huge
 //                                (the reads alone: read_staged into 16 buffers of 8 MiB, faulted
-//                                 in before the clock starts, of 4 KiB pages, as pinned memory
-//                                 is, or of huge pages; nothing copied out)
+//                                 in before the clock starts, of 4 KiB pages, as LibTorch's
+//                                 pinned memory is, or of huge pages; nothing copied out)
 #include <ATen/ops/zeros.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 
@@ -26,6 +31,7 @@
 #include "storage/device_staging.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
+#include "util/torch_cuda.hpp"
 
 using namespace vramd::storage;
 using Clock = std::chrono::steady_clock;
@@ -68,13 +74,15 @@ class DiscardingPool final : public StagingPool {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   if (argc < 4) {
     std::fprintf(stderr, "usage: %s index PATH REPEAT | read PATH REPEAT MODE [f32]\n", argv[0]);
     return 2;
   }
+  vramd::torch_cuda::load();  // where a CUDA driver is, for the staged-cuda modes
   const std::string command = argv[1], path = argv[2];
   const int repeat = std::stoi(argv[3]);
+  std::string host_memory;
   std::vector<double> times;
   uint64_t tensors = 0, bytes = 0, checksum = 0;
   for (int i = 0; i < repeat; ++i) {
@@ -100,14 +108,20 @@ int main(int argc, char** argv) {
         map.read_staged(ranges, pool, {.direct = true, .depth = DiscardingPool::kCount});
         tensors = ranges.size();
         bytes = map.total_bytes();
-      } else if (mode == "staged-direct") {
-        // The targets stand for device memory: allocated and faulted in before the clock starts.
-        DeviceStaging staging(c10::kCPU);
+      } else if (mode == "staged-direct" || mode.starts_with("staged-cuda")) {
+        // The targets are allocated (on the CPU, faulted in) before the clock starts.
+        const c10::Device device = mode == "staged-direct" ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, 0);
+        DeviceStaging staging(device, DeviceStaging::kBuffers, DeviceStaging::kBufferBytes,
+                              mode == "staged-cuda-pinned" ? DeviceStaging::HostMemory::TorchPinned
+                                                           : DeviceStaging::HostMemory::Registered);
         std::vector<DeviceStaging::Target> targets;
         for (const auto& info : map.tensors())
-          targets.push_back({info.file, info.offset, at::zeros(info.shape, at::TensorOptions().dtype(scalar_type(map, info)))});
+          targets.push_back({info.file, info.offset,
+                             at::zeros(info.shape, at::TensorOptions().device(device).dtype(scalar_type(map, info)))});
         start = Clock::now();
         staging.read(map, targets, true);
+        if (device.is_cuda()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+        host_memory = staging.host_memory();
         for (auto& target : targets) loaded.push_back(std::move(target.out));
       } else if (mode.starts_with("bulk")) {
         std::vector<const TensorInfo*> infos;
@@ -133,8 +147,20 @@ int main(int argc, char** argv) {
   ::getrusage(RUSAGE_SELF, &usage);
   std::printf("{\"seconds\": [");
   for (size_t i = 0; i < times.size(); ++i) std::printf("%s%.6f", i ? ", " : "", times[i]);
-  std::printf("], \"tensors\": %llu, \"bytes\": %llu, \"max_rss_kib\": %ld, \"checksum\": %llu}\n",
+  std::printf("], \"tensors\": %llu, \"bytes\": %llu, \"max_rss_kib\": %ld, \"checksum\": %llu",
               static_cast<unsigned long long>(tensors), static_cast<unsigned long long>(bytes), usage.ru_maxrss,
               static_cast<unsigned long long>(checksum));
+  if (!host_memory.empty()) std::printf(", \"host_memory\": \"%s\"", host_memory.c_str());
+  std::printf("}\n");
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // c10::Error's what() carries a backtrace: its first line says it
+    const std::string what = e.what();
+    std::fprintf(stderr, "%s: %s\n", argv[0], what.substr(0, what.find('\n')).c_str());
+    return 1;
+  }
 }

@@ -10,28 +10,73 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <vector>
 
 #include "storage/file.hpp"
+#include "util/cuda_vmm.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/log.hpp"
 
 namespace vramd::storage {
+namespace {
+
+constexpr const char* kRegistered = "huge pages registered with the CUDA driver";
+
+// Registered memory outlives its pool, kept for the next one as LibTorch keeps its pinned
+// memory: page-locking and unlocking memory is ordered by the driver against every stream of
+// the device (it would stall the other models' work), and every load makes a pool. A few are
+// kept (as many as loads ran at once, up to four); never freed at exit, when the driver may
+// be gone.
+class KeptMemory {
+ public:
+  static KeptMemory& instance() {
+    static auto* kept = new KeptMemory;
+    return *kept;
+  }
+  // Memory of `bytes` registered for `device`, kept earlier, or an undefined tensor.
+  at::Tensor take(c10::Device device, uint64_t bytes) {
+    const std::lock_guard lock(mutex_);
+    for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+      if (it->device != device || it->memory.nbytes() != bytes) continue;
+      at::Tensor memory = std::move(it->memory);
+      kept_.erase(it);
+      return memory;
+    }
+    return {};
+  }
+  void keep(c10::Device device, at::Tensor memory) {  // no copy may be reading it any more
+    const std::lock_guard lock(mutex_);
+    if (kept_.size() < 4) kept_.push_back({device, std::move(memory)});
+  }
+
+ private:
+  struct Kept {
+    c10::Device device;  // the one it was registered with (the memory is the host's)
+    at::Tensor memory;
+  };
+  std::mutex mutex_;
+  std::vector<Kept> kept_;
+};
+
+}  // namespace
 
 // The buffers, and each one's copy out: queued on the reading thread's stream (from whichever
 // thread takes the chunk), with an event recorded after it so the buffer is read into again
 // only once the device has copied it.
 class DeviceStaging::Pool final : public StagingPool {
  public:
-  Pool(c10::Device device, unsigned count, uint64_t bytes)
-      : device_(device), bytes_(bytes), count_(count), memory_(allocate(device, count * bytes)) {
+  Pool(c10::Device device, unsigned count, uint64_t bytes, HostMemory memory)
+      : device_(device), bytes_(bytes), count_(count), memory_(allocate(device, count * bytes, memory, kind_)) {
     if (!device.is_cpu())
       for (unsigned i = 0; i < count; ++i) copied_.emplace_back(device.type());
   }
 
   ~Pool() override {
     for (unsigned i = 0; i < copied_.size(); ++i) wait(i);
+    if (kind_ == kRegistered) KeptMemory::instance().keep(device_, std::move(memory_));
   }
 
   // The read about to start: its targets' bytes, and the stream their copies go on.
@@ -41,6 +86,7 @@ class DeviceStaging::Pool final : public StagingPool {
   }
 
   uint64_t host_bytes() const { return memory_.nbytes(); }
+  const char* kind() const { return kind_; }
 
   unsigned count() const override { return count_; }
 
@@ -66,18 +112,47 @@ class DeviceStaging::Pool final : public StagingPool {
   }
 
  private:
-  // For a GPU, pinned memory from LibTorch's allocator (it rounds sizes up to a power of two,
-  // as 16 buffers of 8 MiB are); its pages are aligned, and should they not be, one
-  // alignment's slack is asked. On the CPU, memory mapped with huge pages, as every other
-  // buffer O_DIRECT reads go into (fresh_buffer, load_tensors): the reads need fewer segments.
-  static at::Tensor allocate(c10::Device device, uint64_t total) {
+  static constexpr uint64_t kHugePage = 2u << 20;
+
+  // `total` bytes at a huge page's boundary, advised to be huge pages; on a GPU registered with
+  // the driver, or else (asked, or refused) pinned memory from LibTorch's allocator. Says which
+  // in `kind`.
+  static at::Tensor allocate(c10::Device device, uint64_t total, HostMemory memory, const char*& kind) {
     const auto n = static_cast<int64_t>(total);
-    if (device.is_cpu()) {
-      void* memory = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (memory == MAP_FAILED) throw Error("cannot map " + format_bytes(total) + " of staging buffers: " + std::strerror(errno));
-      madvise(memory, total, MADV_HUGEPAGE);
-      return at::from_blob(memory, {n}, [total](void* p) { munmap(p, total); }, at::TensorOptions().dtype(c10::kByte));
+    if (!device.is_cpu() && (!device.is_cuda() || memory == HostMemory::TorchPinned)) return pinned(n, kind);
+    if (at::Tensor kept = KeptMemory::instance().take(device, total); kept.defined()) {
+      kind = kRegistered;
+      return kept;
     }
+    const uint64_t length = total + kHugePage;
+    void* mapping = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapping == MAP_FAILED) throw Error("cannot map " + format_bytes(total) + " of staging buffers: " + std::strerror(errno));
+    const auto address = reinterpret_cast<uintptr_t>(mapping);
+    auto* start = reinterpret_cast<void*>((address + kHugePage - 1) / kHugePage * kHugePage);
+    madvise(start, total, MADV_HUGEPAGE);
+    std::shared_ptr<cuda::HostRegistration> registration;
+    kind = "huge pages";
+    if (device.is_cuda()) {
+      try {
+        registration = std::make_shared<cuda::HostRegistration>(device.index(), start, total);
+        kind = kRegistered;
+      } catch (const Error& e) {
+        munmap(mapping, length);
+        log::warn("staging buffers for " + device.str() + ": " + e.what() + "; LibTorch's pinned memory instead (4 KiB "
+                  "pages, which O_DIRECT reads can fill several times slower)");
+        return pinned(n, kind);
+      }
+    }
+    return at::from_blob(start, {n}, [mapping, length, registration](void*) mutable {
+      registration.reset();  // unregistered before it is unmapped
+      munmap(mapping, length);
+    }, at::TensorOptions().dtype(c10::kByte));
+  }
+
+  // LibTorch's pinned memory: it rounds sizes up to a power of two, as 16 buffers of 8 MiB are;
+  // its pages are aligned, and should they not be, one alignment's slack is asked.
+  static at::Tensor pinned(int64_t n, const char*& kind) {
+    kind = "LibTorch's pinned memory";
     const auto options = at::TensorOptions().dtype(c10::kByte).pinned_memory(true);
     at::Tensor memory = at::empty({n}, options);
     if (const auto address = reinterpret_cast<uintptr_t>(memory.mutable_data_ptr()); address % File::kDirectAlignment) {
@@ -91,14 +166,15 @@ class DeviceStaging::Pool final : public StagingPool {
   c10::Device device_;
   uint64_t bytes_;                   // per buffer
   unsigned count_;
+  const char* kind_ = "";            // what memory_ is (host_memory())
   at::Tensor memory_;                // the buffers, one after another, as bytes
   std::vector<c10::Event> copied_;   // per buffer; none on the CPU, where copies are made at once
   std::vector<at::Tensor> outs_;     // the targets' bytes, during a read
   std::optional<c10::Stream> stream_;
 };
 
-DeviceStaging::DeviceStaging(c10::Device device, unsigned buffers, uint64_t buffer_bytes)
-    : device_(device), buffers_(buffers), buffer_bytes_(buffer_bytes) {}
+DeviceStaging::DeviceStaging(c10::Device device, unsigned buffers, uint64_t buffer_bytes, HostMemory memory)
+    : device_(device), buffers_(buffers), buffer_bytes_(buffer_bytes), memory_(memory) {}
 
 DeviceStaging::~DeviceStaging() = default;
 
@@ -112,11 +188,13 @@ void DeviceStaging::read(const DiskMap& map, std::span<const Target> targets, bo
     ranges.push_back({target.file, target.offset, out.nbytes()});
     outs.push_back(out.view({-1}).view(c10::kByte));
   }
-  if (!pool_) pool_ = std::make_unique<Pool>(device_, buffers_, buffer_bytes_);
+  if (!pool_) pool_ = std::make_unique<Pool>(device_, buffers_, buffer_bytes_, memory_);
   pool_->begin(std::move(outs));
   map.read_staged(ranges, *pool_, {.direct = direct, .depth = buffers_});
 }
 
 uint64_t DeviceStaging::host_bytes() const { return pool_ ? pool_->host_bytes() : 0; }
+
+std::string DeviceStaging::host_memory() const { return pool_ ? pool_->kind() : "none"; }
 
 }  // namespace vramd::storage

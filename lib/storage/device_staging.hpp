@@ -3,6 +3,14 @@
 // device queued as soon as the chunk lands, so that reading the next chunks overlaps copying
 // the last ones. On the CPU the buffers are plain memory and each copy is made at once (a CPU
 // tensor is better read into directly, with DiskMap::read_ranges: this serves tests there).
+//
+// The buffers are huge pages wherever the kernel has them: an O_DIRECT read into 4 KiB pages
+// needs a segment per page, and a virtual disk (254 segments a request) then reads several
+// times slower (docs/benchmarks.md: 0.8 against 2.7 GB/s on the development VM). On a GPU they
+// are registered with the CUDA driver to be pinned (util/cuda_vmm.hpp's HostRegistration), as
+// LibTorch's pinned memory (cudaHostAlloc) has 4 KiB pages; and kept for the next
+// DeviceStaging once this one goes (up to four), as LibTorch keeps its own: page-locking memory
+// is ordered against every stream of the device.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "storage/disk_map.hpp"
 
@@ -23,8 +32,14 @@ class DeviceStaging {
   static constexpr unsigned kBuffers = 16;
   static constexpr uint64_t kBufferBytes = 8u << 20;
 
+  // What a GPU's buffers are: huge pages registered with the driver, or LibTorch's pinned
+  // memory (what a refused registration falls back to, saying so in the log; and what
+  // bench/storage compares against). On the CPU, huge pages either way.
+  enum class HostMemory { Registered, TorchPinned };
+
   // The buffers are allocated on first use, and kept until this goes.
-  explicit DeviceStaging(c10::Device device, unsigned buffers = kBuffers, uint64_t buffer_bytes = kBufferBytes);
+  explicit DeviceStaging(c10::Device device, unsigned buffers = kBuffers, uint64_t buffer_bytes = kBufferBytes,
+                         HostMemory memory = HostMemory::Registered);
   ~DeviceStaging();  // waits for the copies still queued out of its buffers
   DeviceStaging(const DeviceStaging&) = delete;
   DeviceStaging& operator=(const DeviceStaging&) = delete;
@@ -43,12 +58,16 @@ class DeviceStaging {
   void read(const DiskMap& map, std::span<const Target> targets, bool direct);
 
   uint64_t host_bytes() const;  // the pinned host memory its buffers hold (0 before the first read)
+  // What that memory is: "huge pages registered with the CUDA driver", "LibTorch's pinned
+  // memory", "huge pages" (on the CPU), or "none" before the first read.
+  std::string host_memory() const;
 
  private:
   class Pool;
   c10::Device device_;
   unsigned buffers_;
   uint64_t buffer_bytes_;
+  HostMemory memory_;
   std::unique_ptr<Pool> pool_;
 };
 

@@ -30,13 +30,15 @@ bool built_with_cuda_h() { return false; }
 namespace {
 [[noreturn]] void unavailable() {
   throw Error("this vramd was built without CUDA's cuda.h (from the CUDA toolkit or the torch wheel's nvidia "
-              "packages), so it cannot share CUDA memory; build it against a CUDA torch");
+              "packages), so it cannot share CUDA memory or register host memory; build it against a CUDA torch");
 }
 }  // namespace
 
 std::shared_ptr<VmmRegion> VmmRegion::create(int, uint64_t) { unavailable(); }
 std::shared_ptr<VmmRegion> VmmRegion::import(int, int, uint64_t, bool) { unavailable(); }
 VmmRegion::~VmmRegion() = default;
+HostRegistration::HostRegistration(int, void*, uint64_t) { unavailable(); }
+HostRegistration::~HostRegistration() = default;
 
 #else
 
@@ -50,7 +52,7 @@ namespace {
   X(cuInit) X(cuGetErrorName) X(cuDeviceGet) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)      \
   X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemCreate) \
   X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)   \
-  X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)
+  X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemHostRegister) X(cuMemHostUnregister)
 
 // The driver's functions, looked up once in libcuda.so.1.
 struct Driver {
@@ -197,6 +199,21 @@ VmmRegion::~VmmRegion() {
     if (handle_) d.cuMemRelease(handle_);
   } catch (const Error&) {
     // The driver is gone (process exit): it freed everything already.
+  }
+}
+
+HostRegistration::HostRegistration(int device, void* address, uint64_t size) : device_(device), address_(address) {
+  PrimaryContext context(device);
+  check(context.api(), context.api().cuMemHostRegister(address, size, CU_MEMHOSTREGISTER_PORTABLE), device,
+        "cuMemHostRegister of " + std::to_string(size) + " bytes");
+}
+
+HostRegistration::~HostRegistration() {
+  try {
+    PrimaryContext context(device_);
+    context.api().cuMemHostUnregister(address_);
+  } catch (const Error&) {
+    // The driver is gone (process exit): nothing is registered any more.
   }
 }
 

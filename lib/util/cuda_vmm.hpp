@@ -2,7 +2,8 @@
 // memory API (cuMemCreate), exportable as a POSIX file descriptor, mapped at an address of this
 // process in the device's primary context (the one PyTorch computes in). The daemon creates
 // regions and hands their descriptors over a lease's connection; a client imports one and maps
-// it read-only where the driver allows.
+// it read-only where the driver allows. Also host memory registered with the driver, for
+// staging buffers the device copies from.
 //
 // The driver (libcuda.so.1) is opened at run time, so vramd builds and runs where there is none;
 // cuda.h comes from the CUDA toolkit or the torch wheel's nvidia packages at build time. A vramd
@@ -48,6 +49,23 @@ class VmmRegion {
   bool mapped_ = false;
   bool read_only_ = false;
   UniqueFd fd_;
+};
+
+// Host memory the device copies from as from pinned memory (the copies run asynchronously, at the
+// bus's speed): [address, address + size) page-locked and registered with the CUDA driver
+// (cuMemHostRegister, portable to every context) for as long as this lives. What
+// cudaHostAlloc gives is 4 KiB pages; registering lets the caller choose the pages, huge ones
+// for O_DIRECT reads. Throws Error when the driver is missing or refuses.
+class HostRegistration {
+ public:
+  HostRegistration(int device, void* address, uint64_t size);
+  ~HostRegistration();
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+
+ private:
+  int device_;
+  void* address_;
 };
 
 // Whether this build can make CUDA regions at all (it found cuda.h); false says leases of CUDA

@@ -60,8 +60,10 @@ TEST_CASE("DeviceStaging reads tensors at any offset through fewer buffers than 
   for (const bool direct : {false, true}) {
     DeviceStaging staging(c10::kCPU, 3, 65536);
     CHECK(staging.host_bytes() == 0);
+    CHECK(staging.host_memory() == "none");
     check_reads(staging, map, c10::kCPU, direct);
     CHECK(staging.host_bytes() == 3 * 65536);
+    CHECK(staging.host_memory() == "huge pages");
   }
 }
 
@@ -75,7 +77,7 @@ TEST_CASE("DeviceStaging refuses a target that is not a contiguous tensor on its
                     "a staged read's target must be a contiguous tensor on cpu");
 }
 
-TEST_CASE("DeviceStaging reads onto a GPU through pinned buffers, copies overlapping reads", "[cuda]") {
+TEST_CASE("DeviceStaging reads onto a GPU through registered huge pages or pinned memory", "[cuda]") {
   if (!vramd::torch_cuda::missing().empty() || !at::hasCUDA()) {
     if (const char* require = std::getenv("VRAMD_REQUIRE_CUDA"); require && std::string(require) == "1")
       FAIL("no CUDA device here, and VRAMD_REQUIRE_CUDA=1 says one must run this");
@@ -85,9 +87,15 @@ TEST_CASE("DeviceStaging reads onto a GPU through pinned buffers, copies overlap
   TempDir dir;
   const auto map = DiskMap::open(checkpoint(dir));
   const c10::Device cuda(c10::kCUDA, 0);
-  for (const bool direct : {false, true}) {
-    DeviceStaging staging(cuda, 3, 65536);
-    check_reads(staging, map, cuda, direct);
+  using Memory = DeviceStaging::HostMemory;
+  for (const auto memory : {Memory::Registered, Memory::TorchPinned}) {
+    for (const bool direct : {false, true}) {
+      DeviceStaging staging(cuda, 3, 65536, memory);
+      check_reads(staging, map, cuda, direct);
+      // A refused registration falls back to pinned memory: here it must not have been refused.
+      CHECK(staging.host_memory() ==
+            (memory == Memory::Registered ? "huge pages registered with the CUDA driver" : "LibTorch's pinned memory"));
+    }
   }
   // The defaults, on a stream of the pool's: what the prefetch thread does.
   DeviceStaging staging(cuda);
