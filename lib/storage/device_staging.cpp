@@ -138,8 +138,11 @@ class DeviceStaging::Pool final : public StagingPool {
         kind = kRegistered;
       } catch (const Error& e) {
         munmap(mapping, length);
-        log::warn("staging buffers for " + device.str() + ": " + e.what() + "; LibTorch's pinned memory instead (4 KiB "
-                  "pages, which O_DIRECT reads can fill several times slower)");
+        static std::once_flag said;  // a load makes a pool each time: say it once
+        std::call_once(said, [&] {
+          log::warn("staging buffers for " + device.str() + ": " + e.what() + "; LibTorch's pinned memory instead "
+                    "(4 KiB pages, which O_DIRECT reads can fill several times slower)");
+        });
         return pinned(n, kind);
       }
     }

@@ -5,8 +5,8 @@
 // tensor is better read into directly, with DiskMap::read_ranges: this serves tests there).
 //
 // The buffers are huge pages wherever the kernel has them: an O_DIRECT read into 4 KiB pages
-// needs a segment per page, and a virtual disk (254 segments a request) then reads several
-// times slower (docs/benchmarks.md: 0.8 against 2.7 GB/s on the development VM). On a GPU they
+// needs a segment per page, and a virtual disk (254 segments a request) can then read several
+// times slower (docs/benchmarks.md: from 1.1x to 5.7x on the development VM). On a GPU they
 // are registered with the CUDA driver to be pinned (util/cuda_vmm.hpp's HostRegistration), as
 // LibTorch's pinned memory (cudaHostAlloc) has 4 KiB pages; and kept for the next
 // DeviceStaging once this one goes (up to four), as LibTorch keeps its own: page-locking memory
