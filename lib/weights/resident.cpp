@@ -1,7 +1,6 @@
 #include "weights/resident.hpp"
 
 #include <ATen/ops/empty.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <optional>
 #include <utility>
@@ -64,7 +63,7 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
   auto read_group = [&] {
     if (group.empty()) return;
     source_->read_into(group, outs, &*staging);
-    c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+    synchronise(device);
     outs.clear(), group_bytes = 0;
     for (const Assignment* a : std::exchange(group, {})) done(*a);
   };

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <sys/mman.h>
 
@@ -118,6 +119,10 @@ void Source::read_into(std::span<const Assignment* const> parts, std::span<at::T
   if (staged.empty()) return;
   if (!staging) throw Error(where + ": reading weights onto " + staged.front().out.device().str() + " needs staging buffers");
   staging->read(map, staged, direct);
+}
+
+void synchronise(c10::Device device) {
+  if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
 }
 
 c10::Device torch_device(const config::Device& device) {

@@ -94,6 +94,10 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
 // that remainder modulo 4096 then goes straight into it with O_DIRECT (storage/reader.hpp).
 at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase = 0);
 
+// Waits for the copies queued on the calling thread's current stream of `device` (read_into's
+// through staging among them); nothing to wait for on the CPU.
+void synchronise(c10::Device device);
+
 // A device of the config as LibTorch names it; disk has no such device (an Error).
 c10::Device torch_device(const config::Device& device);
 

@@ -41,11 +41,6 @@ std::string prepared_text(c10::ScalarType prepared, std::span<const SlotBytes> s
   return dtype_text(prepared) + (packed ? " and packed GGUF blocks" : "");
 }
 
-// Waits for the copies queued on the calling thread's current stream of `device`.
-void synchronise(c10::Device device) {
-  if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
-}
-
 }  // namespace
 
 struct StreamedWeights::Slot {
