@@ -108,7 +108,7 @@ class StreamedWeights final : public Weights {
   bool stopping_ = false;
   std::thread prefetcher_;
   mutable std::mutex staging_mutex_;  // CUDA: the pinned host buffers that reads go through
-  mutable std::unique_ptr<storage::DeviceStaging> staging_;
+  std::unique_ptr<storage::DeviceStaging> staging_;  // CUDA; made once, in the constructor
 };
 
 }  // namespace vramd::weights
