@@ -10,11 +10,20 @@
 
 #include <functional>
 #include <numeric>
+#include <utility>
 
+#include "model/progress.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
 namespace vramd::model {
+
+namespace {
+thread_local const std::atomic<bool>* t_cancel = nullptr;
+}
+
+CancelScope::CancelScope(const std::atomic<bool>* flag) : previous_(std::exchange(t_cancel, flag)) {}
+CancelScope::~CancelScope() { t_cancel = previous_; }
 
 const char* kind_name(LayerKind kind) {
   switch (kind) {
@@ -54,6 +63,7 @@ std::vector<at::Tensor> Layer::weights() const {
 }
 
 at::Tensor Layer::operator()(const at::Tensor& input) {
+  if (t_cancel && t_cancel->load(std::memory_order_relaxed)) throw Cancelled("cancelled before " + quote(path_));
   if (!manager_) return apply(weights(), input);
   auto w = manager_->acquire(*this);
   try {

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -23,6 +24,20 @@ class LayerWeights {
   // The layer's weights on the computation device, in the computation dtype, until release().
   virtual std::vector<at::Tensor> acquire(const Layer& layer) = 0;
   virtual void release(const Layer& layer) = 0;
+};
+
+// Stops a forward between ops: while one is alive on a thread, each layer op on that thread
+// first looks at `flag` and throws model::Cancelled (model/progress.hpp) once it is set. Ops
+// already running finish; what the weights' manager has in flight (streamed reads) is its own.
+class CancelScope {
+ public:
+  explicit CancelScope(const std::atomic<bool>* flag);
+  ~CancelScope();
+  CancelScope(const CancelScope&) = delete;
+  CancelScope& operator=(const CancelScope&) = delete;
+
+ private:
+  const std::atomic<bool>* previous_;
 };
 
 // Tensors: parameters held for leases alone, never applied (the "weights" architecture).

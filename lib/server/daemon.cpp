@@ -212,6 +212,10 @@ class Daemon {
     out << "# HELP vramd_forward_errors_total Forwards refused or failed, by model.\n# TYPE vramd_forward_errors_total counter\n";
     for (const Entry* e : registry_.entries())
       out << "vramd_forward_errors_total{model=\"" << e->name << "\"} " << e->forward_errors << '\n';
+    out << "# HELP vramd_forwards_cancelled_total Forwards stopped because their client went away, by model.\n"
+           "# TYPE vramd_forwards_cancelled_total counter\n";
+    for (const Entry* e : registry_.entries())
+      out << "vramd_forwards_cancelled_total{model=\"" << e->name << "\"} " << e->forwards_cancelled << '\n';
     out << "# HELP vramd_forward_seconds_total Time spent in forwards, by model.\n# TYPE vramd_forward_seconds_total counter\n";
     for (const Entry* e : registry_.entries())
       out << "vramd_forward_seconds_total{model=\"" << e->name << "\"} " << e->forward_seconds << '\n';

@@ -1,5 +1,6 @@
 #include "server/http.hpp"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -50,9 +51,12 @@ const char* status_text(int status) {
 
 // One client connection: parses requests, hands each to the server's handler as an
 // Exchange, writes the answer, and enforces the limits. Reading stops while a request is being
-// answered, and while more than max_unsent_bytes of answers wait for the client to take them.
+// answered (every kHangUpCheck the socket is looked at for the client hanging up), and while
+// more than max_unsent_bytes of answers wait for the client to take them.
 class Connection {
  public:
+  static constexpr std::chrono::milliseconds kHangUpCheck{100};
+
   Connection(Server& server, bool is_unix)
       : server_(server), is_unix_(is_unix), parser_({server.limits_.max_header_bytes, server.limits_.max_body_bytes}) {
     if (is_unix) uv_pipe_init(server.loop_, &handle_.pipe, 0);
@@ -232,7 +236,20 @@ class Connection {
       else exchange->respond(500, "application/json", json_line({{"error", "vramd failed while " + where() + ": " + *fault}}));
     }
     in_handler_ = false;
+    // Answered later (a job): the socket is not read meanwhile, so look for the client hanging up.
+    if (exchange_ == exchange) uv_timer_start(&timer_, on_timeout, kHangUpCheck.count(), kHangUpCheck.count());
     return true;
+  }
+
+  // Whether the client has gone while its answer is being made. Over a Unix socket only a close
+  // counts (a client that shuts down its sending side still gets its answer); over TCP, whose
+  // close looks the same until the next write, the end of its requests does, as in most servers.
+  bool hung_up() {
+    uv_os_fd_t fd = -1;
+    if (uv_fileno(reinterpret_cast<uv_handle_t*>(stream()), &fd) != 0) return false;
+    pollfd p{fd, POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) != 1) return false;
+    return (p.revents & (POLLHUP | POLLERR)) || (!is_unix_ && (p.revents & POLLRDHUP));
   }
 
   // What guarded() names when reading from this client fails.
@@ -273,6 +290,13 @@ class Connection {
   static void on_timeout(uv_timer_t* timer) {
     auto* self = static_cast<Connection*>(timer->data);
     if (self->upgraded_) return;
+    if (self->exchange_) {
+      if (self->hung_up()) {
+        log::debug(self->peer_ + " hung up before its answer");
+        self->close();
+      }
+      return;
+    }
     if (self->parser_.receiving() && !self->exchange_)
       return self->refuse(408, "request not received within " +
                                    std::to_string(self->server_.limits_.request_timeout.count()) + " ms");

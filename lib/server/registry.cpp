@@ -351,6 +351,14 @@ void Registry::start_job(Entry& entry, Job job) {
     if (job.exchange && job.kind == Job::Kind::Load) follow_load(entry, job.exchange);
     log::info("loading " + entry.name);
   }
+  if (job.exchange && job.kind == Job::Kind::Forward) {
+    // A forward nobody waits for stops, and with it the load it started, if nobody else needs that.
+    job.abandoned = std::make_shared<std::atomic<bool>>(false);
+    job.exchange->on_gone([e = &entry, abandoned = job.abandoned] {
+      abandoned->store(true);
+      cancel_unwatched_load(*e);
+    });
+  }
   std::shared_ptr<Runtime> runtime = entry.runtime;
   if (job.kind == Job::Kind::Unload || job.kind == Job::Kind::Replace) entry.runtime.reset();  // freed on the worker
   auto shared_job = std::make_shared<Job>(std::move(job));
@@ -398,6 +406,10 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     status = outcome.cancelled ? 499 : 500;
     body = {{"error", (outcome.cancelled ? "" : "loading " + quote(entry.name) + " failed: ") + outcome.load_error}};
     log::warn(body["error"].get<std::string>());
+  } else if (outcome.cancelled) {  // a forward whose client went away: nobody to answer
+    entry.state = ModelState::Ready;
+    entry.forwards_cancelled++;
+    log::info(what + " stopped after " + std::to_string(outcome.seconds) + " s: " + outcome.error);
   } else if (status != 200) {
     body = {{"error", outcome.error}};
     if (job.kind == Job::Kind::Forward) entry.forward_errors++;
@@ -472,13 +484,14 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
 
 void Registry::follow_load(Entry& entry, const std::shared_ptr<Exchange>& exchange) {
   entry.load_watchers.push_back(exchange);
-  Entry* e = &entry;
+  exchange->on_gone([e = &entry] { cancel_unwatched_load(*e); });
+}
+
+void Registry::cancel_unwatched_load(Entry& entry) {
   // Closing the connection cancels the load once nobody else follows or waits for it.
-  exchange->on_gone([e] {
-    if (e->cancel && e->queue.empty() &&
-        std::all_of(e->load_watchers.begin(), e->load_watchers.end(), [](auto& w) { return w->gone(); }))
-      e->cancel->store(true);
-  });
+  if (entry.cancel && entry.queue.empty() &&
+      std::all_of(entry.load_watchers.begin(), entry.load_watchers.end(), [](auto& w) { return w->gone(); }))
+    entry.cancel->store(true);
 }
 
 void Registry::send_progress(Entry& entry, bool force) {

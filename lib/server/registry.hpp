@@ -69,7 +69,7 @@ struct Entry {
   bool waiting_for_room = false;
   std::deque<Job> queue;
   std::vector<std::shared_ptr<Exchange>> load_watchers;  // streamed progress of the running load
-  std::shared_ptr<std::atomic<bool>> cancel;            // of the running load
+  std::shared_ptr<std::atomic<bool>> cancel;            // of the running load (a forward has its own)
   LoadProgress progress;
   Clock::time_point progress_sent{};
 
@@ -83,7 +83,7 @@ struct Entry {
   // While any lease is held the model is never evicted, unloaded, offloaded or replaced.
   std::map<uint64_t, Lease> leases;
 
-  uint64_t forwards = 0, forward_errors = 0, loads = 0;
+  uint64_t forwards = 0, forward_errors = 0, forwards_cancelled = 0, loads = 0;
   double forward_seconds = 0, load_seconds = 0;
 };
 
@@ -132,6 +132,7 @@ class Registry {
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);
   void end_lease(const std::string& name, uint64_t id);
   void follow_load(Entry& entry, const std::shared_ptr<Exchange>& exchange);
+  static void cancel_unwatched_load(Entry& entry);
   void send_progress(Entry& entry, bool force);
 
   uv_loop_t* loop_;

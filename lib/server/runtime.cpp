@@ -107,14 +107,17 @@ storage::NamedTensors parse_inputs(std::string_view body) {
 
 }  // namespace
 
-std::string Runtime::forward(std::string_view safetensors) {
+std::string Runtime::forward(std::string_view safetensors, const std::atomic<bool>* cancel) {
   const auto inputs = parse_inputs(safetensors);
   if (impl_->offloaded) onload();
   impl_->tell("forward", safetensors);
   storage::NamedTensors outputs;
   try {
     c10::InferenceMode inference;
+    model::CancelScope cancellable(impl_->group ? nullptr : cancel);
     outputs = impl_->loaded.model->forward(inputs);
+  } catch (const model::Cancelled&) {
+    throw;
   } catch (const c10::Error& e) {
     impl_->check_mappings();  // a file cut short explains the failure better than its symptom
     throw Error(std::string("forward failed: ") + e.what_without_backtrace());

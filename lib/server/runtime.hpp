@@ -3,6 +3,7 @@
 // thread, one at a time.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -55,7 +56,9 @@ class Runtime {
 
   // Safetensors bytes of named inputs to safetensors bytes of the outputs. Throws BadInput
   // naming the input at fault, Error when the forward itself fails. Wakes an offloaded model.
-  std::string forward(std::string_view safetensors);
+  // Once `cancel` is set the forward stops before its next layer op and throws model::Cancelled;
+  // a partitioned model's forward runs to its end, its ranks being in it together.
+  std::string forward(std::string_view safetensors, const std::atomic<bool>* cancel = nullptr);
 
   // A lease's manifest on `device`: every weight in memory a client can map (weights/lease.hpp),
   // waking an offloaded model first. Throws BadInput for a device leases cannot use,

@@ -105,7 +105,8 @@ json entry_json(const Entry& e) {
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
   j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
   j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},
-                {"forward_errors", e.forward_errors}, {"forward_seconds", e.forward_seconds}};
+                {"forward_errors", e.forward_errors}, {"forwards_cancelled", e.forwards_cancelled},
+                {"forward_seconds", e.forward_seconds}};
   return j;
 }
 

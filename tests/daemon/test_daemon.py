@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,8 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from daemon_support import Daemon, as_user, get_json, model, raw, request, vramctl, wait_for
+from daemon_support import ROOT, Daemon, as_user, get_json, model, raw, request, vramctl, wait_for
 import hf_models
+
+sys.path.insert(0, str(ROOT / "python"))
+import vramd  # noqa: E402
 
 MINILM_INPUT = {"input_ids": torch.tensor([[101, 7570, 2024, 2017, 102]])}
 
@@ -396,6 +400,53 @@ def test_disconnect_cancels_a_load_and_sigterm_with_work_in_flight(tmp_path, che
         assert "SIGTERM: stopping" in d.log.read_text()
 
 
+@pytest.mark.parametrize("weights", ["streamed with O_DIRECT", "resident"])
+def test_a_forward_whose_client_leaves_stops_and_the_model_serves_on(tmp_path, checkpoints, weights):
+    # A client that gives up on a long forward (a timeout, Ctrl-C: its connection closes) frees
+    # the model for the next request: the forward stops before its next layer, with streamed
+    # layers' reads in flight, and the model answers the next forward as before. ASan, LSan and
+    # the clean exit below watch the buffers those reads were filling.
+    folder = checkpoints["minilm"]
+    size = (folder / "model.safetensors").stat().st_size
+    d = Daemon(tmp_path / "daemon")
+    add_model(d, "m", folder, STREAMED.format(limit=size * 2 // 3, direct="true") if weights != "resident" else "")
+    add_model(d, "gpt2", checkpoints["gpt2"] / "model")
+    batch = {"input_ids": torch.randint(1000, 2000, (32, 256))}
+    with d.start():
+        expected = forward(d.sock, "m", MINILM_INPUT)["sentence_embedding"]
+        before = model(d.sock, "m")
+        start = time.monotonic()
+        forward(d.sock, "m", batch)  # a whole forward of the batch, and how long it takes
+        whole = time.monotonic() - start
+        done = model(d.sock, "m")
+        with vramd.connect(d.sock, timeout=whole / 3) as client:
+            with pytest.raises(vramd.DaemonError, match="did not answer"):
+                client.forward("m", batch)
+        wait_for(lambda: model(d.sock, "m")["stats"]["forwards_cancelled"] == 1, what="the forward to stop")
+        stopped = model(d.sock, "m")
+        assert stopped["state"] == "ready" and not stopped["busy"]
+        assert (stopped["stats"]["forwards"], stopped["stats"]["forward_errors"]) == (2, 0)
+        log = d.log.read_text()
+        assert "forward m stopped after" in log and "the client went away; cancelled before" in log, log[-2000:]
+        if weights != "resident":  # it stopped partway: fewer layers were brought in than a forward needs
+            per_forward = done["weights"]["loads"] - before["weights"]["loads"]
+            assert 0 < stopped["weights"]["loads"] - done["weights"]["loads"] < per_forward, (before, done, stopped)
+            assert stopped["weights"]["peak"] <= size * 2 // 3
+        # The model serves on, and so does the other one.
+        assert torch.equal(forward(d.sock, "m", MINILM_INPUT)["sentence_embedding"], expected)
+        gpt2 = checkpoints["gpt2"]
+        assert torch.allclose(forward(d.sock, "gpt2", load_file(gpt2 / "inputs.safetensors"))["logits"],
+                              load_file(gpt2 / "expected.safetensors")["logits"], atol=1e-5)
+        # A client that only shuts down its sending side has not gone: it is answered.
+        body = save(MINILM_INPUT)
+        answer = raw(d.sock, b"POST /v1/models/m/forward HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+                     shutdown=True)
+        assert answer.startswith(b"HTTP/1.1 200 OK"), answer[:300]
+        metrics = request(d.sock, "GET", "/metrics")[1].decode()
+        assert 'vramd_forwards_cancelled_total{model="m"} 1' in metrics
+        assert d.stop() == 0
+
+
 def test_kill_during_load_then_restart(tmp_path, checkpoints):
     d = Daemon(tmp_path)
     add_model(d, "big", big_checkpoint(tmp_path / "big"), 'dtype = "bfloat16"')
@@ -461,7 +512,12 @@ def test_loopback_tcp_when_configured(tmp_path, checkpoints):
         connection.request("POST", "/v1/models/minilm/forward", body=save(MINILM_INPUT))
         response = connection.getresponse()
         assert response.status == 200 and load(response.read())["sentence_embedding"].shape == (1, 384)
+        # Closed over TCP while its forward runs, a request stops as over the Unix socket.
+        batch = {"input_ids": torch.ones(32, 256, dtype=torch.long)}
+        connection.request("POST", "/v1/models/minilm/forward", body=save(batch))
+        wait_for(lambda: model(d.sock, "minilm")["busy"], what="the forward to start")
         connection.close()
+        wait_for(lambda: model(d.sock, "minilm")["stats"]["forwards_cancelled"] == 1, what="the forward to stop")
         assert d.stop() == 0
 
 
