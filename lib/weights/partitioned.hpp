@@ -31,6 +31,7 @@ class Communicator;
 namespace vramd::weights {
 
 struct Assignment;
+struct SliceReads;  // partitioned.cpp
 
 class PartitionedWeights final : public Weights {
  public:
@@ -60,7 +61,10 @@ class PartitionedWeights final : public Weights {
   struct Unit;
   struct Use;  // what one layer's op needs
   Use& use_of(const model::Layer& layer);
+  // This rank's slice of the unit from the checkpoint: at once, or with its reads queued in
+  // `reads` to be made with others (the slice is whole once they are flushed).
   at::Tensor read_slice(const Unit& unit, c10::ScalarType dtype) const;
+  at::Tensor read_slice(const Unit& unit, c10::ScalarType dtype, SliceReads& reads) const;
   void materialise(const config::DeviceState& state, std::optional<c10::Device> home);
   uint64_t resting_bytes() const;
   void start_gather(Unit& unit);

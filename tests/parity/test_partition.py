@@ -4,6 +4,7 @@ holds its 1/N and gathers one layer at a time, and a rank that never joins or di
 fails the load with an error naming it."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models  # noqa: E402
@@ -74,6 +75,28 @@ def test_partitioned_outputs_equal_the_single_process_ones(witnesses, case, rank
     vram = stats["vram"]
     assert vram["order_learned"] and vram["prefetched"] > 0 and vram["loads"] > 0, vram
     assert f"rank 0 of {ranks}: holds 1/{ranks} of" in vram["plan"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("vram", ['direct_io = true', 'direct_io = true\nonload = { device = "cpu", dtype = "bfloat16" }',
+                                  'direct_io = false\nonload = { device = "cpu", dtype = "bfloat16" }'])
+def test_slices_read_with_o_direct_or_in_another_dtype_are_the_checkpoints(witnesses, vram, ranks, tmp_path):
+    # Every rank's slices are read together, several in flight: with O_DIRECT into buffers at
+    # the bytes' phase in a page, and in the stored dtype first where they rest in another. The
+    # witness is the single process on the float32 checkpoint, whose values bfloat16 holds
+    # exactly, so that resting in it changes nothing; 4 ranks pad the layers' ends.
+    folder = tmp_path / "rounded"
+    shutil.copytree(witnesses["bert"], folder)
+    weights = folder / "model" / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16).float() for k, v in load_file(weights).items()}, weights)
+    inputs = folder / "inputs.safetensors"
+    single, _ = run(write_config(tmp_path, folder), inputs, tmp_path)
+    got, stats = run(write_config(tmp_path, folder, f"[vram]\n{vram}\n" + partition(ranks)), inputs, tmp_path,
+                     "--ranks", ranks)
+    for name in got:
+        assert torch.equal(got[name], single[name]), name
+    if "bfloat16" in vram:  # the slices rest in bfloat16: half the bytes
+        assert stats["ranks"][0]["slices"] <= stats["bytes"] / 2 / ranks + 4 * 64 * ranks, stats["ranks"]
 
 
 @pytest.mark.cuda
