@@ -9,7 +9,8 @@ RSS) and cut to the rank's shard. Then the same forwards as vramd's.
         --logits logits.safetensors
 
 Rank 0 writes {"forward_median_seconds", "ranks": [{"peak_rss", "peak_rss_loading",
-"rss_before_load"}]} to --out and the last forward's logits to --logits.
+"rss_before_load", "load_seconds"}]} to --out and the last forward's logits to --logits; a
+rank's load_seconds run from its process group's start to every rank's shards in place.
 """
 import argparse
 import json
@@ -64,6 +65,7 @@ def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     before = rss_now()
+    load_start = time.perf_counter()
 
     config = transformers.AutoConfig.from_pretrained(args.checkpoint)
     with torch.device("meta"):
@@ -86,6 +88,7 @@ def main():
     model.eval()
     dist.barrier()
     loaded = peak_rss()
+    load_seconds = time.perf_counter() - load_start
 
     input_ids = load_file(args.input)["input_ids"]
     times = []
@@ -95,7 +98,8 @@ def main():
             logits = model(input_ids).logits
             times.append(time.perf_counter() - start)
     ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, {"peak_rss": peak_rss(), "peak_rss_loading": loaded, "rss_before_load": before})
+    dist.all_gather_object(ranks, {"peak_rss": peak_rss(), "peak_rss_loading": loaded, "rss_before_load": before,
+                                "load_seconds": load_seconds})
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"forward_median_seconds": statistics.median(times), "ranks": ranks}))
         save_file({"logits": logits.contiguous()}, args.logits)

@@ -12,6 +12,11 @@ with fewer cores than ranks the second ratio shows the cores shared, not the gat
 
 The peer: PyTorch FSDP2 (`fully_shard`, bench/fsdp_peer.py) on the same checkpoint, ranks,
 threads, input and forwards, started with torchrun. Its logits are compared with vramd's.
+
+Loads are cold: the checkpoint's pages are dropped from the page cache before each contender.
+vramd's load (its own load_seconds: every rank's slices read) is timed with the model's
+direct_io left to choose, and again with direct_io = true (a run of its own, one forward);
+FSDP2's from its process group's start to every rank's shards in place.
 """
 import argparse
 import json
@@ -24,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VRAMCTL = ROOT / "build" / "bin" / "vramctl"
 sys.path.insert(0, str(ROOT / "bench"))
 import load as load_bench  # noqa: E402  (makes the checkpoint)
+from vram import evict  # noqa: E402
 
 GiB = 1 << 30
 
@@ -78,6 +84,7 @@ def main():
         config.write_text(f'name = "p{ranks}"\ncheckpoint = "{folder}"\n[partition]\nworld_size = {ranks}\n'
                           'timeout = "10m"\n')
         ours = workdir / f"p{ranks}-out.safetensors"
+        evict(folder / "model.safetensors")
         got = vramctl_run(config, daemon_config, inputs, workdir / f"p{ranks}.json", args.forwards, "--ranks", str(ranks),
                           "--output", ours)
         largest = got["vram"]["streaming_room"]
@@ -94,7 +101,15 @@ def main():
               f"{'met' if worst <= goal else 'MISSED'}")
         print(f"  weights held at most {max(r['peak_weights'] for r in got['ranks']) / GiB:.2f} GiB per rank "
               f"(slices {got['ranks'][0]['slices'] / GiB:.2f} GiB); one process holds {model / GiB:.2f} GiB")
+        direct = workdir / f"partitioned{ranks}-direct.toml"
+        direct.write_text(config.read_text() + "[vram]\ndirect_io = true\n")
+        evict(folder / "model.safetensors")
+        got_direct = vramctl_run(direct, daemon_config, inputs, workdir / f"p{ranks}-direct.json", 1, "--ranks", str(ranks))
+        evict(folder / "model.safetensors")
         fsdp = fsdp_run(folder, inputs, workdir, ranks, threads, args.forwards)
+        fsdp_load = max(r["load_seconds"] for r in fsdp["ranks"])
+        print(f"  cold load: vramd {got['load_seconds']:.2f} s (direct_io auto), with direct_io = true {got_direct['load_seconds']:.2f} s; FSDP2 {fsdp_load:.2f} s (vramd "
+              f"{fsdp_load / got['load_seconds']:.2f}x and {fsdp_load / got_direct['load_seconds']:.2f}x faster)")
         theirs = load_file(workdir / f"fsdp{ranks}-logits.safetensors")["logits"].float()
         mine = load_file(ours)["logits"].float()
         fsdp_peaks = ", ".join(f"{r['peak_rss'] / GiB:.2f}" for r in fsdp["ranks"])
