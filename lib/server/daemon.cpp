@@ -70,7 +70,8 @@ class Daemon {
     return access;
   }
 
-  // SIGTERM, SIGINT: stop accepting, refuse what is queued, cancel loads, let forwards end.
+  // SIGTERM, SIGINT: stop accepting, refuse what is queued, cancel loads, let forwards end
+  // within the grace period, then stop them before their next layer.
   void stop(int number) {
     if (stopping_) return;
     stopping_ = true;
@@ -85,7 +86,14 @@ class Daemon {
   void poll_stop() {
     server_.close_idle();
     const bool done = registry_.idle() && server_.exchanges_in_flight() == 0;
-    if (!done && std::chrono::steady_clock::now() - stop_started_ < config_.limits.shutdown_grace) return;
+    const auto waited = std::chrono::steady_clock::now() - stop_started_;
+    if (!done && waited < config_.limits.shutdown_grace) return;
+    if (!done && !forwards_stopped_) {
+      forwards_stopped_ = true;
+      if (const size_t n = registry_.stop_forwards())
+        log::warn("grace period over: stopping " + std::to_string(n) + " forward(s) before their next layer");
+    }
+    if (!done && waited < config_.limits.shutdown_grace + kStopWait) return;
     if (!done) {
       log::warn("work still in flight after the grace period: exiting without waiting for it");
       std::fflush(stderr);
@@ -212,7 +220,7 @@ class Daemon {
     out << "# HELP vramd_forward_errors_total Forwards refused or failed, by model.\n# TYPE vramd_forward_errors_total counter\n";
     for (const Entry* e : registry_.entries())
       out << "vramd_forward_errors_total{model=\"" << e->name << "\"} " << e->forward_errors << '\n';
-    out << "# HELP vramd_forwards_cancelled_total Forwards stopped because their client went away, by model.\n"
+    out << "# HELP vramd_forwards_cancelled_total Forwards stopped early (client gone, shutdown grace over), by model.\n"
            "# TYPE vramd_forwards_cancelled_total counter\n";
     for (const Entry* e : registry_.entries())
       out << "vramd_forwards_cancelled_total{model=\"" << e->name << "\"} " << e->forwards_cancelled << '\n';
@@ -229,7 +237,9 @@ class Daemon {
   Registry registry_;
   uv_signal_t sigterm_{}, sigint_{};
   uv_timer_t timer_{};
-  bool stopping_ = false;
+  // After the grace period, how long forwards asked to stop have to do so before vramd exits anyway.
+  static constexpr std::chrono::seconds kStopWait{10};
+  bool stopping_ = false, forwards_stopped_ = false;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now(), stop_started_;
   std::map<std::string, uint64_t> requests_;
 };

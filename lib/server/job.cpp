@@ -43,14 +43,14 @@ void act(Job& job, Outcome& outcome) {
     case Job::Kind::Forward: {
       const auto start = std::chrono::steady_clock::now();
       try {
-        outcome.output = runtime.forward(job.input, job.abandoned.get());
+        outcome.output = runtime.forward(job.input, job.stop.get());
       } catch (const BadInput& error) {
         outcome.status = 400;
         outcome.error = error.what();
       } catch (const model::Cancelled& error) {
-        outcome.cancelled = true;
+        outcome.cancelled = true;  // the registry says why
         outcome.status = 499;
-        outcome.error = std::string("the client went away; ") + error.what();
+        outcome.error = error.what();
       }
       outcome.seconds = seconds_since(start);
       break;

@@ -27,8 +27,9 @@ struct Job {
   bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
   bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
   std::string device = "cpu";          // lease: where the client wants the weights
-  // Forward: set once its client has gone, which stops the forward before its next layer op.
-  std::shared_ptr<std::atomic<bool>> abandoned;
+  // Forward: set once its client has gone, or at shutdown once the grace period is over; the
+  // forward then stops before its next layer op.
+  std::shared_ptr<std::atomic<bool>> stop;
 
   explicit Job(Kind kind, std::shared_ptr<Exchange> exchange = {}, bool stream = false)
       : kind(kind), exchange(std::move(exchange)), stream(stream) {}
@@ -50,7 +51,7 @@ struct Outcome {
   std::optional<model::VramStats> vram;
   bool loaded = false;     // the job loaded the model
   std::string load_error;  // loading failed (the model is then unloaded)
-  bool cancelled = false;  // a load by its progress callback, a forward by `abandoned`
+  bool cancelled = false;  // a load by its progress callback, a forward by `stop`
   // The model's weights are not whole: a rank of a partitioned model died or stopped answering,
   // or a checkpoint was cut short under its mapped weights (storage::MappingLost).
   bool weights_lost = false;

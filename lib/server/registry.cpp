@@ -351,13 +351,14 @@ void Registry::start_job(Entry& entry, Job job) {
     if (job.exchange && job.kind == Job::Kind::Load) follow_load(entry, job.exchange);
     log::info("loading " + entry.name);
   }
-  if (job.exchange && job.kind == Job::Kind::Forward) {
+  if (job.kind == Job::Kind::Forward) {
+    entry.stop_forward = job.stop = std::make_shared<std::atomic<bool>>(false);
     // A forward nobody waits for stops, and with it the load it started, if nobody else needs that.
-    job.abandoned = std::make_shared<std::atomic<bool>>(false);
-    job.exchange->on_gone([e = &entry, abandoned = job.abandoned] {
-      abandoned->store(true);
-      cancel_unwatched_load(*e);
-    });
+    if (job.exchange)
+      job.exchange->on_gone([e = &entry, stop = job.stop] {
+        stop->store(true);
+        cancel_unwatched_load(*e);
+      });
   }
   std::shared_ptr<Runtime> runtime = entry.runtime;
   if (job.kind == Job::Kind::Unload || job.kind == Job::Kind::Replace) entry.runtime.reset();  // freed on the worker
@@ -388,6 +389,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   entry.vram = outcome.vram;
   auto watchers = std::exchange(entry.load_watchers, {});
   entry.cancel.reset();
+  entry.stop_forward.reset();
   const std::string what = std::string(job.name()) + " " + entry.name;
 
   if (outcome.loaded) {
@@ -406,10 +408,14 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     status = outcome.cancelled ? 499 : 500;
     body = {{"error", (outcome.cancelled ? "" : "loading " + quote(entry.name) + " failed: ") + outcome.load_error}};
     log::warn(body["error"].get<std::string>());
-  } else if (outcome.cancelled) {  // a forward whose client went away: nobody to answer
+  } else if (outcome.cancelled) {  // a forward whose client went away, or cut short by a shutdown
     entry.state = ModelState::Ready;
     entry.forwards_cancelled++;
-    log::info(what + " stopped after " + std::to_string(outcome.seconds) + " s: " + outcome.error);
+    const bool gone = !job.exchange || job.exchange->gone();
+    const std::string why = gone ? "the client went away" : "vramd is shutting down and its grace period is over";
+    log::info(what + " stopped after " + std::to_string(outcome.seconds) + " s: " + why + "; " + outcome.error);
+    status = 503;
+    body = {{"error", "forward of " + quote(entry.name) + " stopped: " + why + " (" + outcome.error + ")"}};
   } else if (status != 200) {
     body = {{"error", outcome.error}};
     if (job.kind == Job::Kind::Forward) entry.forward_errors++;
@@ -582,6 +588,13 @@ void Registry::begin_shutdown() {
     e->waiting_for_room = false;
     if (e->cancel) e->cancel->store(true);
   }
+}
+
+size_t Registry::stop_forwards() {
+  size_t stopped = 0;
+  for (auto& [name, e] : entries_)
+    if (e->stop_forward && !e->stop_forward->exchange(true)) stopped++;
+  return stopped;
 }
 
 bool Registry::idle() const {

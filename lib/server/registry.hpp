@@ -69,7 +69,8 @@ struct Entry {
   bool waiting_for_room = false;
   std::deque<Job> queue;
   std::vector<std::shared_ptr<Exchange>> load_watchers;  // streamed progress of the running load
-  std::shared_ptr<std::atomic<bool>> cancel;            // of the running load (a forward has its own)
+  std::shared_ptr<std::atomic<bool>> cancel;            // of the running load
+  std::shared_ptr<std::atomic<bool>> stop_forward;      // of the running forward
   LoadProgress progress;
   Clock::time_point progress_sent{};
 
@@ -109,6 +110,9 @@ class Registry {
 
   // SIGTERM: refuse queued work, cancel loads; `idle()` says when in-flight work has ended.
   void begin_shutdown();
+  // Once the grace period is over: forwards still running stop before their next layer (a
+  // partitioned one runs to its end) and are answered 503. Returns how many were asked to.
+  size_t stop_forwards();
   bool idle() const;
   void close();  // frees every model (joins the workers) and closes the handles
 

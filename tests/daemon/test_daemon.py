@@ -447,6 +447,29 @@ def test_a_forward_whose_client_leaves_stops_and_the_model_serves_on(tmp_path, c
         assert d.stop() == 0
 
 
+def test_a_forward_past_the_shutdown_grace_stops_and_is_answered(tmp_path, checkpoints):
+    # SIGTERM waits shutdown_grace for forwards; one still running then stops before its next
+    # layer and its client hears why, and the daemon exits cleanly (LeakSanitizer watches the
+    # exit) instead of leaving without a word.
+    d = Daemon(tmp_path, extra='[limits]\nshutdown_grace = "1s"')
+    add_model(d, "minilm", checkpoints["minilm"])
+    with d.start():
+        forward(d.sock, "minilm", MINILM_INPUT)
+        batch = {"input_ids": torch.randint(1000, 2000, (64, 256))}  # several seconds here
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(request, d.sock, "POST", "/v1/models/minilm/forward", save(batch))
+            wait_for(lambda: model(d.sock, "minilm")["busy"], what="the forward to start")
+            d.process.send_signal(signal.SIGTERM)
+            status, body = answer.result(60)
+        error = json.loads(body)["error"]
+        assert status == 503 and "vramd is shutting down and its grace period is over" in error, (status, body[:300])
+        assert "cancelled before 'encoder.layer." in error, error
+        assert d.process.wait(30) == 0
+        log = d.log.read_text()
+        assert "grace period over: stopping 1 forward(s) before their next layer" in log
+        assert "exiting without waiting" not in log
+
+
 def test_kill_during_load_then_restart(tmp_path, checkpoints):
     d = Daemon(tmp_path)
     add_model(d, "big", big_checkpoint(tmp_path / "big"), 'dtype = "bfloat16"')
