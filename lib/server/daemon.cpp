@@ -86,15 +86,15 @@ class Daemon {
   void poll_stop() {
     server_.close_idle();
     const bool done = registry_.idle() && server_.exchanges_in_flight() == 0;
-    const auto waited = std::chrono::steady_clock::now() - stop_started_;
-    if (!done && waited < config_.limits.shutdown_grace) return;
-    if (!done && !forwards_stopped_) {
-      forwards_stopped_ = true;
-      if (const size_t n = registry_.stop_forwards())
-        log::warn("grace period over: stopping " + std::to_string(n) + " forward(s) before their next layer");
-    }
-    if (!done && waited < config_.limits.shutdown_grace + kStopWait) return;
     if (!done) {
+      const auto waited = std::chrono::steady_clock::now() - stop_started_;
+      if (waited < config_.limits.shutdown_grace) return;
+      if (!forwards_stopped_) {
+        forwards_stopped_ = true;
+        if (const size_t n = registry_.stop_forwards())
+          log::warn("grace period over: stopping " + std::to_string(n) + " forward(s) before their next layer");
+      }
+      if (waited < config_.limits.shutdown_grace + kStopWait) return;
       log::warn("work still in flight after the grace period: exiting without waiting for it");
       std::fflush(stderr);
       std::_Exit(0);

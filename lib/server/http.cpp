@@ -297,12 +297,12 @@ class Connection {
       }
       return;
     }
-    if (self->parser_.receiving() && !self->exchange_)
+    if (self->parser_.receiving())
       return self->refuse(408, "request not received within " +
                                    std::to_string(self->server_.limits_.request_timeout.count()) + " ms");
     if (self->held_back_) log::info("closing the connection of " + self->peer_ + ": it took none of its " +
                                     std::to_string(self->unsent()) + " bytes of answers in time");
-    if (!self->exchange_) self->close();  // idle, or a client that does not read its answer
+    self->close();  // idle, or a client that does not read its answer
   }
 
   static void on_closed(uv_handle_t* handle) {
