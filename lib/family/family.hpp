@@ -5,6 +5,7 @@
 // mistake in it is reported with file:line:column before any checkpoint is read. Torch-free.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
