@@ -24,7 +24,14 @@ set(_torch_libs "${TORCH_LIB_DIR}/libtorch_cpu.so" "${TORCH_LIB_DIR}/libc10.so")
 if(EXISTS "${TORCH_LIB_DIR}/libtorch_cuda.so")
   set(VRAMD_TORCH_HAS_CUDA ON)
 endif()
+# Every executable that links LibTorch exports none of its own symbols (torch_executable.map).
+# The wheel's LibTorch is built by another compiler, against another libstdc++, than ours; where
+# our executable exported its instances of libstdc++'s templates, LibTorch bound to them, and on
+# the lent GPU machines (Ubuntu 24.04, GCC 13) every vramd, vramctl run and vramd_tests process
+# ended in "free(): invalid pointer" as LibTorch's static destructors ran. Python, which exports
+# no C++, never saw it. tests/build/exports.cmake checks the executables.
 target_link_libraries(vramd_torch INTERFACE
   "-Wl,--no-as-needed" ${_torch_libs} "-Wl,--as-needed"
-  "-Wl,-rpath,${TORCH_LIB_DIR}" "-Wl,--allow-shlib-undefined")
+  "-Wl,-rpath,${TORCH_LIB_DIR}" "-Wl,--allow-shlib-undefined"
+  "-Wl,--version-script=${CMAKE_CURRENT_LIST_DIR}/torch_executable.map")
 message(STATUS "LibTorch: ${TORCH_ROOT} (CUDA libraries, opened at run time where a driver is: ${VRAMD_TORCH_HAS_CUDA})")
