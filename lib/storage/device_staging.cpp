@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -79,9 +80,11 @@ class DeviceStaging::Pool final : public StagingPool {
     if (kind_ == kRegistered) KeptMemory::instance().keep(device_, std::move(memory_));
   }
 
-  // The read about to start: its targets' bytes, and the stream their copies go on.
+  // The read about to start: its targets' bytes, the stream their copies go on, and whether the
+  // reading thread is in inference mode (a forward's, whose targets are then inference tensors).
   void begin(std::vector<at::Tensor> outs) {
     outs_ = std::move(outs);
+    inference_ = c10::InferenceMode::is_enabled();
     if (!device_.is_cpu()) stream_ = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
   }
 
@@ -95,6 +98,8 @@ class DeviceStaging::Pool final : public StagingPool {
   }
 
   void take(const LandedChunk& chunk) override {
+    // As on the reading thread: LibTorch refuses to write an inference tensor outside that mode.
+    const c10::InferenceMode mode(inference_);
     const auto from = static_cast<int64_t>(chunk.bytes.data() - static_cast<std::byte*>(memory_.mutable_data_ptr()));
     const auto n = static_cast<int64_t>(chunk.bytes.size());
     at::Tensor dst = outs_[chunk.range].narrow(0, static_cast<int64_t>(chunk.at), n);
@@ -173,6 +178,7 @@ class DeviceStaging::Pool final : public StagingPool {
   at::Tensor memory_;                // the buffers, one after another, as bytes
   std::vector<c10::Event> copied_;   // per buffer; none on the CPU, where copies are made at once
   std::vector<at::Tensor> outs_;     // the targets' bytes, during a read
+  bool inference_ = false;           // whether the reading thread is in inference mode
   std::optional<c10::Stream> stream_;
 };
 

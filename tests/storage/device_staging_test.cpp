@@ -1,10 +1,12 @@
 // ATen first: c10's logging defines a CHECK macro that Catch's must replace.
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,9 +36,13 @@ std::string checkpoint(const TempDir& dir) {
 }
 
 // Reads every tensor of the map through `staging` onto `device` and checks each against
-// load_tensor's copy on the CPU, twice: the second read reuses the buffers.
-void check_reads(DeviceStaging& staging, const DiskMap& map, c10::Device device, bool direct) {
+// load_tensor's copy on the CPU, twice: the second read reuses the buffers. With `inference`,
+// the targets are made and read into under c10::InferenceMode, as on a forward's thread, while
+// the buffered reads land on the reader's threads, which are not.
+void check_reads(DeviceStaging& staging, const DiskMap& map, c10::Device device, bool direct, bool inference = false) {
   for (int round = 0; round < 2; ++round) {
+    std::optional<c10::InferenceMode> mode;
+    if (inference) mode.emplace();
     std::vector<DeviceStaging::Target> targets;
     for (const auto& info : map.tensors()) {
       targets.push_back({info.file, info.offset,
@@ -67,6 +73,21 @@ TEST_CASE("DeviceStaging reads tensors at any offset through fewer buffers than 
   }
 }
 
+// A streamed model's forward reads a layer itself when the prefetch thread has not: under
+// c10::InferenceMode, into targets made under it, while the chunks land on the reader's threads,
+// which are not in that mode, through buffers the prefetch thread made in none. The copies out of
+// the buffers must be allowed on any thread: 8 MiB in 4 KiB chunks, so that the reader's other
+// threads take some even on two cores.
+TEST_CASE("DeviceStaging reads for a thread in inference mode through buffers made outside it") {
+  TempDir dir;
+  const auto path = dir / "big.safetensors";
+  save_tensors(path, {{"a.byte", at::full({1}, 7, at::kByte)}, {"b.big", at::randn({2 << 20})}});
+  const auto map = DiskMap::open(path);
+  DeviceStaging staging(c10::kCPU, 4, 4096);
+  check_reads(staging, map, c10::kCPU, false);  // the buffers made by a thread in no mode
+  check_reads(staging, map, c10::kCPU, false, /*inference=*/true);
+}
+
 TEST_CASE("DeviceStaging refuses a target that is not a contiguous tensor on its device") {
   TempDir dir;
   const auto map = DiskMap::open(checkpoint(dir));
@@ -92,6 +113,7 @@ TEST_CASE("DeviceStaging reads onto a GPU through registered huge pages or pinne
     for (const bool direct : {false, true}) {
       DeviceStaging staging(cuda, 3, 65536, memory);
       check_reads(staging, map, cuda, direct);
+      check_reads(staging, map, cuda, direct, /*inference=*/true);
       // A refused registration falls back to pinned memory: here it must not have been refused.
       CHECK(staging.host_memory() ==
             (memory == Memory::Registered ? "huge pages registered with the CUDA driver" : "LibTorch's pinned memory"));
