@@ -3,6 +3,7 @@ the CPU, every skip named with its reason in the report, exit 0. (On a GPU machi
 must run every CUDA test; tests/conftest.py makes a skip fail there.)"""
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -68,3 +69,25 @@ def test_gpu_check_out_of_time_still_reports_what_ran_out(tmp_path):
     assert figures["skipped"]["resident"] == "out of the GPU check's time budget (--deadline)", figures["skipped"]
     assert "- FAILED: the CUDA tests ran out of their 1 s (--budget 1)" in report, report
     assert "- skipped daemon: out of the GPU check's time budget (--deadline)" in report, report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
+def test_gpu_check_names_a_test_binary_that_dies_at_exit(tmp_path):
+    """On the first GPU machine lent, vramd_tests passed every case and then aborted at exit: the
+    report must say the process died, not only that its cases passed, and keep a backtrace
+    where a debugger is installed. The real vramd_tests runs, then its process aborts."""
+    real = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl")).parent / "vramd_tests"
+    dying = tmp_path / "vramd_tests"
+    dying.write_text(f'#!/bin/sh\n"{real}" "$@"\nkill -ABRT $$\n')
+    dying.chmod(0o755)
+    out = tmp_path / "out"
+    done = subprocess.run([ROOT / "scripts" / "gpu-check", "--no-setup", "--forwards", "1", "--budget", "1",
+                           "--workdir", tmp_path / "work", out], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VRAMD_TESTS": str(dying)})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert "- passed: `vramd_tests: LibTorch's CUDA half is opened only where a CUDA driver is`" in report, report
+    died = [line for line in report.splitlines() if line.startswith("- FAILED: vramd_tests died of signal 6")]
+    assert len(died) == 1, report
+    if shutil.which("gdb") or shutil.which("cuda-gdb"):
+        assert "(backtrace: catch2-backtrace.log)" in died[0] and (out / "catch2-backtrace.log").exists(), report
