@@ -89,5 +89,9 @@ def test_gpu_check_names_a_test_binary_that_dies_at_exit(tmp_path):
     assert "- passed: `vramd_tests: LibTorch's CUDA half is opened only where a CUDA driver is`" in report, report
     died = [line for line in report.splitlines() if line.startswith("- FAILED: vramd_tests died of signal 6")]
     assert len(died) == 1, report
+    # Which copies the dynamic linker chose for libstdc++'s symbols: libtorch_cpu's own, at least.
+    bindings = (out / "catch2-bindings.log").read_text()
+    assert "libtorch_cpu.so: std::" in bindings, bindings[:3000]
     if shutil.which("gdb") or shutil.which("cuda-gdb"):
-        assert "(backtrace: catch2-backtrace.log)" in died[0] and (out / "catch2-backtrace.log").exists(), report
+        assert "(backtrace: catch2-backtrace.log; bindings: catch2-bindings.log)" in died[0], report
+        assert (out / "catch2-backtrace.log").exists()
