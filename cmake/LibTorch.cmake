@@ -25,11 +25,11 @@ if(EXISTS "${TORCH_LIB_DIR}/libtorch_cuda.so")
   set(VRAMD_TORCH_HAS_CUDA ON)
 endif()
 # Every executable that links LibTorch exports none of its own symbols (torch_executable.map).
-# The wheel's LibTorch is built by another compiler, against another libstdc++, than ours; where
-# our executable exported its instances of libstdc++'s templates, LibTorch bound to them, and on
-# the lent GPU machines (Ubuntu 24.04, GCC 13) every vramd, vramctl run and vramd_tests process
-# ended in "free(): invalid pointer" as LibTorch's static destructors ran. Python, which exports
-# no C++, never saw it. tests/build/exports.cmake checks the executables.
+# The wheel's LibTorch is built by another toolchain, against another libstdc++, than ours; where
+# our executable exported its instances of libstdc++'s templates, LibTorch and libstdc++ bound to
+# them: a known cause of aborts at exit (pytorch/pytorch#30507), and the suspect in the one every
+# torch-linked process of ours met on a lent H200 (Ubuntu 24.04, GCC 13; docs/benchmarks.md),
+# which Python, exporting no C++, never met. tests/build/exports.cmake checks the executables.
 target_link_libraries(vramd_torch INTERFACE
   "-Wl,--no-as-needed" ${_torch_libs} "-Wl,--as-needed"
   "-Wl,-rpath,${TORCH_LIB_DIR}" "-Wl,--allow-shlib-undefined"
