@@ -248,9 +248,16 @@ def vramctl_run(workdir, folder, name, vram, args):
     config.write_text(f'checkpoint = "{folder}"\ndtype = "bfloat16"\n[vram]\n{vram}')
     (workdir / "vramd.toml").write_text(BUDGETS)
     stats = workdir / f"{name}-stats.json"
+    stats.unlink(missing_ok=True)  # never an earlier run's
     out = subprocess.run([VRAMCTL, "run", config, "--daemon-config", workdir / "vramd.toml", "-i", workdir / "inputs.safetensors",
                           "--repeat", str(args.forwards), "--stats-json", stats],
                          capture_output=True, text=True, timeout=time_left())
+    if out.returncode < 0 and stats.exists():
+        # Killed by a signal after it wrote its figures (an abort at exit, as on the first GPU
+        # machine lent): a failure all the same, with the figures kept beside the error.
+        return {**json.loads(stats.read_text()),
+                "error": f"{out.stderr[-4000:]}\nvramctl run {name} died of signal {-out.returncode} after writing its "
+                         "figures (kept in figures.json)"}
     if out.returncode != 0:
         raise RuntimeError(f"vramctl run {name} failed:\n{out.stderr[-4000:]}")
     return json.loads(stats.read_text())

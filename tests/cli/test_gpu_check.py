@@ -1,10 +1,12 @@
 """scripts/gpu-check where there is no GPU, as CI and every CPU machine run it: the same steps on
 the CPU, every skip named with its reason in the report, exit 0. (On a GPU machine the same script
 must run every CUDA test; tests/conftest.py makes a skip fail there.)"""
+import argparse
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,27 @@ def test_gpu_check_names_a_test_binary_that_dies_at_exit(tmp_path):
     if shutil.which("gdb") or shutil.which("cuda-gdb"):
         assert "(backtrace: catch2-backtrace.log; bindings: catch2-bindings.log)" in died[0], report
         assert (out / "catch2-backtrace.log").exists()
+
+
+def test_gpu_bench_keeps_the_figures_of_a_vramctl_run_that_dies_at_exit(tmp_path, monkeypatch):
+    """On the first GPU machine lent, every `vramctl run` aborted at exit after writing its
+    figures, and the bench kept none of them. Now such a run is still a failure, but its figures
+    stay in figures.json beside the error. The real vramctl runs, then its process aborts."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu as bench
+    real = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl"))
+    dying = tmp_path / "vramctl"
+    dying.write_text(f'#!/bin/sh\n"{real}" "$@"\nkill -ABRT $$\n')
+    dying.chmod(0o755)
+    monkeypatch.setattr(bench, "VRAMCTL", dying)
+    folder = tmp_path / "llama"
+    bench.load_bench.warm_checkpoint(folder, dict(bench.SMALL, num_hidden_layers=2))
+    torch.manual_seed(0)
+    from safetensors.torch import save_file
+    save_file({"input_ids": torch.randint(0, 1000, (1, 8))}, tmp_path / "inputs.safetensors")
+    got = bench.vramctl_run(tmp_path, folder, "resident", 'computation = { device = "cpu" }\n',
+                            argparse.Namespace(forwards=1))
+    assert got["error"].endswith("vramctl run resident died of signal 6 after writing its figures (kept in figures.json)")
+    assert got["forwards"] == 1 and got["forward_median_seconds"] > 0, got
+    summary = bench.summarise({"resident": got, "skipped": {}})
+    assert [line for line in summary if line.startswith("FAILED resident: vramctl run resident died of signal 6")], summary
