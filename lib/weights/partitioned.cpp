@@ -80,7 +80,8 @@ void read_flat(const Source& source, const Assignment& assignment, int64_t begin
   if (const storage::TensorInfo* info = plain(source, assignment)) {
     const c10::ScalarType stored = storage::scalar_type(map, *info);
     const uint64_t offset = file_offset(source, *info, begin);
-    at::Tensor target = stored == out.scalar_type() ? out : read_buffer(source, end - begin, stored, offset % 4096);
+    at::Tensor target =
+        stored == out.scalar_type() ? out : read_buffer(source, end - begin, stored, direct_phase(offset, stored));
     reads.ranges.push_back({info->file, offset, {static_cast<std::byte*>(target.mutable_data_ptr()), target.nbytes()}});
     if (!target.is_same(out)) reads.casts.emplace_back(target, out);
     return;
@@ -257,7 +258,7 @@ at::Tensor PartitionedWeights::read_slice(const Unit& unit, c10::ScalarType dtyp
     if (begin >= unit.offsets[i] + unit.parameters[i]->elements()) continue;
     const storage::TensorInfo* info = plain(*source_, *unit.parts[i]);
     if (info && storage::scalar_type(source_->map, *info) == dtype)
-      phase = file_offset(*source_, *info, begin - unit.offsets[i]) % 4096;
+      phase = direct_phase(file_offset(*source_, *info, begin - unit.offsets[i]), dtype);
     break;
   }
   at::Tensor slice = read_buffer(*source_, unit.slice, dtype, phase);

@@ -13,6 +13,7 @@
 #include "convert/evaluate.hpp"
 #include "storage/dequantize_ops.hpp"
 #include "storage/device_staging.hpp"
+#include "storage/file.hpp"
 #include "storage/page_cache.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/error.hpp"
@@ -146,6 +147,11 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
   for (auto& a : assignments) a.block = convert::packed_type(*a.expr, map);
   return std::make_shared<Source>(
       Source{std::move(map), std::move(assignments), config.path, direct.direct, std::move(direct.why)});
+}
+
+uint64_t direct_phase(uint64_t offset, c10::ScalarType dtype) {
+  const uint64_t phase = offset % storage::File::kDirectAlignment;
+  return phase % c10::elementSize(dtype) == 0 ? phase : 0;
 }
 
 at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase) {

@@ -94,6 +94,11 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
 // that remainder modulo 4096 then goes straight into it with O_DIRECT (storage/reader.hpp).
 at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase = 0);
 
+// fresh_buffer's `phase` for a tensor read as `dtype` from file offset `offset` with O_DIRECT:
+// the offset modulo 4096, or 0 where a buffer beginning there would not hold whole elements
+// aligned to their size (the read then goes through a bounce buffer instead).
+uint64_t direct_phase(uint64_t offset, c10::ScalarType dtype);
+
 // Waits for the copies queued on the calling thread's current stream of `device` (read_into's
 // through staging among them); nothing to wait for on the CPU.
 void synchronise(c10::Device device);

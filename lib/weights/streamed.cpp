@@ -160,14 +160,13 @@ StreamedWeights::~StreamedWeights() {
   for (const auto& layer : model_.layers()) layer->set_manager(nullptr);
 }
 
-// Where a buffer for the slot's parameter `i` should begin within a page: its offset in the
-// checkpoint modulo 4096, when it is read there as stored with O_DIRECT (so the reads go
+// Where a buffer for the slot's parameter `i` should begin within a page: direct_phase of its
+// offset in the checkpoint, when it is read there as stored with O_DIRECT (so the reads go
 // straight into it); else 0.
 uint64_t StreamedWeights::phase(const Slot& slot, size_t i) const {
   if (!source_->direct || !slot.parts[i]) return 0;
   const storage::TensorInfo* info = source_->stored(*slot.parts[i], slot.forms[i]);
-  const uint64_t phase = info ? info->offset % storage::File::kDirectAlignment : 0;
-  return phase % c10::elementSize(slot.forms[i]) == 0 ? phase : 0;
+  return info ? direct_phase(info->offset, slot.forms[i]) : 0;
 }
 
 // The slot's weights on the computation device as the preparing state holds them (slot.forms),
