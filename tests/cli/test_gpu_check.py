@@ -15,6 +15,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+def dying(tmp_path, name):
+    """The build's executable `name` behind a wrapper that aborts once it has ended, as every
+    process of ours that links LibTorch did at exit on the first GPU machine lent."""
+    real = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl")).parent / name
+    wrapper = tmp_path / name
+    wrapper.write_text(f'#!/bin/sh\n"{real}" "$@"\nkill -ABRT $$\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
 def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     out = tmp_path / "out"
@@ -78,14 +88,10 @@ def test_gpu_check_names_a_test_binary_that_dies_at_exit(tmp_path):
     """On the first GPU machine lent, vramd_tests passed every case and then aborted at exit: the
     report must say the process died, not only that its cases passed, and keep a backtrace
     where a debugger is installed. The real vramd_tests runs, then its process aborts."""
-    real = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl")).parent / "vramd_tests"
-    dying = tmp_path / "vramd_tests"
-    dying.write_text(f'#!/bin/sh\n"{real}" "$@"\nkill -ABRT $$\n')
-    dying.chmod(0o755)
     out = tmp_path / "out"
     done = subprocess.run([ROOT / "scripts" / "gpu-check", "--no-setup", "--forwards", "1", "--budget", "1",
                            "--workdir", tmp_path / "work", out], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "VRAMD_TESTS": str(dying)})
+                          env={**os.environ, "VRAMD_TESTS": str(dying(tmp_path, "vramd_tests"))})
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "- passed: `vramd_tests: LibTorch's CUDA half is opened only where a CUDA driver is`" in report, report
@@ -105,11 +111,7 @@ def test_gpu_bench_keeps_the_figures_of_a_vramctl_run_that_dies_at_exit(tmp_path
     stay in figures.json beside the error. The real vramctl runs, then its process aborts."""
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu as bench
-    real = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl"))
-    dying = tmp_path / "vramctl"
-    dying.write_text(f'#!/bin/sh\n"{real}" "$@"\nkill -ABRT $$\n')
-    dying.chmod(0o755)
-    monkeypatch.setattr(bench, "VRAMCTL", dying)
+    monkeypatch.setattr(bench, "VRAMCTL", dying(tmp_path, "vramctl"))
     folder = tmp_path / "llama"
     bench.load_bench.warm_checkpoint(folder, dict(bench.SMALL, num_hidden_layers=2))
     torch.manual_seed(0)
