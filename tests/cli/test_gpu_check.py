@@ -97,6 +97,17 @@ def test_gpu_check_names_a_test_binary_that_dies_at_exit(tmp_path):
     assert "- passed: `vramd_tests: LibTorch's CUDA half is opened only where a CUDA driver is`" in report, report
     died = [line for line in report.splitlines() if line.startswith("- FAILED: vramd_tests died of signal 6")]
     assert len(died) == 1, report
+    # Which part of a process it takes to die: here only the wrapped vramd_tests dies.
+    assert "  - a plain C++ program linked to LibTorch, its CUDA half opened: exit 0 (said: opened)" in report, report
+    assert "  - vramd_exit_probe (LibTorch linked, nothing opened): exit 0" in report, report
+    assert ("  - vramd_exit_probe libraries (LibTorch's CUDA half opened whatever the driver): exit 0 "
+            "(said: LibTorch's CUDA half is open)") in report, report
+    preloaded = [line for line in report.splitlines()
+                 if line.startswith("  - vramd_exit_probe driver with the other libraries of vramd_tests preloaded (")]
+    assert len(preloaded) == 1 and "libluajit-5.1.so.2" in preloaded[0] and ": exit 0" in preloaded[0], report
+    assert ('  - vramd_tests "sizes read in binary and decimal units" (a case that makes no tensor): '
+            "died of signal 6") in report, report
+    assert "  - python: import torch, a tensor on cpu: exit 0" in report, report
     # Which copies the dynamic linker chose for libstdc++'s symbols: libtorch_cpu's own, at least.
     bindings = (out / "catch2-bindings.log").read_text()
     assert "libtorch_cpu.so: std::" in bindings, bindings[:3000]
