@@ -16,6 +16,8 @@ contender runs in a fresh process.
               the staged reads alone, into buffers of 4 KiB pages and of huge pages, and on a
               GPU onto the device through huge pages registered with the driver (vramd's
               staging) and through LibTorch's pinned memory (vramd_bench_storage)
+  direct_io   streaming from disk with direct_io "auto" (the default), true and false: auto's
+              forward against the better of the other two, and the path its plan chose
   streaming   [vram].limit a quarter of the model, onload on the host and on disk, against
               accelerate (load_checkpoint_and_dispatch, decoder layers on "cpu" or "disk", the
               rest on the device) and DiffSynth-Studio (enable_vram_management, offload on
@@ -358,6 +360,20 @@ def streamed_config(device, onload, limit, onload_dtype=None, direct_io=None):
             f'onload = {{ device = "{onload}"{dtype} }}\nlimit = {limit}\n{direct}')
 
 
+def disk_path(stats):
+    """Which path a streamed model's reads from disk took and why, as its plan says."""
+    plan = stats["vram"].get("plan", "")
+    start = plan.find("streamed from disk (")
+    if start < 0 or ";" not in plan[start:]:
+        return "its plan does not say"
+    depth, begin = 0, plan.index(";", start) + 2
+    for at in range(start + len("streamed from disk "), len(plan)):  # to the parenthesis that closes it
+        depth += {"(": 1, ")": -1}.get(plan[at], 0)
+        if depth == 0:
+            return plan[begin:at]
+    return plan[begin:]
+
+
 def staging_rate(stats):
     v = stats["vram"]
     return v["bytes_streamed"] / v["read_seconds"] if v["read_seconds"] else None
@@ -396,6 +412,8 @@ def run(args):
     step("vramd_disk", lambda: vramctl_run(workdir, folder, "streamed-disk", streamed_config(args.device, "disk", limit), args))
     step("vramd_disk_direct", lambda: vramctl_run(workdir, folder, "streamed-disk-direct",
                                                   streamed_config(args.device, "disk", limit, direct_io=True), args))
+    step("vramd_disk_buffered", lambda: vramctl_run(workdir, folder, "streamed-disk-buffered",
+                                                    streamed_config(args.device, "disk", limit, direct_io=False), args))
     step("accelerate_disk", lambda: contender("accelerate-disk", args, folder, str(workdir / "accelerate-offload")))
     step("diffsynth_disk", lambda: contender("diffsynth-disk", args, folder, limit=limit))
     step("read_bound_bytes_per_second", lambda: read_bound_bytes_per_second(folder / "model.safetensors"))
@@ -452,6 +470,10 @@ def summarise(r):
         rate, bound = staging_rate(r["vramd_disk_direct"]), r["read_bound_bytes_per_second"]
         lines.append(f"disk-to-device onload (direct_io): {rate / 1e9:.2f} GB/s against the disk's read bound, "
                      f"{bound / 1e9:.2f} GB/s ({rate / bound:.0%}); forward {fwd('vramd_disk_direct'):.3f} s")
+    if ok(r, "vramd_disk", "vramd_disk_direct", "vramd_disk_buffered"):
+        auto, true, false = fwd("vramd_disk"), fwd("vramd_disk_direct"), fwd("vramd_disk_buffered")
+        lines.append(f"direct_io from disk: auto {auto:.3f} s a forward ({disk_path(r['vramd_disk'])}), true {true:.3f} s, "
+                     f"false {false:.3f} s: auto {auto / min(true, false):.2f}x the better")
     if ok(r, "staged_reads", "read_bound_bytes_per_second"):
         pages, huge, bound = r["staged_reads"]["pages"], r["staged_reads"]["huge"], r["read_bound_bytes_per_second"]
         lines.append(f"staged reads alone (16 of 8 MiB in flight, O_DIRECT): {pages / 1e9:.2f} GB/s into 4 KiB pages, "

@@ -47,7 +47,8 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
 
     figures = json.loads((out / "figures.json").read_text())
     assert figures["device"] == "cpu" and "gpu" not in figures and "torch:" in figures["environment"]
-    for step in ("resident", "vramd_disk", "vramd_disk_direct", "accelerate_disk", "diffsynth_disk", "transformers_ready",
+    for step in ("resident", "vramd_disk", "vramd_disk_direct", "vramd_disk_buffered", "accelerate_disk", "diffsynth_disk",
+                 "transformers_ready",
                  "sleep_wake", "lease", "load_file", "staged_reads"):
         assert "error" not in figures[step], (step, figures[step])
     assert 0 < figures["vramd_disk"]["vram"]["peak"] <= figures["limit"]
@@ -58,6 +59,10 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert any(line.startswith("streaming from disk: vramd ") and "accelerate" in line and "DiffSynth" in line
                for line in figures["summary"]), figures["summary"]
     assert any(line.startswith("ready on cpu: vramd ") for line in figures["summary"])
+    # direct_io "auto" against true and false, with the path auto's plan chose: here the page
+    # cache, as the small checkpoint fits it.
+    assert any(line.startswith("direct_io from disk: auto ") and "s a forward (page cache: " in line
+               and " the better" in line for line in figures["summary"]), figures["summary"]
     assert figures["staged_reads"]["pages"] > 0 and figures["staged_reads"]["huge"] > 0
     assert any(line.startswith("staged reads alone (16 of 8 MiB in flight, O_DIRECT): ") for line in figures["summary"])
     assert figures["lease"]["tensors"] == figures["load_file"]["tensors"] > 0
