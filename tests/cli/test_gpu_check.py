@@ -59,6 +59,8 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert any(line.startswith("streaming from disk: vramd ") and "accelerate" in line and "DiffSynth" in line
                for line in figures["summary"]), figures["summary"]
     assert any(line.startswith("ready on cpu: vramd ") for line in figures["summary"])
+    assert any(line.startswith("forward streamed from disk (direct_io): ") and "x the larger" in line
+               for line in figures["summary"]), figures["summary"]
     # direct_io "auto" against true and false, with the path auto's plan chose: here the page
     # cache, as the small checkpoint fits it.
     assert any(line.startswith("direct_io from disk: auto ") and "s a forward (page cache: " in line
