@@ -20,6 +20,7 @@
 #include "cli/run.hpp"
 #include "dist/launch.hpp"
 #include "util/error.hpp"
+#include "util/exit.hpp"
 #include "util/torch_cuda.hpp"
 
 namespace {
@@ -51,9 +52,7 @@ void add_daemon_config_option(CLI::App* command, std::string& path) {
                       "Daemon config, for budgets and converter folders (default: configs/vramd.toml if present)");
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int vramctl_main(int argc, char** argv) {
   CLI::App app{"vramctl: talk to vramd, and inspect checkpoints offline"};
   app.set_version_flag("--version", std::string("vramctl ") + VRAMD_VERSION);
   app.require_subcommand(1);
@@ -184,3 +183,8 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace
+
+// Ends without static destructors: LibTorch's cost the exit 0.1-0.2 s (util/exit.hpp).
+int main(int argc, char** argv) { vramd::exit_without_destructors(vramctl_main(argc, argv)); }

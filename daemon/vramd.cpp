@@ -16,6 +16,7 @@
 #include "server/daemon.hpp"
 #include "server/runtime.hpp"
 #include "util/error.hpp"
+#include "util/exit.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
 #include "util/torch_cuda.hpp"
@@ -50,9 +51,7 @@ int check(const vramd::config::DaemonConfig& config) {
   return invalid ? 1 : 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int vramd_main(int argc, char** argv) {
   CLI::App app{"vramd: keeps PyTorch models ready to run"};
   app.set_version_flag("--version", std::string("vramd ") + VRAMD_VERSION);
   std::string config_path = "configs/vramd.toml", socket;
@@ -92,3 +91,8 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace
+
+// Ends without static destructors: LibTorch's cost the exit 0.1-0.2 s (util/exit.hpp).
+int main(int argc, char** argv) { vramd::exit_without_destructors(vramd_main(argc, argv)); }

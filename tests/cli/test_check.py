@@ -2,6 +2,7 @@
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -53,6 +54,32 @@ def test_check_json_has_one_entry_per_config(tmp_path):
     assert [entry["ok"] for entry in doc["configs"]] == [True, False]
     assert doc["configs"][0]["tensors"] == 1
     assert "did you mean 'offload'?" in doc["configs"][1]["problems"][0]
+
+
+def test_vramctl_ends_without_libtorchs_teardown_and_all_it_printed_arrives(tmp_path):
+    """vramctl-torch ends once its command is done without static destructors (util/exit.hpp):
+    LibTorch's cost each exit 0.1-0.2 s, and aborted every process of ours on the H200. All it
+    printed must still arrive, here over 64 KiB through a pipe."""
+    models = setup(tmp_path)
+    for i in range(300):
+        (models / f"copy{i:03}.toml").write_text((models / "good.toml").read_text())
+    files = sorted(models.glob("copy*.toml"))
+
+    def run_logging_fini(name, *args):
+        log = tmp_path / name
+        done = subprocess.run([*map(str, args)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "LD_DEBUG": "files", "LD_DEBUG_OUTPUT": str(log)})
+        return done, "".join(p.read_text() for p in tmp_path.glob(name + ".*"))
+
+    result, loader = run_logging_fini("check", VRAMCTL, "check", *files, "--json", "--daemon-config",
+                                      tmp_path / "vramd.toml")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout) > 65536
+    assert [entry["name"] for entry in json.loads(result.stdout)["configs"]] == [f.stem for f in files]
+    assert "libtorch_cpu.so" in loader and "calling fini" not in loader, loader[-3000:]
+    # The witness that this test sees a teardown: the exit probe returns from main as usual.
+    _, loader = run_logging_fini("probe", Path(VRAMCTL).parent / "vramd_exit_probe")
+    assert "calling fini: " in loader and "libtorch_cpu.so" in loader
 
 
 def test_a_limit_without_a_budget_is_refused_with_the_daemon_config_named(tmp_path):

@@ -366,7 +366,8 @@ def test_disconnect_cancels_a_load_and_sigterm_with_work_in_flight(tmp_path, che
     d = Daemon(tmp_path, extra='[limits]\nshutdown_grace = "30s"')
     add_model(d, "big", big_checkpoint(tmp_path / "big"), 'dtype = "bfloat16"')
     add_model(d, "minilm", checkpoints["minilm"])
-    with d.start():
+    # The dynamic linker's log shows whether vramd ends without static destructors (util/exit.hpp).
+    with d.start(env={"LD_DEBUG": "files", "LD_DEBUG_OUTPUT": str(tmp_path / "ld")}):
         s = socket.socket(socket.AF_UNIX)
         s.connect(str(d.sock))
         s.sendall(b"POST /v1/models/big/load?stream=true HTTP/1.1\r\n\r\n")
@@ -398,6 +399,8 @@ def test_disconnect_cancels_a_load_and_sigterm_with_work_in_flight(tmp_path, che
         assert d.process.wait(30) == 0
         assert not d.sock.exists()
         assert "SIGTERM: stopping" in d.log.read_text()
+        loader = (tmp_path / f"ld.{d.process.pid}").read_text()
+        assert "libtorch_cpu.so" in loader and "calling fini" not in loader, loader[-3000:]
 
 
 @pytest.mark.parametrize("weights", ["streamed with O_DIRECT", "resident"])
