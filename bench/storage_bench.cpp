@@ -31,6 +31,7 @@
 #include "storage/device_staging.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
+#include "util/exit.hpp"
 #include "util/torch_cuda.hpp"
 
 using namespace vramd::storage;
@@ -156,7 +157,9 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-int main(int argc, char** argv) {
+namespace {
+
+int bench_main(int argc, char** argv) {
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {  // c10::Error's what() carries a backtrace: its first line says it
@@ -165,3 +168,8 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace
+
+// Ends as vramd does, without LibTorch's teardown (util/exit.hpp).
+int main(int argc, char** argv) { vramd::exit_without_destructors(bench_main(argc, argv)); }
