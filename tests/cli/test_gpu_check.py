@@ -15,10 +15,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+def built(name):
+    """The build's executable `name`, beside the vramctl under test."""
+    return Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl")).parent / name
+
+
 def dying(tmp_path, name):
     """The build's executable `name` behind a wrapper that aborts once it has ended, as every
     process of ours that links LibTorch did at exit on the first GPU machine lent."""
-    real = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl")).parent / name
+    real = built(name)
     wrapper = tmp_path / name
     wrapper.write_text(f'#!/bin/sh\n"{real}" "$@"\nkill -ABRT $$\n')
     wrapper.chmod(0o755)
@@ -114,8 +119,8 @@ def test_gpu_check_names_a_test_binary_that_dies_at_exit(tmp_path):
     assert len(preloaded) == 1 and ": exit 0" in preloaded[0], report
     # LuaJIT is in that process either way: preloaded, or linked by the probe itself where the
     # compiler links every library named (GCC does under a sanitizer: no --as-needed).
-    probe = Path(os.environ.get("VRAMCTL", ROOT / "build" / "bin" / "vramctl")).parent / "vramd_exit_probe"
-    linked = subprocess.run(["readelf", "-d", probe], capture_output=True, text=True, check=True).stdout
+    linked = subprocess.run(["readelf", "-d", built("vramd_exit_probe")], capture_output=True, text=True,
+                            check=True).stdout
     assert "libluajit-5.1.so.2" in preloaded[0] or "[libluajit-5.1.so.2]" in linked, (report, linked)
     assert ('  - vramd_tests "sizes read in binary and decimal units" (a case that makes no tensor): '
             "died of signal 6") in report, report
