@@ -305,7 +305,20 @@ TEST_CASE("a staged read of a file cut short fails naming it, and writes no buff
       const size_t takes = pool.takes;
       CHECK(pool.left_alone());
       CHECK(pool.takes == takes);
-      CHECK(outs[0].substr(0, 65536) == pattern(65536));  // what landed before the end was taken as it was
+      // What landed before the end was taken as it was, and nothing else was. Which chunks landed
+      // before the failure stopped the rest is the threads' and the disk's order (a read that ends
+      // after the failure is dropped), but one did at least: the read past the end starts only
+      // once a buffer's copy is done.
+      const std::string before_the_cut = pattern(1u << 20), untouched(65536, '\0');
+      size_t kept = 0;
+      for (size_t at = 0; at < outs[0].size(); at += 65536) {
+        INFO("the 64 KiB at " << at);
+        const std::string block = outs[0].substr(at, 65536);
+        if (at < before_the_cut.size() && block == before_the_cut.substr(at, 65536)) ++kept;
+        else CHECK((block == untouched));
+      }
+      CHECK(kept > 0);
+      CHECK(kept == takes);
     }
 }
 
