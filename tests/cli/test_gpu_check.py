@@ -133,6 +133,25 @@ def test_gpu_check_names_a_test_binary_that_dies_at_exit(tmp_path):
         assert (out / "catch2-backtrace.log").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
+def test_gpu_check_explains_a_death_only_within_its_time(tmp_path):
+    """Finding out why vramd_tests died (probes, a debugger, the linker's bindings) must not eat
+    the tests' and benchmarks' time on a lent machine: past --explain seconds each step is cut,
+    and the report and logs say so instead of what the step would have found."""
+    out = tmp_path / "out"
+    done = subprocess.run([ROOT / "scripts" / "gpu-check", "--no-setup", "--forwards", "1", "--budget", "1",
+                           "--explain", "0", "--workdir", tmp_path / "work", out], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VRAMD_TESTS": str(dying(tmp_path, "vramd_tests"))})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert len([line for line in report.splitlines() if line.startswith("- FAILED: vramd_tests died of signal 6")]) == 1
+    probes = [line for line in report.splitlines() if line.startswith("  - ")]
+    assert len(probes) == 7 and all(line.endswith(": out of time") for line in probes), report
+    assert "# out of time: bindings logged until then" in (out / "catch2-bindings.log").read_text()
+    if shutil.which("gdb") or shutil.which("cuda-gdb"):
+        assert "gpu-check: the debugger ran out of time" in (out / "catch2-backtrace.log").read_text()
+
+
 def test_gpu_bench_keeps_the_figures_of_a_vramctl_run_that_dies_at_exit(tmp_path, monkeypatch):
     """On the first GPU machine lent, every `vramctl run` aborted at exit after writing its
     figures, and the bench kept none of them. Now such a run is still a failure, but its figures
