@@ -41,6 +41,7 @@ diffsynth pinned in bench/requirements.txt, which scripts/setup and the offline 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -323,7 +324,8 @@ def through_daemon(workdir, folder, args):
     device = args.device
     folder_d = workdir / "daemon"
     (folder_d / "models").mkdir(parents=True, exist_ok=True)
-    sock = Path(tempfile.mkdtemp(prefix="vramd-gpu-")) / "vramd.sock"
+    sock_dir = Path(tempfile.mkdtemp(prefix="vramd-gpu-"))  # short: a socket's path has 107 bytes at most
+    sock = sock_dir / "vramd.sock"
     (folder_d / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\nlog_level = "warn"\n{BUDGETS}')
     offload = "cpu" if device.startswith("cuda") else "disk"
     (folder_d / "models" / "bench.toml").write_text(
@@ -351,6 +353,7 @@ def through_daemon(workdir, folder, args):
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def streamed_config(device, onload, limit, onload_dtype=None, direct_io=None):

@@ -32,9 +32,10 @@ def dying(tmp_path, name):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
 def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
-    out = tmp_path / "out"
+    out, temporary = tmp_path / "out", tmp_path / "tmp"
+    temporary.mkdir()
     done = subprocess.run([ROOT / "scripts" / "gpu-check", "--no-setup", "--forwards", "2", "--workdir", tmp_path / "work",
-                           out], capture_output=True, text=True, timeout=900, env=os.environ)
+                           out], capture_output=True, text=True, timeout=900, env={**os.environ, "TMPDIR": str(temporary)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert report.startswith("# vramd GPU check: passed"), report
@@ -77,6 +78,7 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert any(line.startswith("a state dict on cpu in a fresh process: lease ") for line in figures["summary"])
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt"):
         assert (out / log).exists(), log
+    assert not list(temporary.glob("vramd-*")), list(temporary.iterdir())  # the daemon's socket folder, say
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
