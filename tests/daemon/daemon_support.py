@@ -100,18 +100,23 @@ def as_user(uid, function, gid=None, wait=True):
 
 
 @contextlib.contextmanager
+def public_folder(prefix):
+    """A new folder under the temporary directory that other users can reach (tmp_path's parents
+    are its owner's only), removed with what it holds at the end of the block."""
+    public = Path(tempfile.mkdtemp(prefix=prefix))
+    public.chmod(0o755)
+    try:
+        yield public
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def squatter(uid, answer):
     """A server run by `uid` (root only) on a socket in a folder that user owns, answering every
     request with the bytes `answer` until the block ends: what a client must refuse. Yields the
     socket's path."""
-    public = Path(tempfile.mkdtemp(prefix="vramd-squat-"))  # a folder other users can reach
-    public.chmod(0o755)
-    folder = public / "squat"
-    folder.mkdir()
-    os.chown(folder, uid, uid)
-    sock = folder / "vramd.sock"
-
-    def serve():  # until killed (or 20 s idle)
+    def serve(sock):  # until killed (or 20 s idle)
         server = socket.socket(socket.AF_UNIX)
         server.bind(str(sock))
         os.chmod(sock, 0o666)
@@ -126,14 +131,18 @@ def squatter(uid, answer):
             except OSError:
                 pass
             client.close()
-    pid = as_user(uid, serve, wait=False)
-    try:
-        wait_for(sock.exists, what="the fake daemon")
-        yield sock
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        shutil.rmtree(public)
+    with public_folder("vramd-squat-") as public:
+        folder = public / "squat"
+        folder.mkdir()
+        os.chown(folder, uid, uid)
+        sock = folder / "vramd.sock"
+        pid = as_user(uid, lambda: serve(sock), wait=False)
+        try:
+            wait_for(sock.exists, what="the fake daemon")
+            yield sock
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def wait_for(predicate, timeout=20, what="condition"):

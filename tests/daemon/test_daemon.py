@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from daemon_support import ROOT, Daemon, as_user, get_json, model, raw, request, vramctl, wait_for
+from daemon_support import ROOT, Daemon, as_user, get_json, model, public_folder, raw, request, vramctl, wait_for
 import hf_models
 
 sys.path.insert(0, str(ROOT / "python"))
@@ -498,32 +497,31 @@ def test_kill_during_load_then_restart(tmp_path, checkpoints):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other uids")
 def test_other_uids_are_refused_unless_listed(tmp_path, checkpoints):
-    public = Path(tempfile.mkdtemp(prefix="vramd-test-"))  # a folder other users can reach
-    public.chmod(0o755)
-    d = Daemon(tmp_path, extra="[access]\nuids = [12345]", sock=public / "vramd.sock")
-    with d.start():
-        assert oct(d.sock.stat().st_mode & 0o777) == "0o666"  # open: SO_PEERCRED decides
+    with public_folder("vramd-test-") as public:
+        d = Daemon(tmp_path, extra="[access]\nuids = [12345]", sock=public / "vramd.sock")
+        with d.start():
+            assert oct(d.sock.stat().st_mode & 0o777) == "0o666"  # open: SO_PEERCRED decides
 
-        def as_uid(uid, gid=None):
-            return as_user(uid, lambda: raw(d.sock, b"GET /v1/health HTTP/1.1\r\nConnection: close\r\n\r\n"), gid)
+            def as_uid(uid, gid=None):
+                return as_user(uid, lambda: raw(d.sock, b"GET /v1/health HTTP/1.1\r\nConnection: close\r\n\r\n"), gid)
 
-        refused = as_uid(65534)
-        assert refused.startswith(b"HTTP/1.1 403 ") and b"uid 65534 may not use this daemon" in refused
-        assert as_uid(12345).startswith(b"HTTP/1.1 200 ")
-        assert d.stop() == 0
+            refused = as_uid(65534)
+            assert refused.startswith(b"HTTP/1.1 403 ") and b"uid 65534 may not use this daemon" in refused
+            assert as_uid(12345).startswith(b"HTTP/1.1 200 ")
+            assert d.stop() == 0
 
-    # A group: the socket is the group's (0660) and its members get in.
-    d = Daemon(tmp_path / "group", extra='[access]\ngroup = "nogroup"', sock=public / "group.sock")
-    with d.start():
-        info = d.sock.stat()
-        assert oct(info.st_mode & 0o777) == "0o660" and info.st_gid == 65534
-        assert as_uid(12345, gid=65534).startswith(b"HTTP/1.1 200 ")
-        assert b"PermissionError" in as_uid(12346)  # not in the group: the socket's mode keeps it out
-        assert d.stop() == 0
+        # A group: the socket is the group's (0660) and its members get in.
+        d = Daemon(tmp_path / "group", extra='[access]\ngroup = "nogroup"', sock=public / "group.sock")
+        with d.start():
+            info = d.sock.stat()
+            assert oct(info.st_mode & 0o777) == "0o660" and info.st_gid == 65534
+            assert as_uid(12345, gid=65534).startswith(b"HTTP/1.1 200 ")
+            assert b"PermissionError" in as_uid(12346)  # not in the group: the socket's mode keeps it out
+            assert d.stop() == 0
 
-    d2 = Daemon(tmp_path / "private")
-    with d2.start():
-        assert oct(d2.sock.stat().st_mode & 0o777) == "0o600"  # owner only by default
+        d2 = Daemon(tmp_path / "private")
+        with d2.start():
+            assert oct(d2.sock.stat().st_mode & 0o777) == "0o600"  # owner only by default
 
 
 def test_loopback_tcp_when_configured(tmp_path, checkpoints):
