@@ -125,8 +125,9 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const Dtype& base_
     if (vram.onload.device.is_disk())
       table->bad_value("onload_limit", "it caps the weights resting on the onload device, and onload is \"disk\"; "
                                        "give onload a device such as \"cpu\"");
-    else if (vram.onload.device == vram.computation.device && vram.limit)  // both on one device
-      within_budget("onload_limit", vram.onload.device, *vram.onload_limit + *vram.limit,
+    else if (uint64_t both = 0; vram.onload.device == vram.computation.device && vram.limit)  // both on one device
+      within_budget("onload_limit", vram.onload.device,
+                    __builtin_add_overflow(*vram.onload_limit, *vram.limit, &both) ? UINT64_MAX : both,  // no wrap to fit
                     "vram.limit (" + format_bytes(*vram.limit) + ") on the same device");
     else
       within_budget("onload_limit", vram.onload.device, *vram.onload_limit);

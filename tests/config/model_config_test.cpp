@@ -344,6 +344,13 @@ TEST_CASE("an onload limit needs an onload device and room in its budget") {
         both_cpu + ":5:16: vram.onload_limit = '6GiB': with vram.limit (3.00 GiB) on the same device, more than the "
                    "daemon's whole budget for cpu (8.00 GiB)");
   CHECK(load_model_config(both_cpu, daemon_with({{"cpu", 9ull << 30}})).vram.onload_limit == 6ull << 30);
+  // The two limits' sum must not wrap around to fit: 2^64 - 2 KiB (the largest size below 2^64)
+  // and 1 GiB add up to 1 GiB - 2 KiB in 64 bits.
+  auto wraps = dir.write("w.toml", "checkpoint = \"w\"\n[vram]\nonload = { device = \"cpu\" }\nlimit = \"1GiB\"\n"
+                                   "onload_limit = \"18446744073709549568B\"\n");
+  CHECK(problems_of(wraps, daemon_with({{"cpu", 8ull << 30}})) ==
+        wraps + ":5:16: vram.onload_limit = '18446744073709549568B': with vram.limit (1.00 GiB) on the same device, "
+                "more than the daemon's whole budget for cpu (8.00 GiB)");
   auto no_budget = dir.write("c.toml", "checkpoint = \"w\"\n[vram]\ncomputation = { device = \"cuda\" }\nonload = { device = \"cpu\" }\nonload_limit = \"6GiB\"\n");
   CHECK(problems_of(no_budget, daemon_with({{"cuda:0", 8ull << 30}})) ==
         no_budget + ":5:16: vram.onload_limit = '6GiB': a limit on cpu, for which vramd.toml sets no budget (budgets: "
