@@ -204,7 +204,7 @@ std::optional<toml::table> parse_toml_text(std::string_view text, const std::str
   try {
     return toml::parse(text, path);
   } catch (const toml::parse_error& error) {
-    problems.add(error.source(), std::string(error.description()));
+    problems.add(error.source(), escape_invalid_utf8(error.description()));  // it quotes the file: "saw 'f\n'"
     return std::nullopt;
   }
 }

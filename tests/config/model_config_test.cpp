@@ -197,6 +197,10 @@ TEST_CASE("a missing checkpoint or converter and a syntax error are reported") {
         no_script + ":2:13: converter = 'gone.lua': no such script (looked for " + dir / "gone.lua" + ")");
   auto syntax = dir.write("c.toml", "name = \"unterminated\n");
   CHECK_THAT(problems_of(syntax, default_daemon_config()), Catch::StartsWith(syntax + ":1:"));
+  // The parser quotes what it saw, which may hold a newline or any control character: one line.
+  auto quoted = dir.write("d.toml", std::string("checkpoint = \"w\"\nstrict = f\n\0\0\0\n", 28));
+  CHECK(problems_of(quoted, default_daemon_config()) ==
+        quoted + ":2:11: Error while parsing boolean: expected 'false', saw 'f\\x0a'");
 }
 
 TEST_CASE("the daemon config reads budgets and defaults and refuses unknown devices and keys") {
