@@ -272,9 +272,4 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   return config;
 }
 
-storage::DiskMap open_checkpoint(const ModelConfig& config) {
-  return storage::DiskMap::open(config.checkpoint,
-                                {.prefix = config.prefix, .strip_prefix = !config.keep_prefix, .shards = !config.converter.empty()});
-}
-
 }  // namespace vramd::config

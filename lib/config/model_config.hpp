@@ -82,6 +82,10 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
 
 // The model's checkpoint as its config reads it: under its prefix, and with a converter, the
 // same name in several files as slices for the converter to join (DiskMapOptions::shards).
-storage::DiskMap open_checkpoint(const ModelConfig& config);
+// Inline, so that reading a config links no checkpoint reader (fuzz/fuzz_model_config).
+inline storage::DiskMap open_checkpoint(const ModelConfig& config) {
+  return storage::DiskMap::open(config.checkpoint,
+                                {.prefix = config.prefix, .strip_prefix = !config.keep_prefix, .shards = !config.converter.empty()});
+}
 
 }  // namespace vramd::config
