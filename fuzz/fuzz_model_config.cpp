@@ -2,18 +2,16 @@
 // there becomes a ModelConfig whose limits fit the daemon's budgets (the two on one device
 // together) and whose [arch] table is valid JSON, or one vramd::Error whose every line is valid
 // UTF-8 and names the file; nothing else may happen (no other exception, no crash).
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
-#include <string_view>
 
 #include <nlohmann/json.hpp>
 
 #include "config/model_config.hpp"
+#include "refusal.hpp"
 #include "util/error.hpp"
-#include "util/utf8.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const vramd::config::DaemonConfig daemon = [] {
@@ -41,13 +39,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::abort();
     }
   } catch (const vramd::Error& e) {
-    const std::string_view what = e.what();
-    if (!vramd::valid_utf8(what)) std::abort();
-    for (size_t begin = 0; begin <= what.size();) {
-      const size_t end = std::min(what.find('\n', begin), what.size());
-      if (what.substr(begin, end - begin).find(path) == std::string_view::npos) std::abort();
-      begin = end + 1;
-    }
+    if (!names_the_file_on_every_line(e.what(), path)) std::abort();
   }
   return 0;
 }
