@@ -3,16 +3,14 @@
 #pragma once
 
 #include <algorithm>
+#include <string>
 #include <string_view>
 
+#include "util/format.hpp"
 #include "util/utf8.hpp"
 
 inline bool names_the_file_on_every_line(std::string_view what, std::string_view file) {
-  if (!vramd::valid_utf8(what)) return false;
-  for (size_t begin = 0; begin <= what.size();) {
-    const size_t end = std::min(what.find('\n', begin), what.size());
-    if (what.substr(begin, end - begin).find(file) == std::string_view::npos) return false;
-    begin = end + 1;
-  }
-  return true;
+  const auto lines = vramd::split_lines(what);
+  return vramd::valid_utf8(what) &&
+         std::all_of(lines.begin(), lines.end(), [&](const std::string& line) { return line.find(file) != std::string::npos; });
 }
