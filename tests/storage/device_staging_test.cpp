@@ -5,15 +5,14 @@
 
 #include <catch2/catch.hpp>
 
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "storage/device_staging.hpp"
 #include "storage/tensor_io.hpp"
+#include "support/cuda.hpp"
 #include "support/temp_dir.hpp"
-#include "util/torch_cuda.hpp"
 
 using namespace vramd::storage;
 using vramd::test::TempDir;
@@ -99,12 +98,7 @@ TEST_CASE("DeviceStaging refuses a target that is not a contiguous tensor on its
 }
 
 TEST_CASE("DeviceStaging reads onto a GPU through registered huge pages or pinned memory", "[cuda]") {
-  if (!vramd::torch_cuda::missing().empty() || !at::hasCUDA()) {
-    if (const char* require = std::getenv("VRAMD_REQUIRE_CUDA"); require && std::string(require) == "1")
-      FAIL("no CUDA device here, and VRAMD_REQUIRE_CUDA=1 says one must run this");
-    WARN("skipped: no CUDA device here (" << vramd::torch_cuda::missing() << "); scripts/gpu-check runs it on one");
-    return;
-  }
+  if (!vramd::test::cuda_device_here()) return;
   TempDir dir;
   const auto map = DiskMap::open(checkpoint(dir));
   const c10::Device cuda(c10::kCUDA, 0);
