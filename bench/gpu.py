@@ -26,7 +26,7 @@ contender runs in a fresh process.
   ready       time to ready on the device: vramctl run's plan and load against transformers'
               from_pretrained(device_map=DEVICE)
   float8      onload resting in float8_e4m3fn, computed in bfloat16, against bfloat16 onload:
-              bytes streamed and forward median
+              bytes moved to the device and forward median
   sleep/wake  through the daemon: offload (to the host from a GPU; to disk on the CPU) and onload
               again, seconds per GiB
   lease       through the daemon, in a fresh process: a complete state dict on the device from a
@@ -500,8 +500,10 @@ def summarise(r):
         lines.append(f"ready on {r['device']}: vramd {ours:.3f} s, from_pretrained {theirs:.3f} s ({theirs / ours:.2f}x)")
     if ok(r, "vramd_host", "vramd_host_float8"):
         a, b = r["vramd_host"], r["vramd_host_float8"]
-        lines.append(f"float8 onload: {b['vram']['bytes_streamed']} bytes streamed against {a['vram']['bytes_streamed']} in "
-                     f"bfloat16, forward {fwd('vramd_host_float8'):.3f} s against {fwd('vramd_host'):.3f} s")
+        moved, plain = b["vram"]["bytes_moved"], a["vram"]["bytes_moved"]
+        lines.append(f"float8 onload: {moved} bytes moved to the device against {plain} in bfloat16 "
+                     f"({moved / plain:.2f}x), forward {fwd('vramd_host_float8'):.3f} s against "
+                     f"{fwd('vramd_host'):.3f} s")
     if ok(r, "lease", "load_file"):
         a, b = r["lease"], r["load_file"]
         memory = (f"; the device's free memory shrank by {a['device_bytes_grown'] / 2**20:.1f} MiB for the lease, "

@@ -24,6 +24,7 @@ void to_json(nlohmann::json& out, const VramStats& v) {
          {"bytes_streamed", v.bytes_streamed},
          {"bytes_mapped", v.bytes_mapped},
          {"bytes_packed", v.bytes_packed},
+         {"bytes_moved", v.bytes_moved},
          {"wait_seconds", v.wait_seconds},
          {"read_seconds", v.read_seconds},
          {"order_learned", v.order_learned}};

@@ -26,6 +26,8 @@ struct VramStats {
   uint64_t bytes_streamed = 0;   // brought in since load
   uint64_t bytes_mapped = 0;     // of those, mapped from the page cache instead of copied (CPU)
   uint64_t bytes_packed = 0;     // of those, GGUF blocks brought in packed
+  uint64_t bytes_moved = 0;      // copied into the computation device's memory for them, in the dtype
+                                 // they travelled in (a float8 onload state's, or the checkpoint's)
   size_t loads = 0;              // streamed slot loads since load
   size_t prefetched = 0;         // of those, ready before their op asked
   double wait_seconds = 0;       // time ops waited for their weights

@@ -342,6 +342,7 @@ void PartitionedWeights::start_gather(Unit& unit) {
   count_held();
   stats_.loads++;
   stats_.bytes_streamed += unit.bytes;
+  stats_.bytes_moved += unit.bytes;  // gathered as sliced
   unit.pending = communicator_->all_gather(unit.gathered, unit.sent);
 }
 

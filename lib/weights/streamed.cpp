@@ -343,8 +343,10 @@ bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slo
 
 void StreamedWeights::count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors) {
   stats_.bytes_streamed += slot.bytes;
+  for (const auto& t : slot.held) stats_.bytes_moved += t.nbytes();  // prepare carried them as held
   for (const auto& t : tensors) {
     if (storage::is_mapped_view(t)) stats_.bytes_mapped += t.nbytes();
+    else if (slot.held.empty()) stats_.bytes_moved += t.nbytes();  // read from the checkpoint
     if (t.scalar_type() == kPacked) stats_.bytes_packed += t.nbytes();
   }
 }

@@ -183,6 +183,7 @@ def test_direct_reads_leave_the_page_cache_alone(witnesses, direct, tmp_path):
     direct = direct is True
     # Without O_DIRECT, streamed weights on the CPU are views of the page cache, not copies.
     assert v["bytes_mapped"] == (0 if direct else v["bytes_streamed"]), v
+    assert v["bytes_moved"] == v["bytes_streamed"] - v["bytes_mapped"], v  # O_DIRECT reads copy them in
     cached = cached_bytes(checkpoint)
     if direct:  # the header, read through the cache when the index opens; no weights
         assert cached <= 64 << 10, cached
