@@ -49,6 +49,13 @@ at::Tensor unpacked(const DiskMap& map, const TensorInfo& info, std::span<const 
 // Whether the tensor's memory is such a mapping, never to be written.
 bool is_mapped_view(const at::Tensor& tensor);
 
+// Casts `value` into `out` (both contiguous, as many elements, any dtypes and devices) with no
+// memory but out's own, the value's bytes carried into out as they are and cast there. Onto a
+// device from the host, a plain copy_ casts on the host, one core at a fraction of the bus's
+// speed, and carries the wider form across (a float8 onload state's layers crossed as bfloat16);
+// from host to host, copy_ is faster.
+void cast_into(const at::Tensor& value, at::Tensor& out);
+
 struct LoadOptions {
   std::optional<c10::ScalarType> dtype;  // convert after reading
   bool direct = false;                   // O_DIRECT: for cold data, keeps the page cache clean

@@ -93,6 +93,9 @@ void Source::convert_into(const Assignment& a, const at::Tensor& value, at::Tens
     storage::dequantize_into(*a.block, value.to(out.device()).contiguous(), out);
   else if (value.scalar_type() != kPacked && out.scalar_type() == kPacked)
     out.copy_(read(a, c10::kCPU, kPacked, false));
+  else if (value.is_cpu() && !out.is_cpu() && value.scalar_type() != out.scalar_type() && value.is_contiguous() &&
+           out.is_contiguous())
+    storage::cast_into(value, out);
   else
     out.copy_(value);
 }

@@ -1,5 +1,6 @@
 // ATen first: c10's logging defines a CHECK macro that Catch's must replace.
 #include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
 
 #include <catch2/catch.hpp>
 
@@ -8,6 +9,7 @@
 #include <fstream>
 
 #include "storage/tensor_io.hpp"
+#include "support/cuda.hpp"
 #include "support/temp_dir.hpp"
 #include "util/error.hpp"
 
@@ -248,4 +250,46 @@ TEST_CASE("dtype names in LibTorch's spelling are exactly the types LibTorch has
   CHECK(torch_dtype_name(DType::F8_E4M3) == "float8_e4m3fn");
   CHECK_FALSE(parse_torch_dtype("BF16"));  // safetensors' spelling is not LibTorch's
   CHECK_FALSE(parse_torch_dtype("auto"));
+}
+
+namespace {
+
+// cast_into onto `device` from host values (pinned or not) gives what a plain cast gives, at the
+// sizes where its steps begin and end, widening and narrowing, and allocates nothing there.
+void check_casts(c10::Device device, bool pinned) {
+  const std::pair<c10::ScalarType, c10::ScalarType> casts[] = {
+      {at::kFloat8_e4m3fn, at::kBFloat16}, {at::kFloat8_e5m2, at::kFloat}, {at::kFloat, at::kBFloat16},
+      {at::kBFloat16, at::kFloat8_e4m3fn}, {at::kBFloat16, at::kHalf}};
+  at::manual_seed(7);
+  for (const auto& [from, to] : casts) {
+    for (const auto& shape : {std::vector<int64_t>{0}, {1}, {65536}, {65537}, {3 * 65536 + 7}, {1027, 1021}}) {
+      INFO(c10::toString(from) << " to " << c10::toString(to) << ", " << at::IntArrayRef(shape) << (pinned ? ", pinned" : ""));
+      at::Tensor value = (at::randn(shape) * 8).to(from);
+      if (pinned) value = value.pin_memory();
+      at::Tensor out = at::empty(shape, at::TensorOptions().dtype(to).device(device));
+      const auto allocated = [&] {
+        return device.is_cpu() ? 0 : c10::getDeviceAllocator(device.type())->getDeviceStats(device.index()).allocated_bytes[0].current;
+      };
+      const int64_t before = allocated();
+      vramd::storage::cast_into(value, out);
+      CHECK(allocated() == before);
+      CHECK(at::equal(out.cpu(), value.to(to)));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cast_into casts within the memory of the tensor it fills, as a plain cast does") {
+  check_casts(c10::kCPU, false);
+  at::Tensor out = at::empty({4, 3});
+  CHECK_THROWS_WITH(vramd::storage::cast_into(at::zeros({3, 4}, at::kBFloat16).t(), out),
+                    "cast_into needs contiguous tensors");
+  CHECK_THROWS_WITH(vramd::storage::cast_into(at::zeros({5}, at::kBFloat16), out),
+                    "cast_into cannot cast 5 elements into 12");
+}
+
+TEST_CASE("cast_into casts host values on a GPU, carrying them across as they are", "[cuda]") {
+  if (!vramd::test::cuda_device_here()) return;
+  for (const bool pinned : {false, true}) check_casts(c10::Device(c10::kCUDA, 0), pinned);
 }
