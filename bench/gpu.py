@@ -448,6 +448,11 @@ def ok(results, *names):
                for n in names)
 
 
+def shrank(grown):
+    """How the device's free memory changed, from the bytes a process grew it by."""
+    return f"shrank by {grown / 2**20:.1f} MiB" if grown >= 0 else f"grew by {-grown / 2**20:.1f} MiB"
+
+
 def summarise(r):
     """One line per comparison: what was measured against what, and the ratio."""
     lines = []
@@ -506,8 +511,8 @@ def summarise(r):
                      f"{fwd('vramd_host'):.3f} s")
     if ok(r, "lease", "load_file"):
         a, b = r["lease"], r["load_file"]
-        memory = (f"; the device's free memory shrank by {a['device_bytes_grown'] / 2**20:.1f} MiB for the lease, "
-                  f"{b['device_bytes_grown'] / 2**20:.1f} MiB for load_file" if r["device"].startswith("cuda") else "")
+        memory = (f"; the device's free memory {shrank(a['device_bytes_grown'])} for the lease, "
+                  f"{shrank(b['device_bytes_grown'])} for load_file" if r["device"].startswith("cuda") else "")
         lines.append(f"a state dict on {r['device']} in a fresh process: lease {a['seconds']:.4f} s, load_file "
                      f"{b['seconds']:.4f} s ({b['seconds'] / a['seconds']:.1f}x), of a {a['bytes'] / 2**20:.1f} MiB "
                      f"model{memory}")
