@@ -5,6 +5,7 @@ contender runs in a fresh process.
 
     .venv/bin/python bench/gpu.py [--device cuda:0] [--size 1b|small] [--workdir DIR]
                                   [--forwards 5] [--json FILE] [--deadline UNIX_TIME]
+                                  [--only STEP,...]   # those steps alone (STEPS below)
 
   staging     host to device: vramd's streamed onload from host memory (bytes streamed over the
               time spent bringing them in) against a plain copy of pinned host memory to the
@@ -402,6 +403,9 @@ def run(args):
     skip = results["skipped"]
 
     def step(name, body):
+        assert name in STEPS, name
+        if args.only and name not in args.only:
+            return
         print(f"gpu bench: {name}", file=sys.stderr, flush=True)
         if DEADLINE is not None and time.time() >= DEADLINE:
             skip[name] = OUT_OF_TIME
@@ -441,6 +445,12 @@ def run(args):
         skip["diffsynth_host"] = why + "DiffSynth-Studio's host offload computes on a GPU"
     results["summary"] = summarise(results)
     return results
+
+
+# What run() measures, in its order: --only picks from these.
+STEPS = ("resident", "vramd_disk", "vramd_disk_direct", "vramd_disk_buffered", "accelerate_disk", "diffsynth_disk",
+         "read_bound_bytes_per_second", "staged_reads", "transformers_ready", "daemon", "vramd_host",
+         "vramd_host_float8", "accelerate_cpu", "diffsynth_host", "copy_bound")
 
 
 def ok(results, *names):
@@ -540,7 +550,10 @@ def main():
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help="time.time() by which every step must be done")
+    parser.add_argument("--only", type=lambda text: text.split(","), help="those steps alone, comma separated")
     args = parser.parse_args()
+    if unknown := set(args.only or ()) - set(STEPS):
+        parser.error(f"--only names no step: {', '.join(sorted(unknown))} (steps: {', '.join(STEPS)})")
     global DEADLINE
     DEADLINE = args.deadline
     if args.contender:

@@ -172,3 +172,19 @@ def test_gpu_bench_keeps_the_figures_of_a_vramctl_run_that_dies_at_exit(tmp_path
     assert got["forwards"] == 1 and got["forward_median_seconds"] > 0, got
     summary = bench.summarise({"resident": got, "skipped": {}})
     assert [line for line in summary if line.startswith("FAILED resident: vramctl run resident died of signal 6")], summary
+
+
+def test_gpu_bench_runs_only_the_steps_named(tmp_path):
+    """`--only` reruns one comparison on a lent machine without the rest; a name that is no step
+    is refused before anything runs, with the steps there are."""
+    bench = [sys.executable, ROOT / "bench" / "gpu.py", "--device", "cpu", "--size", "small", "--workdir", tmp_path]
+    refused = subprocess.run(bench + ["--only", "resident,vramd_fp8"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--only names no step: vramd_fp8 (steps: resident, vramd_disk," in refused.stderr
+    assert not list(tmp_path.iterdir())
+    figures = tmp_path / "figures.json"
+    done = subprocess.run(bench + ["--only", "resident", "--forwards", "1", "--json", figures],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(figures.read_text())
+    assert got["resident"]["forwards"] == 1 and "gpu bench: resident" in done.stderr, got
+    assert not {"vramd_disk", "accelerate_disk", "lease", "staged_reads"} & got.keys(), got.keys()
