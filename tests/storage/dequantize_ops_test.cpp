@@ -1,5 +1,6 @@
 // ATen first: c10's logging defines a CHECK macro that Catch's must replace.
 #include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
 
 #include <catch2/catch.hpp>
 
@@ -10,6 +11,7 @@
 
 #include "storage/dequantize.hpp"
 #include "storage/dequantize_ops.hpp"
+#include "support/cuda.hpp"
 #include "util/error.hpp"
 
 using namespace vramd::storage;
@@ -91,4 +93,35 @@ TEST_CASE("aten unpacking refuses bytes that do not hold the tensor") {
                     "a tensor of shape [2, 40] is not whole rows of Q8_0 blocks of 32 elements");
   at::Tensor fits = at::empty({2, 32}, at::kFloat);
   CHECK_THROWS_WITH(dequantize_into(DType::F16, packed, fits), "F16 is not a type vramd unpacks");
+}
+
+TEST_CASE("aten unpacking from the host onto a GPU carries a step's blocks at a time", "[cuda]") {
+  if (!vramd::test::cuda_device_here()) return;
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto* allocator = c10::getDeviceAllocator(c10::kCUDA);
+  std::mt19937 rng(9);
+  for (const auto& layout : kLayouts) {
+    // 64 Mi elements, 256 steps: 32 random rows repeated, so that the packed bytes (21 MB for
+    // Q2_K, the smallest) dwarf one step's scratch (a few MiB of float32).
+    const int64_t rows = 32, columns = 8192, copies = 256;
+    const auto bytes = random_blocks(layout, static_cast<size_t>(rows * columns / dtype_block(layout.dtype)), rng);
+    const at::Tensor some =
+        at::from_blob(const_cast<std::byte*>(bytes.data()), packed_shape(layout.dtype, {rows, columns}), at::kByte);
+    at::Tensor packed = some.repeat({copies, 1});
+    at::Tensor expected = at::empty({rows * copies, columns}, at::kBFloat16);
+    dequantize_into(layout.dtype, packed, expected);
+    for (const bool pinned : {false, true}) {
+      INFO(dtype_name(layout.dtype) << (pinned ? ", pinned" : ""));
+      if (pinned) packed = packed.pin_memory();
+      at::Tensor out = at::empty({rows * copies, columns}, at::TensorOptions().dtype(at::kBFloat16).device(cuda));
+      allocator->resetPeakStats(0);
+      const int64_t before = allocator->getDeviceStats(0).allocated_bytes[0].current;
+      dequantize_into(layout.dtype, packed, out);
+      const auto stats = allocator->getDeviceStats(0).allocated_bytes[0];
+      CHECK(at::equal(out.cpu(), expected));
+      // Never the whole packed tensor on the device: a step's blocks and its float32 values.
+      CHECK(stats.peak - before < static_cast<int64_t>(packed.nbytes() / 2));
+      CHECK(stats.current == before);
+    }
+  }
 }
