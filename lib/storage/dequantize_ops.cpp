@@ -167,7 +167,7 @@ void dequantize_into(DType dtype, const at::Tensor& packed, at::Tensor& out) {
   const Unpack unpack = unpacker(dtype);
   if (!unpack) throw Error(std::string(dtype_name(dtype)) + " is not a type vramd unpacks");
   if (packed.scalar_type() != at::kByte || !packed.is_contiguous() || !out.is_contiguous() ||
-      (packed.device() != out.device() && !packed.is_cpu()) || !packed.sizes().equals(packed_shape(dtype, out.sizes())))
+      !packed.sizes().equals(packed_shape(dtype, out.sizes())))
     throw Error("dequantize: " + std::string(dtype_name(dtype)) + " bytes of shape " + c10::str(packed.sizes()) + " on " +
                 packed.device().str() + " do not unpack into a contiguous " + c10::str(out.sizes()) + " tensor on " +
                 out.device().str());
@@ -177,7 +177,7 @@ void dequantize_into(DType dtype, const at::Tensor& packed, at::Tensor& out) {
   const int64_t step = std::max<int64_t>(1, kStepElements / block);
   for (int64_t first = 0; first < blocks.size(0); first += step) {
     const int64_t count = std::min(step, blocks.size(0) - first);
-    // From the host, a step's blocks cross as they are, and are unpacked where out is.
+    // From another device, a step's blocks cross as they are, and are unpacked where out is.
     const Tensor some = blocks.narrow(0, first, count).to(out.device(), /*non_blocking=*/packed.is_pinned());
     values.narrow(0, first, count).copy_(unpack(some));
   }

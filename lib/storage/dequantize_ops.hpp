@@ -22,11 +22,11 @@ namespace vramd::storage {
 std::vector<int64_t> packed_shape(DType dtype, c10::IntArrayRef shape);
 
 // Unpacks `packed` (uint8, contiguous, packed_shape(dtype, out's shape)) into `out` (contiguous,
-// any floating dtype, on packed's device, or any device from the host): Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. The values are computed in float32 on out's device and
-// rounded once into out's dtype, a few thousand blocks at a time (carried there from the host
-// as they are), so the scratch memory stays a few MiB whatever the tensor's size. Throws Error
-// for another type, a device it cannot unpack from, or sizes that disagree.
+// any floating dtype, on any device): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+// Q6_K. The values are computed in float32 on out's device and rounded once into out's dtype, a
+// few thousand blocks at a time (carried there as they are from packed's device), so the scratch
+// memory stays a few MiB whatever the tensor's size. Throws Error for another type or sizes
+// that disagree.
 void dequantize_into(DType dtype, const at::Tensor& packed, at::Tensor& out);
 
 }  // namespace vramd::storage

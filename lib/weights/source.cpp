@@ -90,7 +90,7 @@ at::Tensor Source::convert(const Assignment& a, const at::Tensor& value, c10::De
 
 void Source::convert_into(const Assignment& a, const at::Tensor& value, at::Tensor& out) const {
   if (value.scalar_type() == kPacked && out.scalar_type() != kPacked)
-    storage::dequantize_into(*a.block, (value.is_cpu() ? value : value.to(out.device())).contiguous(), out);
+    storage::dequantize_into(*a.block, value.contiguous(), out);
   else if (value.scalar_type() != kPacked && out.scalar_type() == kPacked)
     out.copy_(read(a, c10::kCPU, kPacked, false));
   else if (value.is_cpu() && !out.is_cpu() && value.scalar_type() != out.scalar_type() && value.is_contiguous() &&
