@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 
 #include "convert/evaluate.hpp"
 #include "storage/dequantize_ops.hpp"
@@ -157,18 +158,68 @@ uint64_t direct_phase(uint64_t offset, c10::ScalarType dtype) {
   return phase % c10::elementSize(dtype) == 0 ? phase : 0;
 }
 
+namespace {
+
+// The memory mapping under a CPU buffer of fresh_buffer's: unmapped with its tensor's storage.
+struct Mapping {
+  void* base;
+  size_t length;
+  ~Mapping() { munmap(base, length); }
+};
+
+void unmap_buffer(void* context) { delete static_cast<Mapping*>(context); }
+
+size_t byte_count(c10::IntArrayRef shape, c10::ScalarType dtype) {
+  return storage::element_count(shape) * c10::elementSize(dtype);
+}
+
+// Room for `nbytes` at any phase: a page more than they need.
+size_t mapped_length(size_t nbytes) { return nbytes + storage::File::kDirectAlignment; }
+
+// A tensor of `shape` and `dtype` beginning `phase` bytes into the mapping, which its storage
+// owns. set_, not a view of a byte tensor: a view holds its base, and the storage would never be
+// the buffer's alone (StreamedWeights reuses a buffer only where it is).
+at::Tensor tensor_in(std::unique_ptr<Mapping> mapping, c10::IntArrayRef shape, c10::ScalarType dtype, uint64_t phase) {
+  void* base = mapping->base;
+  const size_t length = mapping->length;
+  c10::Storage storage(c10::Storage::use_byte_size_t(), length,
+                       c10::DataPtr(base, mapping.release(), &unmap_buffer, c10::Device(c10::kCPU)), nullptr, false);
+  return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, static_cast<int64_t>(phase / c10::elementSize(dtype)), shape);
+}
+
+[[noreturn]] void cannot_map(size_t length) {
+  throw Error("cannot map " + format_bytes(length) + " for streamed weights: " + std::strerror(errno));
+}
+
+}  // namespace
+
 at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase) {
   if (!device.is_cpu()) return at::empty(shape, at::TensorOptions().device(device).dtype(dtype));
-  size_t nbytes = c10::elementSize(dtype);
-  for (const int64_t n : shape) nbytes *= static_cast<size_t>(n);
+  const size_t nbytes = byte_count(shape, dtype);
   if (nbytes == 0) return at::empty(shape, at::TensorOptions().dtype(dtype));
-  const size_t length = nbytes + phase;
+  const size_t length = mapped_length(nbytes);
   void* memory = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (memory == MAP_FAILED) throw Error("cannot map " + format_bytes(length) + " for streamed weights: " + std::strerror(errno));
+  if (memory == MAP_FAILED) cannot_map(length);
   madvise(memory, length, MADV_HUGEPAGE);
-  return at::from_blob(static_cast<std::byte*>(memory) + phase, shape,
-                       [phase, length](void* p) { munmap(static_cast<std::byte*>(p) - phase, length); },
-                       at::TensorOptions().dtype(dtype));
+  return tensor_in(std::make_unique<Mapping>(memory, length), shape, dtype, phase);
+}
+
+at::Tensor refit_buffer(at::Tensor spare, c10::IntArrayRef shape, c10::ScalarType dtype, uint64_t phase) {
+  const size_t nbytes = byte_count(shape, dtype);
+  c10::DataPtr& data = spare.storage().mutable_data_ptr();
+  if (nbytes == 0 || spare.use_count() != 1 || spare.storage().use_count() != 1 || !data.cast_context<Mapping>(&unmap_buffer)) {
+    const c10::Device device = spare.device();
+    spare = at::Tensor();  // freed before its replacement is allocated
+    return fresh_buffer(shape, dtype, device, phase);
+  }
+  std::unique_ptr<Mapping> mapping(static_cast<Mapping*>(data.release_context()));  // its storage frees nothing now
+  spare = at::Tensor();
+  if (const size_t length = mapped_length(nbytes); length != mapping->length) {
+    void* moved = mremap(mapping->base, mapping->length, length, MREMAP_MAYMOVE);
+    if (moved == MAP_FAILED) cannot_map(length);  // the mapping is unmapped as it was
+    mapping->base = moved, mapping->length = length;
+  }
+  return tensor_in(std::move(mapping), shape, dtype, phase);
 }
 
 }  // namespace vramd::weights

@@ -92,7 +92,16 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
 // fragmented and host memory growing forward after forward.
 // On the CPU its data begins `phase` bytes into a page: a tensor read from a file offset with
 // that remainder modulo 4096 then goes straight into it with O_DIRECT (storage/reader.hpp).
+// Its mapping has a page more than the tensor needs, so refit_buffer can place a tensor at any
+// phase in it.
 at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Device device, uint64_t phase = 0);
+
+// A CPU buffer of fresh_buffer's made into one for `shape` and `dtype` beginning `phase` bytes
+// into a page, where nothing else holds it: its mapping resized, or moved, by mremap, so that the
+// pages both sizes need stay as they are instead of being unmapped and then faulted in again,
+// each zeroed by the kernel (on a machine with few cores, the time the prefetch thread spends
+// on that is taken from the op's threads). Anything else: a fresh_buffer, and `spare` freed.
+at::Tensor refit_buffer(at::Tensor spare, c10::IntArrayRef shape, c10::ScalarType dtype, uint64_t phase);
 
 // fresh_buffer's `phase` for a tensor read as `dtype` from file offset `offset` with O_DIRECT:
 // the offset modulo 4096, or 0 where a buffer beginning there would not hold whole elements

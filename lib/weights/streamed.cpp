@@ -189,15 +189,14 @@ std::vector<at::Tensor> StreamedWeights::prepare(const Slot& slot, std::vector<a
     const c10::ScalarType form = slot.forms[i];
     if (!slot.held.empty()) {
       const at::Tensor& held = slot.held[i];
-      if (!out.defined() && (device_.is_cpu() || held.scalar_type() != form))
-        out = fresh_buffer(held_shape(*part, form), form, device_);
+      if (out.defined() || device_.is_cpu() || held.scalar_type() != form)
+        out = buffer(std::move(out), held_shape(*part, form), form);
       if (out.defined()) source_->convert_into(*part, held, out);
       else out = held.to(device_, form, /*non_blocking=*/held.is_pinned());
     } else if (at::Tensor view = device_.is_cpu() ? mapped(slot, i) : at::Tensor(); view.defined()) {
       out = std::move(view);  // the buffer it replaces, if any, is freed
     } else {
-      // A spare from claim_locked already has the phase (on the CPU; a GPU buffer has none).
-      if (!out.defined()) out = fresh_buffer(held_shape(*part, form), form, device_, phase(slot, i));
+      out = buffer(std::move(out), held_shape(*part, form), form, phase(slot, i));
       reads.push_back(part);
       outs.push_back(out);
     }
@@ -232,7 +231,7 @@ std::vector<at::Tensor> StreamedWeights::computation_copy(const Slot& slot, cons
   buffers.resize(prepared.size());
   for (size_t i = 0; i < prepared.size(); ++i) {
     if (slot.forms[i] == dtype_) continue;
-    if (!buffers[i].defined()) buffers[i] = fresh_buffer(slot.layer->parameters()[i].shape, dtype_, device_);
+    buffers[i] = buffer(std::move(buffers[i]), slot.layer->parameters()[i].shape, dtype_);
     source_->convert_into(*slot.parts[i], prepared[i], buffers[i]);
   }
   return buffers;
@@ -312,8 +311,10 @@ bool StreamedWeights::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_
   return true;
 }
 
-// Buffers for the slot's parameters in `dtype` (`bytes` in all): spares of the same size first,
-// the rest reserved. Buffers left undefined are allocated by whoever fills them.
+// Buffers for the slot's parameters in `dtype` (`bytes` in all): for each, the largest spare no
+// larger than it (the same size where there is one; whoever fills it refits it: buffer()), and
+// room reserved for the rest. Never a larger spare: until refitted it would hold more memory
+// than is counted. Buffers left undefined are allocated by whoever fills them.
 bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, bool copy, uint64_t bytes,
                                    std::vector<at::Tensor>& buffers, const Slot* needed) {
   buffers.assign(slot.parts.size(), at::Tensor());
@@ -323,15 +324,14 @@ bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slo
     if (copy && slot.forms[i] == dtype_) continue;  // used as prepared: no copy
     const c10::ScalarType dtype = copy ? dtype_ : slot.forms[i];
     const auto shape = copy || !slot.parts[i] ? parameters[i].shape : held_shape(*slot.parts[i], dtype);
-    const auto nbytes = static_cast<int64_t>(storage::element_count(shape) * c10::elementSize(dtype));
-    const uint64_t want = copy ? 0 : phase(slot, i);
-    auto it = std::find_if(spares_.begin(), spares_.end(), [&](const at::Tensor& t) {
-      return t.numel() == nbytes && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % storage::File::kDirectAlignment == want;
-    });
+    const uint64_t nbytes = storage::element_count(shape) * c10::elementSize(dtype);
+    auto it = spares_.end();
+    for (auto s = spares_.begin(); s != spares_.end(); ++s)
+      if (s->nbytes() <= nbytes && (it == spares_.end() || s->nbytes() > it->nbytes())) it = s;
     if (it == spares_.end()) continue;
-    taken += nbytes;
-    stats_.staging -= nbytes;
-    buffers[i] = it->view(dtype).view(shape);
+    taken += it->nbytes();
+    stats_.staging -= it->nbytes();
+    buffers[i] = std::move(*it);
     spares_.erase(it);
   }
   if (reserve_locked(lock, bytes - taken, needed)) return true;
@@ -339,6 +339,13 @@ bool StreamedWeights::claim_locked(std::unique_lock<std::mutex>& lock, const Slo
     if (buffer.defined()) stats_.staging += buffer.nbytes(), spares_.push_back(std::move(buffer));
   buffers.clear();
   return false;
+}
+
+// `buffer`, a spare from claim_locked or undefined, as the computation device's buffer for
+// `shape` in `dtype` beginning `phase` bytes into a page (on the CPU).
+at::Tensor StreamedWeights::buffer(at::Tensor buffer, c10::IntArrayRef shape, c10::ScalarType dtype, uint64_t phase) const {
+  if (!buffer.defined()) return fresh_buffer(shape, dtype, device_, phase);
+  return refit_buffer(std::move(buffer), shape, dtype, phase);
 }
 
 void StreamedWeights::count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors) {
@@ -357,7 +364,7 @@ void StreamedWeights::give_back_locked(std::vector<at::Tensor>& tensors) {
     if (!tensor.defined()) continue;  // a computation copy the op did not need
     if (pool_ && tensor.use_count() == 1 && tensor.storage().use_count() == 1 && !storage::is_mapped_view(tensor)) {
       stats_.staging += tensor.nbytes();
-      spares_.push_back(tensor.view({-1}).view(c10::kByte));  // any slot of the same size can use it
+      spares_.push_back(std::move(tensor));  // claim_locked gives it to a slot, buffer() refits it
     } else {
       in_use_ -= tensor.nbytes();
     }

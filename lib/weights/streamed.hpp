@@ -70,6 +70,7 @@ class StreamedWeights final : public Weights {
   std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
   at::Tensor mapped(const Slot& slot, size_t i) const;
   uint64_t phase(const Slot& slot, size_t i) const;
+  at::Tensor buffer(at::Tensor buffer, c10::IntArrayRef shape, c10::ScalarType dtype, uint64_t phase = 0) const;
   std::vector<at::Tensor> computation_copy(const Slot& slot, const std::vector<at::Tensor>& prepared,
                                            std::vector<at::Tensor> buffers) const;
   void materialise_plan();
