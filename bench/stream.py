@@ -7,6 +7,10 @@ the same input ids.
 
     .venv/bin/python bench/stream.py [--workdir /tmp/vramd-stream] [--vramctl build/bin/vramctl]
                                      [--tokens 16] [--forwards 1] [--limit 2GiB] [--only NAME]
+                                     [--memory-cap SIZE]
+    # a machine with more memory than the checkpoint (a GPU machine: 128 GiB, 16 cores):
+    # every contender in a memory cgroup of 8 GiB, page cache included
+    .venv/bin/python bench/stream.py --memory-cap 8GiB --layers 20 --bound-seconds 5
     # developing: a small checkpoint (a few hundred MB) and a proportionally smaller limit
     .venv/bin/python bench/stream.py --layers 8 --hidden 1024 --intermediate 2816 \\
                                      --shard-size 50MB --limit 100MiB --bound-seconds 5
@@ -20,9 +24,11 @@ What it measures, in one run:
                       when installed). A virtual disk can fill 4 KiB pages several times slower
                       than huge ones, and fio's buffers have 4 KiB pages: the bound is what the
                       disk gives the best of them.
-  compute estimate    the forward with every layer resident cannot run here (24 GiB), so vramd
-                      runs it resident (no [vram], --copy: weights read at load, none during the
-                      forward) on two checkpoints of the same shape with a = 4 and b = 12 decoder
+  compute             the model's own forward with every layer resident (no [vram], --copy: weights
+                      read at load, none during the forward; median of 3) where the checkpoint
+                      fits in memory with room to spare (MemAvailable, outside any --memory-cap).
+  compute estimate    elsewhere, as on the development VM (24 GiB in 23.5), vramd runs it
+                      resident on two checkpoints of the same shape with a = 4 and b = 12 decoder
                       layers (at most the model's; one checkpoint, the model itself, where it has
                       4 or fewer); per layer = (tb - ta) / (b - a), fixed (embedding, final norm,
                       head) = ta - a x per layer, compute(N) = fixed + N x per layer. Layers 8
@@ -57,7 +63,10 @@ the first when the first is the slowest and n is odd; accelerate's is the median
 the first), waited on reads (vramd's wait_seconds, per forward), peak RSS (VmHWM, read by the
 contender's own process: getrusage's ru_maxrss would count the parent's memory through vfork),
 bytes read from and written to the disk by the whole process (ru_inblock and ru_oublock of
-wait4 on that child, in 512-byte blocks: reads below the page cache, O_DIRECT included), and the
+wait4 on that child, in 512-byte blocks: reads below the page cache, O_DIRECT included), the
+machine's CPU time stolen by the host while it ran (/proc/stat's steal: on a VM whose virtual
+disk's work runs on the cores behind its vCPUs, the op threads compute more slowly while the
+disk is read, and the goal on the forward measures the host too: the goals say so from 2%), and the
 effective read speed: bytes streamed per forward over the forward time. For vramd those are its
 bytes_streamed (layers brought in, whether the page cache held them or not; with --forwards > 1,
 the average); for accelerate, what /proc/self/io counts as read from the disk during the forwards,
@@ -74,13 +83,22 @@ better of true and false; >= 2x accelerate's wall time; peak RSS <= accelerate's
 ready for docs/benchmarks.md and the machine (CPU, cores, memory, the disk under the workdir)
 close the output.
 
+--memory-cap SIZE runs every contender (not the compute, which must hold the whole model) in a
+memory cgroup of SIZE, page cache included (bench/vram.py's MemoryCap: cgroup v1, or v2 where the
+memory controller is given to new groups; it fails, naming the cgroup's error, before anything
+runs where neither is): on a machine with more memory than the checkpoint, the contenders then
+have less, as in the issue's case, and `direct_io = "auto"` sees the cgroup's limit.
+
 The checkpoint is made once, layer by layer (one shard in memory at a time), in a folder of the
 workdir whose name encodes its shape, so a small test checkpoint is never taken for the big one.
-Every tensor, norms included, is randn * 0.02 in bfloat16. Making the full one writes 24.2 GiB and
-takes several minutes; the benchmark then needs some 11 GB more for the 4- and 12-layer ones
-(and, for the 12-layer forward, some 9 GiB of memory).
+Every tensor, norms included, is randn * 0.02 in bfloat16, from a generator seeded with its place
+in the model (torch's CPU randn uses one core: a shard's tensors are made on all of them at once).
+Making the full one writes 24.2 GiB and takes several minutes; where it does not fit in memory,
+the benchmark then needs some 11 GB more for the 4- and 12-layer ones (and, for the 12-layer
+forward, some 9 GiB of memory).
 """
 import argparse
+import concurrent.futures
 import ctypes
 import json
 import mmap
@@ -163,18 +181,25 @@ def make_checkpoint(folder, shape, shard_bytes):
         shards[-1].append((name, tensor_shape))
         size += nbytes
     folder.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(0)
+    seeds = {name: seed for seed, (name, _) in enumerate(names)}
+
+    def tensor_of(item):  # torch's CPU randn runs on one core: one generator, seeded, a tensor
+        name, tensor_shape = item
+        generator = torch.Generator().manual_seed(seeds[name])
+        return name, (torch.randn(tensor_shape, generator=generator) * 0.02).to(torch.bfloat16)
     weight_map, total = {}, 0
     start = time.perf_counter()
+    pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: (torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16) for name, s in shard}
+        tensors = dict(pool.map(tensor_of, shard))
         save_file(tensors, folder / (file + ".partial"), metadata={"format": "pt"})
         os.replace(folder / (file + ".partial"), folder / file)
         total += sum(t.numel() * 2 for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
         print(f"  {file}: {gb(total)} written, {time.perf_counter() - start:.0f} s", flush=True)
+    pool.shutdown()
     config.save_pretrained(folder)
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
@@ -258,17 +283,43 @@ def read_bound(files, seconds, fio=""):
 
 # --- running a contender ------------------------------------------------------------------------
 
-def run_measured(command, log):
-    """Runs `command` with its output in `log`: exit code, wall seconds from start to exit, and the
-    child's own rusage (wait4: ru_inblock and ru_oublock count its reads and writes below the page
-    cache, in 512-byte blocks)."""
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times():
+    """The machine's CPU time so far, in ticks: /proc/stat's "cpu" line, {field: ticks}."""
+    with open("/proc/stat") as f:
+        return dict(zip(CPU_FIELDS, map(int, f.readline().split()[1:len(CPU_FIELDS) + 1])))
+
+
+def cpu_shares(before, after):
+    """Of the machine's CPU time between two cpu_times(): the share a hypervisor ran something else
+    on its CPUs (steal: a virtual disk's work can run on the cores behind a VM's vCPUs, and the
+    guest counts that time as its own) and the share idle waiting on reads (iowait)."""
+    delta = {k: after[k] - before[k] for k in CPU_FIELDS}
+    total = sum(delta.values()) or 1
+    return {"steal": delta["steal"] / total, "iowait": delta["iowait"] / total}
+
+
+def run_measured(command, log, cap=None):
+    """Runs `command` with its output in `log`, in the memory cgroup `cap` when given, with no GPU
+    visible (the contenders compute on the CPU; accelerate's device map would take a GPU): exit
+    code, wall seconds from start to exit, the child's own rusage (wait4: ru_inblock and
+    ru_oublock count its reads and writes below the page cache, in 512-byte blocks), and the
+    machine's cpu_shares() over the run."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     with open(log, "w") as out:
-        start = time.perf_counter()
-        process = subprocess.Popen([str(c) for c in command], stdout=out, stderr=subprocess.STDOUT)
+        before, start = cpu_times(), time.perf_counter()
+        process = subprocess.Popen([str(c) for c in command], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=cap.enter if cap else None)
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - start
+        shares = cpu_shares(before, cpu_times())
     process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, wall, usage
+    killed = vram_bench.killed_by(cap, process.returncode)
+    if killed:
+        Path(log).write_text(Path(log).read_text(errors="replace") + killed + "\n")
+    return process.returncode, wall, usage, shares
 
 
 def last_lines(log, n=3):
@@ -284,16 +335,17 @@ def write_vramd_configs(workdir, name, folder, vram):
     return daemon, config
 
 
-def vramd_run(vramctl, workdir, name, folder, vram, inputs, forwards, extra=()):
-    """One `vramctl run` in a fresh process: its stats (plus wall, disk bytes, logits file), or None
-    and the error."""
+def vramd_run(vramctl, workdir, name, folder, vram, inputs, forwards, extra=(), cap=None):
+    """One `vramctl run` in a fresh process (in the memory cgroup `cap`, when given): its stats
+    (plus wall, disk bytes, CPU shares, logits file), or None and the error."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
     daemon, config = write_vramd_configs(workdir, slug, folder, vram)
     stats, logits, log = workdir / f"stats-{slug}.json", workdir / f"logits-{slug}.safetensors", workdir / f"{slug}.log"
     for stale in (stats, logits):
         stale.unlink(missing_ok=True)
-    code, wall, usage = run_measured([vramctl, "run", config, "--daemon-config", daemon, "--input", inputs,
-                                      "--output", logits, "--stats-json", stats, "--repeat", forwards, *extra], log)
+    code, wall, usage, shares = run_measured([vramctl, "run", config, "--daemon-config", daemon, "--input", inputs,
+                                              "--output", logits, "--stats-json", stats, "--repeat", forwards,
+                                              *extra], log, cap)
     if code != 0:
         return None, f"exit status {code}: {last_lines(log)}"
     s = json.loads(stats.read_text())
@@ -305,7 +357,7 @@ def vramd_run(vramctl, workdir, name, folder, vram, inputs, forwards, extra=()):
             "disk_read": usage.ru_inblock * 512, "disk_written": usage.ru_oublock * 512,
             "streamed": v.get("bytes_streamed", 0) / forwards, "waited": v.get("wait_seconds", 0) / forwards,
             "read_seconds": v.get("read_seconds", 0) / forwards, "mapped": v.get("bytes_mapped", 0) / forwards,
-            "peak_weights": v.get("peak"), "plan": v.get("plan", ""), "logits": logits}, None
+            "peak_weights": v.get("peak"), "plan": v.get("plan", ""), "logits": logits, **shares}, None
 
 
 def accelerate_contender(spec):
@@ -345,14 +397,14 @@ def accelerate_contender(spec):
         "device_map": placed, "versions": {m.__name__: m.__version__ for m in (torch, transformers)}}))
 
 
-def accelerate_run(workdir, folder, limit, inputs, forwards):
+def accelerate_run(workdir, folder, limit, inputs, forwards, cap=None):
     spec = {"folder": str(folder), "limit": limit, "inputs": str(inputs), "forwards": forwards,
             "offload": str(workdir / "accelerate-offload"), "logits": str(workdir / "logits-accelerate.safetensors"),
             "result": str(workdir / "result-accelerate.json")}
     for stale in (spec["logits"], spec["result"]):
         Path(stale).unlink(missing_ok=True)
-    code, wall, usage = run_measured([sys.executable, __file__, "--contender", json.dumps(spec)],
-                                     workdir / "accelerate.log")
+    code, wall, usage, shares = run_measured([sys.executable, __file__, "--contender", json.dumps(spec)],
+                                             workdir / "accelerate.log", cap)
     if code != 0:
         return None, f"exit status {code}: {last_lines(workdir / 'accelerate.log')}"
     r = json.loads(Path(spec["result"]).read_text())
@@ -363,16 +415,18 @@ def accelerate_run(workdir, folder, limit, inputs, forwards):
             "streamed": r["read_during_forwards"] / forwards, "read_during_load": r["read_during_load"],
             "offload_folder_bytes": sum(f.stat().st_size for f in offload.rglob("*") if f.is_file()),
             "device_map": r["device_map"], "versions": r["versions"],
-            "logits": Path(spec["logits"])}, None
+            "logits": Path(spec["logits"]), **shares}, None
 
 
 # --- the compute estimate -----------------------------------------------------------------------
 
-def compute_estimate(shape, vramctl, workdir, inputs, shard_bytes):
-    """Resident forwards (vramctl --copy, median of 3) of checkpoints of this shape with 4 and 12
-    layers (see the module's doc): (compute, {layers: seconds}, per layer, fixed)."""
+def compute_estimate(shape, vramctl, workdir, inputs, shard_bytes, fits):
+    """Resident forwards (vramctl --copy, median of 3, outside any memory cap) of the model itself
+    where it `fits` in memory, else of checkpoints of this shape with 4 and 12 layers (see the
+    module's doc): (compute, {layers: seconds}, per layer, fixed)."""
     seconds = {}
-    for layers in sorted({min(4, shape["layers"]), min(12, shape["layers"])}):
+    counts = {shape["layers"]} if fits else {min(4, shape["layers"]), min(12, shape["layers"])}
+    for layers in sorted(counts):
         folder = checkpoint_folder(workdir, {**shape, "layers": layers})
         make_checkpoint(folder, {**shape, "layers": layers}, shard_bytes)
         r, error = vramd_run(vramctl, workdir, f"resident {layers} layers", folder, "", inputs, 3, ["--copy"])
@@ -380,6 +434,8 @@ def compute_estimate(shape, vramctl, workdir, inputs, shard_bytes):
         if not r:
             raise RuntimeError(f"the resident {layers}-layer forward failed: {error}")
         seconds[layers] = r["forward"]  # vramctl's median of the 3
+        print(f"  resident, {layers} layers: {r['forward']:.3f} s a forward; of the machine's CPU time, "
+              f"{r['steal']:.1%} stolen by the host", flush=True)
     (a, ta), (b, tb) = min(seconds.items()), max(seconds.items())
     per_layer = (tb - ta) / (b - a) if b > a else 0.0  # one checkpoint: the model itself
     fixed = ta - a * per_layer
@@ -403,7 +459,8 @@ def print_contender(name, r, size):
     waited = f", waited on reads {r['waited']:.2f} s" if "waited" in r else ""
     print(f"{name}: wall {r['wall']:.2f} s, load {r['load']:.2f} s, forward {r['forward']:.2f} s{first}{waited}, "
           f"peak RSS {r['peak_rss'] / GIB:.2f} GiB, disk read {gb(r['disk_read'])} written {gb(r['disk_written'])}, "
-          f"streamed {gb(r['streamed'])} a forward = {r['streamed'] / r['forward'] / 1e9:.3f} GB/s over the forward")
+          f"streamed {gb(r['streamed'])} a forward = {r['streamed'] / r['forward'] / 1e9:.3f} GB/s over the forward; "
+          f"of the machine's CPU time, {r['steal']:.1%} stolen by the host, {r['iowait']:.1%} idle on reads")
     if "plan" in r:
         speed = r["streamed"] / r["read_seconds"] / 1e9 if r["read_seconds"] else 0
         print(f"  {speed:.3f} GB/s over its read_seconds ({r['read_seconds']:.2f} s a forward); {gb(r['mapped'])} "
@@ -441,6 +498,11 @@ def compare_logits(results):
     return equal, reference_name
 
 
+# Steal time from which the goals say the host shared the run (the development VM: 0.3% while it
+# only computes, 11-22% while it reads the disk as well).
+STEAL_NOTED = 0.02
+
+
 def print_goals(results, errors, bound, compute):
     def verdict(ok):
         return "met" if ok else "NOT met"
@@ -454,6 +516,9 @@ def print_goals(results, errors, bound, compute):
         print(f"  {name}: reads at {efficiency:.2f} of the bound (goal >= 0.90: {verdict(efficiency >= 0.9)}); "
               f"forward {r['forward']:.2f} s / max(read {read_time:.2f} s, compute {compute:.2f} s) = {overlap:.2f} "
               f"(goal <= 1.10: {verdict(overlap <= 1.1)})")
+        if r["steal"] >= STEAL_NOTED:
+            print(f"    the host stole {r['steal']:.1%} of the CPUs' time while it ran (compute was measured with "
+                  f"no reads): the forward's goal measures the host here as well as vramd")
         if accelerate:
             print(f"    wall {accelerate['wall'] / r['wall']:.2f}x faster than accelerate's "
                   f"(goal >= 2: {verdict(accelerate['wall'] >= 2 * r['wall'])}); "
@@ -470,11 +535,11 @@ def print_goals(results, errors, bound, compute):
 
 def print_table(names, results, errors, equal, reference_name, bound):
     print("| contender | wall | load | forward | waited on reads | peak RSS | read from disk | streamed a forward "
-          "| effective read | of the bound | logits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| effective read | of the bound | stolen | logits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         if name in errors:
-            print(f"| {name} | failed: {errors[name].replace('|', '/')} | | | | | | | | | |")
+            print(f"| {name} | failed: {errors[name].replace('|', '/')} | | | | | | | | | | |")
         if name not in results:
             continue
         r = results[name]
@@ -484,7 +549,7 @@ def print_table(names, results, errors, equal, reference_name, bound):
                   else "equal" if equal[name] else "differ")
         print(f"| {name} | {r['wall']:.1f} s | {r['load']:.2f} s | {r['forward']:.2f} s | {waited} | "
               f"{r['peak_rss'] / GIB:.2f} GiB | {gb(r['disk_read'])} | {gb(r['streamed'])} | "
-              f"{effective / 1e9:.2f} GB/s | {effective / bound:.2f} | {logits} |")
+              f"{effective / 1e9:.2f} GB/s | {effective / bound:.2f} | {r['steal']:.1%} | {logits} |")
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -508,11 +573,27 @@ def main():
     parser.add_argument("--bound-seconds", type=int, default=10, help="how long each reader of the read bound reads")
     parser.add_argument("--fio", default=shutil.which("fio") or "", help='fio to run as well ("": none)')
     parser.add_argument("--only", default="", help="run only the contenders whose name contains this")
+    parser.add_argument("--memory-cap", type=parse_size, default=0,
+                        help="run every contender in a memory cgroup of this size, page cache included (e.g. 8GiB): "
+                             "a machine with more memory than the checkpoint then has less than it")
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.contender:
         return accelerate_contender(json.loads(args.contender))
+    cap = None
+    if args.memory_cap:
+        try:
+            cap = vram_bench.MemoryCap(args.memory_cap)
+        except OSError as e:
+            parser.error(f"--memory-cap: cannot make a memory cgroup of {args.memory_cap} bytes here: {e}")
+    try:
+        run(args, cap)
+    finally:
+        if cap:
+            cap.close()
 
+
+def run(args, cap):
     import torch
     from safetensors.torch import save_file
     workdir = Path(args.workdir)
@@ -528,9 +609,10 @@ def main():
     info = machine(folder)
     print(f"  {len(files)} shards, {size / GIB:.2f} GiB; limit {args.limit / GIB:.3f} GiB; {args.tokens} tokens, "
           f"{args.forwards} forward(s) per contender", flush=True)
-    if size < info["memory"]:
-        print(f"WARNING: the checkpoint ({size / GIB:.2f} GiB) is smaller than MemTotal "
-              f"({info['memory'] / GIB:.2f} GiB): it is not larger than memory, not the issue's case", flush=True)
+    memory, which = (cap.nbytes, "the memory cap") if cap else (info["memory"], "MemTotal")
+    if size < memory:
+        print(f"WARNING: the checkpoint ({size / GIB:.2f} GiB) is smaller than {which} "
+              f"({memory / GIB:.2f} GiB): it is not larger than memory, not the issue's case", flush=True)
     inputs = workdir / f"inputs-{args.tokens}-v{args.vocab}.safetensors"
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     save_file({"input_ids": ids}, inputs)
@@ -544,10 +626,15 @@ def main():
           + f" (16 O_DIRECT reads of 8 MiB in flight, {args.bound_seconds} s each)", flush=True)
 
     # 2. Compute with the same layers resident, estimated from 4 and 12 layers.
-    compute, measured, per_layer, fixed = compute_estimate(shape, vramctl, workdir, inputs, args.shard_size)
-    print(f"compute estimate: {compute:.3f} s for {args.layers} layers resident = fixed {fixed:.3f} s + "
-          f"{args.layers} x {per_layer:.3f} s a layer, from resident vramd forwards (--copy, median of 3) of this "
-          f"shape with " + " and ".join(f"{n} layers ({t:.3f} s)" for n, t in measured.items()), flush=True)
+    fits = size * 5 // 4 + 2 * GIB < vram_bench.status_bytes("MemAvailable:", "/proc/meminfo")
+    compute, measured, per_layer, fixed = compute_estimate(shape, vramctl, workdir, inputs, args.shard_size, fits)
+    if fits:
+        print(f"compute: {compute:.3f} s, the model's own forward with every layer resident (--copy, median of 3; "
+              f"it fits in memory)", flush=True)
+    else:
+        print(f"compute estimate: {compute:.3f} s for {args.layers} layers resident = fixed {fixed:.3f} s + "
+              f"{args.layers} x {per_layer:.3f} s a layer, from resident vramd forwards (--copy, median of 3) of "
+              f"this shape with " + " and ".join(f"{n} layers ({t:.3f} s)" for n, t in measured.items()), flush=True)
 
     # 3. The contenders, each in a fresh process, the checkpoint evicted before each.
     results, errors = {}, {}
@@ -567,9 +654,9 @@ def main():
         if name in DIRECT_IO:
             vram = (vram_bench.streamed_vram(limit) + 'computation = { device = "cpu", dtype = "bfloat16" }\n'
                     f"direct_io = {DIRECT_IO[name]}\n")
-            r, error = vramd_run(vramctl, workdir, name, folder, vram, inputs, args.forwards)
+            r, error = vramd_run(vramctl, workdir, name, folder, vram, inputs, args.forwards, cap=cap)
         else:
-            r, error = accelerate_run(workdir, folder, args.limit, inputs, args.forwards)
+            r, error = accelerate_run(workdir, folder, args.limit, inputs, args.forwards, cap)
         if r:
             results[name] = r
             print_contender(name, r, size)
@@ -581,12 +668,13 @@ def main():
     # 4. Logits, goals, and the table for docs/benchmarks.md.
     equal, reference_name = compare_logits(results)
     print_goals(results, errors, bound, compute)
+    cap_text = f", every contender in a memory cgroup of {cap.nbytes / GIB:.2f} GiB (page cache included)" if cap else ""
     print(f"\nmachine: {info['cpu']}, {info['cores']} cores, MemTotal {info['memory'] / GIB:.1f} GiB, "
           f"disk {info['disk']}\n")
     print(f"{len(files)} shards, {size / GIB:.2f} GiB bfloat16 (hidden {shape['hidden']}, intermediate "
           f"{shape['intermediate']}, {shape['layers']} layers, vocab {shape['vocab']}), "
           f"limit {args.limit / GIB:.3f} GiB, {args.tokens} tokens, {args.forwards} forward(s) per contender, "
-          f"page cache emptied before each. Read bound "
+          f"page cache emptied before each{cap_text}. Read bound "
           f"{bound / 1e9:.2f} GB/s ({bound_tool}); compute estimate "
           f"{compute:.2f} s (fixed {fixed:.3f} s + {per_layer:.3f} s a layer).\n")
     print_table(names, results, errors, equal, reference_name, bound)

@@ -50,8 +50,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import load as load_bench  # noqa: E402  (makes the checkpoint)
 
 
-def status_bytes(key):
-    with open("/proc/self/status") as f:
+def status_bytes(key, path="/proc/self/status"):
+    """A "Key:  N kB" line's bytes: of this process's status, or of /proc/meminfo."""
+    with open(path) as f:
         for line in f:
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
@@ -64,7 +65,11 @@ class MemoryCap:
         v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
         self.path = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") / f"vramd-bench-{os.getpid()}"
         self.path.mkdir()
-        (self.path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(nbytes))
+        try:  # v2 without the memory controller given to the new group has no memory.max
+            (self.path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(nbytes))
+        except OSError:
+            self.path.rmdir()
+            raise
         self.nbytes = nbytes
 
     def enter(self):
