@@ -447,7 +447,7 @@ def compute_estimate(shape, vramctl, workdir, inputs, shard_bytes, fits):
 def machine(folder):
     model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
-    mem = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    mem = vram_bench.status_bytes("MemTotal:", "/proc/meminfo")
     df = subprocess.run(["df", "--output=source,fstype", str(folder)], capture_output=True, text=True).stdout.split()
     return {"cpu": model, "cores": os.cpu_count(), "memory": mem, "disk": " ".join(df[-2:]) if len(df) >= 4 else "?"}
 
@@ -625,13 +625,16 @@ def run(args, cap):
           + ", ".join(f"{name} {rate / 1e9:.3f}" for name, rate in readers.items())
           + f" (16 O_DIRECT reads of 8 MiB in flight, {args.bound_seconds} s each)", flush=True)
 
-    # 2. Compute with the same layers resident, estimated from 4 and 12 layers.
+    # 2. Compute with the same layers resident: the model's own forward where it fits in memory, else
+    # estimated from 4 and 12 layers.
     fits = size * 5 // 4 + 2 * GIB < vram_bench.status_bytes("MemAvailable:", "/proc/meminfo")
     compute, measured, per_layer, fixed = compute_estimate(shape, vramctl, workdir, inputs, args.shard_size, fits)
     if fits:
+        compute_text = f"compute {compute:.2f} s (the model's own forward, every layer resident)"
         print(f"compute: {compute:.3f} s, the model's own forward with every layer resident (--copy, median of 3; "
               f"it fits in memory)", flush=True)
     else:
+        compute_text = f"compute estimate {compute:.2f} s (fixed {fixed:.3f} s + {per_layer:.3f} s a layer)"
         print(f"compute estimate: {compute:.3f} s for {args.layers} layers resident = fixed {fixed:.3f} s + "
               f"{args.layers} x {per_layer:.3f} s a layer, from resident vramd forwards (--copy, median of 3) of "
               f"this shape with " + " and ".join(f"{n} layers ({t:.3f} s)" for n, t in measured.items()), flush=True)
@@ -675,8 +678,7 @@ def run(args, cap):
           f"{shape['intermediate']}, {shape['layers']} layers, vocab {shape['vocab']}), "
           f"limit {args.limit / GIB:.3f} GiB, {args.tokens} tokens, {args.forwards} forward(s) per contender, "
           f"page cache emptied before each{cap_text}. Read bound "
-          f"{bound / 1e9:.2f} GB/s ({bound_tool}); compute estimate "
-          f"{compute:.2f} s (fixed {fixed:.3f} s + {per_layer:.3f} s a layer).\n")
+          f"{bound / 1e9:.2f} GB/s ({bound_tool}); {compute_text}.\n")
     print_table(names, results, errors, equal, reference_name, bound)
 
 
