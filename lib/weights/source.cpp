@@ -206,14 +206,16 @@ at::Tensor fresh_buffer(c10::IntArrayRef shape, c10::ScalarType dtype, c10::Devi
 
 at::Tensor refit_buffer(at::Tensor spare, c10::IntArrayRef shape, c10::ScalarType dtype, uint64_t phase) {
   const size_t nbytes = byte_count(shape, dtype);
-  c10::DataPtr& data = spare.storage().mutable_data_ptr();
-  if (nbytes == 0 || spare.use_count() != 1 || spare.storage().use_count() != 1 || !data.cast_context<Mapping>(&unmap_buffer)) {
+  // Only the storage's one holder may take its mapping (a mutable DataPtr of a shared storage
+  // would be a copy-on-write one's materialised).
+  if (nbytes == 0 || spare.use_count() != 1 || spare.storage().use_count() != 1 ||
+      !spare.storage().data_ptr().cast_context<Mapping>(&unmap_buffer)) {
     const c10::Device device = spare.device();
     spare = at::Tensor();  // freed before its replacement is allocated
     return fresh_buffer(shape, dtype, device, phase);
   }
-  std::unique_ptr<Mapping> mapping(static_cast<Mapping*>(data.release_context()));  // its storage frees nothing now
-  spare = at::Tensor();
+  std::unique_ptr<Mapping> mapping(static_cast<Mapping*>(spare.storage().mutable_data_ptr().release_context()));
+  spare = at::Tensor();  // its storage frees nothing now
   if (const size_t length = mapped_length(nbytes); length != mapping->length) {
     void* moved = mremap(mapping->base, mapping->length, length, MREMAP_MAYMOVE);
     if (moved == MAP_FAILED) cannot_map(length);  // the mapping is unmapped as it was
