@@ -30,9 +30,12 @@ std::string type_name(const toml::node& node) {
   }
 }
 
+// One line: a string is quoted by us, not by toml++, which prints one holding a newline as a
+// multi-line string.
 std::string value_text(const toml::node& node) {
   if (node.is_table()) return "{...}";
   if (node.is_array()) return "[...]";
+  if (const auto* text = node.as_string()) return quote(text->get());
   std::ostringstream out;
   node.visit([&](const auto& value) { out << value; });
   return out.str();

@@ -201,6 +201,11 @@ TEST_CASE("a missing checkpoint or converter and a syntax error are reported") {
   auto quoted = dir.write("d.toml", std::string("checkpoint = \"w\"\nstrict = f\n\0\0\0\n", 28));
   CHECK(problems_of(quoted, default_daemon_config()) ==
         quoted + ":2:11: Error while parsing boolean: expected 'false', saw 'f\\x0a'");
+  // A value that holds a newline or a backslash is quoted on one line too, however long.
+  auto name = dir.write("e.toml", "checkpoint = \"w\"\nname = \"" + std::string(60, '\\') + "\\n=big\"\n");
+  CHECK(problems_of(name, default_daemon_config()) ==
+        name + ":2:8: name = '" + std::string(60, '\\') + "\\x0a=big': a name is 1-128 ASCII letters, digits, '-', '_' "
+                              "or '.', starting with a letter or digit");
 }
 
 TEST_CASE("the daemon config reads budgets and defaults and refuses unknown devices and keys") {
