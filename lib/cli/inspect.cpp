@@ -7,6 +7,7 @@
 
 #include "storage/disk_map.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::cli {
 namespace {
@@ -68,15 +69,18 @@ void print_json(const DiskMap& map, std::ostream& out) {
   out << doc.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
 }
 
+// Names, paths and metadata come from the checkpoint, which may hold control bytes (a newline, a
+// terminal's escape sequence): they are printed escaped, one entry a line.
 void print_text(const DiskMap& map, std::ostream& out) {
-  out << "checkpoint: " << map.description() << "\n\nfiles:\n";
+  out << "checkpoint: " << escape_invalid_utf8(map.description()) << "\n\nfiles:\n";
   for (const auto& file : map.files()) {
-    out << "  " << file.path << "  " << format_name(file.format) << "  " << format_bytes(file.size) << '\n';
-    for (const auto& [key, value] : file.metadata) out << "    " << key << " = " << value << '\n';
+    out << "  " << escape_invalid_utf8(file.path) << "  " << format_name(file.format) << "  " << format_bytes(file.size) << '\n';
+    for (const auto& [key, value] : file.metadata)
+      out << "    " << escape_invalid_utf8(key) << " = " << escape_invalid_utf8(value) << '\n';
   }
   size_t name_width = 4, shape_width = 5;
   for (const auto& t : map.tensors()) {
-    name_width = std::max(name_width, t.name().size());
+    name_width = std::max(name_width, escape_invalid_utf8(t.name()).size());
     shape_width = std::max(shape_width, format_shape(t.shape).size());
   }
   const bool several_files = map.files().size() > 1;
@@ -84,10 +88,10 @@ void print_text(const DiskMap& map, std::ostream& out) {
       << pad("DTYPE", 7) << "  " << pad("SHAPE", shape_width) << "  "
       << (several_files ? pad("SIZE", 11) + "  FILE" : "SIZE") << '\n';
   for (const auto& t : map.tensors()) {
-    out << "  " << pad(std::string(t.name()), name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7)
+    out << "  " << pad(escape_invalid_utf8(t.name()), name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7)
         << "  " << pad(format_shape(t.shape), shape_width) << "  ";
     if (several_files)
-      out << pad(format_bytes(t.nbytes), 11) << "  " << map.files()[t.file].path;
+      out << pad(format_bytes(t.nbytes), 11) << "  " << escape_invalid_utf8(map.files()[t.file].path);
     else
       out << format_bytes(t.nbytes);
     out << '\n';

@@ -60,6 +60,20 @@ def test_inspect_text_lists_names_dtypes_shapes_sizes_and_totals(tmp_path):
     assert "all      2 tensors  74 B" in result.stdout
 
 
+
+def test_inspect_text_escapes_control_bytes_from_the_checkpoint(tmp_path):
+    # A newline or a terminal's escape sequence in a name or metadata value is printed escaped.
+    path = tmp_path / "hostile.safetensors"
+    header = {"__metadata__": {"note\x07": "two\nlines\x1b[2J"},
+              "evil\x1b[31m.w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    path.write_bytes(raw_file(json.dumps(header), b"abcd"))
+    result = vramctl("inspect", path)
+    assert result.returncode == 0, result.stderr
+    assert {c for c in result.stdout if ord(c) < 0x20} == {"\n"}, repr(result.stdout)
+    assert "    note\\x07 = two\\x0alines\\x1b[2J\n" in result.stdout
+    assert any(line.split()[:2] == ["evil\\x1b[31m.w", "F32"] for line in result.stdout.splitlines()), result.stdout
+
+
 def test_inspect_takes_one_model_out_of_a_multi_model_file(tmp_path):
     path = tmp_path / "pipeline.safetensors"
     save_file({"vae.w": torch.zeros(2), "unet.w": torch.zeros(3), "unet.b": torch.zeros(1)}, path)
