@@ -12,6 +12,7 @@
 #include "storage/tensor_io.hpp"
 #include "storage/disk_map.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::cli {
 
@@ -35,7 +36,7 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
                          {"expression", expr->describe()}};
     out << nlohmann::ordered_json{{"model", model.name}, {"converter", model.converter}, {"tensors", tensors},
                                   {"unused", plan.unused}}
-               .dump(2)
+               .dump(2, ' ', false, nlohmann::json::error_handler_t::replace)
         << '\n';
     return;
   }
@@ -43,15 +44,15 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
       << plan.tensors.size() << " tensors\n";
   size_t name_width = 0, shape_width = 0;
   for (const auto& [target, expr] : plan.tensors) {
-    name_width = std::max(name_width, target.size());
+    name_width = std::max(name_width, escape_invalid_utf8(target).size());
     shape_width = std::max(shape_width, format_shape(expr->shape).size());
   }
   for (const auto& [target, expr] : plan.tensors)
-    out << "  " << pad(target, name_width) << "  " << pad(std::string(storage::dtype_name(expr->dtype)), 7) << "  "
+    out << "  " << pad(escape_invalid_utf8(target), name_width) << "  " << pad(std::string(storage::dtype_name(expr->dtype)), 7) << "  "
         << pad(format_shape(expr->shape), shape_width) << "  = " << expr->describe() << '\n';
   if (!plan.unused.empty()) {
     out << plan.unused.size() << " source tensors are not used:";
-    for (const auto& key : plan.unused) out << ' ' << key;
+    for (const auto& key : plan.unused) out << ' ' << escape_invalid_utf8(key);
     out << '\n';
   }
 }

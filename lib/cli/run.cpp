@@ -23,6 +23,7 @@
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 #include "weights/weights.hpp"
 
 namespace vramd::cli {
@@ -87,8 +88,8 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   std::ostream& log = lead ? err : discard;
   for (const auto& warning : report.warnings) log << "warning: " << warning << '\n';
   for (const auto& line : report.printed) log << "print: " << line << '\n';
-  for (const auto& name : report.missing) log << "warning: missing from the checkpoint (strict = false; the parameter stays empty): " << name << '\n';
-  for (const auto& name : report.unexpected) log << "warning: unexpected checkpoint tensor (not used): " << name << '\n';
+  for (const auto& name : report.missing) log << "warning: missing from the checkpoint (strict = false; the parameter stays empty): " << escape_invalid_utf8(name) << '\n';
+  for (const auto& name : report.unexpected) log << "warning: unexpected checkpoint tensor (not used): " << escape_invalid_utf8(name) << '\n';
   if (options.stats)
     log << "loaded " << config.name << " (" << model->architecture() << ", " << convert::dtype_torch_name(storage::dtype_of(model->dtype())) << ", "
         << model->device() << "): " << report.tensors << " tensors, " << format_bytes(report.bytes) << " ("

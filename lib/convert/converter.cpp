@@ -12,6 +12,7 @@
 #include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/sort.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::convert {
 namespace {
@@ -602,6 +603,8 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
       fail(script_path, std::string("returned a table with a ") + luaL_typename(L, -2) +
                             " key; target names are strings");
     const std::string_view name = string_at(L, -2);
+    if (!valid_utf8(name))
+      fail(script_path, "target " + quote(name) + " is not valid UTF-8, as safetensors and vramd's replies need");
     const ExprPtr* value = to_tensor(L, -1, metatable);
     if (!value) fail(script_path, "target " + quote(name) + " is a " + luaL_typename(L, -1) + ", not a tensor");
     plan.tensors.push_back({std::string(name), *value});

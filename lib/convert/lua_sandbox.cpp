@@ -6,6 +6,7 @@
 
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::convert {
 
@@ -104,6 +105,8 @@ int traceback(lua_State* L) {
   return 1;
 }
 
+// Each argument is escaped as escape_invalid_utf8 does, so a line holds no control byte but the
+// tabs print puts between arguments: it goes to a terminal or the daemon's log.
 int print_to_log(lua_State* L) {
   std::string line;
   const int count = lua_gettop(L);
@@ -115,7 +118,7 @@ int print_to_log(lua_State* L) {
     size_t length = 0;
     const char* text = lua_tolstring(L, -1, &length);
     if (i > 1) line += '\t';
-    if (text) line.append(text, length);
+    if (text) line += escape_invalid_utf8({text, length});
     lua_pop(L, 1);
   }
   state_of(L)->printed.push_back(std::move(line));

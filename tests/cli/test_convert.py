@@ -61,6 +61,25 @@ def test_a_converter_that_escapes_is_stopped_and_named(tmp_path):
     assert not (tmp_path / "escaped").exists()
 
 
+
+def test_what_a_converter_prints_or_names_reaches_the_terminal_escaped(tmp_path):
+    # A downloaded converter is sandboxed, and so is its output: no newline or escape sequence of
+    # its own reaches the terminal, and a name that is not UTF-8 is refused by name.
+    config = setup(tmp_path, 'print("hi\\27[2J", "two\\nlines")\nreturn { ["x\\n\\27[31m"] = src["a.weight"] }\n')
+    result = vramctl("convert", config)
+    assert result.returncode == 0, result.stderr
+    assert "print: hi\\x1b[2J\ttwo\\x0alines\n" in result.stderr
+    assert "  x\\x0a\\x1b[31m  F32" in result.stdout
+    assert {c for c in result.stdout + result.stderr if ord(c) < 0x20} == {"\n", "\t"}
+    config = setup(tmp_path, 'return { ["x\\255"] = src["a.weight"] }\n')
+    for args in [(), ("--json",), ("--output", tmp_path / "out.safetensors")]:
+        result = vramctl("convert", config, *args)
+        assert result.returncode == 1
+        assert result.stderr == (f"vramctl convert: {tmp_path / 'convert.lua'}: target 'x\\xff' is not valid UTF-8, "
+                                 "as safetensors and vramd's replies need\n")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_arch_is_the_merged_hyperparameters_in_convert_and_check(tmp_path):
     # arch: config.json beside the checkpoint, with the model config's [arch] merged over it,
     # the same table the architecture reads; vramctl convert and check see what a load sees.

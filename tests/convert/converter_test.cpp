@@ -120,6 +120,8 @@ TEST_CASE("a converter that returns the wrong thing names the script and the tar
   CHECK(f.error_of("return 42") == path + ": returned number, not a table of target names to tensors");
   CHECK(f.error_of("return { w = 'oops' }") == path + ": target 'w' is a string, not a tensor");
   CHECK(f.error_of("return { src['h.0.ln.weight'] }") == path + ": returned a table with a number key; target names are strings");
+  CHECK(f.error_of("return { ['w\\255\\n'] = src['h.0.ln.weight'] }") ==
+        path + ": target 'w\\xff\\x0a' is not valid UTF-8, as safetensors and vramd's replies need");
   CHECK(f.error_of("while true do end") == path + ":1: ran past its time limit of 5000 ms");
 }
 

@@ -30,6 +30,11 @@ TEST_CASE("a sandboxed script computes with the safe libraries and prints to a l
   CHECK(lua_tonumber(sandbox.state(), -1) == 4);
   REQUIRE(sandbox.printed().size() == 1);
   CHECK(sandbox.printed()[0] == "7-AB\t2\t1,2");
+  // What a script prints goes to a terminal or the daemon's log: control bytes are escaped, but
+  // not the tabs between arguments.
+  sandbox.run("print('a\\tb\\n\\27[2J\\255', 'c\\\\d')", "escaped.lua", 0, 0);
+  REQUIRE(sandbox.printed().size() == 2);
+  CHECK(sandbox.printed()[1] == "a\\x09b\\x0a\\x1b[2J\\xff\tc\\\\d");
 }
 
 TEST_CASE("every way out of the sandbox is refused with its own error") {
