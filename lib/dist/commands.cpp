@@ -6,6 +6,9 @@
 #include <nlohmann/json.hpp>
 
 #include "dist/group.hpp"
+#include "util/error.hpp"
+#include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::dist {
 namespace {
@@ -20,9 +23,14 @@ std::string read_key(int64_t seq) { return "read/" + std::to_string(seq); }
 
 void send_command(Group& group, const std::string& op, const std::string& model, const std::string& config,
                   std::string_view input) {
+  // Made before the command is counted: the other ranks wait for every command counted.
+  if (!valid_utf8(config))
+    throw Error(quote(config) + ": a partitioned model's config is named to the other ranks in JSON, so its path must be "
+                "valid UTF-8; rename the file");
+  const std::string text = nlohmann::json{{"op", op}, {"model", model}, {"config", config}}.dump();
   const int64_t seq = group.add(kCommands, 1);
   if (!input.empty()) group.set(input_key(seq), input);
-  group.set(command_key(seq), nlohmann::json{{"op", op}, {"model", model}, {"config", config}}.dump());
+  group.set(command_key(seq), text);
 }
 
 int64_t next_command(Group& group) { return group.add(kCommands, 0) + 1; }

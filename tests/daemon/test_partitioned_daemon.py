@@ -3,6 +3,7 @@ daemon config; [partition] in the model's): served through the real socket with 
 single-process model's outputs; when a rank dies, the request to that model fails with an error
 naming it while the daemon and its other models carry on, and once the daemon has started the
 rank again the model loads and serves again."""
+import json
 import os
 import signal
 import subprocess
@@ -70,3 +71,15 @@ def test_a_partitioned_model_serves_and_survives_a_rank_dying(tmp_path):
         assert all(torch.equal(load(body)[k], expected[k]) for k in expected)
         assert children(d.process.pid) == [restarted]
         assert d.healthy()
+
+        # A config whose file name is not UTF-8 cannot be named to the other ranks in JSON: its
+        # load fails naming the file, before the ranks are told anything, and the group serves on.
+        odd = os.path.join(os.fsencode(d.models), b"odd\xff.toml")
+        with open(odd, "w") as f:
+            f.write(f'name = "odd"\ncheckpoint = "{checkpoint}"\n[partition]\nworld_size = 2\n')
+        wait_for(lambda: request(d.sock, "GET", "/v1/models/odd")[0] == 200, what="the daemon to see odd\\xff.toml")
+        status, body = request(d.sock, "POST", "/v1/models/odd/forward", save(inputs))
+        assert status == 500, body
+        assert "odd\\xff.toml': a partitioned model's config is named to the other ranks in JSON" in json.loads(body)["error"]
+        status, body = request(d.sock, "POST", "/v1/models/split/forward", save(inputs), timeout=30)
+        assert status == 200 and all(torch.equal(load(body)[k], expected[k]) for k in expected)
