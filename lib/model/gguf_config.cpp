@@ -81,6 +81,9 @@ std::string gguf_config_json(const storage::DiskMap& map) {
   for (const char* required : {"hidden_size", "num_attention_heads", "num_hidden_layers"})
     if (!config.contains(required) || !config[required].is_number_unsigned() || config[required] == 0)
       refuse("GGUF metadata lacks a positive " + prefix + " key for " + required);
+  if (config.contains("head_dim") && (!config["head_dim"].is_number_unsigned() || config["head_dim"] == 0))
+    refuse("GGUF key " + quote(prefix + "attention.key_length") + " is " + config["head_dim"].dump() +
+           ", not a positive head size");
   const uint64_t heads = config["num_attention_heads"];
   const uint64_t head_dim = config.contains("head_dim") ? config["head_dim"].get<uint64_t>()
                                                         : config["hidden_size"].get<uint64_t>() / heads;
@@ -89,7 +92,8 @@ std::string gguf_config_json(const storage::DiskMap& map) {
       refuse("GGUF key " + quote(prefix + name) + " is " + value.dump() + ", not the head size " +
              std::to_string(head_dim) + ": partial rotary and uneven value heads are not read");
   if (!config.contains("vocab_size"))
-    if (const auto* embedding = map.find("token_embd.weight")) config["vocab_size"] = embedding->shape.at(0);
+    if (const auto* embedding = map.find("token_embd.weight"); embedding && !embedding->shape.empty())
+      config["vocab_size"] = embedding->shape[0];
   config["tie_word_embeddings"] = map.find("output.weight") == nullptr;
   return config.dump();
 }

@@ -11,6 +11,7 @@
 #include "util/error.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::model {
 namespace fs = std::filesystem;
@@ -30,7 +31,7 @@ Json parse_object(const std::string& text, const std::string& origin) {
   try {
     value = Json::parse(text);
   } catch (const Json::exception& e) {
-    fail(origin, std::string("not valid JSON: ") + e.what());
+    fail(origin, "not valid JSON: " + escape_invalid_utf8(e.what()));
   }
   if (!value.is_object()) fail(origin, "expected a JSON object");
   return value;
@@ -47,6 +48,16 @@ bool present(const fs::path& path) {
   return fs::exists(fs::symlink_status(path, ec));
 }
 
+// The field `key` of `object`, or null where it has none; one of another type than `type` is
+// refused naming `origin`.
+const Json* field(const Json& object, const char* key, Json::value_t type, const std::string& origin) {
+  const auto found = object.find(key);
+  if (found == object.end()) return nullptr;
+  if (found->type() != type)
+    fail(origin, quote(key) + " is " + found->type_name() + ", not " + Json(type).type_name());
+  return &*found;
+}
+
 // sentence-transformers keeps its pooling in modules.json and <module>/config.json.
 void read_sentence_transformers(const fs::path& folder, Json& values) {
   const fs::path modules_path = folder / "modules.json";
@@ -56,18 +67,24 @@ void read_sentence_transformers(const fs::path& folder, Json& values) {
   try {
     modules = Json::parse(text);
   } catch (const Json::exception& e) {
-    fail(modules_path.string(), std::string("not valid JSON: ") + e.what());
+    fail(modules_path.string(), "not valid JSON: " + escape_invalid_utf8(e.what()));
   }
   if (!modules.is_array()) fail(modules_path.string(), "expected a JSON array of modules");
-  for (const auto& module : modules) {
-    const std::string type = module.value("type", "");
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const std::string origin = modules_path.string() + ": module " + std::to_string(i);
+    if (!modules[i].is_object()) fail(origin + " is " + modules[i].type_name(), "expected an object");
+    const Json* type_field = field(modules[i], "type", Json::value_t::string, origin);
+    const std::string type = type_field ? type_field->get<std::string>() : "";
     if (type.ends_with(".Normalize")) values["normalize"] = true;
     if (!type.ends_with(".Pooling")) continue;
-    const Json pooling = read_json_file(folder / module.value("path", "") / "config.json");
+    const Json* module = field(modules[i], "path", Json::value_t::string, origin);
+    const fs::path pooling_path = folder / (module ? module->get<std::string>() : "") / "config.json";
+    const Json pooling = read_json_file(pooling_path);
     for (const auto& [mode, key] : {std::pair{"mean", "pooling_mode_mean_tokens"},
                                     {"cls", "pooling_mode_cls_token"},
                                     {"max", "pooling_mode_max_tokens"}})
-      if (pooling.value(key, false)) values["pooling"] = mode;
+      if (const Json* on = field(pooling, key, Json::value_t::boolean, pooling_path.string()); on && on->get<bool>())
+        values["pooling"] = mode;
   }
 }
 

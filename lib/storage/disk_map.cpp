@@ -18,6 +18,7 @@
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/sort.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::storage {
 namespace fs = std::filesystem;
@@ -70,7 +71,7 @@ void add_index(const std::string& index_path, std::vector<Part>& parts) {
   try {
     index = nlohmann::json::parse(stream);
   } catch (const nlohmann::json::exception& e) {
-    fail(index_path, std::string("not valid JSON: ") + e.what());
+    fail(index_path, "not valid JSON: " + escape_invalid_utf8(e.what()));
   }
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
     fail(index_path, "has no \"weight_map\" object");

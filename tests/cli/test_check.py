@@ -46,6 +46,25 @@ def test_check_reports_every_bad_config_and_still_checks_the_others(tmp_path):
     assert "no key starts with the prefix 'unet.'" in out
 
 
+def test_sentence_transformers_files_of_the_wrong_shape_are_refused_naming_them(tmp_path):
+    cases = {"number": ("[1]", "modules.json: module 0 is number: expected an object"),
+             "type": ('[{"type": 5}]', "modules.json: module 0: 'type' is number, not string"),
+             "pooling": ('[{"type": "x.Pooling", "path": "p"}]',
+                         "p/config.json: 'pooling_mode_mean_tokens' is string, not boolean")}
+    for name, (modules, _) in cases.items():
+        (tmp_path / name / "p").mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "modules.json").write_text(modules)
+        (tmp_path / name / "p" / "config.json").write_text('{"pooling_mode_mean_tokens": "yes"}')
+        (tmp_path / f"{name}.toml").write_text(f'checkpoint = "{name}"\n')
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "1GiB"\n')
+    result = vramctl("check", *[tmp_path / f"{name}.toml" for name in cases], "--json",
+                     "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 1, result.stderr
+    assert [entry["problems"] for entry in json.loads(result.stdout)["configs"]] == [
+        [f"{tmp_path / name}/{message}"] for name, (_, message) in cases.items()]
+
+
 def test_check_json_has_one_entry_per_config(tmp_path):
     models = setup(tmp_path)
     result = vramctl("check", models / "good.toml", models / "typo.toml", "--json", "--daemon-config", tmp_path / "vramd.toml")

@@ -378,6 +378,13 @@ def test_a_gguf_key_vramd_cannot_honour_is_refused(tiny_llama, tmp_path):
     assert result.returncode == 1
     assert (f"{tmp_path / 'scaled.gguf'}: GGUF key 'llama.rope.scaling.type' is not read by vramd" in result.stderr
             ), result.stderr
+    # A key read with a value of another type is refused naming it, as a missing one is.
+    llama_gguf(tmp_path / "typed.gguf", tiny_llama, extra={"llama.attention.key_length": "16"})
+    config.write_text('checkpoint = "typed.gguf"\n')
+    result = vramctl("run", config, "--daemon-config", CONFIGS / "vramd.toml")
+    assert result.returncode == 1
+    assert result.stderr == (f"vramctl run: {tmp_path / 'typed.gguf'}: GGUF key 'llama.attention.key_length' is "
+                             '"16", not a positive head size\n')
 
 
 # --- GGUF blocks kept packed ------------------------------------------------------------------------
