@@ -63,8 +63,10 @@ void Problems::throw_if_any() const {
 TableReader::TableReader(const toml::table& table, std::string name, Problems& problems)
     : table_(table), name_(std::move(name)), problems_(problems) {}
 
+// Escaped: some keys are the user's own ([budgets], a family's switches), and TOML allows any
+// character in a quoted key.
 std::string TableReader::qualified(std::string_view key) const {
-  return name_.empty() ? std::string(key) : name_ + "." + std::string(key);
+  return name_.empty() ? escape_invalid_utf8(key) : name_ + "." + escape_invalid_utf8(key);
 }
 
 const toml::node* TableReader::node(std::string_view key) {

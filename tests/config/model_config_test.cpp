@@ -234,6 +234,10 @@ keep_alive = "30s"
                     bad + ":1:13: log_level = 'loud': expected one of error, warn, info, debug\n" +
                     bad + ":2:1: unknown key 'sokcet'; did you mean 'socket'?\n" +
                     bad + ":4:7: budgets.gpu = '1GiB': not a device; expected \"cpu\", \"cuda\" or \"cuda:N\"");
+  // A key of the user's own is escaped as a value is: one line, no control byte.
+  auto odd = dir.write("odd.toml", "[budgets]\n\"gpu\\n\\u001b[2J\" = \"1GiB\"\n");
+  CHECK_THROWS_WITH(load_daemon_config(odd),
+                    odd + ":2:20: budgets.gpu\\x0a\\x1b[2J = '1GiB': not a device; expected \"cpu\", \"cuda\" or \"cuda:N\"");
 }
 
 TEST_CASE("the daemon config reads access and limits and refuses what it cannot honour") {
