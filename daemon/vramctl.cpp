@@ -21,17 +21,18 @@
 #include "dist/launch.hpp"
 #include "util/error.hpp"
 #include "util/exit.hpp"
+#include "util/utf8.hpp"
 #include "util/torch_cuda.hpp"
 
 namespace {
 
-// Errors leave as one line on stderr.
+// Errors leave as one printable line on stderr.
 int report(const char* command, const std::exception& error) {
   std::string message = error.what();
   std::replace(message.begin(), message.end(), '\n', ' ');
   const char* rank = std::getenv("RANK");  // one of a group's ranks (vramctl run --ranks, torchrun)
   const std::string who = rank && std::getenv("WORLD_SIZE") ? std::string(" (rank ") + rank + ")" : "";
-  std::cerr << "vramctl " << command << who << ": " << message << '\n';
+  std::cerr << "vramctl " << command << who << ": " << vramd::printable(message) << '\n';
   return 1;
 }
 

@@ -11,6 +11,7 @@
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::cli {
 namespace {
@@ -43,8 +44,10 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
         verdict.bytes = dry.report.bytes;
         verdict.architecture = dry.architecture + ", " + dry.dtype;
         if (dry.weights) verdict.plan = dry.weights->plan;
-        for (const auto& name : dry.report.missing) verdict.warnings.push_back(path + ": missing (strict = false): " + name);
-        for (const auto& name : dry.report.unexpected) verdict.warnings.push_back(path + ": unexpected (strict = false): " + name);
+        for (const auto& name : dry.report.missing)
+          verdict.warnings.push_back(path + ": missing (strict = false): " + escape_invalid_utf8(name));
+        for (const auto& name : dry.report.unexpected)
+          verdict.warnings.push_back(path + ": unexpected (strict = false): " + escape_invalid_utf8(name));
       } catch (const model::NoArchitecture&) {
         verdict.warnings.push_back(path + ": no architecture, so vramd cannot load it; checked the index and converter only");
         if (!model.converter.empty()) try {
@@ -64,6 +67,8 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
     }
   } catch (const Error& e) {
     verdict.problems = split_lines(e.what());
+  } catch (const std::exception& e) {  // a fault of vramd's own, but one config's: the others are still checked
+    verdict.problems = {path + ": " + e.what()};
   }
   return verdict;
 }
@@ -85,18 +90,20 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
                          {"problems", verdict.problems}, {"warnings", verdict.warnings}});
       continue;
     }
-    for (const auto& warning : verdict.warnings) err << "warning: " << warning << '\n';
+    for (const auto& warning : verdict.warnings) err << "warning: " << printable(warning) << '\n';
     if (verdict.problems.empty()) {
       out << "ok    " << path << ": model " << quote(verdict.name) << ", " << verdict.tensors << " tensors, "
           << format_bytes(verdict.bytes) << (verdict.architecture.empty() ? "" : " (" + verdict.architecture + ")") << '\n';
-      if (!verdict.plan.empty()) out << "      plan: " << verdict.plan << '\n';
+      if (!verdict.plan.empty()) out << "      plan: " << printable(verdict.plan) << '\n';
     } else {
       out << "FAIL  " << path << '\n';
-      for (const auto& problem : verdict.problems) out << "      " << problem << '\n';
+      for (const auto& problem : verdict.problems) out << "      " << printable(problem) << '\n';
     }
   }
   if (options.json)
-    out << nlohmann::ordered_json{{"daemon_config", daemon.path}, {"configs", results}}.dump(2) << '\n';
+    out << nlohmann::ordered_json{{"daemon_config", daemon.path}, {"configs", results}}.dump(
+               2, ' ', false, nlohmann::json::error_handler_t::replace)
+        << '\n';
   return failed;
 }
 

@@ -19,7 +19,7 @@ namespace vramd::cli {
 void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err) {
   auto model = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   auto map = config::open_checkpoint(model);
-  for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
+  for (const auto& warning : map.warnings()) err << "warning: " << printable(warning) << '\n';
   auto plan = model.converter.empty() ? convert::identity_plan(map)
                                       : convert::run_converter(model.converter, map, model::Hyperparams::for_model(model, map).json());
   for (const auto& line : plan.printed) err << "print: " << line << '\n';

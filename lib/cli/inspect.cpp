@@ -107,7 +107,7 @@ void print_text(const DiskMap& map, std::ostream& out) {
 
 void inspect(const InspectOptions& options, std::ostream& out, std::ostream& err) {
   auto map = DiskMap::open(options.sources, {.prefix = options.prefix, .strip_prefix = !options.keep_prefix, .shards = true});
-  for (const auto& warning : map.warnings()) err << "warning: " << warning << '\n';
+  for (const auto& warning : map.warnings()) err << "warning: " << printable(warning) << '\n';
   if (options.json)
     print_json(map, out);
   else

@@ -12,6 +12,7 @@
 #include "model/loader.hpp"
 #include "storage/dtype.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::cli {
 namespace {
@@ -57,8 +58,9 @@ void plan(const PlanOptions& options, std::ostream& out, std::ostream& err) {
   const std::optional<storage::DType> wanted = options.dtype.empty() ? std::nullopt : std::optional(planning_dtype(options.dtype));
   const auto config = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   auto [dry, model] = model::dry_run_model(config);
-  for (const auto& warning : dry.report.warnings) err << "warning: " << warning << '\n';
-  for (const auto& name : dry.report.missing) err << "warning: missing from the checkpoint (strict = false): " << name << '\n';
+  for (const auto& warning : dry.report.warnings) err << "warning: " << printable(warning) << '\n';
+  for (const auto& name : dry.report.missing)
+    err << "warning: missing from the checkpoint (strict = false): " << escape_invalid_utf8(name) << '\n';
   const storage::DType dtype = wanted.value_or(storage::dtype_of(model->dtype()));
   const std::string dtype_name = convert::dtype_torch_name(dtype);
 

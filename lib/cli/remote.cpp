@@ -18,6 +18,7 @@
 #include "util/error.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::cli {
 namespace {
@@ -54,8 +55,12 @@ void print_models(const json& models, std::ostream& out) {
     out << std::setw(20) << m["name"].get<std::string>() << std::setw(11) << m["state"].get<std::string>()
         << std::setw(8) << m.value("architecture", "-") << std::setw(10) << m.value("dtype", "-") << std::setw(12)
         << (m.contains("bytes") ? format_bytes(m["bytes"].get<uint64_t>()) : "-") << devices_text(m["devices"]) << '\n';
-    if (m.contains("reason")) out << "    " << m["reason"].get<std::string>() << '\n';
-    if (m.contains("config_error")) out << "    edit not applied: " << m["config_error"].get<std::string>() << '\n';
+    // A config's problems, one a line, quote the file: each line indented and printable.
+    const auto print_lines = [&](const std::string& head, const std::string& text) {
+      for (const auto& line : split_lines(text)) out << "    " << head << printable(line) << '\n';
+    };
+    if (m.contains("reason")) print_lines("", m["reason"].get<std::string>());
+    if (m.contains("config_error")) print_lines("edit not applied: ", m["config_error"].get<std::string>());
     print_leases(m, out);
   }
   out << std::right;

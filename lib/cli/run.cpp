@@ -86,7 +86,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   const bool lead = !load_options.group || load_options.group->rank() == 0;
   std::ostringstream discard;
   std::ostream& log = lead ? err : discard;
-  for (const auto& warning : report.warnings) log << "warning: " << warning << '\n';
+  for (const auto& warning : report.warnings) log << "warning: " << printable(warning) << '\n';
   for (const auto& line : report.printed) log << "print: " << line << '\n';
   for (const auto& name : report.missing) log << "warning: missing from the checkpoint (strict = false; the parameter stays empty): " << escape_invalid_utf8(name) << '\n';
   for (const auto& name : report.unexpected) log << "warning: unexpected checkpoint tensor (not used): " << escape_invalid_utf8(name) << '\n';

@@ -17,6 +17,7 @@
 
 #include "config/daemon_config.hpp"
 #include "util/error.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::client {
 
@@ -279,10 +280,15 @@ std::vector<std::shared_ptr<cuda::VmmRegion>> map_cuda_regions(const Lease& leas
   return mapped;
 }
 
+// One printable line: the daemon quotes files and requests in its errors, and whatever answers
+// on the socket may not be vramd.
 std::string error_text(const Response& response) {
   const auto body = nlohmann::json::parse(response.body, nullptr, false);
-  if (body.is_object() && body.contains("error") && body["error"].is_string()) return body["error"].get<std::string>();
-  return "HTTP " + std::to_string(response.status) + ": " + response.body.substr(0, 200);
+  std::string text = body.is_object() && body.contains("error") && body["error"].is_string()
+                         ? body["error"].get<std::string>()
+                         : "HTTP " + std::to_string(response.status) + ": " + response.body.substr(0, 200);
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return printable(text);
 }
 
 }  // namespace vramd::client

@@ -13,6 +13,8 @@
 #include <mutex>
 
 #include "util/error.hpp"
+#include "util/format.hpp"
+#include "util/utf8.hpp"
 
 namespace vramd::log {
 namespace {
@@ -52,19 +54,25 @@ void write(Level level, const std::string& message) {
   static const char* priorities[] = {"<3>", "<4>", "<6>", "<7>"};  // syslog's err, warning, info, debug
   static const bool journal = stderr_is_journal();
   const int index = static_cast<int>(level);
+  char stamp[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ ", ::gmtime_r(&now, &utc));
+  // Each line of a message (a config's problems are one a line) a log line of its own, with the
+  // prefix and priority, and nothing a terminal would act on: messages quote files and requests.
+  std::string to_stderr, to_file;
+  for (const auto& line : split_lines(message)) {
+    const std::string text = std::string("vramd: ") + names[index] + ": " + printable(line) + "\n";
+    to_stderr += (journal ? priorities[index] : "") + text;
+    to_file += stamp + text;
+  }
   std::lock_guard lock(output);
-  std::fprintf(stderr, "%svramd: %s: %s\n", journal ? priorities[index] : "", names[index], message.c_str());
-  if (file >= 0) {
-    char stamp[32];
-    const std::time_t now = std::time(nullptr);
-    std::tm utc{};
-    std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", ::gmtime_r(&now, &utc));
-    const std::string line = std::string(stamp) + " vramd: " + names[index] + ": " + message + "\n";
-    for (size_t done = 0; done < line.size();) {  // one write but for a short one; a full disk loses the line
-      const ssize_t n = ::write(file, line.data() + done, line.size() - done);
-      if (n <= 0) break;
-      done += static_cast<size_t>(n);
-    }
+  std::fputs(to_stderr.c_str(), stderr);
+  // One write but for a short one; a full disk loses the rest.
+  for (size_t done = 0; file >= 0 && done < to_file.size();) {
+    const ssize_t n = ::write(file, to_file.data() + done, to_file.size() - done);
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
   }
 }
 

@@ -39,17 +39,21 @@ bool valid_utf8(std::string_view text) {
   return true;
 }
 
-std::string escape_invalid_utf8(std::string_view text) {
+namespace {
+
+// Bytes outside a well-formed sequence, control bytes but a tab where `tab` keeps it, and DEL
+// as \xNN; a backslash as \\ where `backslash` says.
+std::string escaped(std::string_view text, bool backslash, bool tab) {
   std::string out;
   out.reserve(text.size());
   for (size_t at = 0; at < text.size();) {
     const size_t length = utf8_sequence_length(text, at);
     const auto c = static_cast<uint8_t>(text[at]);
-    if (length == 0 || c < 0x20 || c == 0x7f || c == '\\') {
-      char escaped[8];
-      if (c == '\\') std::snprintf(escaped, sizeof escaped, "\\\\");
-      else std::snprintf(escaped, sizeof escaped, "\\x%02x", c);
-      out += escaped;
+    if (length == 0 || (c < 0x20 && !(tab && c == '\t')) || c == 0x7f || (backslash && c == '\\')) {
+      char code[8];
+      if (c == '\\') std::snprintf(code, sizeof code, "\\\\");
+      else std::snprintf(code, sizeof code, "\\x%02x", c);
+      out += code;
       ++at;
     } else {
       out.append(text.substr(at, length));
@@ -58,5 +62,11 @@ std::string escape_invalid_utf8(std::string_view text) {
   }
   return out;
 }
+
+}  // namespace
+
+std::string escape_invalid_utf8(std::string_view text) { return escaped(text, true, false); }
+
+std::string printable(std::string_view text) { return escaped(text, false, true); }
 
 }  // namespace vramd

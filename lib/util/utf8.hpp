@@ -19,4 +19,9 @@ bool valid_utf8(std::string_view text);
 // control characters likewise: always valid UTF-8, and different inputs stay different.
 std::string escape_invalid_utf8(std::string_view text);
 
+// For a line on its way to a terminal or a log that may still hold bytes from outside: as
+// escape_invalid_utf8, but keeping tabs and backslashes, so that text escaped before is not
+// escaped twice. A backstop, not a quoting: different inputs may look the same.
+std::string printable(std::string_view text);
+
 }  // namespace vramd

@@ -197,6 +197,32 @@ def test_names_sizes_and_nesting_that_are_not_configs(hostile):
     assert_unharmed(hostile, drop_config=True)
 
 
+def test_what_the_log_and_vramctl_show_of_a_hostile_config_is_printable(hostile):
+    # A file name and a config's text can carry escape sequences and newlines; the log gives each
+    # problem a line of its own with its prefix, and neither it nor vramctl passes on a control byte.
+    name = b"esc\x1b[2J"
+    path = os.path.join(os.fsencode(hostile.models), name + b".toml")
+    with open(path, "w") as f:
+        f.write('checkpoint = "\\u001b]0;pwned\\u0007"\nsize = 1\n[arch]\n"\\u001b[31m" = 1\n')
+    (hostile.models / "lua.lua").write_bytes(b'error("\\27[2J\\255")\n')
+    (hostile.models / "lua.toml").write_text(f'checkpoint = "{hostile.llama_dir / "model"}"\nconverter = "lua.lua"\n')
+    reason = invalid_reason(hostile, "esc\\x1b[2J")
+    assert reason.count("\n") == 1 and {c for c in reason if ord(c) < 0x20} == {"\n"}, reason  # two problems
+    assert "[2J" in invalid_reason(hostile, "lua")
+    listed = vramctl(hostile.sock, "list").stdout
+    log = hostile.log.read_bytes()
+    for name in [path, hostile.models / "lua.toml", hostile.models / "lua.lua"]:
+        os.unlink(name)
+    assert {c for c in listed if ord(c) < 0x20} == {"\n"}, repr(listed)
+    assert [line for line in listed.splitlines() if "esc" in line][1:] == [
+        f"    {line}" for line in reason.splitlines()]
+    assert not {b for b in log if b < 0x20} - {0x0a}, [line for line in log.splitlines() if b"[2J" in line]
+    assert log.decode("utf-8")
+    problems = [line for line in log.decode().splitlines() if "esc\\x1b[2J.toml:" in line]
+    assert len(problems) == 2 and all(line.startswith("vramd: warn: ") for line in problems), problems
+    assert_unharmed(hostile)
+
+
 def test_a_converter_that_catches_its_time_limit_holds_nothing_up(hostile):
     (hostile.models / "evil.lua").write_text("while true do pcall(function() while true do end end) end\n")
     (hostile.models / "evil.toml").write_text(f'checkpoint = "{hostile.llama_dir / "model"}"\nconverter = "evil.lua"\n')

@@ -32,3 +32,8 @@ TEST_CASE("Escaping keeps different texts different") {
   CHECK(escape_invalid_utf8("a\nb") == "a\\x0ab");
   CHECK(quote("h.\xff") == "'h.\\xff'");
 }
+
+TEST_CASE("Printable text keeps tabs and backslashes and escapes what a terminal would act on") {
+  CHECK(printable("a\tb\\x0a") == "a\tb\\x0a");  // escaped before: not escaped again
+  CHECK(printable("\x1b[2J\r\n\x7f\xff caf\xc3\xa9") == "\\x1b[2J\\x0d\\x0a\\x7f\\xff caf\xc3\xa9");
+}
