@@ -171,7 +171,7 @@ std::optional<std::string> find_script(const std::string& name, const fs::path& 
 std::string searched_text(const std::string& name, const fs::path& folder, const std::vector<std::string>& folders) {
   std::string searched;
   for (const auto& candidate : script_candidates(name, folder, folders))
-    searched += (searched.empty() ? "" : ", ") + candidate.lexically_normal().string();
+    searched += (searched.empty() ? "" : ", ") + escape_invalid_utf8(candidate.lexically_normal().string());
   return searched;
 }
 

@@ -195,6 +195,9 @@ TEST_CASE("a missing checkpoint or converter and a syntax error are reported") {
   auto no_script = dir.write("b.toml", "checkpoint = \"w\"\nconverter = \"gone.lua\"\n");
   CHECK(problems_of(no_script, default_daemon_config()) ==
         no_script + ":2:13: converter = 'gone.lua': no such script (looked for " + dir / "gone.lua" + ")");
+  auto odd_script = dir.write("b2.toml", "checkpoint = \"w\"\nconverter = \"gone\\n.lua\"\n");
+  CHECK(problems_of(odd_script, default_daemon_config()) ==
+        odd_script + ":2:13: converter = 'gone\\x0a.lua': no such script (looked for " + dir / "gone\\x0a.lua" + ")");
   auto syntax = dir.write("c.toml", "name = \"unterminated\n");
   CHECK_THAT(problems_of(syntax, default_daemon_config()), Catch::StartsWith(syntax + ":1:"));
   // The parser quotes what it saw, which may hold a newline or any control character: one line.
