@@ -27,6 +27,17 @@ namespace {
 
 using nlohmann::json;
 
+// A label value as Prometheus' text format writes one. A valid config's name needs nothing, but
+// an invalid one is known by its escaped file name, which may hold '\\', '"' or '}'.
+std::string label(std::string_view value) {
+  std::string out;
+  for (const char c : value) {
+    if (c == '\\' || c == '"') out += '\\';
+    out += c == '\n' ? std::string("\\n") : std::string(1, c);
+  }
+  return out;
+}
+
 class Daemon {
  public:
   explicit Daemon(const config::DaemonConfig& config)
@@ -214,21 +225,21 @@ class Daemon {
       if (!info["budget"].is_null()) out << "vramd_device_budget_bytes{device=\"" << device << "\"} " << info["budget"] << '\n';
     out << "# HELP vramd_model_state 1 for the state each model is in.\n# TYPE vramd_model_state gauge\n";
     for (const Entry* e : registry_.entries())
-      out << "vramd_model_state{model=\"" << e->name << "\",state=\"" << state_name(e->state) << "\"} 1\n";
+      out << "vramd_model_state{model=\"" << label(e->name) << "\",state=\"" << state_name(e->state) << "\"} 1\n";
     out << "# HELP vramd_forwards_total Forwards answered, by model.\n# TYPE vramd_forwards_total counter\n";
-    for (const Entry* e : registry_.entries()) out << "vramd_forwards_total{model=\"" << e->name << "\"} " << e->forwards << '\n';
+    for (const Entry* e : registry_.entries()) out << "vramd_forwards_total{model=\"" << label(e->name) << "\"} " << e->forwards << '\n';
     out << "# HELP vramd_forward_errors_total Forwards refused or failed, by model.\n# TYPE vramd_forward_errors_total counter\n";
     for (const Entry* e : registry_.entries())
-      out << "vramd_forward_errors_total{model=\"" << e->name << "\"} " << e->forward_errors << '\n';
+      out << "vramd_forward_errors_total{model=\"" << label(e->name) << "\"} " << e->forward_errors << '\n';
     out << "# HELP vramd_forwards_cancelled_total Forwards stopped early (client gone, shutdown grace over), by model.\n"
            "# TYPE vramd_forwards_cancelled_total counter\n";
     for (const Entry* e : registry_.entries())
-      out << "vramd_forwards_cancelled_total{model=\"" << e->name << "\"} " << e->forwards_cancelled << '\n';
+      out << "vramd_forwards_cancelled_total{model=\"" << label(e->name) << "\"} " << e->forwards_cancelled << '\n';
     out << "# HELP vramd_forward_seconds_total Time spent in forwards, by model.\n# TYPE vramd_forward_seconds_total counter\n";
     for (const Entry* e : registry_.entries())
-      out << "vramd_forward_seconds_total{model=\"" << e->name << "\"} " << e->forward_seconds << '\n';
+      out << "vramd_forward_seconds_total{model=\"" << label(e->name) << "\"} " << e->forward_seconds << '\n';
     out << "# HELP vramd_loads_total Loads completed, by model.\n# TYPE vramd_loads_total counter\n";
-    for (const Entry* e : registry_.entries()) out << "vramd_loads_total{model=\"" << e->name << "\"} " << e->loads << '\n';
+    for (const Entry* e : registry_.entries()) out << "vramd_loads_total{model=\"" << label(e->name) << "\"} " << e->loads << '\n';
     return out.str();
   }
 

@@ -7,6 +7,7 @@ fault of vramd's own.
 One daemon serves the whole module (it must survive everything anyway)."""
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -210,6 +211,7 @@ def test_what_the_log_and_vramctl_show_of_a_hostile_config_is_printable(hostile)
     assert reason.count("\n") == 1 and {c for c in reason if ord(c) < 0x20} == {"\n"}, reason  # two problems
     assert "[2J" in invalid_reason(hostile, "lua")
     listed = vramctl(hostile.sock, "list").stdout
+    metrics = request(hostile.sock, "GET", "/metrics")[1].decode()
     log = hostile.log.read_bytes()
     for name in [path, hostile.models / "lua.toml", hostile.models / "lua.lua"]:
         os.unlink(name)
@@ -218,6 +220,10 @@ def test_what_the_log_and_vramctl_show_of_a_hostile_config_is_printable(hostile)
         f"    {line}" for line in reason.splitlines()]
     assert not {b for b in log if b < 0x20} - {0x0a}, [line for line in log.splitlines() if b"[2J" in line]
     assert log.decode("utf-8")
+    # Prometheus' text format: a label value escapes only a backslash, a double quote and a newline.
+    sample = re.compile(r'[a-z_]+(\{[a-z_]+="(?:[^"\\\n]|\\[\\"n])*"(?:,[a-z_]+="(?:[^"\\\n]|\\[\\"n])*")*\})? \S+')
+    assert all(line.startswith("# ") or sample.fullmatch(line) for line in metrics.splitlines()), metrics
+    assert 'vramd_model_state{model="esc\\\\x1b[2J",state="invalid"} 1' in metrics
     problems = [line for line in log.decode().splitlines() if "esc\\x1b[2J.toml:" in line]
     assert len(problems) == 2 and all(line.startswith("vramd: warn: ") for line in problems), problems
     assert_unharmed(hostile)
