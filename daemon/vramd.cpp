@@ -20,6 +20,7 @@
 #include "util/format.hpp"
 #include "util/log.hpp"
 #include "util/torch_cuda.hpp"
+#include "util/utf8.hpp"
 
 namespace fs = std::filesystem;
 
@@ -32,8 +33,9 @@ int check(const vramd::config::DaemonConfig& config) {
   for (fs::directory_iterator it(config.models, ec), end; !ec && it != end; it.increment(ec))
     if (it->path().extension() == ".toml") files.push_back(it->path());
   std::sort(files.begin(), files.end());
-  if (ec) std::cout << "cannot read the model folder " << config.models << ": " << ec.message() << '\n';
-  if (!ec && files.empty()) std::cout << "no model configs (*.toml) in " << config.models << '\n';
+  const std::string folder = vramd::escape_invalid_utf8(config.models);
+  if (ec) std::cout << "cannot read the model folder " << folder << ": " << ec.message() << '\n';
+  if (!ec && files.empty()) std::cout << "no model configs (*.toml) in " << folder << '\n';
   int invalid = 0;
   for (const auto& file : files) {
     try {
@@ -41,11 +43,11 @@ int check(const vramd::config::DaemonConfig& config) {
       auto dry = vramd::model::dry_run(model);
       std::cout << "valid    " << model.name << "  " << dry.architecture << ", " << dry.dtype << ", "
                 << vramd::format_bytes(dry.report.bytes) << " in " << dry.report.tensors << " tensors  ("
-                << file.string() << ")\n";
+                << vramd::escape_invalid_utf8(file.string()) << ")\n";
     } catch (const std::exception& error) {
       ++invalid;
-      std::cout << "invalid  " << file.string() << "\n";
-      for (const auto& line : vramd::split_lines(error.what())) std::cout << "         " << line << '\n';
+      std::cout << "invalid  " << vramd::escape_invalid_utf8(file.string()) << "\n";
+      for (const auto& line : vramd::split_lines(error.what())) std::cout << "         " << vramd::printable(line) << '\n';
     }
   }
   return invalid ? 1 : 0;
@@ -86,8 +88,8 @@ int vramd_main(int argc, char** argv) {
     vramd::server::Runtime::use_group(nullptr);
     local.reset();  // stops the ranks
     return status;
-  } catch (const vramd::Error& error) {
-    std::cerr << "vramd: " << error.what() << '\n';
+  } catch (const std::exception& error) {  // a vramd::Error, or a fault of our own: said, not a crash
+    for (const auto& line : vramd::split_lines(error.what())) std::cerr << "vramd: " << vramd::printable(line) << '\n';
     return 1;
   }
 }

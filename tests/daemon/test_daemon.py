@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from daemon_support import ROOT, Daemon, as_user, get_json, model, public_folder, raw, request, vramctl, wait_for
+from daemon_support import ROOT, VRAMD, Daemon, as_user, get_json, model, public_folder, raw, request, vramctl, wait_for
 import hf_models
 
 sys.path.insert(0, str(ROOT / "python"))
@@ -616,3 +616,21 @@ def test_a_checkpoint_cut_short_under_a_model_fails_its_forward_alone(tmp_path, 
         stats = model(d.sock, "cut")["stats"]
         assert (stats["forward_errors"], stats["loads"]) == (1, 2 if lost else 1)
         assert d.stop() == 0
+
+
+def test_vramd_check_reports_each_config_on_printable_lines(tmp_path):
+    d = Daemon(tmp_path)
+    save_file({"w": torch.zeros(2, 3)}, tmp_path / "w.safetensors")
+    (d.models / "good.toml").write_text(f'checkpoint = "{tmp_path / "w.safetensors"}"\narchitecture = "weights"\n')
+    bad = os.path.join(os.fsencode(d.models), b"esc\x1b[2J.toml")
+    with open(bad, "w") as f:
+        f.write('checkpoint = "x"\nsize = 1\n')
+    result = subprocess.run([VRAMD, "--config", d.config, "--check"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert {c for c in result.stdout if ord(c) < 0x20} == {"\n"}, repr(result.stdout)
+    lines = result.stdout.splitlines()
+    escaped = f"{d.models}/esc\\x1b[2J.toml"
+    assert lines[0] == f"invalid  {escaped}", lines
+    assert lines[1].startswith(f"         {escaped}:1:1: the file's name 'esc\\x1b[2J' is no model name"), lines
+    assert lines[2] == f"         {escaped}:2:1: unknown key 'size'", lines
+    assert lines[3].startswith("valid    good  weights, float32, 24 B in 1 tensors"), lines
