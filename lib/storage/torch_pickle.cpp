@@ -25,7 +25,7 @@ PickleIndex index_torch_pickle(std::string_view file, std::string_view prefix) {
   if (const ZipMember* byteorder = zip.find(folder + "byteorder"))
     if (zip.read(*byteorder, 16, buffer) != "little") throw Error("was saved on a big-endian machine; not supported");
   const ZipMember* pickle = zip.find(folder + "data.pkl");
-  if (!pickle) throw Error("has no " + folder + "data.pkl: not a torch.save checkpoint");
+  if (!pickle) throw Error("has no " + quote(folder + "data.pkl") + ": not a torch.save checkpoint");
   const auto state = read_state_dict_pickle(zip.read(*pickle, kMaxDataPklBytes, buffer));
   if (state.tensors.empty()) throw Error("holds no tensors");
 

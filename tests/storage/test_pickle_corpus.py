@@ -390,6 +390,8 @@ def build_corpus(folder, marker):
     corpus["truncated"] = (folder / "truncated.pt", ("hostile", "zip: no end-of-central-directory record"), "")
     (folder / "not-a-zip.pt").write_bytes(b"\x80\x02}.")
     corpus["not-a-zip"] = (folder / "not-a-zip.pt", ("hostile", "not a torch.save zip checkpoint"), "")
+    write_zip(folder / "zip-no-data-pkl.pt", [("ev\x1bil/byteorder", b"little")])  # the folder named in the refusal
+    corpus["zip-no-data-pkl"] = (folder / "zip-no-data-pkl.pt", ("hostile", "has no 'ev\\x1bil/data.pkl'"), "")
     return corpus
 
 
