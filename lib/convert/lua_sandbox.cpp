@@ -153,10 +153,12 @@ void remove_field(lua_State* L, const char* table, const char* field) {
   lua_pop(L, 1);
 }
 
-// The last line of a traceback-decorated message is not needed in a one-line error.
+// The last line of a traceback-decorated message is not needed in a one-line error. What the
+// script put in it (error("..."), a global's name, a token) is made printable: it reaches the
+// daemon's replies and log.
 std::string first_line(const char* text) {
   std::string message = text ? text : "(no message)";
-  return message.substr(0, message.find('\n'));
+  return printable(message.substr(0, message.find('\n')));
 }
 
 std::string real_name(std::string message, const std::string& name) {

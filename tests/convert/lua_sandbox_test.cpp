@@ -43,6 +43,8 @@ TEST_CASE("every way out of the sandbox is refused with its own error") {
   CHECK(error_of("require('ffi')") == "escape.lua:1: unknown global 'require'");
   CHECK(error_of("local x = package") == "escape.lua:1: unknown global 'package'");
   CHECK(error_of("jit.on()") == "escape.lua:1: unknown global 'jit'");
+  CHECK(error_of("error('\\27[2J\\255')") == "escape.lua:1: \\x1b[2J\\xff");  // what the script says, printable
+  CHECK(error_of("local x = _G['\\27]0;t\\7']") == "escape.lua:1: unknown global '\\x1b]0;t\\x07'");
   CHECK(error_of("debug.getregistry()") == "escape.lua:1: unknown global 'debug'");
   CHECK(error_of("dofile('/etc/passwd')") == "escape.lua:1: unknown global 'dofile'");
   CHECK(error_of("loadfile('/etc/passwd')") == "escape.lua:1: unknown global 'loadfile'");
