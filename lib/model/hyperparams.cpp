@@ -26,13 +26,16 @@ struct Hyperparams::Impl {
 
 namespace {
 
-Json parse_object(const std::string& text, const std::string& origin) {
-  Json value;
+Json parse_json(const std::string& text, const std::string& origin) {
   try {
-    value = Json::parse(text);
+    return Json::parse(text);
   } catch (const Json::exception& e) {
     fail(origin, "not valid JSON: " + escape_invalid_utf8(e.what()));
   }
+}
+
+Json parse_object(const std::string& text, const std::string& origin) {
+  Json value = parse_json(text, origin);
   if (!value.is_object()) fail(origin, "expected a JSON object");
   return value;
 }
@@ -62,13 +65,7 @@ const Json* field(const Json& object, const char* key, Json::value_t type, const
 void read_sentence_transformers(const fs::path& folder, Json& values) {
   const fs::path modules_path = folder / "modules.json";
   if (!present(modules_path)) return;
-  const std::string text = read_regular_file(modules_path.string(), kMaxJsonBytes);
-  Json modules;
-  try {
-    modules = Json::parse(text);
-  } catch (const Json::exception& e) {
-    fail(modules_path.string(), "not valid JSON: " + escape_invalid_utf8(e.what()));
-  }
+  const Json modules = parse_json(read_regular_file(modules_path.string(), kMaxJsonBytes), modules_path.string());
   if (!modules.is_array()) fail(modules_path.string(), "expected a JSON array of modules");
   for (size_t i = 0; i < modules.size(); ++i) {
     const std::string origin = modules_path.string() + ": module " + std::to_string(i);
