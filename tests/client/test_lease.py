@@ -184,7 +184,7 @@ def test_a_killed_client_ends_its_lease_and_unload_waits_for_leases(served):
     client.wait()
     waiter.join(10)
     assert answered["r"][0] == 200, answered
-    assert time.monotonic() - killed < 1.0
+    assert time.monotonic() - killed < 5  # at once: the death closes its connection (a wide margin on a busy machine)
     assert model(sock, "nano")["state"] == "unloaded" and model(sock, "nano")["leases"] == []
 
 

@@ -150,8 +150,8 @@ def test_a_killed_gpu_client_ends_its_lease_and_unload_then_goes_on(served):
     client.kill()
     killed = time.monotonic()
     client.wait()
-    wait_for(lambda: model(sock, "nano")["leases"] == [], timeout=2, what="the killed client's lease to end")
-    assert time.monotonic() - killed < 1.0
+    wait_for(lambda: model(sock, "nano")["leases"] == [], timeout=5, what="the killed client's lease to end")
+    assert time.monotonic() - killed < 5  # at once: the death closes its connection (a wide margin on a busy machine)
     status, body = request(sock, "POST", "/v1/models/nano/unload?wait=false")
     assert status == 200, body
     assert model(sock, "nano")["state"] == "unloaded"
@@ -220,4 +220,4 @@ def test_examples_and_vramctl_lease_gpu_memory(served):
     wait_for(lambda: [x["pid"] for x in model(sock, "nano")["leases"]] == [holder.pid], what="vramctl's lease")
     holder.send_signal(signal.SIGKILL)
     holder.wait(30)
-    wait_for(lambda: model(sock, "nano")["leases"] == [], timeout=2, what="vramctl's lease to end")
+    wait_for(lambda: model(sock, "nano")["leases"] == [], timeout=5, what="vramctl's lease to end")

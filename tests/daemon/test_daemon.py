@@ -211,8 +211,7 @@ def test_bad_requests_get_clear_errors_and_harm_nothing(tmp_path, checkpoints):
         # Connections over the limit are refused; those within it still work.
         held = [socket.socket(socket.AF_UNIX) for _ in range(8)]
         for h in held:
-            h.connect(str(s))
-        time.sleep(0.2)
+            h.connect(str(s))  # accepted in the order they connected: the one below comes after them
         assert raw(s, b"GET /v1/health HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 503 ")
         for h in held:
             h.close()
@@ -417,13 +416,16 @@ def test_a_forward_whose_client_leaves_stops_and_the_model_serves_on(tmp_path, c
     with d.start():
         expected = forward(d.sock, "m", MINILM_INPUT)["sentence_embedding"]
         before = model(d.sock, "m")
-        start = time.monotonic()
-        forward(d.sock, "m", batch)  # a whole forward of the batch, and how long it takes
-        whole = time.monotonic() - start
+        forward(d.sock, "m", batch)  # a whole forward of the batch: how many layers it brings in
         done = model(d.sock, "m")
-        with vramd.connect(d.sock, timeout=whole / 3) as client:
-            with pytest.raises(vramd.DaemonError, match="did not answer"):
-                client.forward("m", batch)
+        # The client leaves as soon as the daemon has started its forward, which then has many
+        # layers to go, whatever the machine's speed.
+        leaving = socket.socket(socket.AF_UNIX)
+        leaving.connect(str(d.sock))
+        body = save(batch)
+        leaving.sendall(b"POST /v1/models/m/forward HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: model(d.sock, "m")["busy"], what="the forward to start")
+        leaving.close()
         wait_for(lambda: model(d.sock, "m")["stats"]["forwards_cancelled"] == 1, what="the forward to stop")
         stopped = model(d.sock, "m")
         assert stopped["state"] == "ready" and not stopped["busy"]
@@ -453,11 +455,11 @@ def test_a_forward_past_the_shutdown_grace_stops_and_is_answered(tmp_path, check
     # SIGTERM waits shutdown_grace for forwards; one still running then stops before its next
     # layer and its client hears why, and the daemon exits cleanly (LeakSanitizer watches the
     # exit) instead of leaving without a word.
-    d = Daemon(tmp_path, extra='[limits]\nshutdown_grace = "1s"')
+    d = Daemon(tmp_path, extra='[limits]\nshutdown_grace = "1ms"')  # over as SIGTERM comes: the forward has layers to go
     add_model(d, "minilm", checkpoints["minilm"])
     with d.start():
         forward(d.sock, "minilm", MINILM_INPUT)
-        batch = {"input_ids": torch.randint(1000, 2000, (64, 256))}  # several seconds here
+        batch = {"input_ids": torch.randint(1000, 2000, (64, 256))}
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(request, d.sock, "POST", "/v1/models/minilm/forward", save(batch))
             wait_for(lambda: model(d.sock, "minilm")["busy"], what="the forward to start")
@@ -465,7 +467,7 @@ def test_a_forward_past_the_shutdown_grace_stops_and_is_answered(tmp_path, check
             status, body = answer.result(60)
         error = json.loads(body)["error"]
         assert status == 503 and "vramd is shutting down and its grace period is over" in error, (status, body[:300])
-        assert "cancelled before 'encoder.layer." in error, error
+        assert "cancelled before '" in error, error  # the layer it would have run next
         assert d.process.wait(30) == 0
         log = d.log.read_text()
         assert "grace period over: stopping 1 forward(s) before their next layer" in log

@@ -46,12 +46,12 @@ def forward(d, name, inputs):
 
 
 def assert_unharmed(d, drop_config=False):
-    """The daemon serves: health within 2 s, gpt2's outputs as transformers', and optionally a
+    """The daemon serves: health within 5 s, gpt2's outputs as transformers', and optionally a
     config dropped now becomes usable."""
     assert d.process.poll() is None, f"vramd died:\n{d.log.read_text()[-4000:]}"
     started = time.monotonic()
-    status, _ = request(d.sock, "GET", "/v1/health", timeout=2)
-    assert status == 200 and time.monotonic() - started < 2
+    status, _ = request(d.sock, "GET", "/v1/health", timeout=5)
+    assert status == 200 and time.monotonic() - started < 5  # at once, with a margin for a busy machine
     status, body = forward(d, "gpt2", d.gpt2_inputs)
     assert status == 200, body
     assert torch.allclose(load(body)["logits"], d.gpt2_expected, atol=1e-5)
@@ -284,8 +284,8 @@ def test_a_client_that_pipelines_and_never_reads_cannot_swell_the_daemon(hostile
     time.sleep(0.5)
     grown = hostile.rss() - baseline
     started = time.monotonic()
-    assert request(hostile.sock, "GET", "/v1/health", timeout=2)[0] == 200
-    assert time.monotonic() - started < 2
+    assert request(hostile.sock, "GET", "/v1/health", timeout=5)[0] == 200
+    assert time.monotonic() - started < 5
     s.close()
     # AddressSanitizer's quarantine holds freed memory (up to 256 MiB): the bound means nothing there.
     if "ASAN_OPTIONS" not in os.environ:

@@ -205,9 +205,9 @@ def test_a_rank_killed_mid_load_fails_the_load_naming_it(witnesses, tmp_path):
     folder = witnesses["llama3"]
     config = write_config(tmp_path, folder, '[partition]\nworld_size = 2\ntimeout = "10s"\n')
     port = free_port()
-    # Many forwards, so that however fast rank 1 loads, it is killed before the run is over.
-    rank0 = start_rank(config, folder, 0, 2, port, "--repeat", "200")
-    rank1 = start_rank(config, folder, 1, 2, port, "--repeat", "200")
+    # Forwards without end: however fast rank 1 loads, it is killed before the run is over.
+    rank0 = start_rank(config, folder, 0, 2, port, "--repeat", "1000000")
+    rank1 = start_rank(config, folder, 1, 2, port, "--repeat", "1000000")
     # Rank 1 is killed as soon as it has joined this model's group, as rank 0's store shows.
     store = torch.distributed.TCPStore("127.0.0.1", port, 2, False, timeout=__import__("datetime").timedelta(seconds=30))
     deadline = time.monotonic() + 30

@@ -143,14 +143,13 @@ def write_configs(folder, case, converter=""):
     return config
 
 
-def slow_config(folder, case):
-    """The same model through a converter that first spends about a second (here) computing nothing:
-    the rank given it reaches the load's rendezvous that much after the other."""
-    (folder / "slow.lua").write_text("local n = 0\nfor i = 1, 60000000 do n = n + i % 7 end\n"
-                                     "local out = {}\nfor name, t in src:items() do out[name] = t end\nreturn out\n")
-    slow = folder / "slow"
-    slow.mkdir(exist_ok=True)
-    return write_configs(slow, case, f'converter = "{folder / "slow.lua"}"\n')
+def stuck_config(folder, case):
+    """The same model through a converter that never returns (until the sandbox's 5 s limit stops
+    it): the rank given it never reaches the load's rendezvous."""
+    (folder / "stuck.lua").write_text("while true do end\n")
+    stuck = folder / "stuck"
+    stuck.mkdir(exist_ok=True)
+    return write_configs(stuck, case, f'converter = "{folder / "stuck.lua"}"\n')
 
 
 def test_the_hosts_names_resolve_to_loopback(hosts):
@@ -183,15 +182,16 @@ def test_two_hosts_give_the_single_process_outputs(hosts, case, tmp_path):
 
 
 def test_rank_0_killed_during_the_load_fails_rank_1_naming_it(hosts, case, tmp_path):
-    # Rank 0 runs a converter that takes a second, so rank 1 is in the load, waiting for it, when it is killed.
-    config, slow = write_configs(tmp_path / "c", case), slow_config(tmp_path, case)
+    # Rank 0's converter never returns (the sandbox would stop it after 5 s, and rank 1 would fail
+    # the same way), so rank 0 is in its load, short of the rendezvous, when it is killed, and
+    # rank 1, once it has joined the group, is in its load too, waiting for rank 0.
+    config, stuck = write_configs(tmp_path / "c", case), stuck_config(tmp_path, case)
     port = free_port()
     inputs = case / "inputs.safetensors"
-    rank0 = Rank(hosts, 0, slow, hosts.addresses[0], port, "--input", inputs)
+    rank0 = Rank(hosts, 0, stuck, hosts.addresses[0], port, "--input", inputs)
     rank1 = Rank(hosts, 1, config, hosts.addresses[0], port, "--input", inputs)
     for rank in (rank0, rank1):
         rank.wait_for_line("Gloo uses")  # it has joined the group: its load is under way
-    time.sleep(0.3)
     rank0.kill()
     killed = time.monotonic()
     status, _ = rank1.finish()
