@@ -377,6 +377,11 @@ Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, c
     const bool optional = std::find(family.optional.begin(), family.optional.end(), slot) != family.optional.end();
     return optional && !holds(path) ? std::string() : path;
   };
+  // The family's order first, then the slots it leaves out in the usual order.
+  b.embedding_order = family.embedding_order;
+  for (const auto& slot : kEmbeddingSlots)
+    if (std::find(b.embedding_order.begin(), b.embedding_order.end(), slot) == b.embedding_order.end())
+      b.embedding_order.push_back(slot);
   b.embed_tokens = global("embed_tokens");
   b.embed_positions = global("embed_positions");
   b.embed_types = global("embed_types");

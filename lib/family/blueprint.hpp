@@ -92,6 +92,7 @@ struct Blueprint {
   // Global modules (empty: absent) and per-block ones.
   std::string embed_tokens, embed_positions, embed_types, embed_norm, relative_bias, final_norm, lm_head, pooler,
       projection;
+  std::vector<std::string> embedding_order;  // the embedding slots, each once, in the family's module order
   std::vector<BlockNames> blocks;
 };
 

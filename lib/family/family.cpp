@@ -43,6 +43,16 @@ class Parser {
     family_.base_prefix = root.string("base_prefix").value_or("");
     family_.ignored = root.strings("ignore").value_or(std::vector<std::string>{});
     family_.optional = root.strings("optional").value_or(std::vector<std::string>{});
+    family_.embedding_order = root.strings("embedding_order").value_or(std::vector<std::string>{});
+    for (size_t i = 0; i < family_.embedding_order.size(); ++i) {
+      const std::string& slot = family_.embedding_order[i];
+      if (std::find(kEmbeddingSlots.begin(), kEmbeddingSlots.end(), slot) == kEmbeddingSlots.end())
+        root.bad_value("embedding_order", quote(slot) + " is not an embedding slot (embed_tokens, embed_positions, "
+                                                        "embed_types, embed_norm)");
+      else if (std::find(family_.embedding_order.begin(), family_.embedding_order.begin() + i, slot) !=
+               family_.embedding_order.begin() + i)
+        root.bad_value("embedding_order", "names " + quote(slot) + " twice");
+    }
     if (auto table = root.table("hyperparameters")) hyperparameters(*table);
     if (auto table = root.table("switches")) switches(*table);
     if (auto table = root.table("names")) names(*table);
@@ -211,6 +221,7 @@ Family inherit(const Family& base, const Family& derived) {
   for (const auto& [slot, name] : derived.names) family.names[slot] = name;
   for (const auto& slot : derived.optional)
     if (std::find(family.optional.begin(), family.optional.end(), slot) == family.optional.end()) family.optional.push_back(slot);
+  if (!derived.embedding_order.empty()) family.embedding_order = derived.embedding_order;
   for (const auto& [key, values] : derived.required_values) family.required_values[key] = values;
   std::erase_if(family.required_values, [](const auto& entry) { return entry.second.empty(); });  // [] lifts one
   std::erase_if(family.names, [](const auto& entry) { return entry.second.name.empty() && entry.second.condition.empty(); });

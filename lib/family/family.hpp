@@ -35,6 +35,9 @@ struct NameSource {
   uint32_t line = 0;
 };
 
+// The slots made before the blocks, in the order most architectures register them (BERT's).
+inline const std::vector<std::string> kEmbeddingSlots = {"embed_tokens", "embed_positions", "embed_types", "embed_norm"};
+
 struct Family {
   std::string name;     // what `architecture = "..."` names
   std::string origin;   // the file, or "built-in family llama" for a shipped one
@@ -46,6 +49,9 @@ struct Family {
   std::map<std::string, SwitchSource> switches;
   std::map<std::string, NameSource> names;  // slot -> module path; per-layer slots below `layer`
   std::vector<std::string> optional;        // slots made only when the checkpoint holds their weight
+  // The embedding slots in the order the architecture registers its modules (device maps place
+  // units in that order); empty: kEmbeddingSlots' order.
+  std::vector<std::string> embedding_order;
   std::map<std::string, std::vector<JsonText>> required_values;  // [requires]: config key -> the values it may have
 };
 

@@ -72,10 +72,16 @@ class Transformer final : public Model {
       : Model(b.family, dtype, b.base_prefix, b.ignored), b_(std::move(b)), act_(activation(b_.activation, b_.origin)) {
     const int64_t hidden = b_.hidden, head_dim = b_.head_dim;
     const int64_t q_width = b_.heads * head_dim, kv_width = b_.kv_heads * head_dim;
-    embed_tokens_ = &embedding(b_.embed_tokens, b_.vocabulary, hidden);
-    if (!b_.embed_types.empty()) embed_types_ = &embedding(b_.embed_types, b_.type_vocabulary, hidden);
-    if (!b_.embed_positions.empty()) embed_positions_ = &embedding(b_.embed_positions, b_.max_positions, hidden);
-    if (!b_.embed_norm.empty()) embed_norm_ = &norm(b_.embed_norm, hidden);
+    // Registered in the architecture's module order (the family's embedding_order), which is the
+    // order device maps place units in, as accelerate does; the forward uses them in its own.
+    for (const auto& slot : b_.embedding_order) {
+      if (slot == "embed_tokens") embed_tokens_ = &embedding(b_.embed_tokens, b_.vocabulary, hidden);
+      else if (slot == "embed_positions" && !b_.embed_positions.empty())
+        embed_positions_ = &embedding(b_.embed_positions, b_.max_positions, hidden);
+      else if (slot == "embed_types" && !b_.embed_types.empty())
+        embed_types_ = &embedding(b_.embed_types, b_.type_vocabulary, hidden);
+      else if (slot == "embed_norm" && !b_.embed_norm.empty()) embed_norm_ = &norm(b_.embed_norm, hidden);
+    }
     if (!b_.relative_bias.empty()) relative_bias_ = &embedding(b_.relative_bias, b_.relative_buckets, b_.heads);
     for (int64_t i = 0; i < b_.layers; ++i) {
       const auto& n = b_.blocks[i];

@@ -132,3 +132,20 @@ TEST_CASE("every shipped family parses and computes the model types it declares"
                            "bert", "roberta", "xlm-roberta", "clip_text_model", "t5"})
     CHECK(!catalog.for_model_type(type)->names.empty());
 }
+
+TEST_CASE("a family's embedding order is its own, inherited, and checked") {
+  CHECK(resolved("").embedding_order ==
+        std::vector<std::string>{"embed_tokens", "embed_positions", "embed_types", "embed_norm"});
+  const std::string ordered = "embedding_order = [\"embed_types\", \"embed_tokens\"]\n" + std::string(kSmall);
+  CHECK(resolved("", ordered).embedding_order ==
+        std::vector<std::string>{"embed_types", "embed_tokens", "embed_positions", "embed_norm"});
+  const auto base = family::parse_family("small", ordered, "small.toml");
+  const auto derived = family::parse_family("smaller", "extends = \"small\"\nmodel_types = [\"smaller\"]\n", "smaller.toml");
+  CHECK(family::inherit(base, derived).embedding_order == std::vector<std::string>{"embed_types", "embed_tokens"});
+  CHECK(error_of([&] {
+          family::parse_family("x", "embedding_order = [\"embed_tokens\", \"lm_head\", \"embed_tokens\"]\n" + std::string(kSmall),
+                               "x.toml");
+        }) == "x.toml:1:19: embedding_order = [...]: 'lm_head' is not an embedding slot (embed_tokens, embed_positions, "
+              "embed_types, embed_norm)\n"
+              "x.toml:1:19: embedding_order = [...]: names 'embed_tokens' twice");
+}

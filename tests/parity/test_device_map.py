@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
-CASES = ["llama", "llama3", "gpt2", "bert"]  # llama3 and gpt2 tie lm_head to the embeddings
+CASES = ["llama", "llama3", "gpt2", "bert", "roberta"]  # llama3 and gpt2 tie lm_head to the embeddings
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +154,48 @@ def test_every_layer_goes_where_accelerate_puts_it(case, config_for, checkpoints
     assert {covering(leaf, ours) for leaf in leaves(model)} == ours
     for budgets in settings(units):
         compare(model, vramctl_plan(config, budgets, daemon_config=daemon), budgets, torch.float32)
+
+
+def unit_of(path):
+    """vramd's unit of a layer (model/device_map.hpp): the path up to its first all-digit part."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return path
+
+
+def test_every_family_lists_its_units_in_transformers_module_order(tmp_path):
+    # accelerate places units in the order of the model's modules, so a plan in another order
+    # differs from accelerate's wherever a budget ends between two units that were swapped.
+    # transformers may hold a module whose weights are all another's (T5's encoder.embed_tokens
+    # is `shared`); vramd holds no layer for it, which changes no placement.
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
+    differ = {}
+    for case in hf_models.CASES:
+        config, model_class, *options = hf_models.CASES[case]()
+        model = model_class(config, **(options[0] if options else {}))
+        folder = tmp_path / case
+        model.save_pretrained(folder, safe_serialization=True)
+        (tmp_path / f"{case}.toml").write_text(f'checkpoint = "{folder}"\n')
+        units = vramctl_plan(tmp_path / f"{case}.toml", {"cpu": "1TiB"}, daemon_config=tmp_path / "vramd.toml")["units"]
+        got = [unit["name"] for unit in units]
+        seen, expected, borrowed = set(), [], set()
+        for name, module in model.named_modules():
+            own = list(module.parameters(recurse=False))
+            if not own:
+                continue
+            if all(id(p) in seen for p in own):
+                borrowed.add(unit_of(name))
+            seen.update(id(p) for p in own)
+            expected.append(unit_of(name))
+        expected = list(dict.fromkeys(expected))
+        # A checkpoint without the wrapper's prefix (CLIPTextModel's) is planned under it.
+        prefix = got[0][:-len(expected[0])] if got[0].endswith("." + expected[0]) else ""
+        got = [name.removeprefix(prefix) for name in got]
+        if [u for u in expected if u not in borrowed or u in got] != got:
+            differ[case] = (got, expected)
+    assert not differ, "\n".join(f"{case}: vramd {got}, transformers {want}" for case, (got, want) in differ.items())
 
 
 @pytest.mark.parametrize("case", ["llama3", "bert"])
