@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from daemon_support import ROOT, VRAMD, Daemon, as_user, get_json, model, public_folder, raw, request, vramctl, wait_for
+from daemon_support import ROOT, VRAMCTL, VRAMD, Daemon, as_user, get_json, model, public_folder, raw, request, vramctl, wait_for
 import hf_models
 
 sys.path.insert(0, str(ROOT / "python"))
@@ -160,6 +160,37 @@ def test_streamed_load_progress(daemon):
     # Loading what is loaded answers at once.
     status, body = request(daemon.sock, "POST", "/v1/models/minilm/load")
     assert status == 200 and json.loads(body)["state"] == "ready"
+
+
+def test_vramctl_load_prints_whole_lines_in_order_to_a_pipe_and_a_bar_only_to_a_terminal(daemon):
+    env = {**os.environ, "VRAMD_SOCKET": str(daemon.sock)}
+    # stdout and stderr in one pipe: plain progress lines, then the result, each line whole.
+    joined = subprocess.run([VRAMCTL, "load", "minilm"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True, timeout=120, check=True).stdout
+    lines = joined.split("\n")
+    assert lines[-1] == "" and "\r" not in joined, repr(joined)
+    assert lines[-2].startswith("minilm ready: bert, float32, 86.64 MiB on cpu"), repr(joined)
+    assert lines[:-2] and all(line.startswith("loading minilm: ") for line in lines[:-2]), repr(joined)
+    vramctl(daemon.sock, "unload", "minilm")
+    # stderr on a terminal, stdout into a pipe: the bar is redrawn in place on the terminal and
+    # ends its line before the result reaches the pipe.
+    import pty
+    master, slave = pty.openpty()
+    with subprocess.Popen([VRAMCTL, "load", "minilm"], stdout=subprocess.PIPE, stderr=slave, env=env, text=True) as p:
+        os.close(slave)
+        out = p.stdout.read()
+        terminal = b""
+        try:
+            while chunk := os.read(master, 4096):
+                terminal += chunk
+        except OSError:  # EIO: every writer of the terminal has gone
+            pass
+        os.close(master)
+    assert p.returncode == 0 and out.startswith("minilm ready: ") and out.count("\n") == 1, out
+    assert terminal.startswith(b"\rloading minilm [") and terminal.endswith(b"100% 86.64 MiB of 86.64 MiB\r\n"), terminal
+    vramctl(daemon.sock, "unload", "minilm")
+    quiet = vramctl(daemon.sock, "load", "minilm", "--no-progress")
+    assert quiet.stderr == "" and quiet.stdout.startswith("minilm ready: ")
 
 
 def test_bad_requests_get_clear_errors_and_harm_nothing(tmp_path, checkpoints):
