@@ -11,11 +11,14 @@
 --   prefix = "model." (or "model._orig_mod." when compiled); the rest of the file is left out.
 --
 -- nanoGPT saves no config.json: give n_embd, n_head, n_layer, vocab_size and n_positions
--- (nanoGPT's block_size) in [arch], from the checkpoint's model_args. Two more keys:
--- - bias = false when model_args has bias=False (train.py's default): such a model has no bias
---   tensors, and GPT-2 without biases is GPT-2 with zero biases, which this script adds;
--- - activation_function = "gelu": nanoGPT's MLP uses exact GELU (nn.GELU()), where the gpt2
---   family defaults to GPT-2's tanh approximation ("gelu_new"), 2.4e-4 apart.
+-- (nanoGPT's block_size) in [arch], from the checkpoint's model_args, and
+-- activation_function = "gelu": nanoGPT's MLP uses exact GELU (nn.GELU()), where the gpt2 family
+-- defaults to GPT-2's tanh approximation ("gelu_new"), 2.4e-4 apart.
+--
+-- A model trained with bias=False (train.py's default) saves no bias tensors at all, and GPT-2
+-- without biases is GPT-2 with zero biases, which this script adds. It tells such a checkpoint
+-- by that absence; bias = false or true in [arch] says it outright, and a checkpoint that
+-- contradicts it is refused.
 
 local linear = { "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj" }
 
@@ -27,7 +30,19 @@ for name, t in src:items() do
   end
 end
 
-if arch.bias == false then
+-- The causal mask nanoGPT registers as attn.bias where it lacks flash attention is no bias.
+local saved_biases = false
+for _, name in ipairs(src:keys()) do
+  if name:sub(-5) == ".bias" and name:sub(-10) ~= ".attn.bias" then saved_biases = true end
+end
+local bias = arch.bias
+if bias == nil then bias = saved_biases end
+if bias == true and not saved_biases then
+  error("bias = true in [arch], but the checkpoint has no bias tensors (a model trained with bias=False); "
+        .. "set bias = false, or leave bias out")
+end
+
+if bias == false then
   local e, dtype = arch.n_embd, src["transformer.wte.weight"].dtype
   local sizes = { ["ln_1.bias"] = e, ["attn.c_attn.bias"] = 3 * e, ["attn.c_proj.bias"] = e, ["ln_2.bias"] = e,
                   ["mlp.c_fc.bias"] = arch.n_inner or 4 * e, ["mlp.c_proj.bias"] = e }

@@ -302,16 +302,20 @@ def test_a_nanogpt_training_checkpoint_without_biases_loads_as_train_py_saves_it
     arch = ('[arch]\nn_embd = 64\nn_head = 4\nn_layer = 2\nvocab_size = 1000\nn_positions = 64\n'
             'activation_function = "gelu"\n')
     config = tmp_path / "nano.toml"
-    config.write_text(f'checkpoint = "ckpt.pt"\nprefix = "model._orig_mod."\narchitecture = "gpt2"\n'
-                      f'converter = "{converters / "nanogpt.lua"}"\n{arch}bias = false\n')
     output = tmp_path / "out.safetensors"
-    result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
-    assert result.returncode == 0, result.stderr
-    assert relative_error(load_file(output)["logits"], expected) <= TOLERANCE["float32"]
-    # Without bias = false the 13 biases are missing, and the load says so.
-    config.write_text(config.read_text().replace("bias = false\n", ""))
+    # The converter tells a model without biases by their absence; bias = false says it outright.
+    for bias in ["", "bias = false\n"]:
+        config.write_text(f'checkpoint = "ckpt.pt"\nprefix = "model._orig_mod."\narchitecture = "gpt2"\n'
+                          f'converter = "{converters / "nanogpt.lua"}"\n{arch}{bias}')
+        result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
+        assert result.returncode == 0, result.stderr
+        assert relative_error(load_file(output)["logits"], expected) <= TOLERANCE["float32"]
+    # bias = true, which the checkpoint contradicts, is refused saying what to set.
+    config.write_text(config.read_text().replace("bias = false\n", "bias = true\n"))
     result = vramctl("run", config)
-    assert result.returncode == 1 and "13 missing" in result.stderr, result.stderr
+    assert result.returncode == 1, result.stderr
+    assert ("bias = true in [arch], but the checkpoint has no bias tensors (a model trained with bias=False); "
+            "set bias = false, or leave bias out") in result.stderr, result.stderr
 
 
 def test_a_family_is_not_forced_on_a_checkpoint_of_another(tmp_path):
