@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Saves a tiny randomly initialised GPT-2 with transformers, describes it with a model config
-# that names the shipped converter, then shows the conversion plan and writes the converted
-# checkpoint with vramctl. Run after scripts/setup.
+# that names the shipped converter hf_gpt2.lua, then shows the conversion plan and writes the
+# converted checkpoint with vramctl. Run after scripts/setup.
+#
+# hf_gpt2.lua is an example of splitting and transposing: vramd's gpt2 family loads GPT-2
+# checkpoints as they are, so `vramctl check` of this config would fail on the renamed keys
+# (drop the converter line and it loads). scripts/converters/README.md has converters a model needs.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 work="$(mktemp -d)"
