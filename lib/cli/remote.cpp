@@ -197,16 +197,20 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
       out << "vramd " << body["version"].get<std::string>() << " is up (pid " << body["pid"] << ")\n";
     } else if (command == "status") {
       out << "vramd " << body["version"].get<std::string>() << ", pid " << body["pid"] << ", up "
-          << static_cast<int64_t>(body["uptime_seconds"].get<double>()) << " s, " << body["connections"] << " connections\n";
+          << static_cast<int64_t>(body["uptime_seconds"].get<double>()) << " s, "
+          << counted(body["connections"].get<uint64_t>(), "connection") << "\ndevices:\n";
       for (const auto& [device, info] : body["devices"].items())
-        out << device << ": " << format_bytes(info["used"].get<uint64_t>()) << " of "
+        out << "  " << device << ": " << format_bytes(info["used"].get<uint64_t>()) << " of "
             << (info["budget"].is_null() ? std::string("no budget") : format_bytes(info["budget"].get<uint64_t>())) << '\n';
-      for (const auto& m : body["models"])
+      out << "models:" << (body["models"].empty() ? " none\n" : "\n");
+      // Each model, then what belongs to it: its plan and its leases.
+      for (const auto& m : body["models"]) {
         out << "  " << std::left << std::setw(20) << m["name"].get<std::string>() << std::setw(11)
             << m["state"].get<std::string>() << std::right << devices_text(m["devices"])
             << (m["busy"].get<bool>() ? "  (busy)" : "") << '\n'
             << (m.contains("weights") ? "    " + m["weights"]["plan"].get<std::string>() + "\n" : "");
-      for (const auto& m : body["models"]) print_leases(m, out);
+        print_leases(m, out);
+      }
     } else {
       print_models(body["models"], out);
     }
@@ -250,6 +254,15 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
 
   if (command == "unload" || command == "offload" || command == "onload") {
     const auto response = client.request("POST", model_path + "/" + command + (o.wait ? "" : "?wait=false"));
+    if (response.status != 200 && !o.wait) {
+      // The daemon's advice names its query parameter; here it is our flag.
+      std::string text = client::error_text(response);
+      if (const auto at = text.find("leave out wait=false"); at != std::string::npos)
+        text.replace(at, std::string("leave out wait=false").size(), "leave out --no-wait");
+      if (o.json) out << response.body;
+      err << "vramctl " << command << ": " << text << '\n';
+      return 1;
+    }
     if (response.status != 200) return refused(response);
     if (o.json) return out << response.body, 0;
     const json body = parse_json(response);
@@ -272,9 +285,9 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
         regions += (regions.empty() ? "" : ", ") + region["kind"].get<std::string>() + " " +
                    format_bytes(region["size"].get<uint64_t>()) +
                    (region.contains("path") ? " " + region["path"].get<std::string>() : "");
-      out << "lease " << manifest["lease"] << " of " << o.model << ": " << manifest["tensors"].size() << " tensors, "
+      out << "lease " << manifest["lease"] << " of " << o.model << ": " << counted(manifest["tensors"].size(), "tensor") << ", "
           << format_bytes(manifest["bytes"].get<uint64_t>()) << " on " << manifest["device"].get<std::string>() << " in "
-          << manifest["regions"].size() << " regions (" << regions << ")" << std::endl;
+          << counted(manifest["regions"].size(), "region") << " (" << regions << ")" << std::endl;
     }
     std::vector<std::shared_ptr<cuda::VmmRegion>> mapped;  // GPU memory is mapped here, as a client would
     if (o.device != "cpu") {

@@ -22,6 +22,10 @@ std::string format_bytes(uint64_t bytes) {
   return text;
 }
 
+std::string counted(uint64_t count, std::string_view noun) {
+  return std::to_string(count) + " " + std::string(noun) + (count == 1 ? "" : "s");
+}
+
 std::string pad(std::string text, size_t width) {
   text.resize(std::max(width, text.size()), ' ');
   return text;

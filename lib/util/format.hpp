@@ -12,6 +12,9 @@ namespace vramd {
 // "1.50 GiB", "512 B": binary units, two decimals above bytes.
 std::string format_bytes(uint64_t bytes);
 
+// "1 tensor", "2 tensors": a count and its noun, plural unless the count is 1 (nouns in -s alone).
+std::string counted(uint64_t count, std::string_view noun);
+
 // "[2, 3, 4]"
 std::string format_shape(std::span<const int64_t> shape);
 

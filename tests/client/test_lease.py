@@ -169,6 +169,7 @@ def test_a_killed_client_ends_its_lease_and_unload_waits_for_leases(served):
     assert status == 409 and f"leased by pid {client.pid}" in json.loads(body)["error"]
     refused = vramctl(sock, "unload", "nano", "--no-wait", check=False)
     assert refused.returncode != 0 and f"pid {client.pid}" in refused.stderr
+    assert "leave out --no-wait to wait for them" in refused.stderr, refused.stderr  # the flag, not the query
     with vramd.connect(sock) as c, pytest.raises(vramd.DaemonError) as refused_offload:
         c.offload("nano", wait=False)
     assert refused_offload.value.status == 409 and f"pid {client.pid}" in str(refused_offload.value)
@@ -278,7 +279,13 @@ def test_the_cpp_client_and_vramctl_hold_a_lease(served):
                               env={**os.environ, "VRAMD_SOCKET": sock})
     assert "lease" in holder.stdout.readline()
     assert [lease["pid"] for lease in model(sock, "nano")["leases"]] == [holder.pid]
-    assert f"leased by pid {holder.pid}" in vramctl(sock, "status").stdout
+    # Under its model, with the model's other lines, before the next model (here "streamed").
+    status = vramctl(sock, "status").stdout.splitlines()
+    models = [i for i, line in enumerate(status) if i > status.index("models:") and not line.startswith("    ")]
+    nano = next(i for i in models if status[i].split()[0] == "nano")
+    following = next((i for i in models if i > nano), len(status))
+    assert any(f"leased by pid {holder.pid}" in line for line in status[nano + 1:following]), status
+    assert "broken" in status[models[0]], status  # invalid models too, under "models:"
     holder.stdin.close()
     assert holder.wait(30) == 0
     wait_for(lambda: model(sock, "nano")["leases"] == [], timeout=2, what="vramctl's lease to end")
