@@ -92,7 +92,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
   for (const auto& name : report.unexpected) log << "warning: unexpected checkpoint tensor (not used): " << escape_invalid_utf8(name) << '\n';
   if (options.stats)
     log << "loaded " << config.name << " (" << model->architecture() << ", " << convert::dtype_torch_name(storage::dtype_of(model->dtype())) << ", "
-        << model->device() << "): " << report.tensors << " tensors, " << format_bytes(report.bytes) << " ("
+        << model->device() << "): " << counted(report.tensors, "tensor") << ", " << format_bytes(report.bytes) << " ("
         << report.zero_copy << " mapped without a copy); plan " << ms(report.plan_seconds) << ", load "
         << ms(report.load_seconds) << "; peak RSS " << format_bytes(rss_loaded) << " (+"
         << format_bytes(rss_loaded - rss_before) << " while loading; largest tensor " << format_bytes(report.largest)
@@ -191,7 +191,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     return;
   }
   for (const auto& [name, tensor] : outputs)
-    out << name << ' ' << c10::toString(tensor.scalar_type()) << ' ' << format_shape(tensor.sizes().vec()) << '\n';
+    out << name << ' ' << storage::torch_name(tensor.scalar_type()) << ' ' << format_shape(tensor.sizes().vec()) << '\n';
 }
 
 }  // namespace vramd::cli

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 
+#include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -110,7 +111,7 @@ const at::Tensor* Inputs::find(std::string_view name) const {
 namespace {
 
 std::string describe(const at::Tensor& tensor) {
-  return std::string(c10::toString(tensor.scalar_type())) + " " + format_shape(tensor.sizes().vec());
+  return storage::torch_name(tensor.scalar_type()) + " " + format_shape(tensor.sizes().vec());
 }
 
 // Ids of any integer dtype, as int64. A uint64 id past int64's range is refused as such.

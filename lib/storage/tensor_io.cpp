@@ -65,6 +65,12 @@ DType dtype_of(c10::ScalarType type) {
   throw Error(std::string("LibTorch dtype ") + c10::toString(type) + " cannot be stored in safetensors");
 }
 
+std::string torch_name(c10::ScalarType type) {
+  for (const auto& pair : kPairs)
+    if (pair.type == type) return std::string(torch_dtype_name(pair.dtype));
+  return c10::toString(type);
+}
+
 c10::ScalarType scalar_type(const DiskMap& map, const TensorInfo& info) {
   try {
     return scalar_type(info.dtype);

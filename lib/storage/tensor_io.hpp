@@ -17,6 +17,9 @@ namespace vramd::storage {
 // Throws Error for the packed sub-byte types (F4, F6_*) that LibTorch cannot hold as such.
 c10::ScalarType scalar_type(DType dtype);
 DType dtype_of(c10::ScalarType type);  // throws Error for types safetensors lacks
+// PyTorch's name of a LibTorch type ("float32", "bfloat16"), as configs and messages spell it;
+// LibTorch's own ("ComplexFloat") for the few types safetensors lacks.
+std::string torch_name(c10::ScalarType type);
 // The tensor's LibTorch type; throws Error naming its file and key.
 c10::ScalarType scalar_type(const DiskMap& map, const TensorInfo& info);
 

@@ -454,7 +454,7 @@ std::string PartitionedWeights::describe() const {
   const std::string rest = config_.vram.onload.device.is_disk() ? "read from disk at each gather" : "on " + config_.vram.onload.device.str();
   std::string text = "rank " + std::to_string(communicator_->rank()) + " of " + std::to_string(communicator_->size()) +
                      ": holds 1/" + std::to_string(communicator_->size()) + " of " + std::to_string(units_.size()) +
-                     " layers (" + format_bytes(slice_bytes()) + " in " + c10::toString(slice_dtype_) + ", " + rest + ")";
+                     " layers (" + format_bytes(slice_bytes()) + " in " + storage::torch_name(slice_dtype_) + ", " + rest + ")";
   if (!replicated_.empty())
     text += " and " + std::to_string(replicated_.size()) + " replicated parameters (" + format_bytes(replicated) + ")";
   text += "; gathers each layer on " + device_.str() + " while it runs (largest " + format_bytes(stats_.streaming) + ")";

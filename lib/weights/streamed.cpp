@@ -33,7 +33,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string dtype_text(c10::ScalarType type) { return c10::toString(type); }
+std::string dtype_text(c10::ScalarType type) { return storage::torch_name(type); }
 
 // The preparing state's dtype as the plan's errors name it.
 std::string prepared_text(c10::ScalarType prepared, std::span<const SlotBytes> slots) {

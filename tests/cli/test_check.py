@@ -31,7 +31,7 @@ def test_check_passes_a_good_config_and_reports_its_checkpoint(tmp_path):
     models = setup(tmp_path)
     result = vramctl("check", models / "good.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout == f"ok    {models / 'good.toml'}: model 'good', 1 tensors, 32 B\n"
+    assert result.stdout == f"ok    {models / 'good.toml'}: model 'good', 1 tensor, 32 B\n"
 
 
 def test_check_reports_every_bad_config_and_still_checks_the_others(tmp_path):
@@ -125,7 +125,7 @@ def test_check_runs_the_converter_dry_and_reports_its_errors(tmp_path):
     (models / "broken.toml").write_text('checkpoint = "../ck.safetensors"\nprefix = "model."\nconverter = "../bad.lua"\n')
     result = vramctl("check", models / "converted.toml", models / "broken.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode == 1
-    assert f"ok    {models / 'converted.toml'}: model 'converted', 1 tensors, 32 B" in result.stdout
+    assert f"ok    {models / 'converted.toml'}: model 'converted', 1 tensor, 32 B" in result.stdout
     assert (f"{models / 'broken.toml'}: converter: {(tmp_path / 'bad.lua')}:2: chunk of src['w'] (shape [4, 4]): "
             "dimension 0 (size 4) does not split into 3 equal parts") in result.stdout
 
@@ -143,9 +143,9 @@ def test_check_plans_streamed_weights_and_refuses_a_limit_below_the_largest_laye
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stdout == (
         f"ok    {models / 'fits.toml'}: model 'fits', 3 tensors, 1.27 KiB (weights, float32)\n"
-        "      plan: 1 of 1 layers resident (1.27 KiB in Float); room kept: 0 B; limit 2.00 KiB\n"
+        "      plan: 1 of 1 layers resident (1.27 KiB in float32); room kept: 0 B; limit 2.00 KiB\n"
         f"FAIL  {models / 'tight.toml'}\n"
-        f"      {models / 'tight.toml'}: vram.limit = 1.00 KiB cannot hold the largest layer (1.27 KiB in Float); "
+        f"      {models / 'tight.toml'}: vram.limit = 1.00 KiB cannot hold the largest layer (1.27 KiB in float32); "
         "raise it to at least that\n")
     doc = json.loads(vramctl("check", models / "fits.toml", "--json", "--daemon-config", tmp_path / "vramd.toml").stdout)
     assert doc["configs"][0]["plan"].startswith("1 of 1 layers resident")

@@ -109,8 +109,8 @@ def test_a_client_mistake_is_a_4xx_naming_the_input(hostile):
     huge = torch.tensor([[1, 2**63 + 5 - 2**64]], dtype=torch.int64).view(torch.uint64)
     for bad, words in [({"input_ids": huge}, b"2^63"),
                        ({"input_ids": torch.tensor([[70000, 1]], dtype=torch.uint32)}, b"70000"),
-                       ({"input_ids": torch.tensor([[1.0, 2.0]])}, b"Float"),
-                       ({"input_ids": torch.tensor([[True, False]])}, b"Bool"),
+                       ({"input_ids": torch.tensor([[1.0, 2.0]])}, b"float32"),
+                       ({"input_ids": torch.tensor([[True, False]])}, b"bool"),
                        ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, b"input_ids")]:
         status, body = forward(hostile, "gpt2", bad)
         assert status == 400 and words in body and b"input_ids" in body, body

@@ -189,7 +189,7 @@ def test_integer_weights_are_refused(witnesses, tmp_path):
 @pytest.mark.parametrize("inputs, message", [
     ({"attention_mask": torch.ones(1, 4, dtype=torch.long)}, "missing input 'input_ids' (given: 'attention_mask')"),
     ({"input_ids": torch.tensor([[1, 2, 5000]])}, "input 'input_ids' holds id 5000, outside [0, 1000)"),
-    ({"input_ids": torch.tensor([[1.0, 2.0]])}, "input 'input_ids': expected integer token ids [batch, sequence], found Float [1, 2]"),
+    ({"input_ids": torch.tensor([[1.0, 2.0]])}, "input 'input_ids': expected integer token ids [batch, sequence], found float32 [1, 2]"),
     ({"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 3)}, "input 'attention_mask' is [1, 3] but input_ids is [1, 2]"),
     ({"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.tensor([[1, 7]])}, "input 'attention_mask' must hold only 0 and 1"),
     ({"input_ids": torch.ones(1, 65, dtype=torch.long)}, "input 'input_ids' has 65 tokens; this model takes at most 64"),
