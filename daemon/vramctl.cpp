@@ -11,6 +11,7 @@
 #include <exception>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "cli/check.hpp"
 #include "cli/convert.hpp"
@@ -51,6 +52,24 @@ int report(const char* command, const std::exception& error) {
 void add_daemon_config_option(CLI::App* command, std::string& path) {
   command->add_option("--daemon-config", path,
                       "Daemon config, for budgets and converter folders (default: configs/vramd.toml if present)");
+}
+
+// "vramctl --socket S list": the options given before the command, and the command line that
+// puts them after it ("vramctl list --socket S"); nullopt when none comes before it.
+std::optional<std::string> options_before_the_command(const CLI::App& app, int argc, char** argv) {
+  if (argc < 2 || argv[1][0] != '-') return std::nullopt;
+  const std::string first = argv[1];
+  if (first == "-h" || first == "--help" || first == "--version") return std::nullopt;
+  for (int i = 2; i < argc; ++i) {
+    for (const auto* command : app.get_subcommands([](const CLI::App*) { return true; })) {
+      if (command->get_name() != argv[i]) continue;
+      std::string line = std::string("vramctl ") + argv[i];
+      for (int j = 1; j < argc; ++j)
+        if (j != i) line += std::string(" ") + argv[j];
+      return vramd::printable(line);
+    }
+  }
+  return std::nullopt;
 }
 
 int vramctl_main(int argc, char** argv) {
@@ -136,11 +155,12 @@ int vramctl_main(int argc, char** argv) {
   add_remote("reload", "Re-read and re-validate every model config now", false);
   auto* load_cmd = add_remote("load", "Load a model, showing progress", true);
   load_cmd->add_option("--keep-alive", remote.keep_alive, "Unload after this long unused (\"5m\", \"-1\": never)");
-  load_cmd->add_flag("!--no-progress", remote.progress, "Print only the result");
+  bool no_progress = false, no_wait = false;  // flags that turn a default off, shown without a default
+  load_cmd->add_flag("--no-progress", no_progress, "Print only the result");
   auto* unload_cmd = add_remote("unload", "Unload a model (after the requests queued before it and its leases)", true);
   auto* offload_cmd = add_remote("offload", "Put a loaded model to sleep: weights to its offload state", true);
   for (auto* command : {unload_cmd, offload_cmd})
-    command->add_flag("!--no-wait", remote.wait, "Refuse at once (naming the holders) while the model is leased");
+    command->add_flag("--no-wait", no_wait, "Refuse at once (naming the holders) while the model is leased");
   auto* lease_cmd = add_remote("lease", "Take a lease of a model's weights and describe it (docs/api.md, Leases)", true);
   lease_cmd->add_option("--device", remote.device, "Where the weights are wanted: cpu or cuda:N (where the model holds them)");
   lease_cmd->add_flag("--hold", remote.hold, "Keep the lease until standard input ends");
@@ -151,7 +171,13 @@ int vramctl_main(int argc, char** argv) {
   forward_cmd->add_option("--output,-o", remote.output, "Write the outputs to this safetensors file (else print them)");
   forward_cmd->add_option("--keep-alive", remote.keep_alive, "Unload after this long unused");
 
+  if (const auto reordered = options_before_the_command(app, argc, argv)) {
+    std::cerr << "vramctl: options follow the command: " << *reordered << '\n';
+    return 2;
+  }
   CLI11_PARSE(app, argc, argv);
+  remote.progress = !no_progress;
+  remote.wait = !no_wait;
   try {
     for (auto* command : remote_cmds)
       if (command->parsed()) return vramd::cli::remote(command->get_name(), remote, std::cout, std::cerr);

@@ -42,7 +42,7 @@ int check(const vramd::config::DaemonConfig& config) {
       auto model = vramd::config::load_model_config(file.string(), config);
       auto dry = vramd::model::dry_run(model);
       std::cout << "valid    " << model.name << "  " << dry.architecture << ", " << dry.dtype << ", "
-                << vramd::format_bytes(dry.report.bytes) << " in " << dry.report.tensors << " tensors  ("
+                << vramd::format_bytes(dry.report.bytes) << " in " << vramd::counted(dry.report.tensors, "tensor") << "  ("
                 << vramd::escape_invalid_utf8(file.string()) << ")\n";
     } catch (const std::exception& error) {
       ++invalid;

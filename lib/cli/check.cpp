@@ -92,7 +92,7 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
     }
     for (const auto& warning : verdict.warnings) err << "warning: " << printable(warning) << '\n';
     if (verdict.problems.empty()) {
-      out << "ok    " << path << ": model " << quote(verdict.name) << ", " << verdict.tensors << " tensors, "
+      out << "ok    " << path << ": model " << quote(verdict.name) << ", " << counted(verdict.tensors, "tensor") << ", "
           << format_bytes(verdict.bytes) << (verdict.architecture.empty() ? "" : " (" + verdict.architecture + ")") << '\n';
       if (!verdict.plan.empty()) out << "      plan: " << printable(verdict.plan) << '\n';
     } else {

@@ -41,7 +41,7 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
     return;
   }
   out << "model " << model.name << ", converter " << (model.converter.empty() ? "(none)" : model.converter) << ": "
-      << plan.tensors.size() << " tensors\n";
+      << counted(plan.tensors.size(), "tensor") << "\n";
   size_t name_width = 0, shape_width = 0;
   for (const auto& [target, expr] : plan.tensors) {
     name_width = std::max(name_width, escape_invalid_utf8(target).size());

@@ -98,8 +98,8 @@ void print_text(const DiskMap& map, std::ostream& out) {
   }
   out << "\ntotals:\n";
   for (const auto& [dtype, total] : totals_by_dtype(map))
-    out << "  " << pad(dtype, 7) << "  " << total.tensors << " tensors  " << format_bytes(total.bytes) << '\n';
-  out << "  " << pad("all", 7) << "  " << map.tensors().size() << " tensors  "
+    out << "  " << pad(dtype, 7) << "  " << counted(total.tensors, "tensor") << "  " << format_bytes(total.bytes) << '\n';
+  out << "  " << pad("all", 7) << "  " << counted(map.tensors().size(), "tensor") << "  "
       << format_bytes(map.total_bytes()) << '\n';
 }
 

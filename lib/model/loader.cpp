@@ -160,7 +160,7 @@ Prepared prepare(const config::ModelConfig& config) {
     add(std::to_string(unexpected.size()) + " unexpected: " + listed(unexpected));
   if (!problems.empty()) {
     fail(where, "checkpoint " + map.description() + " does not fit architecture " + architecture + " (" +
-                    std::to_string(plan.tensors.size()) + " tensors" + (config.converter.empty() ? "" : " from " + config.converter) +
+                    counted(plan.tensors.size(), "tensor") + (config.converter.empty() ? "" : " from " + config.converter) +
                     "): " + problems + (mismatched.empty() ? " (strict = false loads anyway)" : ""));
   }
   report.missing = std::move(missing);

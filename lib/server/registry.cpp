@@ -550,8 +550,8 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
     return;
   }
   log::info("lease " + std::to_string(id) + " of " + entry.name + " to " + request.peer + ": " +
-            std::to_string(manifest.tensors.size()) + " tensors, " + format_bytes(manifest.bytes) + " in " +
-            std::to_string(manifest.regions.size()) + " regions");
+            counted(manifest.tensors.size(), "tensor") + ", " + format_bytes(manifest.bytes) + " in " +
+            counted(manifest.regions.size(), "region"));
 }
 
 void Registry::end_lease(const std::string& name, uint64_t id) {

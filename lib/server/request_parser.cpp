@@ -51,7 +51,7 @@ RequestParser::Step RequestParser::feed(const char* data, size_t size) {
     step.result = Result::Complete;
   } else if (error != HPE_OK) {
     if (!refusal_status_) {
-      if (error == HPE_HEADER_OVERFLOW) refuse(431, "request headers exceed " + std::to_string(HTTP_MAX_HEADER_SIZE) + " bytes");
+      if (error == HPE_HEADER_OVERFLOW) refuse(431, "request headers exceed " + std::to_string(HTTP_MAX_HEADER_SIZE) + " bytes, http-parser's own bound");
       else refuse(400, std::string("malformed HTTP request: ") + http_errno_description(error));
     }
     step.result = Result::Refused;
@@ -72,7 +72,8 @@ void RequestParser::refuse(int status, std::string message) {
 bool RequestParser::count_header_bytes(size_t n) {
   header_bytes_ += n;
   if (header_bytes_ <= limits_.max_header_bytes) return true;
-  refuse(431, "request line and headers exceed " + std::to_string(limits_.max_header_bytes) + " bytes");
+  refuse(431, "request line and headers exceed " + std::to_string(limits_.max_header_bytes) +
+                   " bytes ([limits] max_header_size in the daemon config)");
   return false;
 }
 

@@ -52,7 +52,7 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
     if (options && options->progress && !options->progress(progress) && !last) {
       for (const auto& b : source_->assignments) b.parameter->value = at::Tensor();
       throw model::Cancelled(source_->where + ": load cancelled after " + std::to_string(progress.tensors_done) + " of " +
-                             std::to_string(progress.tensors_total) + " tensors");
+                             counted(progress.tensors_total, "tensor"));
     }
   };
   std::optional<storage::DeviceStaging> staging;

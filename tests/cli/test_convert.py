@@ -93,4 +93,4 @@ def test_arch_is_the_merged_hyperparameters_in_convert_and_check(tmp_path):
     assert json.loads(result.stdout)["tensors"]["x"]["shape"] == [2, 3]
     result = vramctl("check", config)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"ok    {config}: model 'm', 1 tensors, 24 B\n" in result.stdout, result.stdout
+    assert f"ok    {config}: model 'm', 1 tensor, 24 B\n" in result.stdout, result.stdout

@@ -98,7 +98,13 @@ def test_lifecycle_through_vramctl_matches_transformers(daemon, checkpoints, tmp
     printed = vramctl(daemon.sock, "forward", "minilm", "input_ids=101,7570,2024,2017,102").stdout
     assert "sentence_embedding F32 [1, 384]" in printed
     status = vramctl(daemon.sock, "status").stdout
-    assert "cpu: 86.64 MiB of 8.00 GiB" in status and "minilm" in status
+    assert "s, 1 connection\ndevices:\n  cpu: 86.64 MiB of 8.00 GiB\nmodels:\n" in status and "\n  minilm " in status, status
+    # Options go after the command, and the error says so with the line that works.
+    misplaced = subprocess.run([VRAMCTL, "--socket", str(daemon.sock), "list"], capture_output=True, text=True)
+    assert misplaced.returncode == 2
+    assert misplaced.stderr == f"vramctl: options follow the command: vramctl list --socket {daemon.sock}\n"
+    for command in ("load", "unload", "offload"):
+        assert "{false}" not in vramctl(daemon.sock, command, "--help").stdout
     metrics = request(daemon.sock, "GET", "/metrics")[1].decode()
     assert 'vramd_forwards_total{model="minilm"} 1' in metrics
     assert 'vramd_model_state{model="minilm",state="ready"} 1' in metrics
@@ -203,7 +209,7 @@ def test_bad_requests_get_clear_errors_and_harm_nothing(tmp_path, checkpoints):
         s = d.sock
         assert raw(s, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400 ")
         huge = raw(s, b"GET /v1/health HTTP/1.1\r\nX: " + b"a" * 8000 + b"\r\n\r\n")
-        assert huge.startswith(b"HTTP/1.1 431 ") and b"4096 bytes" in huge
+        assert huge.startswith(b"HTTP/1.1 431 ") and b"4096 bytes ([limits] max_header_size in the daemon config)" in huge
         big = raw(s, b"POST /v1/models/minilm/forward HTTP/1.1\r\nContent-Length: 5000000\r\n\r\n")
         assert big.startswith(b"HTTP/1.1 413 ") and b"exceeds the limit of 1048576 bytes" in big
         chunked = raw(s, b"POST /v1/models/minilm/forward HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -666,4 +672,4 @@ def test_vramd_check_reports_each_config_on_printable_lines(tmp_path):
     assert lines[0] == f"invalid  {escaped}", lines
     assert lines[1].startswith(f"         {escaped}:1:1: the file's name 'esc\\x1b[2J' is no model name"), lines
     assert lines[2] == f"         {escaped}:2:1: unknown key 'size'", lines
-    assert lines[3].startswith("valid    good  weights, float32, 24 B in 1 tensors"), lines
+    assert lines[3].startswith("valid    good  weights, float32, 24 B in 1 tensor"), lines
