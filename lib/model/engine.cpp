@@ -119,6 +119,10 @@ class Transformer final : public Model {
     }
     if (!b_.pooler.empty()) pooler_ = &linear(b_.pooler, hidden, hidden, true);
     if (!b_.projection.empty()) projection_ = &linear(b_.projection, hidden, b_.projection_dim, false);
+    // What forward() reads: transformers' names of the same inputs.
+    input_names_ = {"input_ids", "attention_mask"};
+    if (embed_positions_ || b_.positions == Positions::Rope) input_names_.push_back("position_ids");
+    if (embed_types_) input_names_.push_back("token_type_ids");
     if (b_.positions == Positions::Rope) {
       const auto rotary = static_cast<int64_t>(static_cast<double>(head_dim) * b_.rope.partial);
       rope_.emplace(b_.rope, rotary, b_.max_positions);
@@ -128,7 +132,7 @@ class Transformer final : public Model {
   }
 
   storage::NamedTensors forward(const storage::NamedTensors& tensors) override {
-    const Inputs inputs(tensors, device());
+    const Inputs inputs(tensors, device(), input_names_);
     const at::Tensor ids = inputs.token_ids("input_ids", b_.vocabulary);
     const int64_t batch = ids.size(0), length = ids.size(1);
     // RoBERTa's positions start after pad_token_id.
@@ -220,12 +224,13 @@ class Transformer final : public Model {
 
   at::Tensor position_ids(const Inputs& inputs, const at::Tensor& ids) const {
     const int64_t batch = ids.size(0), length = ids.size(1);
+    const int64_t limit = b_.positions == Positions::Learned ? b_.max_positions : std::numeric_limits<int64_t>::max();
+    if (auto given = inputs.optional_ids("position_ids", ids, limit)) return *given;
     if (b_.padding_positions) {  // RoBERTa: tokens count from pad_token_id + 1, padding stays at it
       const at::Tensor tokens = ids.ne(b_.pad_token).to(at::kInt);
       return (at::cumsum(tokens, 1).to(at::kInt) * tokens).to(at::kLong) + b_.pad_token;
     }
-    const int64_t limit = b_.positions == Positions::Learned ? b_.max_positions : std::numeric_limits<int64_t>::max();
-    return inputs.optional_ids("position_ids", ids, limit).value_or(at::arange(length, ids.options()).expand({batch, length}));
+    return at::arange(length, ids.options()).expand({batch, length});
   }
 
   // Attention of one block, [batch, sequence, heads * head_dim] before the output projection.
@@ -302,6 +307,7 @@ class Transformer final : public Model {
   Layer *embed_tokens_ = nullptr, *embed_types_ = nullptr, *embed_positions_ = nullptr, *embed_norm_ = nullptr,
         *relative_bias_ = nullptr, *final_norm_ = nullptr, *lm_head_ = nullptr, *pooler_ = nullptr, *projection_ = nullptr;
   std::vector<Block> blocks_;
+  std::vector<std::string> input_names_;  // what forward() reads
   std::optional<RotaryEmbedding> rope_, local_rope_;
 };
 

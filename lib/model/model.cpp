@@ -13,10 +13,10 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "storage/tensor_io.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -100,7 +100,20 @@ void Model::tie(Layer& follower, const Layer& leader) {
 
 // Inputs
 
-Inputs::Inputs(const storage::NamedTensors& tensors, c10::Device device) : tensors_(tensors), device_(device) {}
+Inputs::Inputs(const storage::NamedTensors& tensors, c10::Device device, std::span<const std::string> accepted)
+    : tensors_(tensors), device_(device) {
+  for (const auto& [name, tensor] : tensors_) {
+    if (std::find(accepted.begin(), accepted.end(), name) != accepted.end()) continue;
+    std::string all, nearest;
+    size_t best = std::max<size_t>(2, name.size() / 3) + 1;  // a near miss: a typo, not another word
+    for (const auto& candidate : accepted) {
+      all += (all.empty() ? "" : ", ") + candidate;
+      if (const size_t distance = edit_distance(name, candidate); distance < best) best = distance, nearest = candidate;
+    }
+    throw Error("input " + quote(name) + " is not one this model takes" +
+                (nearest.empty() ? std::string() : "; did you mean " + quote(nearest) + "?") + " (it takes " + all + ")");
+  }
+}
 
 const at::Tensor* Inputs::find(std::string_view name) const {
   for (const auto& [key, tensor] : tensors_)

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,7 +71,10 @@ class Model {
 // expected and found.
 class Inputs {
  public:
-  Inputs(const storage::NamedTensors& tensors, c10::Device device);
+  // Throws Error for a tensor whose name is not in `accepted` (the names the model's forward
+  // reads), naming it, the nearest accepted name and all of them: an input that would be
+  // ignored is refused, never dropped.
+  Inputs(const storage::NamedTensors& tensors, c10::Device device, std::span<const std::string> accepted);
   // [batch, sequence] token ids below `vocabulary`, as int64 on the model's device.
   at::Tensor token_ids(std::string_view name, int64_t vocabulary) const;
   // The same shape as `like`; absent: nullopt.

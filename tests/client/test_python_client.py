@@ -115,6 +115,20 @@ def test_refusals_carry_the_daemons_status_and_words(client, daemon):
     assert refused.value.status == 400
     assert refused.value.message == vramctl_error(daemon, "forward", "minilm", "input_ids=1.5")
 
+    # A misspelled input is refused by name, through the package, vramctl and a bare request:
+    # dropped, it would have changed a padded batch's answer without a word.
+    with pytest.raises(vramd.DaemonError) as refused:
+        client.forward("minilm", {"input_ids": torch.tensor([[101, 2023, 102]]),
+                                  "attention_masks": torch.tensor([[1, 1, 0]])})
+    said = ("input 'attention_masks' is not one this model takes; did you mean 'attention_mask'? "
+            "(it takes input_ids, attention_mask, position_ids, token_type_ids)")
+    assert refused.value.status == 400 and refused.value.message == said
+    assert vramctl_error(daemon, "forward", "minilm", "input_ids=101,2023,102", "attention_masks=1,1,0") == said
+    status, body = request(daemon.sock, "POST", "/v1/models/minilm/forward",
+                           save({"input_ids": torch.tensor([[101, 102]]), "labels": torch.tensor([[1, 1]])}))
+    assert status == 400 and json.loads(body)["error"] == (
+        "input 'labels' is not one this model takes (it takes input_ids, attention_mask, position_ids, token_type_ids)")
+
     client.unload("minilm")
     with pytest.raises(vramd.DaemonError) as refused:
         client.offload("minilm")

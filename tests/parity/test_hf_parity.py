@@ -98,6 +98,26 @@ def test_the_sliding_window_and_rope_scaling_matter(witnesses, tmp_path):
         assert relative_error(got[output], expected) > 1e-3, (case, override)
 
 
+@pytest.mark.parametrize("case", ["llama", "gpt2", "bert", "roberta", "clip_text_plain"])
+def test_given_position_ids_are_used_as_transformers_uses_them(witnesses, case, tmp_path):
+    # Rotary and learned positions, and RoBERTa's, which counts its own only when none are given.
+    import transformers
+    folder = witnesses[case, "float32"]
+    inputs = load_file(folder / "inputs.safetensors")
+    inputs["position_ids"] = (torch.arange(12) * 2 % 13 + 2).expand(2, 12).contiguous()
+    model_class = getattr(transformers, transformers.AutoConfig.from_pretrained(folder / "model").architectures[0])
+    expected = hf_models.outputs(model_class.from_pretrained(folder / "model").eval(), inputs)
+    save_file(inputs, tmp_path / "in.safetensors")
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model"}"\n')
+    result = vramctl("run", config, "--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors")
+    assert result.returncode == 0, result.stderr
+    got = load_file(tmp_path / "out.safetensors")
+    for name, want in expected.items():
+        assert relative_error(got[name], want) <= TOLERANCE["float32"], name
+    assert relative_error(got[name], load_file(folder / "expected.safetensors")[name]) > 1e-3  # they mattered
+
+
 def test_a_forced_dtype_converts_the_weights(witnesses, tmp_path):
     folder = witnesses["gpt2", "float32"]
     got = run(folder, tmp_path, "dtype = \"bfloat16\"\n")
@@ -193,6 +213,12 @@ def test_integer_weights_are_refused(witnesses, tmp_path):
     ({"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 3)}, "input 'attention_mask' is [1, 3] but input_ids is [1, 2]"),
     ({"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.tensor([[1, 7]])}, "input 'attention_mask' must hold only 0 and 1"),
     ({"input_ids": torch.ones(1, 65, dtype=torch.long)}, "input 'input_ids' has 65 tokens; this model takes at most 64"),
+    # A name the model does not read is refused, never dropped: a misspelled mask would change the answer.
+    ({"input_ids": torch.tensor([[1, 2]]), "attention_masks": torch.ones(1, 2)},
+     "input 'attention_masks' is not one this model takes; did you mean 'attention_mask'? "
+     "(it takes input_ids, attention_mask, position_ids)"),
+    ({"input_ids": torch.tensor([[1, 2]]), "token_type_ids": torch.zeros(1, 2, dtype=torch.long)},
+     "input 'token_type_ids' is not one this model takes (it takes input_ids, attention_mask, position_ids)"),
 ])
 def test_bad_inputs_are_named(witnesses, tmp_path, inputs, message):
     folder = witnesses["gpt2", "float32"]
