@@ -41,7 +41,7 @@ RoomPlan plan_room(const RoomRequest& request, const std::vector<Holder>& holder
     plan.evictions.push_back({kind, h->name, h->bytes});
   };
   for (const Holder* h : candidates)  // first sleep models whose offload state is elsewhere
-    if (free + planned < request.bytes && h->ready && h->offload_device != request.device)
+    if (free + planned < request.bytes && h->ready && h->offload_fits && h->offload_device != request.device)
       evict(h, Eviction::Kind::Offload);
   for (const Holder* h : candidates)  // then unload
     if (free + planned < request.bytes && std::find(chosen.begin(), chosen.end(), h) == chosen.end())

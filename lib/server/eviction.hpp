@@ -1,5 +1,5 @@
 // Which models make room for another on a device whose budget it would pass: first sleep the
-// idle ones whose offload state is on another device, then unload idle ones, each pass least
+// idle ones whose offload state is on another device with room for it, then unload idle ones, each pass least
 // recently used first; never a pinned, leased or busy model. A pure function over byte counts
 // and facts about each model: the registry gathers the facts and runs the evictions.
 #pragma once
@@ -20,6 +20,7 @@ struct Holder {
   bool loaded = false;            // holds its weights under a valid config (not loading, not failed)
   bool ready = false;             // in its computation state (loaded and not ready: offloaded)
   std::string offload_device;     // where offloading puts its weights
+  bool offload_fits = false;      // ready, and its offload state fits that device's budget now
   bool pinned = false;            // [residency] pinned
   bool leased = false;            // a client holds it resident
   bool busy = false;              // runs a job or has requests queued

@@ -216,37 +216,57 @@ void Registry::submit(Entry& entry, Job job) {
   pump(entry);
 }
 
+namespace {
+
+// Whether `e` holds its weights in their computation state: loaded and not asleep.
+bool in_computation(const Entry& e) { return e.runtime && e.config && e.dry && e.state != ModelState::Offloaded; }
+
+// What `e` counts against each device's budget (server/charges.hpp), without its reservation.
+DeviceBytes held_charges(const Entry& e) {
+  return charges(e.bytes, in_computation(e) ? computation_charges(*e.config, *e.dry) : DeviceBytes{}, {});
+}
+
+uint64_t on(const DeviceBytes& bytes, const std::string& device) {
+  const auto it = bytes.find(device);
+  return it == bytes.end() ? 0 : it->second;
+}
+
+}  // namespace
+
+DeviceBytes Registry::charged(const Entry& e) const {
+  return charges(e.bytes, in_computation(e) ? computation_charges(*e.config, *e.dry) : DeviceBytes{}, e.reserved);
+}
+
 uint64_t Registry::used(const std::string& device) const {
   uint64_t total = 0;
-  for (const auto& [name, entry] : entries_) {
-    if (auto it = entry->bytes.find(device); it != entry->bytes.end()) total += it->second;
-    if (auto it = entry->reserved.find(device); it != entry->reserved.end()) total += it->second;
-  }
+  for (const auto& [name, entry] : entries_) total += on(charged(*entry), device);
   return total;
 }
 
-namespace {
+bool Registry::fits(const DeviceBytes& more) const {
+  for (const auto& [device, bytes] : more) {
+    const auto budget = config_.budgets.find(device);
+    if (budget != config_.budgets.end() && used(device) + bytes > budget->second) return false;
+  }
+  return true;
+}
 
-// What the eviction planner needs to know of `e` on `device`.
-Holder holder_on(const Entry& e, const std::string& device) {
-  const auto held = [&](const std::map<std::string, uint64_t>& bytes) {
-    const auto it = bytes.find(device);
-    return it == bytes.end() ? 0 : it->second;
-  };
+Holder Registry::holder_on(const Entry& e, const std::string& device) const {
+  const bool ready = e.state == ModelState::Ready;
   return {.name = e.name,
-          .bytes = held(e.bytes),
-          .reserved = held(e.reserved),
+          .bytes = on(held_charges(e), device),
+          .reserved = on(e.reserved, device),
           .last_used = e.last_used,
           .loaded = e.runtime && e.config,
-          .ready = e.state == ModelState::Ready,
+          .ready = ready,
           .offload_device = e.config ? e.config->vram.offload.device.str() : "",
+          // Sleeping it must fit where it sleeps (on another device than the one asked for).
+          .offload_fits = ready && e.config && e.dry && fits(offload_charges(*e.config, *e.dry)),
           .pinned = e.config && e.config->residency.pinned,
           .leased = !e.leases.empty(),
           .busy = e.busy || !e.queue.empty(),
           .waiting_for_room = e.waiting_for_room};
 }
-
-}  // namespace
 
 bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
   const auto budget = config_.budgets.find(device);
@@ -262,6 +282,17 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
     submit(*find(eviction.model), std::move(job));
   }
   return plan.evictions.empty();
+}
+
+bool Registry::reserve(Entry& entry, const DeviceBytes& expected) {
+  DeviceBytes need;
+  const DeviceBytes have = held_charges(entry);
+  for (const auto& [device, bytes] : expected)
+    if (const uint64_t more = bytes - std::min(bytes, on(have, device))) need[device] = more;
+  for (const auto& [device, bytes] : need)
+    if (!make_room(entry, device, bytes)) return false;
+  entry.reserved = need;
+  return true;
 }
 
 void Registry::pump(Entry& entry) {
@@ -314,15 +345,14 @@ void Registry::pump(Entry& entry) {
     }
     if (!entry.config) { done_now(409, {{"error", "model " + quote(entry.name) + " has no valid config"}}); continue; }
 
-    // Room for the weights on the computation device.
-    if (job.needs_weights() && !resident) {
-      const std::string device = entry.config->vram.computation.device.str();
-      const auto& limit = entry.config->vram.limit;  // a streamed model never holds more than its limit
-      const uint64_t total = limit ? std::min(*limit, entry.dry->report.bytes) : entry.dry->report.bytes;
-      const uint64_t have = entry.bytes.count(device) ? entry.bytes[device] : 0;
-      const uint64_t need = total - std::min(total, have);
+    // Room for what the job will hold: the weights in their computation state, or asleep on
+    // the offload device. The budget counts it from now on (as reserved, then as held).
+    std::optional<DeviceBytes> expected;
+    if (job.needs_weights() && !resident) expected = computation_charges(*entry.config, *entry.dry);
+    else if (job.kind == Job::Kind::Offload && entry.state == ModelState::Ready) expected = offload_charges(*entry.config, *entry.dry);
+    if (expected) {
       try {
-        if (need && !make_room(entry, device, need)) {
+        if (!reserve(entry, *expected)) {
           entry.waiting_for_room = true;
           return;
         }
@@ -331,7 +361,6 @@ void Registry::pump(Entry& entry) {
         done_now(507, {{"error", e.what()}});
         continue;
       }
-      entry.reserved[device] = need;
     }
     entry.waiting_for_room = false;
     Job next = std::move(job);
@@ -566,11 +595,11 @@ json Registry::devices_json() const {
   json devices = json::object();
   std::set<std::string> names;
   for (const auto& [device, budget] : config_.budgets) names.insert(device);
-  for (const auto& [name, e] : entries_) for (const auto& [device, bytes] : e->bytes) names.insert(device);
+  for (const auto& [name, e] : entries_) for (const auto& [device, bytes] : charged(*e)) names.insert(device);
   for (const auto& device : names) {
-    json models = json::object();
+    json models = json::object();  // what each model counts, which adds up to `used`
     for (const auto& [name, e] : entries_)
-      if (auto it = e->bytes.find(device); it != e->bytes.end() && it->second) models[name] = it->second;
+      if (const uint64_t bytes = on(charged(*e), device)) models[name] = bytes;
     const auto budget = config_.budgets.find(device);
     devices[device] = {{"budget", budget == config_.budgets.end() ? json(nullptr) : json(budget->second)},
                        {"used", used(device)}, {"models", models}};

@@ -27,6 +27,8 @@
 #include "config/model_config.hpp"
 #include "model/dry_run.hpp"
 #include "server/catalog.hpp"
+#include "server/charges.hpp"
+#include "server/eviction.hpp"
 #include "server/http.hpp"
 #include "server/job.hpp"
 #include "server/mailbox.hpp"
@@ -76,7 +78,7 @@ struct Entry {
 
   std::map<std::string, uint64_t> bytes;     // held on each device, as of the last job
   std::optional<model::VramStats> vram;      // streamed or partitioned weights' plan and counters, as of the last job
-  std::map<std::string, uint64_t> reserved;  // for the job running now
+  DeviceBytes reserved;  // for the job running now (or about to run), on each device
   Clock::time_point last_used{};
   std::optional<std::chrono::milliseconds> keep_alive;
   uv_timer_t* keep_alive_timer = nullptr;
@@ -130,7 +132,14 @@ class Registry {
   // Room on `device` for `bytes` more: true when it fits; false while evictions run (the entry
   // is pumped again when they end); throws Error with the numbers when it cannot fit.
   bool make_room(Entry& entry, const std::string& device, uint64_t bytes);
-  uint64_t used(const std::string& device) const;
+  // Room for what the entry will hold on each device (`expected`), less what it counts there
+  // now, reserved for its next job: true once reserved; else as make_room.
+  bool reserve(Entry& entry, const DeviceBytes& expected);
+  // What the entry counts against each device's budget: its charges plus its reservation.
+  DeviceBytes charged(const Entry& entry) const;
+  uint64_t used(const std::string& device) const;  // the sum of every entry's charge there
+  bool fits(const DeviceBytes& more) const;        // beside what is used, within every budget
+  Holder holder_on(const Entry& entry, const std::string& device) const;  // for server/eviction.hpp
 
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);

@@ -21,6 +21,7 @@ Holder idle(std::string name, uint64_t mib, int minute) {
   h.last_used = std::chrono::steady_clock::time_point(std::chrono::minutes(minute));
   h.loaded = h.ready = true;
   h.offload_device = "cpu";
+  h.offload_fits = true;
   return h;
 }
 
@@ -56,6 +57,12 @@ TEST_CASE("eviction offloads models that sleep elsewhere before unloading any") 
   CHECK(plan.error.empty());
   CHECK(steps(plan) == std::vector<std::string>{"offload c", "offload b"});
   CHECK(plan.evictions[0].bytes == 30 * MiB);
+}
+
+TEST_CASE("eviction unloads a model whose offload state would not fit where it sleeps") {
+  auto no_room = idle("a", 30, 1);  // offloading it would pass the CPU's budget
+  no_room.offload_fits = false;
+  CHECK(steps(plan_room(ask(80, 100), {no_room, idle("b", 30, 2)})) == std::vector<std::string>{"offload b", "unload a"});
 }
 
 TEST_CASE("eviction unloads least recently used first and stops once there is room") {
