@@ -74,7 +74,9 @@ DaemonConfig default_daemon_config() {
 DaemonConfig find_daemon_config(const std::string& path) {
   if (!path.empty()) return load_daemon_config(path);
   if (fs::exists("configs/vramd.toml")) return load_daemon_config("configs/vramd.toml");
-  return default_daemon_config();
+  DaemonConfig defaults = default_daemon_config();
+  defaults.looked_for = fs::absolute("configs/vramd.toml").string();
+  return defaults;
 }
 
 DaemonConfig load_daemon_config(const std::string& path) {
@@ -90,10 +92,17 @@ DaemonConfig load_daemon_config(const std::string& path) {
   TableReader root(*document, "", problems);
   if (auto socket = root.string("socket")) config.socket = resolve(*socket);
   config.models = resolve(root.string("models").value_or(config.models));
-  for (const auto& converters : root.strings("converters").value_or(std::vector<std::string>{}))
-    config.converters.push_back(resolve(converters));
-  for (const auto& architectures : root.strings("architectures").value_or(std::vector<std::string>{}))
-    config.architectures.push_back(resolve(architectures));
+  // Folders the daemon looks in: one that is not there is a typo, said now rather than when a
+  // model first looks in it.
+  const auto folders = [&](const char* key, std::vector<std::string>& into) {
+    for (const auto& folder : root.strings(key).value_or(std::vector<std::string>{})) {
+      into.push_back(resolve(folder));
+      if (std::error_code ec; !fs::is_directory(into.back(), ec))
+        root.bad_value(key, quote(folder) + " is not a folder (" + quote(into.back()) + ")");
+    }
+  };
+  folders("converters", config.converters);
+  folders("architectures", config.architectures);
   if (auto tcp = root.string("tcp")) {
     const auto colon = tcp->rfind(':');
     in_addr address{};

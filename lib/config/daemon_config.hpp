@@ -31,6 +31,7 @@ struct AccessConfig {
 
 struct DaemonConfig {
   std::string path;                     // the file read; empty for built-in defaults
+  std::string looked_for;               // built-in defaults: the file that was looked for and not found
   std::string socket;                   // Unix socket path
   std::string tcp;                      // "127.0.0.1:PORT" also listens on loopback TCP; empty: off
   std::string models;                   // folder of model configs
@@ -58,7 +59,8 @@ DaemonConfig load_daemon_config(const std::string& path);
 // that only its user may enter: $XDG_RUNTIME_DIR/vramd/vramd.sock, else /tmp/vramd-UID/vramd.sock.
 DaemonConfig default_daemon_config();
 
-// For offline tools: `path` when given, else configs/vramd.toml when it exists, else defaults.
+// For offline tools: `path` when given, else configs/vramd.toml when it exists, else defaults
+// (which say what was looked for).
 DaemonConfig find_daemon_config(const std::string& path);
 
 // "cuda" is "cuda:0"; other names are returned as they are.

@@ -110,9 +110,12 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const Dtype& base_
   const auto within_budget = [&](const char* key, const Device& where, uint64_t bytes, std::string also = "") {
     const std::string device = where.str();
     auto budget = daemon.budgets.find(device);
-    std::string source = daemon.path.empty() ? "the daemon's defaults" : daemon.path;
-    if (budget == daemon.budgets.end())
-      table->bad_value(key, "a limit on " + device + ", for which " + source + " sets no budget (budgets: " +
+    if (budget == daemon.budgets.end() && daemon.path.empty())
+      table->bad_value(key, "a limit on " + device + " needs the daemon config's budget for it, and no daemon config " +
+                                "was found" + (daemon.looked_for.empty() ? "" : " (looked for " + quote(daemon.looked_for) + ")") +
+                                ": give one with --daemon-config");
+    else if (budget == daemon.budgets.end())
+      table->bad_value(key, "a limit on " + device + ", for which " + daemon.path + " sets no budget (budgets: " +
                                 budgets_text(daemon) + ")");
     else if (bytes > budget->second)
       table->bad_value(key, (also.empty() ? "" : "with " + also + ", ") + "more than the daemon's whole budget for " +

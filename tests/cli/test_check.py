@@ -107,6 +107,11 @@ def test_a_limit_without_a_budget_is_refused_with_the_daemon_config_named(tmp_pa
     result = vramctl("check", models / "gpu.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode == 1
     assert f"a limit on cuda:0, for which {tmp_path / 'vramd.toml'} sets no budget (budgets: cpu 1.00 GiB)" in result.stdout
+    # Without --daemon-config and away from the repository, what was looked for and the flag.
+    result = vramctl("check", models / "gpu.toml", cwd=models)
+    assert result.returncode == 1
+    assert (f"a limit on cuda:0 needs the daemon config's budget for it, and no daemon config was found (looked for "
+            f"'{models / 'configs' / 'vramd.toml'}'): give one with --daemon-config") in result.stdout, result.stdout
 
 
 def test_a_broken_daemon_config_is_one_clear_error(tmp_path):

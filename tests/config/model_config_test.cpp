@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <filesystem>
+
 #include <nlohmann/json.hpp>
 
 #include "config/daemon_config.hpp"
@@ -213,9 +215,10 @@ TEST_CASE("a missing checkpoint or converter and a syntax error are reported") {
 
 TEST_CASE("the daemon config reads budgets and defaults and refuses unknown devices and keys") {
   TempDir dir;
+  std::filesystem::create_directory(dir / "scripts");
   auto good = dir.write("vramd.toml", R"(socket = "run/vramd.sock"
 models = "models"
-converters = ["scripts", "/opt/converters"]
+converters = ["scripts", "/usr"]
 log_level = "debug"
 [budgets]
 cpu = "16GiB"
@@ -227,10 +230,15 @@ keep_alive = "30s"
   auto daemon = load_daemon_config(good);
   CHECK(daemon.socket == dir / "run/vramd.sock");
   CHECK(daemon.models == dir / "models");
-  CHECK(daemon.converters == std::vector<std::string>{dir / "scripts", "/opt/converters"});
+  CHECK(daemon.converters == std::vector<std::string>{dir / "scripts", "/usr"});
   CHECK(daemon.log_level == "debug");
   CHECK(daemon.budgets == std::map<std::string, uint64_t>{{"cpu", 16ull << 30}, {"cuda:0", 70ull << 30}, {"cuda:1", 1ull << 30}});
   CHECK(daemon.keep_alive == std::chrono::seconds(30));
+
+  // A folder to look in that is not there is a typo, named with where it was looked for.
+  auto typo = dir.write("typo.toml", "architectures = [\"famlies\"]\n");
+  CHECK_THROWS_WITH(load_daemon_config(typo), typo + ":1:17: architectures = [...]: 'famlies' is not a folder ('" +
+                                                  dir / "famlies" + "')");
 
   auto bad = dir.write("bad.toml", "log_level = \"loud\"\nsokcet = \"x\"\n[budgets]\ngpu = \"1GiB\"\n");
   CHECK_THROWS_WITH(load_daemon_config(bad),

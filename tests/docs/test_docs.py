@@ -142,6 +142,7 @@ def scratch(folder):
     """A folder the docs' relative paths work in: a copy of configs/ beside links to the rest."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copytree(ROOT / "configs", folder / "configs")
+    (folder / "configs" / "families").mkdir()  # the folder docs/architectures.md has the user make
     for name in LINKED_FROM_SCRATCH:
         (folder / name).symlink_to(Path(VRAMCTL).resolve().parents[1] if name == "build" else ROOT / name)
     return folder
