@@ -40,7 +40,8 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
     fail(config.path, "vram.onload.device = " + vram.onload.device.str() + " is the computation device, so every weight would count against "
                       "vram.limit (" + format_bytes(limit) + " < " + format_bytes(stats.total) +
                       (stats.total <= limit ? " plus a " + format_bytes(largest_copy) + " computation copy" : "") +
-                      "); use \"disk\" or another device for onload and offload");
+                      "); set onload = { device = \"disk\" } or another device" +
+                      (vram.offload.device == vram.computation.device ? ", and offload with it" : ""));
   stats.streaming = fits ? largest_copy : limit >= 3 * largest ? 2 * largest : largest;
 
   std::vector<size_t> by_size(slots.size());

@@ -111,6 +111,10 @@ def test_onload_on_the_computation_device_is_refused_when_it_cannot_fit(witnesse
     vram = '[vram]\noffload = { device = "disk" }\nonload = { device = "cpu" }\nlimit = "300KiB"\n'
     error = run(witnesses["llama", "float32"], tmp_path, vram, expect_ok=False)
     assert "vram.onload.device = cpu is the computation device" in error
+    assert error.rstrip().endswith('set onload = { device = "disk" } or another device'), error  # offload is on disk
+    # With offload there too (it defaults to onload's device), the advice names it as well.
+    error = run(witnesses["llama", "float32"], tmp_path, '[vram]\nlimit = "300KiB"\n', expect_ok=False)
+    assert error.rstrip().endswith('set onload = { device = "disk" } or another device, and offload with it'), error
 
 
 def test_an_onload_limit_keeps_the_first_streamed_layers_in_memory_and_reads_the_rest_from_disk(witnesses, tmp_path):
