@@ -159,9 +159,15 @@ Prepared prepare(const config::ModelConfig& config) {
   if (config.strict && !unexpected.empty())
     add(std::to_string(unexpected.size()) + " unexpected: " + listed(unexpected));
   if (!problems.empty()) {
+    // Loading anyway helps only where some names matched; where none did, the names are wrong.
+    const std::string advice =
+        !mismatched.empty() ? ""
+        : !assigned.empty() ? " (strict = false loads anyway)"
+        : " (no tensor matches a parameter: check the prefix" + std::string(config.converter.empty() ? ", or give a converter" : " and the converter") +
+              "; vramctl convert shows the names it makes)";
     fail(where, "checkpoint " + map.description() + " does not fit architecture " + architecture + " (" +
                     counted(plan.tensors.size(), "tensor") + (config.converter.empty() ? "" : " from " + config.converter) +
-                    "): " + problems + (mismatched.empty() ? " (strict = false loads anyway)" : ""));
+                    "): " + problems + advice);
   }
   report.missing = std::move(missing);
   report.unexpected = std::move(unexpected);

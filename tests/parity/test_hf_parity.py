@@ -176,6 +176,23 @@ def test_missing_unexpected_and_mismatched_keys_are_named(witnesses, tmp_path):
     assert message.count("\n") == 1
 
 
+def test_the_advice_fits_the_mismatch_loading_anyway_only_where_some_names_match(witnesses, tmp_path):
+    folder = witnesses["llama", "float32"]
+
+    def edit(tensors):
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+
+    result, _ = run_broken(broken_copy(folder, tmp_path, edit), tmp_path, folder)
+    assert result.returncode == 1 and result.stderr.rstrip().endswith("(strict = false loads anyway)"), result.stderr
+    # A converter that renames every tensor away: no name matches, and loading anyway would load nothing.
+    (tmp_path / "away.lua").write_text('return src:renamed({ { "^", "other." } })\n')
+    result, _ = run_broken(folder / "model", tmp_path, folder, f'converter = "{tmp_path / "away.lua"}"\n')
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.rstrip().endswith(
+        "(no tensor matches a parameter: check the prefix and the converter; vramctl convert shows the names it makes)"), \
+        result.stderr
+
+
 def test_strict_false_lists_missing_and_unexpected_keys_and_goes_on(witnesses, tmp_path):
     folder = witnesses["gpt2", "float32"]
 
