@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from daemon_support import ROOT, Daemon, get_json, request
+from daemon_support import ROOT, Daemon, get_json, request, wait_for
 import hf_models
 
 sys.path.insert(0, str(ROOT / "python"))
@@ -65,6 +65,8 @@ def test_a_streamed_models_limit_counts_for_as_long_as_it_is_loaded(llama, tmp_p
                                       'onload = { device = "disk" }\nlimit = 700000\n')
     ids = torch.tensor([[1, 5, 9, 200]])
     with d.start():
+        # Preloaded: a model still loading cannot make room, so the sequence starts once it is ready.
+        wait_for(lambda: get_json(d.sock, "/v1/models/minilm")["state"] == "ready", what="minilm's preload")
         check_invariant(d.sock, "start")
         assert forward(d.sock, "tl", ids)[0] == 200
         assert check_invariant(d.sock, "forward tl")["devices"]["cpu"]["models"] == {"tl": 700000}

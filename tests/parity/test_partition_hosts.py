@@ -181,17 +181,24 @@ def test_two_hosts_give_the_single_process_outputs(hosts, case, tmp_path):
         assert torch.equal(got[name], expected[name]), name  # float32: bit for bit
 
 
+def wait_for_mark(hosts, port, key):
+    """Until rank 0's store holds `key` (a store client in host 1 waits for it), or the store is gone."""
+    code = ("import datetime, torch.distributed as d\n"
+            f"s = d.TCPStore({hosts.addresses[0]!r}, {port}, None, False, timeout=datetime.timedelta(seconds=60))\n"
+            f"s.wait([{key!r}])\n")
+    subprocess.run(hosts.command(1, [sys.executable, "-c", code]), capture_output=True, timeout=90)
+
+
 def test_rank_0_killed_during_the_load_fails_rank_1_naming_it(hosts, case, tmp_path):
-    # Rank 0's converter never returns (the sandbox would stop it after 5 s, and rank 1 would fail
-    # the same way), so rank 0 is in its load, short of the rendezvous, when it is killed, and
-    # rank 1, once it has joined the group, is in its load too, waiting for rank 0.
+    # Rank 0's converter never returns, so rank 0 is in its load, short of the rendezvous, when it
+    # is killed, once its store shows rank 1 waiting there. (Where the sandbox's 5 s end rank 0's
+    # converter first, on a machine slow enough, rank 1 fails the same way.)
     config, stuck = write_configs(tmp_path / "c", case), stuck_config(tmp_path, case)
     port = free_port()
     inputs = case / "inputs.safetensors"
     rank0 = Rank(hosts, 0, stuck, hosts.addresses[0], port, "--input", inputs)
     rank1 = Rank(hosts, 1, config, hosts.addresses[0], port, "--input", inputs)
-    for rank in (rank0, rank1):
-        rank.wait_for_line("Gloo uses")  # it has joined the group: its load is under way
+    wait_for_mark(hosts, port, "run/m/joined/1")
     rank0.kill()
     killed = time.monotonic()
     status, _ = rank1.finish()
@@ -209,8 +216,9 @@ def forwarding(hosts, case, tmp_path):
     port = free_port()
     ranks = [Rank(hosts, r, config, hosts.addresses[0], port, "--input", case / "inputs.safetensors",
                   "--repeat", 1000000, "--stats") for r in (0, 1)]
-    ranks[0].wait_for_line("loaded m (")  # rank 0's load is done, which needs rank 1's too
-    time.sleep(0.5)
+    # Rank 0's load is done, which needs rank 1 connected: from here on, whichever rank is killed,
+    # the other meets it in a gather, at once or after its own load.
+    ranks[0].wait_for_line("loaded m (")
     return ranks, port
 
 
