@@ -40,12 +40,18 @@ std::string devices_text(const json& devices) {
   return text.empty() ? "-" : text;
 }
 
-// "    leased by pid 42 (uid 1000, cpu, since 2026-11-23T12:00:00Z)" for each of a model's leases.
+// "    leased by pid 42 (uid 1000, cpu, since 2026-11-23T12:00:00Z; reserves cuda:0 6.00 GiB)" for
+// each of a model's leases.
 void print_leases(const json& model, std::ostream& out) {
   if (!model.contains("leases")) return;
-  for (const auto& lease : model["leases"])
+  for (const auto& lease : model["leases"]) {
+    std::string reserved;
+    if (lease.contains("reserved"))
+      for (const auto& [device, bytes] : lease["reserved"].items())
+        reserved += (reserved.empty() ? "; reserves " : ", ") + device + " " + format_bytes(bytes.get<uint64_t>());
     out << "    leased by pid " << lease["pid"] << " (uid " << lease["uid"] << ", " << lease["device"].get<std::string>()
-        << ", since " << lease["since"].get<std::string>() << ")\n";
+        << ", since " << lease["since"].get<std::string>() << reserved << ")\n";
+  }
 }
 
 void print_models(const json& models, std::ostream& out) {

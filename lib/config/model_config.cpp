@@ -148,6 +148,12 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const Dtype& base_
 
 std::string dtype_str(const Dtype& dtype) { return dtype ? std::string(storage::torch_dtype_name(*dtype)) : "auto"; }
 
+bool rests_for_clients(const ModelConfig& config) {
+  const VramConfig& vram = config.vram;
+  return config.architecture == "weights" &&
+         (vram.limit || vram.preparing.dtype != vram.computation.dtype || vram.onload.dtype != vram.computation.dtype);
+}
+
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon) {
   return load_model_config(path, read_regular_file(path, kMaxConfigBytes), daemon);
 }
@@ -239,6 +245,10 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   else
     root.bad_value("dtype", "expected auto, float32, bfloat16, float16, float8_e4m3fn or float8_e5m2");
   read_vram(root, daemon, config.dtype, config.vram);
+  if (rests_for_clients(config) && !config.vram.onload.device.is_cpu() && !config.vram.onload.device.is_disk())
+    root.bad_value("architecture", "a \"weights\" model with a [vram] table rests in host memory for the clients that "
+                                   "manage it, and its onload device is " + config.vram.onload.device.str() +
+                                   ": set onload to \"cpu\" (or \"disk\": the checkpoint's page cache)");
 
   config.residency.keep_alive = daemon.keep_alive;
   if (auto residency = root.table("residency")) {

@@ -74,6 +74,12 @@ struct ModelConfig {
   std::string arch_json;  // the [arch] overrides as a JSON object ("{}" when none)
 };
 
+// A model of architecture "weights" with a [vram] table that streams (a limit, or a state in a
+// dtype other than the computation's): the daemon computes nothing with it, so its weights rest
+// in host memory, in the onload state's dtype, for the clients that lease and manage it
+// (python/vramd/manage.py), each streaming them through its own device under the limit.
+bool rests_for_clients(const ModelConfig& config);
+
 // Relative paths are resolved against the file's folder (a converter also against the daemon's
 // converter folders). Throws Error listing every problem, each with file, line and column.
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon);

@@ -9,11 +9,23 @@ void add(DeviceBytes& to, const config::Device& device, uint64_t bytes) {
   if (!device.is_disk() && bytes) to[device.str()] += bytes;
 }
 
+// The model's weights in `dtype` (the model's own where none is named), rounded up.
+uint64_t bytes_in(const model::DryRun& dry, const config::Dtype& dtype) {
+  const auto model_dtype = storage::parse_torch_dtype(dry.dtype);
+  if (!dtype || !model_dtype || !storage::dtype_bits(*model_dtype)) return dry.report.bytes;
+  const unsigned from = storage::dtype_bits(*model_dtype), to = storage::dtype_bits(*dtype);
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(dry.report.bytes) * to + from - 1) / from);
+}
+
 }  // namespace
 
 DeviceBytes computation_charges(const config::ModelConfig& config, const model::DryRun& dry) {
   DeviceBytes out;
   const config::VramConfig& vram = config.vram;
+  if (config::rests_for_clients(config)) {  // whole, in host memory, in the onload dtype
+    add(out, config::Device::named("cpu"), bytes_in(dry, vram.onload.dtype));
+    return out;
+  }
   if (!dry.weights) {
     add(out, vram.computation.device, dry.report.bytes);
     return out;
@@ -28,13 +40,7 @@ DeviceBytes computation_charges(const config::ModelConfig& config, const model::
 
 DeviceBytes offload_charges(const config::ModelConfig& config, const model::DryRun& dry) {
   DeviceBytes out;
-  uint64_t bytes = dry.report.bytes;
-  const auto model_dtype = storage::parse_torch_dtype(dry.dtype);
-  if (config.vram.offload.dtype && model_dtype && storage::dtype_bits(*model_dtype)) {
-    const unsigned from = storage::dtype_bits(*model_dtype), to = storage::dtype_bits(*config.vram.offload.dtype);
-    bytes = static_cast<uint64_t>((static_cast<unsigned __int128>(bytes) * to + from - 1) / from);  // rounded up
-  }
-  add(out, config.vram.offload.device, bytes);
+  add(out, config.vram.offload.device, bytes_in(dry, config.vram.offload.dtype));
   return out;
 }
 

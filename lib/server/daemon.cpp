@@ -178,7 +178,8 @@ class Daemon {
     registry_.submit(*entry, std::move(job));
   }
 
-  // POST .../lease: an optional JSON object {"device": "cpu", "wait": true}; GET: the manifest alone.
+  // POST .../lease: an optional JSON object {"device": "cpu", "wait": true, "reserve": {"device":
+  // "cuda:0", "bytes": N}}; GET: the manifest alone.
   static void read_lease_request(const Request& request, Job& job) {
     job.hold = request.method == "POST";
     if (auto it = request.query.find("device"); it != request.query.end()) job.device = it->second;
@@ -190,8 +191,22 @@ class Daemon {
       else if (key == "wait" && value.is_boolean()) job.wait = value.get<bool>();
       else if (key == "device" || key == "wait")
         throw Error("lease: " + key + " must be a " + (key == "device" ? "string" : "boolean"));
-      else throw Error("lease: unknown key " + quote(key) + " (device, wait)");
+      else if (key == "reserve") read_reservation(value, job);
+      else throw Error("lease: unknown key " + quote(key) + " (device, wait, reserve)");
     }
+    if (!job.hold && !job.reserve.empty())
+      throw Error("lease: reserve holds room for as long as a lease is held, and GET holds none: POST it");
+  }
+
+  // {"device": "cuda:0", "bytes": N}: what a managed client will use on a device, held in its budget.
+  static void read_reservation(const json& value, Job& job) {
+    const auto device = value.is_object() && value.contains("device") && value["device"].is_string()
+                            ? config::Device::parse(value["device"].get<std::string>())
+                            : std::nullopt;
+    if (!device || device->is_disk() || !value.contains("bytes") || !value["bytes"].is_number_unsigned() ||
+        value.size() != 2)
+      throw Error("lease: reserve must be {\"device\": \"cpu\" or \"cuda:N\", \"bytes\": a whole number}");
+    job.reserve = {{device->str(), value["bytes"].get<uint64_t>()}};
   }
 
   json models() const {
@@ -240,6 +255,13 @@ class Daemon {
       out << "vramd_forward_seconds_total{model=\"" << label(e->name) << "\"} " << e->forward_seconds << '\n';
     out << "# HELP vramd_loads_total Loads completed, by model.\n# TYPE vramd_loads_total counter\n";
     for (const Entry* e : registry_.entries()) out << "vramd_loads_total{model=\"" << label(e->name) << "\"} " << e->loads << '\n';
+    out << "# HELP vramd_lease_reserved_bytes Room a lease holds for its client on a device, by model, pid and device.\n"
+           "# TYPE vramd_lease_reserved_bytes gauge\n";
+    for (const Entry* e : registry_.entries())
+      for (const auto& [id, lease] : e->leases)
+        for (const auto& [device, bytes] : lease.reserved)
+          out << "vramd_lease_reserved_bytes{model=\"" << label(e->name) << "\",pid=\"" << lease.pid << "\",device=\""
+              << device << "\"} " << bytes << '\n';
     return out.str();
   }
 

@@ -27,6 +27,7 @@ struct Job {
   bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
   bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
   std::string device = "cpu";          // lease: where the client wants the weights
+  std::map<std::string, uint64_t> reserve;  // lease: what its client will use on a device, in that budget
   // Forward: set once its client has gone, or at shutdown once the grace period is over; the
   // forward then stops before its next layer op.
   std::shared_ptr<std::atomic<bool>> stop;

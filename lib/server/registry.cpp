@@ -231,10 +231,18 @@ uint64_t on(const DeviceBytes& bytes, const std::string& device) {
   return it == bytes.end() ? 0 : it->second;
 }
 
+// What `e` holds back: room for its job, and what its leases' clients use on their devices.
+DeviceBytes reservations(const Entry& e) {
+  DeviceBytes reserved = e.reserved;
+  for (const auto& [id, lease] : e.leases)
+    for (const auto& [device, bytes] : lease.reserved) reserved[device] += bytes;
+  return reserved;
+}
+
 }  // namespace
 
 DeviceBytes Registry::charged(const Entry& e) const {
-  return charges(e.bytes, in_computation(e) ? computation_charges(*e.config, *e.dry) : DeviceBytes{}, e.reserved);
+  return charges(e.bytes, in_computation(e) ? computation_charges(*e.config, *e.dry) : DeviceBytes{}, reservations(e));
 }
 
 uint64_t Registry::used(const std::string& device) const {
@@ -255,7 +263,7 @@ Holder Registry::holder_on(const Entry& e, const std::string& device) const {
   const bool ready = e.state == ModelState::Ready;
   return {.name = e.name,
           .bytes = on(held_charges(e), device),
-          .reserved = on(e.reserved, device),
+          .reserved = on(reservations(e), device),
           .last_used = e.last_used,
           .loaded = e.runtime && e.config,
           .ready = ready,
@@ -284,11 +292,11 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
   return plan.evictions.empty();
 }
 
-bool Registry::reserve(Entry& entry, const DeviceBytes& expected) {
-  DeviceBytes need;
+bool Registry::reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra) {
+  DeviceBytes need = extra;
   const DeviceBytes have = held_charges(entry);
   for (const auto& [device, bytes] : expected)
-    if (const uint64_t more = bytes - std::min(bytes, on(have, device))) need[device] = more;
+    if (const uint64_t more = bytes - std::min(bytes, on(have, device))) need[device] += more;
   for (const auto& [device, bytes] : need)
     if (!make_room(entry, device, bytes)) return false;
   entry.reserved = need;
@@ -347,12 +355,13 @@ void Registry::pump(Entry& entry) {
 
     // Room for what the job will hold: the weights in their computation state, or asleep on
     // the offload device. The budget counts it from now on (as reserved, then as held).
+    // A lease may also hold room for what its managed client uses on its own device.
     std::optional<DeviceBytes> expected;
     if (job.needs_weights() && !resident) expected = computation_charges(*entry.config, *entry.dry);
     else if (job.kind == Job::Kind::Offload && entry.state == ModelState::Ready) expected = offload_charges(*entry.config, *entry.dry);
-    if (expected) {
+    if (expected || !job.reserve.empty()) {
       try {
-        if (!reserve(entry, *expected)) {
+        if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve)) {
           entry.waiting_for_room = true;
           return;
         }
@@ -564,7 +573,7 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   const uint64_t id = ++leases_made_;
   const auto& request = job.exchange->request();
   entry.leases[id] = {.id = id, .pid = request.peer_pid, .uid = request.peer_uid, .device = job.device,
-                      .since = std::chrono::system_clock::now()};
+                      .since = std::chrono::system_clock::now(), .reserved = job.reserve};
   std::vector<int> fds;
   for (const auto& region : manifest.regions) fds.push_back(region.fd.get());
   const std::string bytes = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: vramd-lease/1\r\nConnection: Upgrade\r\n\r\n" +

@@ -49,6 +49,7 @@ struct Lease {
   int64_t pid = -1, uid = -1;
   std::string device;
   std::chrono::system_clock::time_point since;
+  std::map<std::string, uint64_t> reserved;  // what its client uses on a device, counted in that budget
 };
 
 struct Entry {
@@ -133,8 +134,9 @@ class Registry {
   // is pumped again when they end); throws Error with the numbers when it cannot fit.
   bool make_room(Entry& entry, const std::string& device, uint64_t bytes);
   // Room for what the entry will hold on each device (`expected`), less what it counts there
-  // now, reserved for its next job: true once reserved; else as make_room.
-  bool reserve(Entry& entry, const DeviceBytes& expected);
+  // now, and for `extra` (a lease's room for its client), reserved for its next job: true once
+  // reserved; else as make_room.
+  bool reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra = {});
   // What the entry counts against each device's budget: its charges plus its reservation.
   DeviceBytes charged(const Entry& entry) const;
   uint64_t used(const std::string& device) const;  // the sum of every entry's charge there

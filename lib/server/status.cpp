@@ -54,8 +54,16 @@ json manifest_json(const weights::Manifest& manifest, const std::string& model, 
   for (const auto& t : manifest.tensors)
     tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"strides", t.strides},
                        {"region", t.region ? json(*t.region) : json(nullptr)}, {"offset", t.offset}});
-  return {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
-          {"bytes", manifest.bytes}, {"regions", regions}, {"tensors", tensors}};
+  json out = {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
+              {"bytes", manifest.bytes}, {"regions", regions}, {"tensors", tensors}};
+  if (const auto& plan = manifest.plan) {
+    json units = json::array();
+    for (const auto& u : plan->units)
+      units.push_back({{"name", u.name}, {"tensors", u.tensors}, {"resting", u.resting}, {"computed", u.computed}});
+    out["plan"] = {{"device", plan->device}, {"dtype", plan->dtype},
+                   {"limit", plan->limit ? json(*plan->limit) : json(nullptr)}, {"units", units}};
+  }
+  return out;
 }
 
 std::string holders(const Entry& entry) {
@@ -70,7 +78,7 @@ json leases_json(const Entry& e) {
   json leases = json::array();
   for (const auto& [id, lease] : e.leases)
     leases.push_back({{"id", lease.id}, {"pid", lease.pid}, {"uid", lease.uid}, {"device", lease.device},
-                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}});
+                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}, {"reserved", lease.reserved}});
   return leases;
 }
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "config/daemon_config.hpp"
+#include "config/model_config.hpp"
 #include "util/cuda_vmm.hpp"
 #include "util/error.hpp"
 #include "weights/shared_region.hpp"
@@ -44,12 +44,33 @@ struct LeaseTensor {
   uint64_t offset = 0;           // bytes into the region
 };
 
+// A unit of residency for a client's manager: one weight-holding module and its tensors.
+struct ManagedUnit {
+  std::string name;                  // the module: "down_blocks.0.resnets.1.conv1"
+  std::vector<std::string> tensors;  // its tensors' names, as in the manifest
+  uint64_t resting = 0;              // bytes as leased (the onload dtype)
+  uint64_t computed = 0;             // bytes in the computation dtype
+};
+
+// For a model that rests for its clients (config::rests_for_clients): where and in which dtype
+// its clients compute, the limit each may hold there, and its units.
+struct ManagedPlan {
+  std::string device;  // the computation device: "cuda:0", "cpu"
+  std::string dtype;   // the computation dtype
+  std::optional<uint64_t> limit;
+  std::vector<ManagedUnit> units;
+};
+
 struct Manifest {
   std::string device = "cpu";
   uint64_t bytes = 0;  // of the tensors, tied ones counted once
   std::vector<LeaseRegion> regions;
   std::vector<LeaseTensor> tensors;
+  std::optional<ManagedPlan> plan;  // a model that rests for its clients
 };
+
+// The plan of a model that rests for its clients, from its layers and config.
+ManagedPlan managed_plan(const model::LoadedModel& loaded, const config::ModelConfig& config);
 
 // The shared memory of one loaded model, kept beside it for as long as it is loaded.
 class LeaseMemory {

@@ -135,6 +135,23 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name,
   return manifest;
 }
 
+ManagedPlan managed_plan(const model::LoadedModel& loaded, const config::ModelConfig& config) {
+  const c10::ScalarType dtype = state_dtype(config.vram.computation.dtype, loaded.model->dtype());
+  ManagedPlan plan{config.vram.computation.device.str(), convert::dtype_torch_name(storage::dtype_of(dtype)),
+                   config.vram.limit, {}};
+  for (const auto& layer : loaded.model->layers()) {
+    ManagedUnit unit{layer->path(), {}, 0, 0};
+    for (const auto& p : layer->parameters()) {
+      unit.tensors.push_back(p.name);
+      if (p.tied || !p.value.defined()) continue;
+      unit.resting += p.value.nbytes();
+      unit.computed += static_cast<uint64_t>(p.elements()) * c10::elementSize(dtype);
+    }
+    plan.units.push_back(std::move(unit));
+  }
+  return plan;
+}
+
 Manifest LeaseMemory::share_cuda(model::LoadedModel& loaded, const std::string& name, const config::Device& device) {
   std::vector<std::shared_ptr<cuda::VmmRegion>> regions;
   for (const auto& weak : cuda_regions_)

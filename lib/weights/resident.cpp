@@ -18,8 +18,14 @@ namespace vramd::weights {
 
 ResidentWeights::ResidentWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
                                  const model::LoadOptions& options, size_t& zero_copy)
-    : model_(model), source_(std::move(source)), states_(config.vram), zero_copy_(options.zero_copy) {
-  read_all(torch_device(states_.computation.device), model.dtype(), &options, &zero_copy);
+    : model_(model),
+      source_(std::move(source)),
+      states_(config.vram),
+      awake_(config::rests_for_clients(config)
+                 ? config::DeviceState{config::Device::named("cpu"), states_.onload.dtype.value_or(storage::dtype_of(model.dtype()))}
+                 : config::DeviceState{states_.computation.device, storage::dtype_of(model.dtype())}),
+      zero_copy_(options.zero_copy) {
+  read_all(torch_device(awake_.device), storage::scalar_type(*awake_.dtype), &options, &zero_copy);
   for (const auto& layer : model.layers()) layer->set_manager(this);
 }
 
@@ -114,9 +120,7 @@ uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
 
 uint64_t ResidentWeights::sleep() { return move_to(states_.offload); }
 
-uint64_t ResidentWeights::wake() {
-  return move_to({states_.computation.device, storage::dtype_of(model_.dtype())});
-}
+uint64_t ResidentWeights::wake() { return move_to(awake_); }
 
 std::optional<model::VramStats> ResidentWeights::stats() const { return std::nullopt; }
 
@@ -134,6 +138,9 @@ void ResidentWeights::check_leasable(const std::string& model, const std::string
   for (const auto* p : model_.parameters()) {
     const at::Tensor& value = p->tied ? p->tied->value : p->value;
     if (!value.defined() || value.is_meta()) continue;
+    if (value.device().str() != device && awake_.device != states_.computation.device)
+      throw NotLeasable("model " + quote(model) + " rests in host memory for the clients that manage it (architecture "
+                        "\"weights\" with a [vram] table), and computes nowhere in the daemon: lease it on cpu");
     if (value.device().str() != device)
       throw NotLeasable("model " + quote(model) + " holds its weights on " + value.device().str() + ", not on " + device +
                         "; a lease hands over the weights the model computes with: lease it on " +

@@ -1,6 +1,8 @@
 // Resident weights: every weight in its computation state (device and dtype) while the model is
 // awake, each op using its layer's own values. On the CPU, weights whose checkpoint bytes
-// already have the right dtype and alignment are views of the file's mapping, not copies.
+// already have the right dtype and alignment are views of the file's mapping, not copies. A model
+// that rests for its clients (config::rests_for_clients) holds them in its onload state's dtype
+// on the host instead, for the leases its clients manage.
 #pragma once
 
 #include <cstddef>
@@ -37,6 +39,7 @@ class ResidentWeights final : public Weights {
   model::Model& model_;
   std::shared_ptr<Source> source_;
   config::VramConfig states_;
+  config::DeviceState awake_;  // where the weights are while the model is awake
   bool zero_copy_;
 };
 

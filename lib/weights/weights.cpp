@@ -51,7 +51,7 @@ bool streams(const model::Model& model, const config::ModelConfig& config) {
 
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config) {
-  if (config.partition.world_size > 1) return std::nullopt;
+  if (config.partition.world_size > 1 || config::rests_for_clients(config)) return std::nullopt;
   check_packed(source, config);
   if (!streams(model, config)) return std::nullopt;
   return StreamedWeights::plan(model, source, config);
@@ -62,6 +62,9 @@ std::shared_ptr<Weights> make_weights(model::Model& model, std::shared_ptr<Sourc
                                       model::LoadReport& report) {
   if (config.partition.world_size > 1) return partitioned(model, std::move(source), config, options);
   check_packed(*source, config);
+  // Its clients stream the weights; here they rest whole in host memory (ResidentWeights::resting).
+  if (config::rests_for_clients(config))
+    return std::make_shared<ResidentWeights>(model, std::move(source), config, options, report.zero_copy);
   if (streams(model, config)) {
     const size_t tensors = source->assignments.size();
     auto weights = std::make_shared<StreamedWeights>(model, std::move(source), config);

@@ -129,11 +129,20 @@ class Client:
             raise DaemonError(f"vramd at {self.socket_path} answered with a safetensors file that is "
                               f"malformed: {e}", request=f"POST {target}") from None
 
-    def lease(self, name: str, device: str = "cpu", wait: bool = True) -> Lease:
+    def lease(self, name: str, device: str = "cpu", wait: bool = True,
+              reserve: tuple[str, int] | None = None) -> Lease:
         """Leases model `name`'s weights on `device` as read-only, zero-copy tensors, on a
-        connection of its own; see Lease. `wait`: wait for the model to load rather than refuse."""
+        connection of its own; see Lease. `wait`: wait for the model to load rather than refuse.
+        `reserve`: (device, bytes) this process will use there, held in the daemon's budget for
+        that device (which makes room as for its own models, or refuses with 507) until the lease
+        ends."""
         sock = open_socket(self.socket_path, self.timeout)
-        return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}")
+        return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}", reserve=reserve)
+
+    def lease_plan(self, name: str) -> dict:
+        """What a lease of model `name` would hand over, without holding it: the manifest's `plan`
+        (for a model that rests for the clients that manage it), or {}."""
+        return self._json("GET", _model_path(name, "lease"), _check_manifest_head).get("plan") or {}
 
     # One boundary for every request.
 
@@ -187,6 +196,12 @@ def _check_load_line(body) -> None:
 def _check_models(body) -> None:
     for model in _shape.objects(body, "models"):
         _check_model(model)
+
+
+def _check_manifest_head(body) -> None:
+    _shape.field(body, "model", str)
+    if body.get("plan") is not None:
+        _shape.field(body, "plan", dict)
 
 
 def _check_status(body) -> None:

@@ -76,14 +76,17 @@ class Lease:
 
 
 def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: bool = True,
-                  where: str = "vramd") -> Lease:
+                  where: str = "vramd", reserve: tuple[str, int] | None = None) -> Lease:
     """Asks for a lease of model `name` on `sock`, a fresh connection to a trusted server, which
     the Lease then owns (closed here on any error). `where` names the server in messages."""
     target = f"/v1/models/{quote(name, safe='')}/lease"
     request = f"POST {target}"
     fds: list[int] = []
     try:
-        send_request(sock, "POST", target, json.dumps({"device": device, "wait": wait}).encode(), "application/json")
+        body = {"device": device, "wait": wait}
+        if reserve is not None:
+            body["reserve"] = {"device": reserve[0], "bytes": int(reserve[1])}
+        send_request(sock, "POST", target, json.dumps(body).encode(), "application/json")
         reader = Reader(sock, fds)  # every read from here on keeps the descriptors passed beside the bytes
         response = read_head(reader)
         if response.status != 101:

@@ -3,8 +3,8 @@ daemon counts (`used`) is within the budget, each model's share adds up to it, a
 holds more on a device than its share there. First the sequence a user reported (a streamed
 model's limit was counted only while it loaded, so a second model fitted into room the first
 then filled), then a long random sequence of loads, forwards, unloads, offloads, onloads,
-leases, releases and config edits over resident, streamed, float8 and GGUF models on a tight
-budget. The suite runs it with a fixed seed; VRAMD_BUDGET_SEED and VRAMD_BUDGET_STEPS run
+leases (half of them holding room for their client), releases and config edits over resident,
+streamed, float8 and GGUF models on a tight budget. The suite runs it with a fixed seed; VRAMD_BUDGET_SEED and VRAMD_BUDGET_STEPS run
 another."""
 import json
 import os
@@ -134,8 +134,10 @@ def test_a_random_sequence_keeps_every_budget(llama, tmp_path):
             elif action == "lease":
                 if name in leases:
                     continue
+                # Half of them hold room for their client too, as a managed module's lease does.
+                reserve = ("cpu", rng.randint(1, size)) if rng.random() < 0.5 else None
                 try:
-                    lease = client.lease(name, wait=False)
+                    lease = client.lease(name, wait=False, reserve=reserve)
                     lease.__enter__()
                     leases[name] = lease
                     status, body = 200, b""
