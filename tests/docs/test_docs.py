@@ -148,6 +148,12 @@ def scratch(folder):
     return folder
 
 
+@dataclass
+class Serving:
+    env: dict    # what every block runs with
+    root: Path   # the daemon's folder: its configs/ (and configs/models/, which it watches)
+
+
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
     """The environment every block runs in, with one daemon started from the shipped config."""
@@ -168,7 +174,7 @@ def environment(tmp_path_factory):
         except OSError:
             return False
     wait_for(serving, timeout=60, what="vramd with configs/vramd.toml")
-    yield env
+    yield Serving(env, folder)
     daemon.send_signal(signal.SIGTERM)
     assert daemon.wait(60) == 0, (base / "vramd.log").read_text()[-5000:]
 
@@ -214,7 +220,10 @@ def transcript(block, folder, env):
 
 
 def python(block, folder, env, monkeypatch):
-    monkeypatch.chdir(folder)
+    """The block in this process, in the page's folder, or in the daemon's with
+    `python in the daemon's folder` (a block that drops a model config where the daemon sees it)."""
+    monkeypatch.chdir(env.root if block.argument == "in the daemon's folder" else folder)
+    env = env.env
     for key in os.environ.keys() - env.keys():
         monkeypatch.delenv(key)
     for key, value in env.items():
@@ -265,7 +274,8 @@ def daemon_check(block, folder, env, path):
     assert result.returncode == 0, f"{block.where}: vramd --check --config {path}:\n{result.stdout}{result.stderr}"
 
 
-def run_block(block, folder, env, models, monkeypatch):
+def run_block(block, folder, serving, models, monkeypatch):
+    env = serving.env
     kind, argument = block.kind, block.argument
     for given in block.given:
         if not (folder / given).exists():
@@ -278,7 +288,7 @@ def run_block(block, folder, env, models, monkeypatch):
     elif kind == "transcript":
         transcript(block, folder, env)
     elif kind == "python":
-        python(block, folder, env, monkeypatch)
+        python(block, folder, serving, monkeypatch)
     elif kind == "bench":
         bench(block, folder, env)
     elif kind == "check":

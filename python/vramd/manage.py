@@ -1,0 +1,394 @@
+"""VRAM management for any nn.Module, from weights that rest once in vramd's shared memory.
+
+    with torch.device("meta"):                # or accelerate.init_empty_weights(), from_config...
+        model = MyModel(config)
+    managed = vramd.manage(model, "flux-dit", device="cuda:0", dtype=torch.bfloat16, limit="6GiB")
+    out = model(x)                            # each unit's weights reach the device right before it runs
+    print(managed.stats())
+
+The module is filled from a lease of model NAME (served as `architecture = "weights"`; with a
+[vram] table its weights rest in host memory in their onload dtype, float8 included). Its units
+of residency are the smallest modules that hold parameters directly (or the modules given as
+`units`). A hook before each unit brings its weights to the computation device in the
+computation dtype (the cast runs there, as the daemon's preparing does); the units that fit stay
+there, the others are dropped to make room, the most recently used first (the right choice for a
+model that runs its units in the same order every call), so that the bytes of computation copies
+never pass `limit`, counted here. While one unit computes, the next one (as the last call ran
+them) is brought in: on a side CUDA stream from page-locked host memory, or by a thread on the CPU.
+Tied parameters are one copy, shared submodules one unit, and any entry point works (a VAE's
+`decode` as well as `forward`): the hooks are on the units, not the model.
+
+The lease reserves `limit` on the device from the daemon's budget for it, beside its own models,
+for as long as the lease is open (a dead process's ends with its connection)."""
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from .client import Client, connect
+from .lease import Lease
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+class ManageError(ValueError):
+    """The module and the leased model do not fit together, or a unit cannot fit the limit."""
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a size as configs write it: "6GiB", "512MiB", "1.5GB", "1000"."""
+    if isinstance(size, int) and size >= 0:
+        return size
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
+    if not found or found.group(2).upper() not in _UNITS:
+        raise ValueError(f"{size!r} is not a size such as 6GiB, 512MiB or 1000")
+    return int(float(found.group(1)) * _UNITS[found.group(2).upper()])
+
+
+class _Slot:
+    """One tensor the manager fills: a parameter (one object, whichever modules hold it) or a buffer."""
+
+    def __init__(self, name: str, rest: torch.Tensor, param: bool, places: list, dtype: torch.dtype,
+                 device: torch.device):
+        self.name = name
+        self.rest = rest            # the leased tensor, read-only, as the daemon holds it
+        self.param = param          # a parameter, else a buffer
+        self.places = places        # (module, attribute) wherever the module registers it
+        self.dtype = dtype if rest.is_floating_point() else rest.dtype
+        self.device = device
+        # A view of the leased memory where it can compute as it is: no copy, no bytes.
+        self.in_place = device.type == "cpu" and rest.dtype == self.dtype
+        self.bytes = 0 if self.in_place else rest.numel() * self.dtype.itemsize
+        self.placeholder = torch.empty(rest.shape, dtype=self.dtype, device="meta")  # loud if used unmanaged
+        self.users = 0              # ready units that hold it
+
+    def copy(self) -> torch.Tensor:
+        """The tensor in its computation state: moved, then cast on the device."""
+        if self.in_place:
+            return self.rest
+        moved = self.rest.to(self.device, non_blocking=True)
+        return moved if moved.dtype == self.dtype else moved.to(self.dtype)
+
+    def put(self, value: torch.Tensor) -> None:
+        """The value in every place the module registers it: one Parameter object for all of a
+        tied parameter's places (a meta placeholder cannot take a real tensor's data in place)."""
+        if self.param:
+            value = nn.Parameter(value, requires_grad=False)
+        for module, attribute in self.places:
+            getattr(module, "_parameters" if self.param else "_buffers")[attribute] = value
+
+
+class _Unit:
+    def __init__(self, name: str, module: nn.Module, slots: list[_Slot]):
+        self.name = name
+        self.module = module
+        self.slots = slots
+        self.bytes = sum(slot.bytes for slot in slots)
+        self.ready = False
+        self.in_use = 0
+        self.last_used = 0
+        self.pending: Future | tuple | None = None  # a prefetch under way: a Future, or (event, tensors) on a GPU
+
+
+class Managed:
+    """A module whose weights vramd manages; see manage(). `stats()` gives the figures, `close()`
+    (or the end of a `with` block) takes the hooks away and ends the lease."""
+
+    def __init__(self, module: nn.Module, lease: Lease, device: torch.device, dtype: torch.dtype, limit: int | None,
+                 units: list[str] | None, strict: bool):
+        self.module = module
+        self.lease = lease
+        self.device = device
+        self.dtype = dtype
+        self.limit = limit
+        self._lock = threading.RLock()
+        self._tick = 0
+        self._held = 0
+        self._figures = {"peak": 0, "bytes_moved": 0, "loads": 0, "prefetched": 0, "prefetch_hits": 0,
+                         "waited_seconds": 0.0}
+        self._next: dict[_Unit, _Unit] = {}
+        self._previous: _Unit | None = None
+        self._units = self._plan(units, strict)
+        largest = max((unit.bytes for unit in self._units), default=0)
+        if limit is not None and largest > limit:
+            unit = max(self._units, key=lambda u: u.bytes)
+            raise ManageError(f"unit {unit.name!r} needs {unit.bytes} bytes in {_name(dtype)} on {device}, more than "
+                              f"the limit of {limit}: raise the limit, or name smaller units")
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if device.type == "cpu" else None
+        self._registered = self._pin() if device.type == "cuda" else []
+        self._hooks = []
+        for unit in self._units:
+            self._hooks.append(unit.module.register_forward_pre_hook(lambda m, args, unit=unit: self._acquire(unit)))
+            self._hooks.append(unit.module.register_forward_hook(lambda m, args, out, unit=unit: self._done(unit)))
+
+    # What is managed.
+
+    def _plan(self, names: list[str] | None, strict: bool) -> list[_Unit]:
+        leased = self.lease.state_dict
+        every = dict(self.module.named_modules(remove_duplicate=False))
+        # Each parameter and buffer object once, with every name it has and every place it is registered.
+        aliases: dict[int, list[str]] = {}
+        found: dict[int, tuple[torch.Tensor, bool, list]] = {}
+        for module_name, module in every.items():
+            for kind in ("_parameters", "_buffers"):
+                for attribute, tensor in getattr(module, kind).items():
+                    if tensor is None:
+                        continue
+                    aliases.setdefault(id(tensor), []).append(f"{module_name}.{attribute}" if module_name else attribute)
+                    _, _, places = found.setdefault(id(tensor), (tensor, kind == "_parameters", []))
+                    if (module, attribute) not in places:
+                        places.append((module, attribute))
+        slots: dict[int, _Slot] = {}
+        missing, mismatched = [], []
+        for key, (tensor, is_param, places) in found.items():
+            name = next((n for n in aliases[key] if n in leased), None)
+            if name is None:
+                if is_param or tensor.is_meta:
+                    missing.append(aliases[key][0])
+                elif tensor.device != self.device:  # a buffer of the module's own: where it computes
+                    for module, attribute in places:
+                        module._buffers[attribute] = tensor.to(self.device)
+                continue
+            rest = leased[name]
+            if tuple(rest.shape) != tuple(tensor.shape):
+                mismatched.append(f"{name!r} is {list(rest.shape)} leased, {list(tensor.shape)} in the module")
+                continue
+            slots[key] = _Slot(name, rest, is_param, places, self.dtype, self.device)
+        unexpected = sorted(set(leased) - {n for key in slots for n in aliases[key]})
+        problems = []
+        if mismatched:
+            problems.append(f"{len(mismatched)} mismatched: " + ", ".join(mismatched[:8]) +
+                            (", ..." if len(mismatched) > 8 else ""))
+        if missing:
+            problems.append(f"{len(missing)} without a leased tensor: " + _listed(missing) +
+                            " (buffers made on the meta device: build the module with accelerate.init_empty_weights(), "
+                            "which leaves buffers real, or lease a checkpoint that holds them)")
+        if strict and unexpected:
+            problems.append(f"{len(unexpected)} leased tensors the module does not hold: " + _listed(unexpected) +
+                            " (strict=False leaves them out)")
+        if problems:
+            raise ManageError(f"model {self.lease.manifest['model']!r} does not fit {type(self.module).__name__}: " +
+                              "; ".join(problems))
+
+        # Each slot's units: the innermost given unit that holds it, else the module holding it directly.
+        given = list(names or [])
+        for name in given:
+            if name not in every:
+                raise ManageError(f"unit {name!r} is not a module of {type(self.module).__name__}")
+        by_unit: dict[str, list[_Slot]] = {}
+        for module_name, module in self.module.named_modules():
+            for kind in ("_parameters", "_buffers"):
+                for tensor in getattr(module, kind).values():
+                    slot = slots.get(id(tensor)) if tensor is not None else None
+                    if slot is None:
+                        continue
+                    covering = [n for n in given if n == "" or module_name == n or module_name.startswith(n + ".")]
+                    unit = by_unit.setdefault(max(covering, key=len) if covering else module_name, [])
+                    if slot not in unit:
+                        unit.append(slot)
+        for slot in slots.values():
+            slot.put(slot.placeholder)
+        return [_Unit(name, every[name], unit_slots) for name, unit_slots in by_unit.items()]
+
+    def _pin(self) -> list[int]:
+        """Page-locks the leased host memory once, so that copies to the GPU run at the bus's speed."""
+        registered = []
+        cudart = torch.cuda.cudart()
+        for region in self.lease._regions:
+            with warnings.catch_warnings():  # read-only on purpose
+                warnings.filterwarnings("ignore", "The given buffer is not writable")
+                address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
+            if cudart.cudaHostRegister(address, len(region), 0x08) == 0:  # cudaHostRegisterReadOnly
+                registered.append(address)
+        return registered
+
+    # Hooks.
+
+    def _acquire(self, unit: _Unit) -> None:
+        with self._lock:
+            if self._previous is not None and self._previous is not unit:
+                self._next[self._previous] = unit  # the order the last call ran them in
+            self._previous = unit
+            if unit.pending is not None:
+                self._figures["prefetch_hits"] += 1
+                self._finish_prefetch(unit)
+            elif not unit.ready:
+                self._make_room(unit.bytes, keep={unit})
+                self._bring(unit, {slot: slot.copy() for slot in unit.slots if slot.users == 0})
+            unit.in_use += 1
+            following = self._next.get(unit)
+            if following is not None and not following.ready and following.pending is None:
+                self._prefetch(following, current=unit)
+
+    def _done(self, unit: _Unit) -> None:
+        with self._lock:
+            unit.in_use -= 1
+            self._tick += 1
+            unit.last_used = self._tick
+
+    # Moving weights.
+
+    def _bring(self, unit: _Unit, copies: dict[_Slot, torch.Tensor]) -> None:
+        """Puts a unit's copies in place and counts them. A slot another unit holds is shared, not
+        copied twice; one that another unit let go of while this one's copies were made is made now."""
+        for slot in unit.slots:
+            if slot.users == 0:
+                value = copies.get(slot)
+                if value is None:
+                    self._make_room(slot.bytes, keep={unit})
+                    value = slot.copy()
+                slot.put(value)
+                self._held += slot.bytes
+                self._figures["bytes_moved"] += slot.bytes
+            slot.users += 1
+        unit.ready = True
+        self._figures["loads"] += 1
+        self._figures["peak"] = max(self._figures["peak"], self._held)
+
+    def _drop(self, unit: _Unit) -> None:
+        for slot in unit.slots:
+            slot.users -= 1
+            if slot.users == 0:
+                slot.put(slot.placeholder)
+                self._held -= slot.bytes
+        unit.ready = False
+
+    def _make_room(self, need: int, keep: set, prefetch: bool = False) -> bool:
+        """Drops ready units that no op uses (the most recently used first) until `need` more
+        bytes fit the limit. False for a prefetch that would not fit; raises for a unit that must."""
+        if self.limit is None:
+            return True
+        while self._held + need > self.limit:
+            idle = [u for u in self._units if u.ready and not u.in_use and u not in keep and u.pending is None]
+            if not idle:
+                if prefetch:
+                    return False
+                in_use = [u.name for u in self._units if u.in_use]
+                raise ManageError(f"the limit of {self.limit} bytes cannot hold {need} more beside {self._held} held by "
+                                  f"units in use ({', '.join(map(repr, in_use))}): raise the limit")
+            self._drop(max(idle, key=lambda u: u.last_used))
+        return True
+
+    def _prefetch(self, unit: _Unit, current: _Unit) -> None:
+        if not self._make_room(unit.bytes, keep={unit, current}, prefetch=True):
+            return
+        wanted = [slot for slot in unit.slots if slot.users == 0]
+        self._held += sum(slot.bytes for slot in wanted)  # counted from now, so that nothing else takes the room
+        self._figures["peak"] = max(self._figures["peak"], self._held)
+        if self._side is not None:
+            with torch.cuda.stream(self._side):
+                copies = {slot: slot.copy() for slot in wanted}
+                event = torch.cuda.Event()
+                event.record(self._side)
+            unit.pending = (event, copies)
+        else:
+            unit.pending = self._thread.submit(lambda: {slot: slot.copy() for slot in wanted})
+        self._figures["prefetched"] += 1
+
+    def _finish_prefetch(self, unit: _Unit) -> None:
+        started = time.perf_counter()
+        if isinstance(unit.pending, Future):
+            copies = unit.pending.result()
+        else:
+            event, copies = unit.pending
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            for tensor in copies.values():
+                tensor.record_stream(stream)  # made on the side stream, used and freed on this one
+        self._figures["waited_seconds"] += time.perf_counter() - started
+        unit.pending = None
+        self._held -= sum(slot.bytes for slot in copies)  # the room it kept; _bring counts what it puts
+        self._bring(unit, copies)
+
+    # The user's side.
+
+    def stats(self) -> dict:
+        """Bytes held now and at most on the device, bytes moved, loads, prefetches and their hits."""
+        with self._lock:
+            return {**self._figures, "held": self._held, "limit": self.limit, "device": str(self.device),
+                    "dtype": _name(self.dtype), "units": len(self._units),
+                    "ready_units": sum(unit.ready for unit in self._units)}
+
+    def close(self) -> None:
+        """Takes the hooks away, drops every copy and ends the lease (the module's weights are
+        meta tensors again)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        with self._lock:
+            for unit in self._units:
+                if unit.pending is not None:
+                    self._finish_prefetch(unit)
+                if unit.ready:
+                    unit.in_use = 0
+                    self._drop(unit)
+        if self._thread is not None:
+            self._thread.shutdown()
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for address in self._registered:
+                cudart.cudaHostUnregister(address)
+            self._registered = []
+        self.lease.close()
+
+    def __enter__(self) -> "Managed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<vramd.Managed {self.lease.manifest.get('model')!r} on {self.device} in "
+                f"{_name(self.dtype)}, {len(getattr(self, '_units', []))} units, limit {self.limit}>")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(map(repr, names[:8])) + (", ..." if len(names) > 8 else "")
+
+
+def manage(module: nn.Module, model: str, *, client: Client | None = None, device: str | torch.device | None = None,
+           dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
+           strict: bool = True) -> Managed:
+    """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
+    its weights: see this module's text. `device`, `dtype` and `limit` default to the model's
+    config ([vram] computation and limit), else the CPU, the leased dtype and no limit. Raises
+    ManageError naming what does not fit, and vramd.DaemonError for the daemon's refusals (507
+    when the limit does not fit the device's budget)."""
+    own_client = client is None
+    client = client or connect()
+    try:
+        plan = client.lease_plan(model)
+        device = torch.device(device or plan.get("device") or "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
+        limit = parse_size(limit) if limit is not None else plan.get("limit")
+        # The limit is held in the daemon's budget for the device while the lease lasts.
+        reserve = (str(device), limit) if limit is not None else None
+        lease = client.lease(model, device="cpu", reserve=reserve)
+        if dtype is None:
+            floating = {t.dtype for t in lease.state_dict.values() if t.is_floating_point()}
+            dtype = getattr(torch, plan["dtype"]) if plan.get("dtype") else floating.pop() if len(floating) == 1 else None
+            if dtype is None:
+                lease.close()
+                raise ManageError(f"model {model!r} rests in {len(floating)} floating dtypes and names no computation "
+                                  "dtype: give dtype=")
+        try:
+            return Managed(module, lease, device, dtype, limit, units, strict)
+        except BaseException:
+            lease.close()
+            raise
+    finally:
+        if own_client:
+            client.close()

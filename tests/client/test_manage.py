@@ -1,0 +1,281 @@
+"""vramd.manage: any nn.Module built on the meta device, filled from a lease of a model served as
+`architecture = "weights"` whose weights rest in host memory in a dtype of their own (bfloat16,
+float8), each unit's weights brought to the computation device right before it runs under a
+limit below the model's size. Witness: the same module loaded whole with the same dtypes (the
+weights rounded through the resting dtype, computed in float32), bit for bit. Also the limit
+counted by the manager, prefetching, errors that name what does not fit, and the room a lease
+holds in the daemon's budget for its client (freed when the client dies)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save, save_file
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "tests" / "daemon"))
+import vramd  # noqa: E402
+from daemon_support import Daemon, get_json, request, vramctl, wait_for  # noqa: E402
+
+REST = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Toy(nn.Module):
+    """A module of the user's own: a shared block called twice a forward, a head tied to the
+    embeddings, a parameter held by the top module itself, a persistent buffer."""
+
+    def __init__(self, d=32, vocabulary=50, blocks=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(blocks)])
+        self.shared = Block(d)
+        self.head = nn.Linear(d, vocabulary, bias=False)
+        self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.ones(d))
+        self.register_buffer("offset", torch.zeros(d))
+
+    def forward(self, ids):
+        x = self.embed(ids) * self.scale + self.offset
+        x = self.shared(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.shared(x))
+
+
+def rounded(model, rest):
+    """`model` with every floating weight rounded through `rest` and back: what a module computing
+    in float32 from weights resting in `rest` holds."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(rest).to(tensor.dtype))
+    return model
+
+
+def weights_bytes(model):
+    return sum(t.numel() * 4 for t in {id(p): p for p in model.parameters()}.values())
+
+
+def largest_unit(model):
+    return max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+def served(folder, rest, limit):
+    return (f'checkpoint = "{folder}"\narchitecture = "weights"\ndtype = "float32"\n'
+            f'[vram]\nonload = {{ device = "cpu", dtype = "{rest}" }}\nlimit = {limit}\n')
+
+
+def diffusers_cases():
+    diffusers = pytest.importorskip("diffusers")
+    return {
+        "unet": lambda: diffusers.UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8),
+        "sd3": lambda: diffusers.SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+            joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
+            pos_embed_max_size=16),
+        "vae": lambda: diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), latent_channels=4, norm_num_groups=8,
+            sample_size=16),
+    }
+
+
+def transformers_case():
+    transformers = pytest.importorskip("transformers")
+    # OPT: an architecture vramd has no family for.
+    return lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+        max_position_embeddings=32, word_embed_proj_dim=32))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("manage")
+    d = Daemon(folder, budgets='cpu = "2GiB"')
+    references = {}
+    torch.manual_seed(0)
+    toy = Toy().eval()
+    with torch.no_grad():
+        toy.offset.normal_()
+    save_file({k: v for k, v in toy.state_dict().items() if k != "head.weight"}, folder / "toy.safetensors")
+    for rest in REST:
+        (d.models / f"toy-{rest}.toml").write_text(served(folder / "toy.safetensors", rest, weights_bytes(toy) // 3))
+        references[f"toy-{rest}"] = Toy().eval()
+        references[f"toy-{rest}"].load_state_dict({k: v.to(REST[rest]).float() for k, v in toy.state_dict().items()})
+    makers = {**diffusers_cases(), "opt": transformers_case()}
+    for name, make in makers.items():
+        torch.manual_seed(1)
+        model = make().eval()
+        model.save_pretrained(folder / name, safe_serialization=True)
+        limit = max(weights_bytes(model) // 3, 2 * largest_unit(model))
+        (d.models / f"{name}.toml").write_text(served(folder / name, "bfloat16", limit))
+        references[name] = rounded(model, torch.bfloat16)
+    with d.start():
+        yield {"daemon": d, "sock": d.sock, "folder": folder, "references": references, "makers": makers}
+
+
+def empty(make):
+    from accelerate import init_empty_weights
+    with init_empty_weights():
+        model = make().eval()
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+@pytest.mark.parametrize("rest", list(REST))
+def test_a_module_of_ones_own_equals_the_whole_module_and_keeps_its_limit(daemon, rest):
+    with torch.device("meta"):
+        model = Toy().eval()
+    reference = daemon["references"][f"toy-{rest}"]
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(2))
+    with vramd.connect(daemon["sock"]) as client, vramd.manage(model, f"toy-{rest}", client=client) as managed:
+        assert managed.dtype == torch.float32 and managed.limit == weights_bytes(Toy()) // 3  # from the config
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(ids), reference(ids))
+        stats = managed.stats()
+        assert 0 < stats["peak"] <= stats["limit"], stats
+        assert stats["loads"] > stats["units"]  # it could not keep them all: some came in more than once
+        assert stats["prefetch_hits"] > 0 and stats["prefetched"] >= stats["prefetch_hits"], stats
+        # The room it uses is held in the daemon's budget, beside the weights at rest.
+        status = get_json(daemon["sock"], "/v1/status")
+        lease = next(m for m in status["models"] if m["name"] == f"toy-{rest}")
+        resting = lease["devices"]["cpu"]
+        assert status["devices"]["cpu"]["models"][f"toy-{rest}"] == resting + stats["limit"]
+        printed = vramctl(daemon["sock"], "status").stdout
+        assert f"reserves cpu " in printed, printed
+    # Closed: the hooks are gone, the weights are meta again, the room is given back.
+    assert all(p.is_meta for p in model.parameters())
+    wait_for(lambda: get_json(daemon["sock"], f"/v1/models/toy-{rest}")["leases"] == [], what="the lease to end")
+
+
+@pytest.mark.parametrize("name", ["unet", "sd3", "vae", "opt"])
+def test_diffusers_and_transformers_models_equal_the_whole_model(daemon, name):
+    reference = daemon["references"][name]
+    model = empty(daemon["makers"][name])
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad(), vramd.connect(daemon["sock"]) as client, vramd.manage(model, name, client=client) as managed:
+        for _ in range(2):
+            if name == "unet":
+                sample, states = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 5, 32, generator=g)
+                got, want = model(sample, 10, states).sample, reference(sample, 10, states).sample
+            elif name == "sd3":
+                args = dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([10]),
+                            encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
+                            pooled_projections=torch.randn(1, 16, generator=g))
+                got, want = model(**args).sample, reference(**args).sample
+            elif name == "vae":  # an entry point other than forward
+                latents = torch.randn(1, 4, 4, 4, generator=g)
+                got, want = model.decode(latents).sample, reference.decode(latents).sample
+            else:
+                ids = torch.randint(0, 100, (2, 9), generator=g)
+                got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
+            assert torch.equal(got, want), (name, (got - want).abs().max())
+        stats = managed.stats()
+        assert 0 < stats["peak"] <= stats["limit"], stats
+
+
+def test_what_does_not_fit_is_named(daemon):
+    sock = daemon["sock"]
+    with vramd.connect(sock) as client:
+        with torch.device("meta"):
+            model = Toy(d=16)
+        with pytest.raises(vramd.ManageError, match=r"does not fit Toy: 33 mismatched: 'scale' is \[32\] leased, \[16\] "
+                                                    r"in the module, 'offset' is \[32\] leased, \[16\] in the module, "):
+            vramd.manage(model, "toy-bfloat16", client=client)
+        with torch.device("meta"):
+            model = Toy(blocks=2)
+        with pytest.raises(vramd.ManageError, match=r"12 leased tensors the module does not hold: 'blocks.2.down.bias'"):
+            vramd.manage(model, "toy-bfloat16", client=client)
+        with torch.device("meta"):
+            model = Toy(blocks=5)
+        with pytest.raises(vramd.ManageError, match=r"6 without a leased tensor: 'blocks.4.norm.weight'"):
+            vramd.manage(model, "toy-bfloat16", client=client)
+        with torch.device("meta"):
+            model = Toy()
+        with pytest.raises(vramd.ManageError, match=r"unit 'blocks.0.up' needs 8448 bytes in float32 on cpu, more "
+                                                    r"than the limit of 1000: raise the limit, or name smaller units"):
+            vramd.manage(model, "toy-bfloat16", client=client, limit=1000)
+        # Units given by name: each a module and everything under it.
+        with vramd.manage(model, "toy-bfloat16", client=client, units=["blocks", "shared"], limit="1MiB") as managed:
+            assert managed.stats()["units"] == 5  # embed (with the tied head), blocks, shared, head, the top module
+        # Every refusal left the daemon serving and no lease behind.
+        wait_for(lambda: get_json(sock, "/v1/models/toy-bfloat16")["leases"] == [], what="the leases to end")
+
+
+def test_a_reservation_past_the_budget_is_refused_and_a_killed_clients_is_freed(daemon, tmp_path):
+    sock = daemon["sock"]
+    with vramd.connect(sock) as client:
+        with pytest.raises(vramd.DaemonError) as refused:
+            client.lease("toy-bfloat16", reserve=("cpu", 3 << 30))
+        assert refused.value.status == 507
+        assert "needs 3.00 GiB on cpu, more than the daemon's whole budget for it (2.00 GiB)" in str(refused.value)
+        # A client that dies holding room: the room is back once its connection is.
+        code = textwrap.dedent(f"""\
+            import sys, time
+            sys.path.insert(0, {str(ROOT / "python")!r})
+            import vramd
+            lease = vramd.connect({str(sock)!r}).lease("toy-bfloat16", reserve=("cpu", 1 << 30))
+            print("holding", flush=True)
+            time.sleep(120)
+            """)
+        holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "holding"
+        status = get_json(sock, "/v1/status")
+        assert status["devices"]["cpu"]["models"]["toy-bfloat16"] >= 1 << 30
+        leases = get_json(sock, "/v1/models/toy-bfloat16")["leases"]
+        assert [(lease["pid"], lease["reserved"]) for lease in leases] == [(holder.pid, {"cpu": 1 << 30})]
+        metrics = request(sock, "GET", "/metrics")[1].decode()
+        assert f'vramd_lease_reserved_bytes{{model="toy-bfloat16",pid="{holder.pid}",device="cpu"}} 1073741824' in metrics
+        # Beside it, another 1.5 GiB cannot fit: refused naming the holder and the budget.
+        with pytest.raises(vramd.DaemonError) as refused:
+            client.lease("toy-float8_e4m3fn", reserve=("cpu", 3 << 29))
+        assert refused.value.status == 507 and "toy-bfloat16" in str(refused.value), str(refused.value)
+        holder.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        holder.wait()
+        wait_for(lambda: get_json(sock, "/v1/status")["devices"]["cpu"]["models"]["toy-bfloat16"] < 1 << 30,
+                 what="the dead client's room to be freed")
+        assert time.monotonic() - killed < 5  # at once: its death closed the connection (a wide margin when busy)
+        with client.lease("toy-float8_e4m3fn", reserve=("cpu", 3 << 29)):
+            pass
+        # Other models served on throughout.
+        with torch.device("meta"):
+            model = Toy()
+        with vramd.manage(model, "toy-bfloat16", client=client):
+            with torch.no_grad():
+                ids = torch.tensor([[1, 2, 3]])
+                assert torch.equal(model(ids), daemon["references"]["toy-bfloat16"](ids))
+
+
+@pytest.mark.parametrize("name", ["unet", "vae", "opt"])
+def test_the_example_manages_a_diffusers_and_a_transformers_model_as_it_says(daemon, name):
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "manage_module.py"), name,
+                             str(daemon["folder"] / name)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "VRAMD_SOCKET": str(daemon["sock"]),
+                                 "PYTHONPATH": str(ROOT / "python")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "managed on cpu" in result.stdout and "equals the whole model" in result.stdout, result.stdout
