@@ -279,3 +279,108 @@ def test_the_example_manages_a_diffusers_and_a_transformers_model_as_it_says(dae
                                  "PYTHONPATH": str(ROOT / "python")})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "managed on cpu" in result.stdout and "equals the whole model" in result.stdout, result.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: managed modules on a GPU not run")
+@pytest.mark.parametrize("rest", list(REST))
+def test_a_module_managed_on_cuda_equals_the_whole_module_there_within_its_limit(daemon, rest):
+    import copy
+    device = torch.device("cuda:0")
+    with torch.device("meta"):
+        model = Toy().eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad(), vramd.connect(daemon["sock"]) as client:
+        with vramd.manage(model, f"toy-{rest}", client=client, device=device) as managed:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            got = [model(ids) for _ in range(3)]
+            torch.cuda.synchronize()
+            grown = torch.cuda.max_memory_allocated(device) - before
+            stats = managed.stats()
+            leases = get_json(daemon["sock"], f"/v1/models/toy-{rest}")["leases"]
+            assert [lease["reserved"] for lease in leases] == [{"cuda:0": stats["limit"]}]
+        reference = copy.deepcopy(daemon["references"][f"toy-{rest}"]).to(device)
+        for out in got:
+            assert torch.equal(out, reference(ids))
+    assert 0 < stats["peak"] <= stats["limit"] and stats["prefetch_hits"] > 0, stats
+    # The device's growth: the copies (within the limit) and the activations, nothing more.
+    assert grown <= stats["limit"] + largest_unit(Toy()) + (4 << 20), (grown, stats)
+
+
+def big_toy():
+    return Toy(d=512, vocabulary=64, blocks=8)
+
+
+@pytest.fixture(scope="module")
+def big(daemon):
+    """A module of about 68 MB in float32, resting in bfloat16, served under a quarter of it."""
+    folder, d = daemon["folder"], daemon["daemon"]
+    torch.manual_seed(5)
+    model = big_toy()
+    save_file({k: v for k, v in model.state_dict().items() if k != "head.weight"}, folder / "big.safetensors")
+    (d.models / "big.toml").write_text(served(folder / "big.safetensors", "bfloat16", weights_bytes(model) // 4))
+    request(daemon["sock"], "POST", "/v1/reload")
+    return {"bytes": weights_bytes(model), "largest": largest_unit(model)}
+
+
+CLIENT = """\
+import sys, time, torch
+sys.path.insert(0, {python!r})
+sys.path.insert(0, {tests!r})
+import vramd
+from test_manage import big_toy
+
+def anonymous():  # what the process allocated itself (the leased pages are the daemon's memfd's)
+    return sum(int(line.split()[1]) * 1024 for line in open("/proc/self/smaps_rollup") if line.startswith("Anonymous:"))
+
+with torch.device("meta"):
+    model = big_toy().eval()
+ids = torch.randint(0, 64, (1, 16))
+from test_manage import Toy
+with torch.no_grad(), vramd.connect({sock!r}) as client:
+    Toy(d=512, vocabulary=64, blocks=1)(ids)  # the ops' first run at these sizes (kernels, buffers) before counting
+    before = anonymous()
+    with vramd.manage(model, "big", client=client, dtype={dtype}) as managed:
+        for _ in range(3):
+            model(ids)
+        print(anonymous() - before, managed.stats()["peak"], managed.limit, flush=True)
+        sys.stdin.readline()  # hold the lease until told
+"""
+
+
+def start_client(daemon, dtype, env=None):
+    code = CLIENT.format(python=str(ROOT / "python"), tests=str(Path(__file__).parent), sock=str(daemon["sock"]),
+                         dtype=dtype)
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def test_a_managed_process_grows_by_its_limit_not_by_the_model(daemon, big):
+    # Anonymous memory (what the process allocates itself; the leased pages are the daemon's memfd's):
+    # its computation copies in float32 stay within the limit, plus a unit brought in ahead and a
+    # few MiB of activations and the allocator's own.
+    # glibc's malloc keeps freed blocks past its adaptive threshold for reuse: one fixed threshold
+    # makes what the process holds what it uses.
+    client = start_client(daemon, "torch.float32", {"MALLOC_MMAP_THRESHOLD_": "131072"})
+    grown, peak, limit = map(int, client.stdout.readline().split())
+    print(f"anonymous memory grew {grown} bytes; peak copies {peak} of a {limit}-byte limit; model {big['bytes']}")
+    client.communicate("\n", timeout=60)
+    assert 0 < peak <= limit < big["bytes"]
+    assert grown <= limit + big["largest"] + (8 << 20), (grown, limit, big)
+
+
+def test_three_processes_managing_one_model_share_its_one_copy(daemon, big):
+    # Computing in the resting dtype on the CPU, each computes from the leased pages themselves: three
+    # clients add at most 1.1x the resting bytes of PSS in all (the daemon's region, shared).
+    clients = [start_client(daemon, "torch.bfloat16") for _ in range(3)]
+    for client in clients:
+        grown, peak, limit = map(int, client.stdout.readline().split())
+        assert peak == 0, peak  # no copies: the weights are used where they rest
+    resting = get_json(daemon["sock"], "/v1/models/big")["devices"]["cpu"]
+    from test_lease import mapped_pss
+    pss = sum(mapped_pss(client.pid, "memfd:vramd:big") for client in clients)
+    for client in clients:
+        client.communicate("\n", timeout=60)
+    assert 0 < pss <= 1.1 * resting, (pss, resting)
