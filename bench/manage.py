@@ -1,0 +1,248 @@
+"""Managed modules: one diffusers UNet2DConditionModel whose weights rest in bfloat16 in host memory,
+computed on DEVICE under a limit of a quarter of its size, three ways in the same run, each in a
+fresh process:
+
+    vramd        vramd.manage: the daemon holds the weights once (architecture "weights" with a
+                 [vram] table); the process builds the module on the meta device and leases them
+    accelerate   accelerate.cpu_offload: the process loads the checkpoint into host memory, and
+                 every module's weights move to DEVICE for each call (diffusers' sequential offload)
+    diffsynth    DiffSynth-Studio's enable_vram_management: every Linear, Conv2d, GroupNorm and
+                 LayerNorm wrapped, offload and onload in host memory, vram_limit the same limit
+
+For each: the median forward (of those after the first), the peak memory (on a GPU the CUDA
+allocator's peak over the forwards; on the CPU the anonymous memory the process grew by, with
+glibc's mmap threshold fixed so that freed blocks go back), the time from the process's start to
+its first output (and from the end of the imports of torch and diffusers, which every contender
+pays alike), and the host memory of three such processes at once (the sum of their PSS).
+On the CPU accelerate's and DiffSynth's offloads have nowhere to move weights to: their figures
+are their whole-model runs, vramd's the managed one.
+
+    .venv/bin/python bench/manage.py [--device cuda:0] [--workdir /tmp/vramd-bench] [--forwards 5]
+
+See docs/benchmarks.md.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "python"))
+
+VRAMD = ROOT / "build" / "bin" / "vramd"
+STARTED = time.perf_counter()  # the process's start, as near as Python sees it
+CONFIG = dict(sample_size=32, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(128, 256, 512),
+              down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+              up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=256,
+              attention_head_dim=8, norm_num_groups=32)
+
+
+def memory():
+    """(anonymous bytes, PSS bytes) of this process."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] in ("Anonymous:", "Pss:"):
+                fields[parts[0]] = int(parts[1]) * 1024
+    return fields["Anonymous:"], fields["Pss:"]
+
+
+def inputs(device, dtype):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, 4, 32, 32, generator=g).to(device, dtype)
+    states = torch.randn(1, 8, 256, generator=g).to(device, dtype)
+    return sample, states
+
+
+def contender(kind, folder, device, forwards, limit, hold):
+    """Runs in its own process: set up, first output, timed forwards."""
+    import torch
+    import diffusers
+    imported = time.perf_counter()
+    gpu = device.startswith("cuda")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    if gpu:
+        torch.zeros(1, device=device)  # the CUDA context, before what is measured
+    anonymous, _ = memory()
+    sample, states = inputs(device, dtype)
+    if kind == "vramd":
+        import vramd
+        with torch.device("meta"):  # no buffers made in __init__: nothing to keep real
+            model = diffusers.UNet2DConditionModel(**CONFIG).eval()
+        managed = vramd.manage(model, "unet", device=device, dtype=dtype)
+    else:
+        from safetensors.torch import load_file
+        model = diffusers.UNet2DConditionModel(**CONFIG).eval()
+        model.load_state_dict(load_file(str(folder / "diffusion_pytorch_model.safetensors")))
+        model.to(torch.bfloat16)  # at rest in host memory in bfloat16, as vramd's
+        if kind == "accelerate":
+            from accelerate import cpu_offload
+            if gpu:
+                cpu_offload(model, execution_device=torch.device(device))
+            else:
+                model.to(dtype)
+        else:
+            import vram  # bench/vram.py: DiffSynth's VRAM modules without the rest of the package
+            layers = vram.import_diffsynth_vram()
+            if layers is None:
+                raise RuntimeError(vram.DIFFSYNTH_MISSING)
+            config = {"offload_dtype": torch.bfloat16, "offload_device": "cpu", "onload_dtype": torch.bfloat16,
+                      "onload_device": "cpu", "preparing_dtype": dtype, "preparing_device": device,
+                      "computation_dtype": dtype, "computation_device": device}
+            vram_limit = None
+            if gpu:
+                free, total = torch.cuda.mem_get_info(device)
+                vram_limit = (total - free + limit) / (1 << 30)
+            module_map = {torch.nn.Linear: layers.AutoWrappedLinear, torch.nn.Conv2d: layers.AutoWrappedModule,
+                          torch.nn.GroupNorm: layers.AutoWrappedModule, torch.nn.LayerNorm: layers.AutoWrappedModule}
+            model = layers.enable_vram_management(model, module_map, config, vram_limit=vram_limit)
+            if gpu:
+                for module in model.modules():
+                    if isinstance(module, layers.AutoTorchModule):
+                        module.onload()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    with torch.inference_mode():
+        for i in range(forwards):
+            if gpu:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            model(sample, 10, states)
+            if gpu:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            if i == 0:
+                first_output, after_imports = time.perf_counter() - STARTED, time.perf_counter() - imported
+    grown, pss = memory()
+    figures = {"forward_median_seconds": statistics.median(times[1:] or times), "first_output_seconds": first_output,
+               "after_imports_seconds": after_imports,
+               "peak": torch.cuda.max_memory_allocated(device) if gpu else grown - anonymous, "pss": pss}
+    if kind == "vramd":
+        figures["managed"] = managed.stats()
+    print(json.dumps(figures), flush=True)
+    if hold:
+        sys.stdin.readline()
+
+
+def run(args, kind, hold=False):
+    command = [sys.executable, __file__, "--workdir", args.workdir, "--device", args.device, "--forwards",
+               str(args.forwards), "--limit", str(args.limit), "--contender", kind] + (["--hold"] if hold else [])
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def one(args, kind):
+    process = run(args, kind)
+    out, _ = process.communicate(timeout=1800)
+    if process.returncode != 0:
+        raise RuntimeError(f"{kind} failed ({process.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def three(args, kind):
+    """The sum of three holding processes' PSS."""
+    processes = [run(args, kind, hold=True) for _ in range(3)]
+    try:
+        return sum(json.loads(p.stdout.readline())["pss"] for p in processes)
+    finally:
+        for p in processes:
+            p.communicate("\n", timeout=600)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workdir", default="/tmp/vramd-bench")
+    parser.add_argument("--forwards", type=int, default=5)
+    parser.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--contender", help=argparse.SUPPRESS)
+    parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    folder = Path(args.workdir) / "unet"
+    if args.contender:
+        contender(args.contender, folder, args.device, args.forwards, args.limit, args.hold)
+        return
+
+    import torch
+    import diffusers
+    if not (folder / "diffusion_pytorch_model.safetensors").exists():
+        torch.manual_seed(0)
+        diffusers.UNet2DConditionModel(**CONFIG).save_pretrained(folder, safe_serialization=True)
+    size = sum(p.numel() for p in diffusers.UNet2DConditionModel(**CONFIG).parameters())
+    computed = size * (2 if args.device.startswith("cuda") else 4)
+    args.limit = computed // 4
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "models").mkdir()
+        compute = "bfloat16" if args.device.startswith("cuda") else "float32"
+        (tmp / "models" / "unet.toml").write_text(
+            f'checkpoint = "{folder}"\narchitecture = "weights"\ndtype = "{compute}"\n[vram]\n'
+            f'computation = {{ device = "{args.device}" }}\nonload = {{ device = "cpu", dtype = "bfloat16" }}\n'
+            f'limit = {args.limit}\n')
+        sock = tmp / "vramd.sock"
+        budget = f'"{args.device}" = "{max(4 * args.limit, 1 << 30)}"\n' if args.device != "cpu" else ""
+        (tmp / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n[budgets]\ncpu = "16GiB"\n{budget}')
+        os.environ["VRAMD_SOCKET"] = str(sock)
+        daemon = subprocess.Popen([VRAMD, "--config", tmp / "vramd.toml"], stderr=subprocess.DEVNULL)
+        try:
+            import vramd
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    with vramd.connect(sock) as client:
+                        client.load("unet")
+                    break
+                except (vramd.DaemonUnreachable, vramd.DaemonError):
+                    assert time.monotonic() < deadline and daemon.poll() is None, "vramd did not start"
+                    time.sleep(0.2)
+            for kind in ("vramd", "accelerate", "diffsynth"):
+                try:
+                    results[kind] = one(args, kind)
+                    results[kind]["pss_three"] = three(args, kind)
+                except Exception as e:  # noqa: BLE001 - a peer that cannot run is said, the others go on
+                    results[kind] = {"error": str(e)}
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+
+    mib = 1 << 20
+    print(f"UNet2DConditionModel, {size * 2 / mib:.1f} MiB at rest in bfloat16, computed in {compute} on {args.device} "
+          f"under a limit of {args.limit / mib:.1f} MiB (a quarter), {args.forwards} forwards, {os.cpu_count()} cores")
+    for kind, r in results.items():
+        if "error" in r:
+            print(f"  {kind:11s} failed: {r['error']}")
+            continue
+        print(f"  {kind:11s} forward {r['forward_median_seconds']:.3f} s, peak {r['peak'] / mib:7.1f} MiB, first output "
+              f"{r['first_output_seconds']:.2f} s from the process's start ({r['after_imports_seconds']:.2f} s after "
+              f"torch and diffusers are imported), three processes' PSS {r['pss_three'] / mib:.1f} MiB")
+    v = results.get("vramd", {})
+    for kind in ("accelerate", "diffsynth"):
+        r = results.get(kind, {})
+        if "error" in v or "error" in r or not r:
+            continue
+        print(f"vramd against {kind}: forward {r['forward_median_seconds'] / v['forward_median_seconds']:.2f}x faster, "
+              f"peak {v['peak'] / r['peak']:.2f}x, first output {r['first_output_seconds'] / v['first_output_seconds']:.1f}x "
+              f"sooner ({r['after_imports_seconds'] / v['after_imports_seconds']:.1f}x after the imports), three processes' "
+              f"PSS {v['pss_three'] / r['pss_three']:.2f}x")
+    if "managed" in v:
+        m = v["managed"]
+        print(f"vramd's manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
+              f"{m['prefetch_hits']} prefetched in time")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"size_bytes": size * 2, "limit": args.limit, "device": args.device,
+                                               "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
