@@ -49,6 +49,8 @@ void print_leases(const json& model, std::ostream& out) {
     if (lease.contains("reserved"))
       for (const auto& [device, bytes] : lease["reserved"].items())
         reserved += (reserved.empty() ? "; reserves " : ", ") + device + " " + format_bytes(bytes.get<uint64_t>());
+    if (lease.contains("peak") && lease["peak"].is_number_unsigned())
+      reserved += ", peak " + format_bytes(lease["peak"].get<uint64_t>());
     out << "    leased by pid " << lease["pid"] << " (uid " << lease["uid"] << ", " << lease["device"].get<std::string>()
         << ", since " << lease["since"].get<std::string>() << reserved << ")\n";
   }

@@ -262,6 +262,12 @@ class Daemon {
         for (const auto& [device, bytes] : lease.reserved)
           out << "vramd_lease_reserved_bytes{model=\"" << label(e->name) << "\",pid=\"" << lease.pid << "\",device=\""
               << device << "\"} " << bytes << '\n';
+    out << "# HELP vramd_lease_peak_bytes The most a lease's client says it has used of its room, by model and pid.\n"
+           "# TYPE vramd_lease_peak_bytes gauge\n";
+    for (const Entry* e : registry_.entries())
+      for (const auto& [id, lease] : e->leases)
+        if (lease.peak)
+          out << "vramd_lease_peak_bytes{model=\"" << label(e->name) << "\",pid=\"" << lease.pid << "\"} " << *lease.peak << '\n';
     return out.str();
   }
 

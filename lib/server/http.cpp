@@ -128,7 +128,8 @@ class Connection {
       close();
     }
   }
-  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end) {
+  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
+               std::function<bool(std::string_view)> on_data) {
     if (closing_ || closing_after_writes_ || !is_unix_ || unsent() > 0 || bytes.empty()) return false;
     uv_os_fd_t fd = -1;
     if (uv_fileno(reinterpret_cast<uv_handle_t*>(stream()), &fd) != 0) return false;
@@ -157,6 +158,7 @@ class Connection {
     exchange_.reset();
     uv_timer_stop(&timer_);
     on_upgrade_end_ = std::move(on_end);
+    on_upgrade_data_ = std::move(on_data);
     write_raw(bytes.substr(static_cast<size_t>(sent)));
     pending_.clear();
     if (!closing_) uv_read_start(stream(), on_alloc, on_read);  // to see it close
@@ -265,6 +267,13 @@ class Connection {
   static void on_read(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buf) {
     auto* self = static_cast<Connection*>(stream->data);
     if (nread < 0) return self->close();
+    if (nread > 0 && self->upgraded_ && self->on_upgrade_data_ && !self->closing_) {
+      // What the client says on a handed-over connection; what the listener refuses ends it.
+      const auto bytes = std::string_view(buf->base, static_cast<size_t>(nread));
+      bool heard = false;
+      if (guarded(self->reading_from(), [&] { heard = self->on_upgrade_data_(bytes); }) || !heard) self->close();
+      return;
+    }
     if (nread == 0 || self->closing_after_writes_ || self->upgraded_) return;
     const auto fault = guarded(self->reading_from(), [&] {
       if (self->feed(buf->base, static_cast<size_t>(nread))) self->read_on();
@@ -325,6 +334,7 @@ class Connection {
   std::string pending_;
   bool keep_alive_ = true, held_back_ = false, in_handler_ = false, upgraded_ = false;
   std::function<void()> on_upgrade_end_;
+  std::function<bool(std::string_view)> on_upgrade_data_;
   bool closing_ = false, closing_after_writes_ = false;
   int closed_handles_ = 0;
   std::shared_ptr<Exchange> exchange_;
@@ -364,9 +374,10 @@ void Exchange::end() {
   connection->finish_exchange();
 }
 
-bool Exchange::upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end) {
+bool Exchange::upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
+                       std::function<bool(std::string_view)> on_data) {
   if (state_ != State::Waiting || !connection_) return false;
-  if (!connection_->upgrade(bytes, fds, std::move(on_end))) return false;
+  if (!connection_->upgrade(bytes, fds, std::move(on_end), std::move(on_data))) return false;
   state_ = State::Done;
   connection_ = nullptr;
   return true;

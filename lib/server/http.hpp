@@ -52,10 +52,12 @@ class Exchange {
 
   // Answers by handing the connection over (a lease): writes `bytes` with `fds` attached
   // (SCM_RIGHTS; the caller keeps its own descriptors), after which the connection carries no
-  // more HTTP: what the client sends is ignored, no timeout applies, and `on_end` runs once when
-  // it closes, whoever closes it. Returns false, keeping nothing, when the client is gone, the
-  // connection is not a Unix socket, or the kernel would not take the descriptors now.
-  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end);
+  // more HTTP: what the client sends goes to `on_data` as it comes (ignored without one; false
+  // there closes the connection), no timeout applies, and `on_end` runs once when it closes,
+  // whoever closes it. Returns false, keeping nothing, when the client is gone, the connection is
+  // not a Unix socket, or the kernel would not take the descriptors now.
+  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
+               std::function<bool(std::string_view)> on_data = {});
 
  private:
   friend class Connection;

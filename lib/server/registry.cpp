@@ -579,9 +579,9 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   const std::string bytes = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: vramd-lease/1\r\nConnection: Upgrade\r\n\r\n" +
                             json_line(manifest_json(manifest, entry.name, id));
   const std::weak_ptr<int> alive = alive_;
-  const bool handed = job.exchange->upgrade(bytes, fds, [this, alive, name = entry.name, id] {
-    if (alive.lock()) end_lease(name, id);
-  });
+  const bool handed = job.exchange->upgrade(
+      bytes, fds, [this, alive, name = entry.name, id] { if (alive.lock()) end_lease(name, id); },
+      [this, alive, name = entry.name, id](std::string_view data) { return alive.lock() && hear(name, id, data); });
   if (!handed) {
     entry.leases.erase(id);
     if (!job.exchange->gone()) respond_error(*job.exchange, 500, "could not hand the lease of " + quote(entry.name) + " over");
@@ -590,6 +590,26 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   log::info("lease " + std::to_string(id) + " of " + entry.name + " to " + request.peer + ": " +
             counted(manifest.tensors.size(), "tensor") + ", " + format_bytes(manifest.bytes) + " in " +
             counted(manifest.regions.size(), "region"));
+}
+
+bool Registry::hear(const std::string& name, uint64_t id, std::string_view data) {
+  Entry* entry = find(name);
+  if (!entry || !entry->leases.count(id)) return false;
+  Lease& lease = entry->leases.at(id);
+  lease.said.append(data);
+  for (size_t end; (end = lease.said.find('\n')) != std::string::npos;) {
+    const json line = json::parse(std::string_view(lease.said).substr(0, end), nullptr, false);
+    lease.said.erase(0, end + 1);
+    if (!line.is_object() || line.size() != 1 || !line.contains("peak") || !line["peak"].is_number_unsigned()) {
+      log::warn("lease " + std::to_string(id) + " of " + name + ": its client sent a line that is not {\"peak\": N}; "
+                "the lease ends");
+      return false;
+    }
+    lease.peak = line["peak"].get<uint64_t>();
+  }
+  if (lease.said.size() <= 4096) return true;
+  log::warn("lease " + std::to_string(id) + " of " + name + ": its client sent a line past 4 KiB; the lease ends");
+  return false;
 }
 
 void Registry::end_lease(const std::string& name, uint64_t id) {

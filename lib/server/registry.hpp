@@ -50,6 +50,8 @@ struct Lease {
   std::string device;
   std::chrono::system_clock::time_point since;
   std::map<std::string, uint64_t> reserved;  // what its client uses on a device, counted in that budget
+  std::optional<uint64_t> peak;               // the most its client says it has used there
+  std::string said;                           // the client's unfinished line
 };
 
 struct Entry {
@@ -146,6 +148,9 @@ class Registry {
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);
   void end_lease(const std::string& name, uint64_t id);
+  // A lease's client speaks: {"peak": N} lines, the most it has used of its reservation. False
+  // (the lease ends, with a warning) for anything else.
+  bool hear(const std::string& name, uint64_t id, std::string_view data);
   void follow_load(Entry& entry, const std::shared_ptr<Exchange>& exchange);
   static void cancel_unwatched_load(Entry& entry);
   void send_progress(Entry& entry, bool force);

@@ -78,7 +78,8 @@ json leases_json(const Entry& e) {
   json leases = json::array();
   for (const auto& [id, lease] : e.leases)
     leases.push_back({{"id", lease.id}, {"pid", lease.pid}, {"uid", lease.uid}, {"device", lease.device},
-                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}, {"reserved", lease.reserved}});
+                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}, {"reserved", lease.reserved},
+                      {"peak", lease.peak ? json(*lease.peak) : json(nullptr)}});
   return leases;
 }
 

@@ -111,6 +111,7 @@ class Managed:
         self._lock = threading.RLock()
         self._tick = 0
         self._held = 0
+        self._told = 0  # the peak the daemon last heard
         self._figures = {"peak": 0, "bytes_moved": 0, "loads": 0, "prefetched": 0, "prefetch_hits": 0,
                          "waited_seconds": 0.0}
         self._next: dict[_Unit, _Unit] = {}
@@ -251,7 +252,19 @@ class Managed:
             slot.users += 1
         unit.ready = True
         self._figures["loads"] += 1
-        self._figures["peak"] = max(self._figures["peak"], self._held)
+        self._count_peak()
+
+    def _count_peak(self) -> None:
+        """The peak, told to the daemon (which shows it beside the lease's reservation) as it grows."""
+        if self._held <= self._figures["peak"]:
+            return
+        self._figures["peak"] = self._held
+        if self._held >= self._told + max(1, (self.limit or 0) // 64):  # a line per 1/64 of the limit at most
+            self._told = self._held
+            try:
+                self.lease._sock.sendall(b'{"peak": %d}\n' % self._held)
+            except (OSError, AttributeError):  # the lease has ended: nobody to tell
+                pass
 
     def _drop(self, unit: _Unit) -> None:
         for slot in unit.slots:
@@ -282,7 +295,7 @@ class Managed:
             return
         wanted = [slot for slot in unit.slots if slot.users == 0]
         self._held += sum(slot.bytes for slot in wanted)  # counted from now, so that nothing else takes the room
-        self._figures["peak"] = max(self._figures["peak"], self._held)
+        self._count_peak()
         if self._side is not None:
             with torch.cuda.stream(self._side):
                 copies = {slot: slot.copy() for slot in wanted}

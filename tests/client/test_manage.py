@@ -165,8 +165,14 @@ def test_a_module_of_ones_own_equals_the_whole_module_and_keeps_its_limit(daemon
         lease = next(m for m in status["models"] if m["name"] == f"toy-{rest}")
         resting = lease["devices"]["cpu"]
         assert status["devices"]["cpu"]["models"][f"toy-{rest}"] == resting + stats["limit"]
+        # Its client tells the daemon its peak as it grows (a line per 1/64 of the limit at most).
+        said = lambda: get_json(daemon["sock"], f"/v1/models/toy-{rest}")["leases"][0]["peak"] or 0  # noqa: E731
+        wait_for(lambda: said() >= stats["peak"] - stats["limit"] // 64, what="the client's peak to be heard")
+        assert said() <= stats["peak"]
         printed = vramctl(daemon["sock"], "status").stdout
-        assert f"reserves cpu " in printed, printed
+        assert f"reserves cpu " in printed and ", peak " in printed, printed
+        metrics = request(daemon["sock"], "GET", "/metrics")[1].decode()
+        assert f'vramd_lease_peak_bytes{{model="toy-{rest}",pid="{os.getpid()}"}}' in metrics
     # Closed: the hooks are gone, the weights are meta again, the room is given back.
     assert all(p.is_meta for p in model.parameters())
     wait_for(lambda: get_json(daemon["sock"], f"/v1/models/toy-{rest}")["leases"] == [], what="the lease to end")
@@ -262,6 +268,12 @@ def test_a_reservation_past_the_budget_is_refused_and_a_killed_clients_is_freed(
         assert time.monotonic() - killed < 5  # at once: its death closed the connection (a wide margin when busy)
         with client.lease("toy-float8_e4m3fn", reserve=("cpu", 3 << 29)):
             pass
+        # A client that says anything but {"peak": N} on its lease ends that lease, and nothing else.
+        lease = client.lease("toy-float8_e4m3fn", reserve=("cpu", 1 << 20))
+        lease._sock.sendall(b'{"peak": "lots"}\n')
+        wait_for(lambda: get_json(sock, "/v1/models/toy-float8_e4m3fn")["leases"] == [], what="the lease to end")
+        assert "its client sent a line that is not" in daemon["daemon"].log.read_text()
+        lease.close()
         # Other models served on throughout.
         with torch.device("meta"):
             model = Toy()
