@@ -6,6 +6,8 @@
 #include "weights/resident.hpp"
 #include "weights/source.hpp"
 #include "weights/streamed.hpp"
+#include "storage/tensor_io.hpp"
+#include "util/format.hpp"
 
 namespace vramd::weights {
 namespace {
@@ -49,9 +51,37 @@ bool streams(const model::Model& model, const config::ModelConfig& config) {
 
 }  // namespace
 
+// A model that rests for its clients: each client computes one unit (layer) whole at a time, so
+// the limit must hold the largest in the computation dtype.
+model::VramStats plan_for_clients(const model::Model& model, const config::ModelConfig& config) {
+  const c10::ScalarType computed = state_dtype(config.vram.computation.dtype, model.dtype());
+  const c10::ScalarType resting = state_dtype(config.vram.onload.dtype, model.dtype());
+  model::VramStats stats;
+  stats.limit = config.vram.limit.value_or(0);
+  uint64_t largest = 0;
+  for (const auto& layer : model.layers()) {
+    uint64_t bytes = 0;
+    for (const auto& p : layer->parameters())
+      if (!p.tied) bytes += static_cast<uint64_t>(p.elements()) * c10::elementSize(computed);
+    largest = std::max(largest, bytes);
+    stats.total += bytes;
+    stats.slots++;
+  }
+  if (stats.limit && largest > stats.limit)
+    fail(config.path, "vram.limit = " + format_bytes(stats.limit) + " cannot hold the largest unit (" +
+                          format_bytes(largest) + " in " + storage::torch_name(computed) +
+                          "), which each client that manages the model computes whole; raise it to at least that");
+  stats.plan = "rests in host memory in " + storage::torch_name(resting) + " for the clients that manage it: " +
+               counted(stats.slots, "unit") + ", the largest " + format_bytes(largest) + " in " +
+               storage::torch_name(computed) + " on " + config.vram.computation.device.str() +
+               (stats.limit ? "; limit " + format_bytes(stats.limit) : "");
+  return stats;
+}
+
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config) {
-  if (config.partition.world_size > 1 || config::rests_for_clients(config)) return std::nullopt;
+  if (config.partition.world_size > 1) return std::nullopt;
+  if (config::rests_for_clients(config)) return plan_for_clients(model, config);
   check_packed(source, config);
   if (!streams(model, config)) return std::nullopt;
   return StreamedWeights::plan(model, source, config);

@@ -74,8 +74,9 @@ class Weights : public model::LayerWeights {
 };
 
 // What make_weights would plan for `config`, from the model's sizes alone (nothing is read):
-// streamed weights' figures and plan line, as stats() shows them before the first forward;
-// none for resident weights, nor for partitioned ones (planned when their group loads them).
+// streamed weights' figures and plan line, as stats() shows them before the first forward; a
+// model resting for its clients, its units and the limit each client keeps (which must hold the
+// largest); none for resident weights, nor for partitioned ones (planned when their group loads them).
 // Throws the Error make_weights would for a [vram] table it cannot honour.
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config);

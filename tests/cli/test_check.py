@@ -135,25 +135,27 @@ def test_check_runs_the_converter_dry_and_reports_its_errors(tmp_path):
             "dimension 0 (size 4) does not split into 3 equal parts") in result.stdout
 
 
-def test_check_plans_streamed_weights_and_refuses_a_limit_below_the_largest_layer(tmp_path):
-    # The "weights" architecture holds the checkpoint's tensors as they are: one layer of 1.27 KiB.
+def test_check_plans_a_model_resting_for_its_clients_and_refuses_a_limit_below_its_largest_unit(tmp_path):
+    # The "weights" architecture holds the checkpoint's tensors as they are: one unit of 1.27 KiB,
+    # which each managing client computes whole.
     save_file({"a": torch.zeros(16, 16), "b": torch.zeros(4), "c": torch.zeros(8, 8)}, tmp_path / "ck.safetensors")
     (tmp_path / "vramd.toml").write_text('models = "models"\n[budgets]\ncpu = "1GiB"\n')
     models = tmp_path / "models"
     models.mkdir()
-    table = '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\nlimit = "%s"\n'
+    table = '[vram]\nonload = { device = "cpu", dtype = "bfloat16" }\nlimit = "%s"\n'
     for name, limit in (("fits", "2KiB"), ("tight", "1KiB")):
         (models / f"{name}.toml").write_text('checkpoint = "../ck.safetensors"\narchitecture = "weights"\n' + table % limit)
     result = vramctl("check", models / "fits.toml", models / "tight.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stdout == (
         f"ok    {models / 'fits.toml'}: model 'fits', 3 tensors, 1.27 KiB (weights, float32)\n"
-        "      plan: 1 of 1 layers resident (1.27 KiB in float32); room kept: 0 B; limit 2.00 KiB\n"
+        "      plan: rests in host memory in bfloat16 for the clients that manage it: 1 unit, the largest 1.27 KiB in "
+        "float32 on cpu; limit 2.00 KiB\n"
         f"FAIL  {models / 'tight.toml'}\n"
-        f"      {models / 'tight.toml'}: vram.limit = 1.00 KiB cannot hold the largest layer (1.27 KiB in float32); "
-        "raise it to at least that\n")
+        f"      {models / 'tight.toml'}: vram.limit = 1.00 KiB cannot hold the largest unit (1.27 KiB in float32), which "
+        "each client that manages the model computes whole; raise it to at least that\n")
     doc = json.loads(vramctl("check", models / "fits.toml", "--json", "--daemon-config", tmp_path / "vramd.toml").stdout)
-    assert doc["configs"][0]["plan"].startswith("1 of 1 layers resident")
+    assert doc["configs"][0]["plan"].startswith("rests in host memory in bfloat16")
 
 
 def test_vramctl_runs_tensor_commands_in_vramctl_torch_and_says_when_it_is_missing(tmp_path):
