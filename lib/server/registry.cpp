@@ -573,7 +573,7 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   const uint64_t id = ++leases_made_;
   const auto& request = job.exchange->request();
   entry.leases[id] = {.id = id, .pid = request.peer_pid, .uid = request.peer_uid, .device = job.device,
-                      .since = std::chrono::system_clock::now(), .reserved = job.reserve};
+                      .since = std::chrono::system_clock::now(), .reserved = job.reserve, .peak = std::nullopt, .said = {}};
   std::vector<int> fds;
   for (const auto& region : manifest.regions) fds.push_back(region.fd.get());
   const std::string bytes = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: vramd-lease/1\r\nConnection: Upgrade\r\n\r\n" +

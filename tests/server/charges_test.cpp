@@ -29,7 +29,10 @@ TEST_CASE("a resident model is charged its weights on the computation device") {
 
 TEST_CASE("a streamed model is charged its whole limit and its onload copies") {
   auto [config, dry] = model_on_gpu();
-  dry.weights = model::VramStats{.limit = 30 * MiB, .total = 101 * MiB, .onload = 80 * MiB};
+  dry.weights.emplace();
+  dry.weights->limit = 30 * MiB;
+  dry.weights->total = 101 * MiB;
+  dry.weights->onload = 80 * MiB;
   CHECK(computation_charges(config, dry) == DeviceBytes{{"cuda:0", 30 * MiB}, {"cpu", 80 * MiB}});
   dry.weights->total = 20 * MiB;  // a plan below its limit may still fill it (GGUF blocks unpacked)
   CHECK(computation_charges(config, dry).at("cuda:0") == 30 * MiB);
