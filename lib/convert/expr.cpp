@@ -184,6 +184,21 @@ ExprPtr narrow(const ExprPtr& input, int64_t dim, int64_t start, int64_t length)
     refuse("narrow", *input, "elements [" + std::to_string(start) + ", " + std::to_string(start + length) +
                                  ") of dimension " + std::to_string(dim) + " are outside its size " +
                                  std::to_string(input->shape[dim]));
+  if (start == 0 && length == input->shape[dim]) return input;
+  // Of a cat along the same dimension, only the inputs it overlaps, narrowed: a slice of a
+  // tensor joined from chunks (a DCP checkpoint's, a converter's) reads those chunks alone.
+  if (input->op == Expr::Op::Cat && input->args[0] == dim) {
+    std::vector<ExprPtr> parts;
+    int64_t at = 0;
+    for (const auto& part : input->inputs) {
+      const int64_t size = part->shape[dim];
+      const int64_t from = std::max(start, at), to = std::min(start + length, at + size);
+      if (from < to || (length == 0 && parts.empty() && start <= at + size))
+        parts.push_back(narrow(part, dim, from - at, std::max<int64_t>(to - from, 0)));
+      at += size;
+    }
+    return parts.size() == 1 ? parts[0] : cat(parts, dim);
+  }
   auto expr = node(Expr::Op::Narrow, {input});
   expr->args = {dim, start, length};
   expr->shape = input->shape;

@@ -306,3 +306,23 @@ return { ["q.weight"] = cat(q, 0), ["norm.weight"] = src:shards("norm")[1] }
   const auto partial = run_converter(dir.write("partial.lua", "return { w = src:shards('wq')[2] }"), map);
   CHECK(partial.unused == std::vector<std::string>{"norm"});
 }
+
+TEST_CASE("a narrow of a cat along its dimension reads only the parts it overlaps") {
+  const auto a = source("a", storage::DType::F32, {4, 3}), b = source("b", storage::DType::F32, {2, 3}),
+             c = source("c", storage::DType::F32, {5, 3});
+  const auto joined = cat({a, b, c}, 0);
+  CHECK(narrow(joined, 0, 5, 3)->describe() == "cat([narrow(src['b'], 0, 1, 1), narrow(src['c'], 0, 0, 2)], 0)");
+  CHECK(narrow(joined, 0, 4, 2)->describe() == "src['b']");  // exactly one part: itself
+  CHECK(narrow(joined, 0, 0, 11)->describe() == joined->describe());
+  CHECK(narrow(joined, 1, 1, 2)->describe() == "narrow(" + joined->describe() + ", 1, 1, 2)");  // another dimension
+  CHECK(narrow(joined, 0, 3, 0)->shape == std::vector<int64_t>{0, 3});
+
+  // The values are the narrowed cat's.
+  Fixture f;
+  const auto map = f.map();
+  const auto w = source("h.0.attn.c_attn.weight", storage::DType::F32, {4, 12});
+  const auto both = cat({w, w}, 0);
+  for (int64_t start = 0; start < 8; ++start)
+    for (int64_t length = 0; start + length <= 8; ++length)
+      CHECK(at::equal(evaluate(*narrow(both, 0, start, length), map), at::cat({f.fused, f.fused}, 0).narrow(0, start, length)));
+}
