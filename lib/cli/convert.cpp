@@ -9,6 +9,7 @@
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
 #include "model/hyperparams.hpp"
+#include "storage/safetensors_writer.hpp"
 #include "storage/tensor_io.hpp"
 #include "storage/disk_map.hpp"
 #include "util/format.hpp"
@@ -24,9 +25,16 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
                                       : convert::run_converter(model.converter, map, model::Hyperparams::for_model(model, map).json());
   for (const auto& line : plan.printed) err << "print: " << line << '\n';
   if (!options.output.empty()) {
-    storage::NamedTensors tensors;
-    for (const auto& [target, expr] : plan.tensors) tensors.emplace_back(target, convert::evaluate(*expr, map));
-    storage::save_tensors(options.output, tensors, {{"converted_by", "vramd"}});
+    // One tensor in memory at a time, read into fresh memory (not the file's mapping), so that
+    // merging a checkpoint (a DCP folder's chunks) takes the largest tensor, not the model.
+    std::vector<storage::TensorSlot> slots;
+    for (const auto& [target, expr] : plan.tensors) slots.push_back({target, expr->dtype, expr->shape});
+    at::Tensor held;
+    storage::write_safetensors(options.output, slots, {{"converted_by", "vramd"}}, [&](size_t i) {
+      held = at::Tensor();
+      held = convert::evaluate(*plan.tensors[i].expr, map, storage::ReadMode::Copy);
+      return std::span<const std::byte>(static_cast<const std::byte*>(held.const_data_ptr()), held.nbytes());
+    });
   }
 
   if (options.json) {

@@ -1,6 +1,7 @@
 #include "convert/evaluate.hpp"
 
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
@@ -29,7 +30,25 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
     case Expr::Op::Permute: return input(0).permute(expr.args);
     case Expr::Op::Reshape: return input(0).reshape(packed ? storage::packed_shape(*packed, expr.shape) : expr.args);
     case Expr::Op::Narrow: return input(0).narrow(expr.args[0], expr.args[1], expr.args[2]);
-    case Expr::Op::Cat: return at::cat(all(), expr.args[0]);
+    case Expr::Op::Cat:
+      if (expr.args[0] == 0 && !packed) {  // sources as stored, one after another: read in place
+        std::vector<const storage::TensorInfo*> parts;
+        for (const auto& part : expr.inputs) {
+          const auto* info = part->op == Expr::Op::Source ? &map.at(part->source, part->shard) : nullptr;
+          if (!info || info->dtype != expr.dtype) break;
+          parts.push_back(info);
+        }
+        if (parts.size() == expr.inputs.size()) {
+          at::Tensor out = at::empty(expr.shape, at::TensorOptions().dtype(storage::scalar_type(expr.dtype)));
+          auto* cursor = static_cast<std::byte*>(out.mutable_data_ptr());
+          for (const auto* info : parts) {
+            map.read(*info, {cursor, info->nbytes});
+            cursor += info->nbytes;
+          }
+          return out;
+        }
+      }
+      return at::cat(all(), expr.args[0]);
     case Expr::Op::Stack: return at::stack(all(), expr.args[0]);
     case Expr::Op::Cast: return input(0).to(storage::scalar_type(expr.dtype));
     case Expr::Op::Scale: return input(0).mul(expr.factor);

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -32,5 +33,18 @@ std::string serialize_safetensors(std::span<const TensorData> tensors, const Met
 // Writes to `path` atomically: a temporary file beside it, renamed into place when complete.
 void write_safetensors(const std::string& path, std::span<const TensorData> tensors,
                        const Metadata& metadata = {});
+
+// A tensor whose bytes are asked for as it is written.
+struct TensorSlot {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+};
+
+// The same, asking for each tensor's bytes in file order: bytes_of(i) gives tensors[i]'s (exactly
+// its shape's size, else Error), valid until the next call, so that one tensor at a time need
+// be in memory.
+void write_safetensors(const std::string& path, std::span<const TensorSlot> tensors, const Metadata& metadata,
+                       const std::function<std::span<const std::byte>(size_t)>& bytes_of);
 
 }  // namespace vramd::storage
