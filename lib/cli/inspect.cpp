@@ -29,11 +29,17 @@ struct Total {
   uint64_t bytes = 0;
 };
 
+// The tensors a reader sees: a DCP tensor's chunks count once.
+size_t tensor_count(const DiskMap& map) {
+  const auto tensors = map.tensors();
+  return static_cast<size_t>(std::count_if(tensors.begin(), tensors.end(), [](const auto& t) { return !t.chunk || t.shard == 0; }));
+}
+
 std::map<std::string, Total> totals_by_dtype(const DiskMap& map) {
   std::map<std::string, Total> totals;
   for (const auto& t : map.tensors()) {
     auto& total = totals[std::string(storage::dtype_name(t.dtype))];
-    ++total.tensors;
+    if (!t.chunk || t.shard == 0) ++total.tensors;
     total.bytes += t.nbytes;
   }
   return totals;
@@ -51,13 +57,19 @@ void print_json(const DiskMap& map, std::ostream& out) {
                      {"metadata", std::move(metadata)}});
   }
   auto& tensors = doc["tensors"] = nlohmann::ordered_json::object();
-  // A name several files hold (slices of one tensor): "shards", each file's entry in file order.
+  // A name several files hold (slices of one tensor): "shards", each file's entry in file order;
+  // a DCP tensor: its whole shape and "chunks", each with where it lies in the whole.
   for (const auto& t : map.tensors()) {
     nlohmann::ordered_json entry = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.shape},
                                     {"file", map.files()[t.file].path}, {"key", t.key},
                                     {"offset", t.offset}, {"nbytes", t.nbytes}};
     auto& slot = tensors[std::string(t.name())];
-    if (t.shard == 0) slot = std::move(entry);
+    if (t.chunk) {
+      entry["at"] = t.chunk_offsets;
+      if (t.shard == 0) slot = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.whole}, {"key", t.key}, {"nbytes", 0}};
+      slot["nbytes"] = slot["nbytes"].get<uint64_t>() + t.nbytes;
+      slot["chunks"].push_back(std::move(entry));
+    } else if (t.shard == 0) slot = std::move(entry);
     else if (t.shard == 1) slot = {{"shards", {std::move(slot), std::move(entry)}}};
     else slot["shards"].push_back(std::move(entry));
   }
@@ -78,28 +90,38 @@ void print_text(const DiskMap& map, std::ostream& out) {
     for (const auto& [key, value] : file.metadata)
       out << "    " << escape_invalid_utf8(key) << " = " << escape_invalid_utf8(value) << '\n';
   }
+  // A DCP tensor is a line of its own, whole, then a line for each chunk: where it lies.
+  const auto label = [](const storage::TensorInfo& t) {
+    return t.chunk ? "  chunk at " + format_shape(t.chunk_offsets) : escape_invalid_utf8(t.name());
+  };
   size_t name_width = 4, shape_width = 5;
   for (const auto& t : map.tensors()) {
-    name_width = std::max(name_width, escape_invalid_utf8(t.name()).size());
-    shape_width = std::max(shape_width, format_shape(t.shape).size());
+    name_width = std::max({name_width, label(t).size(), t.chunk ? escape_invalid_utf8(t.name()).size() : 0});
+    shape_width = std::max({shape_width, format_shape(t.shape).size(), format_shape(t.whole).size()});
   }
   const bool several_files = map.files().size() > 1;
-  out << "\ntensors: " << map.tensors().size() << "\n  " << pad("NAME", name_width) << "  "
+  out << "\ntensors: " << tensor_count(map) << "\n  " << pad("NAME", name_width) << "  "
       << pad("DTYPE", 7) << "  " << pad("SHAPE", shape_width) << "  "
       << (several_files ? pad("SIZE", 11) + "  FILE" : "SIZE") << '\n';
+  const auto line = [&](const std::string& name, const storage::TensorInfo& t, const std::vector<int64_t>& shape,
+                        uint64_t bytes, const std::string& where) {
+    out << "  " << pad(name, name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7) << "  "
+        << pad(format_shape(shape), shape_width) << "  " << (several_files ? pad(format_bytes(bytes), 11) + "  " + where : format_bytes(bytes))
+        << '\n';
+  };
   for (const auto& t : map.tensors()) {
-    out << "  " << pad(escape_invalid_utf8(t.name()), name_width) << "  " << pad(std::string(storage::dtype_name(t.dtype)), 7)
-        << "  " << pad(format_shape(t.shape), shape_width) << "  ";
-    if (several_files)
-      out << pad(format_bytes(t.nbytes), 11) << "  " << escape_invalid_utf8(map.files()[t.file].path);
-    else
-      out << format_bytes(t.nbytes);
-    out << '\n';
+    if (t.chunk && t.shard == 0) {
+      const auto chunks = map.shards(t.name());
+      uint64_t bytes = 0;
+      for (const auto& chunk : chunks) bytes += chunk.nbytes;
+      line(escape_invalid_utf8(t.name()), t, t.whole, bytes, counted(chunks.size(), "chunk"));
+    }
+    line(label(t), t, t.shape, t.nbytes, escape_invalid_utf8(map.files()[t.file].path));
   }
   out << "\ntotals:\n";
   for (const auto& [dtype, total] : totals_by_dtype(map))
     out << "  " << pad(dtype, 7) << "  " << counted(total.tensors, "tensor") << "  " << format_bytes(total.bytes) << '\n';
-  out << "  " << pad("all", 7) << "  " << counted(map.tensors().size(), "tensor") << "  "
+  out << "  " << pad("all", 7) << "  " << counted(tensor_count(map), "tensor") << "  "
       << format_bytes(map.total_bytes()) << '\n';
 }
 

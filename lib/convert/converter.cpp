@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <map>
 #include <optional>
 
 #include "util/error.hpp"
@@ -27,9 +28,38 @@ ExprPtr source_of(const storage::TensorInfo& info, uint32_t shards = 1) {
   return source(std::string(info.name()), dtype, info.shape, info.shard, shards);
 }
 
-// Whether tensors[i] is the first of a name several files hold.
+// Whether tensors[i] is the first of a name several files hold (not chunks: those are joined).
 bool sharded_at(std::span<const storage::TensorInfo> tensors, size_t i) {
-  return i + 1 < tensors.size() && tensors[i + 1].shard > 0 && tensors[i + 1].name() == tensors[i].name();
+  return !tensors[i].chunk && i + 1 < tensors.size() && tensors[i + 1].shard > 0 &&
+         tensors[i + 1].name() == tensors[i].name();
+}
+
+// Whether the tensor is a DCP chunk after its name's first, which whole_source joins in.
+bool later_chunk(const storage::TensorInfo& info) { return info.chunk && info.shard > 0; }
+
+// Chunks that tile a box joined into it: split along the first dimension from `dim` on in
+// which they lie at several offsets, each slab joined along the next, then cat. The chunks of
+// DTensor placements (FSDP's rows, tensor parallelism's columns) form such a grid.
+ExprPtr join_chunks(std::vector<const storage::TensorInfo*> chunks, size_t dim, uint32_t count) {
+  if (chunks.size() == 1) return source_of(*chunks[0], count);
+  const size_t rank = chunks[0]->shape.size();
+  for (; dim < rank; ++dim) {
+    std::map<int64_t, std::vector<const storage::TensorInfo*>> slabs;
+    for (const auto* chunk : chunks) slabs[chunk->chunk_offsets[dim]].push_back(chunk);
+    if (slabs.size() == 1) continue;
+    std::vector<ExprPtr> parts;
+    for (auto& [offset, slab] : slabs) {
+      for (const auto* chunk : slab)
+        if (chunk->shape[dim] != slab[0]->shape[dim])
+          throw Error("the chunks of " + quote(chunk->name()) + " do not form a grid (at offset " +
+                      std::to_string(offset) + " of dimension " + std::to_string(dim) + " they are " +
+                      std::to_string(slab[0]->shape[dim]) + " and " + std::to_string(chunk->shape[dim]) +
+                      " long); vramd joins grids only");
+      parts.push_back(join_chunks(std::move(slab), dim + 1, count));
+    }
+    return cat(parts, static_cast<int64_t>(dim));
+  }
+  throw Error("the chunks of " + quote(chunks[0]->name()) + " lie at one place");  // DiskMap refuses overlaps
 }
 
 // Raises "<what>: 2 files hold a slice of 'x' (a.pth, b.pth); ...", the script's line first.
@@ -40,6 +70,18 @@ int sharded_error(lua_State* L, const storage::DiskMap& map, const std::string& 
   return luaL_error(L, "%s: %d files hold a slice of %s (%s); src:shards(name) gives each, for cat to join",
                     what.c_str(), static_cast<int>(shards.size()), quote(name).c_str(), files.c_str());
 }
+
+}  // namespace
+
+ExprPtr whole_source(const storage::DiskMap& map, const storage::TensorInfo& info) {
+  if (!info.chunk) return source_of(info);
+  const auto chunks = map.shards(info.name());
+  std::vector<const storage::TensorInfo*> all;
+  for (const auto& chunk : chunks) all.push_back(&chunk);
+  return join_chunks(std::move(all), 0, static_cast<uint32_t>(chunks.size()));
+}
+
+namespace {
 
 // string.find and string.gsub, for the rules rename() leaves to Lua (see rename_in_lua).
 constexpr const char* kStringFunctions = "return string.find, string.gsub";
@@ -208,16 +250,19 @@ struct Source {
 
 Source& check_source(lua_State* L, int index) { return *static_cast<Source*>(luaL_checkudata(L, index, kSourceType)); }
 
-void push_source_tensor(lua_State* L, const storage::TensorInfo& info, int metatable = 0) {
-  push_tensor(L, source_of(info), metatable);
+void push_source_tensor(lua_State* L, const Source& source, const storage::TensorInfo& info, int metatable = 0) {
+  guarded(L, [&] {
+    push_tensor(L, whole_source(*source.map, info), metatable);
+    return 0;
+  });
 }
 
 // The tensor of that name, for src[name] and src:get(name); false when there is none.
 bool push_source_tensor(lua_State* L, Source& source, const std::string& name, bool get) {
   const auto shards = source.map->shards(name);
-  if (shards.size() > 1)
+  if (shards.size() > 1 && !shards.front().chunk)
     sharded_error(L, *source.map, get ? "src:get(" + quote(name) + ")" : "src[" + quote(name) + "]", name);
-  if (!shards.empty()) push_source_tensor(L, shards.front());
+  if (!shards.empty()) push_source_tensor(L, source, shards.front());
   return !shards.empty();
 }
 
@@ -256,6 +301,12 @@ int source_shards(lua_State* L) {
   const auto shards = source.map->shards(name);
   if (shards.empty())
     return luaL_error(L, "src:shards(%s): the checkpoint has no tensor of that name", quote(name).c_str());
+  if (shards.front().chunk) {  // a DCP tensor: its chunks joined, as one slice
+    lua_createtable(L, 1, 0);
+    push_source_tensor(L, source, shards.front());
+    lua_rawseti(L, -2, 1);
+    return 1;
+  }
   lua_createtable(L, static_cast<int>(shards.size()), 0);
   for (size_t i = 0; i < shards.size(); ++i) {
     push_tensor(L, source_of(shards[i], static_cast<uint32_t>(shards.size())));
@@ -268,13 +319,14 @@ int source_next(lua_State* L) {
   const auto& source = *static_cast<const Source*>(lua_touserdata(L, lua_upvalueindex(1)));
   auto position = static_cast<size_t>(lua_tonumber(L, lua_upvalueindex(2)));
   const auto tensors = source.map->tensors();
+  while (position < tensors.size() && later_chunk(tensors[position])) ++position;
   if (position >= tensors.size()) return 0;
   if (sharded_at(tensors, position)) return sharded_error(L, *source.map, "src:items()", tensors[position].name());
   lua_pushnumber(L, static_cast<lua_Number>(position + 1));
   lua_replace(L, lua_upvalueindex(2));
   const auto name = tensors[position].name();
   lua_pushlstring(L, name.data(), name.size());
-  push_source_tensor(L, tensors[position], lua_upvalueindex(3));
+  push_source_tensor(L, source, tensors[position], lua_upvalueindex(3));
   return 2;
 }
 int source_items(lua_State* L) {
@@ -444,6 +496,7 @@ int source_renamed(lua_State* L) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& info = tensors[i];
     const auto name = info.name();
+    if (later_chunk(info)) continue;
     if (sharded_at(tensors, i)) return sharded_error(L, *source.map, "src:renamed", name);
     if (std::none_of(rules.begin(), rules.end(), [&](const RenameRule& rule) { return push_renamed(L, name, rule); }))
       lua_pushlstring(L, name.data(), name.size());  // [..., target]
@@ -455,7 +508,7 @@ int source_renamed(lua_State* L) {
                         quote(name).c_str(), quote(string_at(L, -2)).c_str());
     }
     lua_pop(L, 1);
-    push_source_tensor(L, info, metatable);
+    push_source_tensor(L, source, info, metatable);
     lua_rawset(L, out);
   }
   lua_settop(L, out);
@@ -632,7 +685,7 @@ ConversionPlan run_converter(const std::string& script_path, const storage::Disk
 ConversionPlan identity_plan(const storage::DiskMap& map) {
   ConversionPlan plan;
   for (const auto& info : map.tensors())
-    plan.tensors.push_back({std::string(info.name()), source_of(info)});
+    if (!later_chunk(info)) plan.tensors.push_back({std::string(info.name()), whole_source(map, info)});
   return plan;
 }
 

@@ -14,6 +14,7 @@
 #include "storage/file.hpp"
 #include "storage/gguf.hpp"
 #include "storage/safetensors_header.hpp"
+#include "storage/state_dict_pickle.hpp"
 #include "storage/torch_pickle.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -52,7 +53,10 @@ struct Part {
   std::string path;
   std::string index;  // the index.json that named this shard, if any
   std::optional<std::set<std::string>> only;
+  bool dcp = false;  // path is a DCP folder's .metadata
 };
+
+constexpr const char* kDcpMetadata = ".metadata";
 
 std::vector<std::string> sorted_matches(const fs::path& folder, std::string_view suffix) {
   std::vector<std::string> found;
@@ -112,6 +116,10 @@ bool is_meta_shard(const std::string& path) {
 // one chosen are left out with a warning; several and none chosen is an error saying how to
 // name them.
 void add_folder(const std::string& folder, std::vector<Part>& parts, std::vector<std::string>& warnings) {
+  if (fs::is_regular_file(fs::path(folder) / kDcpMetadata)) {
+    parts.push_back(Part{(fs::path(folder) / kDcpMetadata).string(), {}, std::nullopt, true});
+    return;
+  }
   const auto index = [&](const char* suffix) {
     auto indexes = sorted_matches(folder, suffix);
     if (indexes.size() > 1)
@@ -180,7 +188,7 @@ void add_source(const std::string& source, std::vector<Part>& parts, std::vector
   if (ec || !fs::exists(status)) fail(source, "no such file or folder");
   if (fs::is_directory(status)) return add_folder(source, parts, warnings);
   if (ends_with(source, ".index.json")) return add_index(source, parts);
-  parts.push_back(Part{source, {}, std::nullopt});
+  parts.push_back(Part{source, {}, std::nullopt, fs::path(source).filename() == kDcpMetadata});
 }
 
 // A file's first four bytes (fewer for a shorter file): what it is, whatever its name.
@@ -297,6 +305,143 @@ FileIndex index_file(const std::string& path, const File& file, CheckpointFile& 
   }
 }
 
+// Whether two chunks of one tensor share an element.
+bool overlap(const TensorInfo& a, const TensorInfo& b) {
+  for (size_t d = 0; d < a.shape.size(); ++d)
+    if (a.chunk_offsets[d] >= b.chunk_offsets[d] + b.shape[d] || b.chunk_offsets[d] >= a.chunk_offsets[d] + a.shape[d])
+      return false;
+  return true;
+}
+
+constexpr size_t kMaxDcpChunks = 4096;  // of one tensor: its chunks are checked pairwise
+
+// A torch.distributed.checkpoint folder: .metadata (storage/state_dict_pickle.hpp) says which
+// chunks make each tensor and where each lies, in __R_W.distcp files that hold either one
+// torch.save archive a chunk or a safetensors file. Each chunk becomes a shard of its name, read
+// where it lies; the chunks of a name must tile its shape (no gap, no overlap). Errors name the
+// file at fault.
+void add_dcp(const Part& part, DiskMap::Impl& map, const DiskMapOptions& options, uint64_t& keys_seen,
+             std::vector<std::string>& sample_keys) {
+  const File metadata_file(part.path);
+  if (metadata_file.size() > kMaxDataPklBytes)
+    fail(part.path, "is " + format_bytes(metadata_file.size()) + ", more than the " + format_bytes(kMaxDataPklBytes) +
+                        " a DCP .metadata may be");
+  std::string raw(metadata_file.size(), '\0');
+  metadata_file.read({reinterpret_cast<std::byte*>(raw.data()), raw.size()}, 0);
+  DcpMetadata metadata;
+  try {
+    metadata = read_dcp_metadata(raw);
+  } catch (const Error& e) {
+    fail(part.path, e.what());
+  }
+  const fs::path folder = fs::path(part.path).parent_path();
+  std::map<std::string, uint32_t> opened;  // chunk file -> index in map.files
+  std::map<uint32_t, SafetensorsHeader> headers;
+  const auto open_file = [&](const std::string& name, const std::string& tensor) -> uint32_t {
+    if (const auto found = opened.find(name); found != opened.end()) return found->second;
+    const std::string path = (folder / name).string();
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec))
+      fail(part.path, "names the chunk file " + quote(name) + " (for " + quote(tensor) + "), which is not in " +
+                          folder.string());
+    auto handle = std::make_unique<File>(path);
+    const auto index = static_cast<uint32_t>(map.files.size());
+    CheckpointFile info{path, looks_like_zip(magic(*handle)) ? FileFormat::TorchPickle : FileFormat::Safetensors,
+                        handle->size(), {}};
+    if (info.format == FileFormat::Safetensors) try {
+        headers.emplace(index, read_safetensors_header(handle->fd(), handle->size()));
+      } catch (const ReadFailure&) {
+        throw;
+      } catch (const Error& e) {
+        fail(path, std::string(e.what()) + " (neither a torch.save chunk nor a safetensors file)");
+      }
+    map.files.push_back(std::move(info));
+    map.handles.push_back(std::move(handle));
+    opened.emplace(name, index);
+    return index;
+  };
+
+  for (auto& tensor : metadata.tensors) {
+    ++keys_seen;
+    if (sample_keys.size() < 3) sample_keys.push_back(tensor.name);
+    if (!tensor.name.starts_with(options.prefix)) continue;
+    const auto prefix_length = options.strip_prefix ? static_cast<uint32_t>(options.prefix.size()) : 0;
+    if (prefix_length > 0 && tensor.name.size() == prefix_length)
+      fail(part.path, "key " + quote(tensor.name) + " equals the prefix, which leaves it no name");
+    if (tensor.chunks.size() > kMaxDcpChunks)
+      fail(part.path, quote(tensor.name) + " is saved in " + std::to_string(tensor.chunks.size()) + " chunks, more than " +
+                          std::to_string(kMaxDcpChunks) + " (the limit)");
+    const size_t first = map.tensors.size();
+    uint64_t covered = 0;
+    for (const auto& chunk : tensor.chunks) {
+      const uint64_t elements = element_count(chunk.sizes);
+      if (elements == 0) continue;  // an empty rank's chunk: nothing to read
+      const uint32_t file = open_file(chunk.file, tensor.name);
+      const CheckpointFile& info = map.files[file];
+      const std::string what = "the chunk of " + quote(tensor.name) + " at " + format_shape(chunk.offsets);
+      const std::string bytes_text = "bytes [" + std::to_string(chunk.offset) + ", " + std::to_string(chunk.offset + chunk.length) + ")";
+      if (chunk.offset > info.size || chunk.length > info.size - chunk.offset)
+        fail(info.path, what + " spans " + bytes_text + ", past the file's " + std::to_string(info.size) + " bytes");
+      TensorRecord record;
+      uint64_t base = 0;
+      if (info.format == FileFormat::TorchPickle) {
+        const auto bytes = map.handles[file]->mapping().subspan(chunk.offset, chunk.length);
+        PickleIndex index;
+        try {
+          index = index_torch_pickle({reinterpret_cast<const char*>(bytes.data()), bytes.size()}, "", PickleRoot::Tensor);
+          map.handles[file]->check_mappings();
+        } catch (const ReadFailure&) {
+          throw;
+        } catch (const Error& e) {
+          map.handles[file]->check_mappings();
+          fail(info.path, what + ", " + bytes_text + ": " + e.what());
+        }
+        if (index.tensors.size() != 1) fail(info.path, what + ", " + bytes_text + ": not one contiguous tensor");
+        record = std::move(index.tensors[0]);
+        base = chunk.offset;
+      } else {
+        const auto& header = headers.at(file);
+        const auto found = std::find_if(header.tensors.begin(), header.tensors.end(),
+                                        [&](const TensorRecord& r) { return r.name == tensor.name; });
+        if (found == header.tensors.end()) fail(info.path, "holds no tensor " + quote(tensor.name) + " for " + what);
+        if (chunk.offset != 0 || chunk.length != found->end - found->begin)
+          fail(info.path, what + " is " + bytes_text + " of its tensor, which holds " +
+                              std::to_string(found->end - found->begin));
+        record = *found;
+        base = header.data_offset;
+      }
+      if (record.dtype != tensor.dtype || record.shape != chunk.sizes)
+        fail(info.path, what + " holds " + std::string(dtype_name(record.dtype)) + " " + format_shape(record.shape) +
+                            "; the .metadata says " + std::string(dtype_name(tensor.dtype)) + " " +
+                            format_shape(chunk.sizes));
+      TensorInfo out;
+      out.key = tensor.name;
+      out.prefix_length = prefix_length;
+      out.dtype = tensor.dtype;
+      out.shape = chunk.sizes;
+      out.file = file;
+      out.offset = base + record.begin;
+      out.nbytes = record.end - record.begin;
+      out.chunk = true;
+      out.chunk_offsets = chunk.offsets;
+      out.whole = tensor.shape;
+      for (size_t i = first; i < map.tensors.size(); ++i)
+        if (overlap(map.tensors[i], out))
+          fail(part.path, what + " overlaps the one at " + format_shape(map.tensors[i].chunk_offsets));
+      covered += elements;
+      map.total_bytes += out.nbytes;
+      map.tensors.push_back(std::move(out));
+    }
+    if (covered != element_count(tensor.shape))
+      fail(part.path, "the chunks of " + quote(tensor.name) + " cover " + std::to_string(covered) + " of its " +
+                          std::to_string(element_count(tensor.shape)) + " elements " + format_shape(tensor.shape) +
+                          ": a chunk is missing");
+  }
+  if (metadata.skipped)
+    map.warnings.push_back(part.path + ": " + std::to_string(metadata.skipped) +
+                           " entries that are not tensors (training state) were left out");
+}
+
 }  // namespace
 
 DiskMap DiskMap::open(const std::string& source, const DiskMapOptions& options) {
@@ -313,6 +458,10 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
 
   Indexer indexer{*impl, options, 0, {}};
   for (const auto& part : parts) {
+    if (part.dcp) {
+      add_dcp(part, *impl, options, indexer.keys_seen, indexer.sample_keys);
+      continue;
+    }
     auto handle = std::make_unique<File>(part.path);
     CheckpointFile info{part.path, FileFormat::Safetensors, handle->size(), {}};
     auto index = index_file(part.path, *handle, info, options, impl->warnings);
@@ -335,6 +484,10 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
     auto& tensor = impl->tensors[i];
     if (earlier.name() != tensor.name()) continue;
     const auto& path = impl->files[tensor.file].path;
+    if (earlier.chunk && tensor.chunk && earlier.whole == tensor.whole) {  // chunks of one DCP tensor
+      tensor.shard = earlier.shard + 1;
+      continue;
+    }
     if (earlier.file == tensor.file) fail(path, "holds the key " + quote(tensor.key) + " twice");
     if (!options.shards)
       fail(path, "holds the key " + quote(tensor.key) + ", which " + impl->files[earlier.file].path +

@@ -4,7 +4,9 @@
 // Sources: a safetensors file, an index.json, a glob (every match), a list of these, or a folder
 // read as Hugging Face reads one (its index, else model.safetensors or its only .safetensors...:
 // add_folder in disk_map.cpp). PyTorch zip checkpoints are indexed lazily (storage/torch_pickle.hpp),
-// GGUF files by their header (storage/gguf.hpp); a file's format is told by its first bytes.
+// GGUF files by their header (storage/gguf.hpp); a file's format is told by its first bytes. A
+// folder with a .metadata is a torch.distributed.checkpoint (DCP) save, as FSDP trainers write:
+// its chunks, in torch.save or safetensors form, become the shards of their names (add_dcp).
 //
 // A prefix restricts the map to one model inside files that hold several: only keys that
 // start with it are indexed, and it is stripped from their names unless asked to be kept.
@@ -46,6 +48,11 @@ struct TensorInfo {
   uint32_t shard = 0;   // which of the files that hold this name it comes from, in file order (DiskMapOptions::shards)
   uint64_t offset = 0;  // absolute byte offset of the data in that file
   uint64_t nbytes = 0;
+  // A chunk of a tensor that a torch.distributed.checkpoint folder saves in pieces: where it
+  // lies in the whole tensor, of shape `whole`. The map lists a name's chunks as its shards,
+  // checked to tile the whole exactly; convert::whole_source joins them.
+  bool chunk = false;
+  std::vector<int64_t> chunk_offsets, whole;
 
   // The name the map serves: the key, less the prefix when it is stripped.
   std::string_view name() const { return std::string_view(key).substr(prefix_length); }

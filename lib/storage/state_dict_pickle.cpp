@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <deque>
+#include <map>
 #include <span>
 #include <unordered_map>
 #include <unordered_set>
@@ -13,7 +14,7 @@
 namespace vramd::storage {
 namespace {
 
-enum class Kind : uint8_t { None, Bool, Int, Float, Str, Tuple, List, Dict, Global, Storage, Tensor, Other };
+enum class Kind : uint8_t { None, Bool, Int, Float, Str, Tuple, List, Dict, Global, Storage, Tensor, Object, Other };
 
 // The globals torch.load(weights_only=True) allows that vramd reads; any other global is refused
 // where it is named, and a global torch allows but vramd does not read is refused when called.
@@ -21,7 +22,14 @@ enum class Callable : uint8_t {
   OrderedDict, Counter, Parameter, Size, Device, Encode, Bytearray, Set, Complex, Layout,
   DTypeName, TypedStorage, UntypedStorage, RebuildTensor, RebuildTensorV2, RebuildTensorV3,
   RebuildParameter, RebuildParameterWithState, RebuildFromTypeV2, TensorType, Unread,
+  // A DCP .metadata's: its dataclasses (built by NEWOBJ, filled by BUILD), its memory-format
+  // enum and the path it records (both read as opaque values).
+  DcpClass, DcpEnum, Path,
 };
+
+// What a pickle is: a torch.save checkpoint's data.pkl (protocol 2, torch.load(weights_only=True)'s
+// rules), or a torch.distributed.checkpoint folder's .metadata (protocol 4, DCP's dataclasses).
+enum class Dialect : uint8_t { DataPkl, DcpMetadata };
 
 struct Value {
   Kind kind = Kind::None;
@@ -31,7 +39,8 @@ struct Value {
   uint32_t index = 0;                    // Storage, Tensor: into the unpickler's tables
   int64_t number = 0;                    // Int, Bool
   std::string_view text, name;           // Str; Global: module and name; Other: what it is
-  std::vector<Value*> items;             // Tuple, List; Dict: key, value, key, value, ...
+  std::vector<Value*> items;             // Tuple, List; Dict: key, value, key, value, ...;
+                                         // Object: its BUILD state (a dict or a tuple), or none
 };
 
 std::string describe(const Value& value) {
@@ -47,6 +56,7 @@ std::string describe(const Value& value) {
     case Kind::Global: return std::string(value.text) + "." + std::string(value.name);
     case Kind::Storage: return "storage";
     case Kind::Tensor: return "tensor";
+    case Kind::Object: return std::string(value.name);
     case Kind::Other: return std::string(value.text);
   }
   return "value";
@@ -84,6 +94,25 @@ constexpr AllowedGlobal kGlobals[] = {
     {"torch._utils", "_rebuild_device_tensor_from_numpy", Callable::Unread},
     {"torch._utils", "_rebuild_device_tensor_from_cpu_tensor", Callable::Unread},
     {"torch.storage", "TypedStorage", Callable::Unread},
+};
+
+// The globals a DCP .metadata may name beyond torch's dtypes, torch.Size and the layout getter:
+// exactly the classes torch.distributed.checkpoint writes there.
+constexpr AllowedGlobal kDcpGlobals[] = {
+    {"torch.distributed.checkpoint.metadata", "Metadata", Callable::DcpClass},
+    {"torch.distributed.checkpoint.metadata", "TensorStorageMetadata", Callable::DcpClass},
+    {"torch.distributed.checkpoint.metadata", "BytesStorageMetadata", Callable::DcpClass},
+    {"torch.distributed.checkpoint.metadata", "ChunkStorageMetadata", Callable::DcpClass},
+    {"torch.distributed.checkpoint.metadata", "TensorProperties", Callable::DcpClass},
+    {"torch.distributed.checkpoint.metadata", "MetadataIndex", Callable::DcpClass},
+    {"torch.distributed.checkpoint.metadata", "StorageMeta", Callable::DcpClass},
+    {"torch.distributed.checkpoint.filesystem", "_StorageInfo", Callable::DcpClass},
+    {"torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", Callable::DcpEnum},
+    {"pathlib", "PosixPath", Callable::Path},
+    {"pathlib", "PurePosixPath", Callable::Path},
+    {"torch", "Size", Callable::Size},
+    {"torch.serialization", "_get_layout", Callable::Layout},
+    {"collections", "OrderedDict", Callable::OrderedDict},
 };
 
 // The legacy torch.<Name>Storage classes (torch.<dtype> names: storage::parse_torch_dtype).
@@ -124,7 +153,7 @@ struct TensorEntry {
 // A pickle machine that knows only what torch.load(weights_only=True) knows.
 class Unpickler {
  public:
-  explicit Unpickler(std::string_view data) : data_(data) {
+  Unpickler(std::string_view data, Dialect dialect) : data_(data), dialect_(dialect) {
     none_.kind = Kind::None;
     true_.kind = false_.kind = Kind::Bool;
     true_.number = 1;
@@ -168,28 +197,64 @@ class Unpickler {
         case 's': { Value* items[2]; items[1] = pop(); items[0] = pop(); add_items(dict_target("SETITEM"), items); break; }
         case 'u': { auto items = pop_mark(); if (items.size() % 2) refuse("SETITEMS with an odd number of items");
                     add_items(dict_target("SETITEMS"), items); break; }
-        case 'c': global(); break;
+        case 'c': {  // GLOBAL
+          std::string_view module = line();
+          global(module, line());
+          break;
+        }
         case 'R': { Value* args = pop(); Value* callable = pop(); push(call(*callable, *args)); break; }  // REDUCE
         case 0x81: { Value* args = pop(); Value* cls = pop(); push(new_object(*cls, *args)); break; }   // NEWOBJ
         case 'b': { Value* state = pop(); build(*top(), *state); break; }                                // BUILD
         case 'Q': push(persistent(*pop())); break;  // BINPERSID
+        case 0x95:  // FRAME: a hint of the next frame's length, in protocol 4
+          if (dialect_ != Dialect::DcpMetadata) refuse_opcode(op);
+          little(8);
+          break;
+        case 0x8c:  // SHORT_BINUNICODE
+          if (dialect_ != Dialect::DcpMetadata) refuse_opcode(op);
+          push(text(bytes(byte())));
+          break;
+        case 0x8d:  // BINUNICODE8
+          if (dialect_ != Dialect::DcpMetadata) refuse_opcode(op);
+          push(text(bytes(little(8))));
+          break;
+        case 0x94:  // MEMOIZE: the next slot
+          if (dialect_ != Dialect::DcpMetadata) refuse_opcode(op);
+          remember(memo_.size());
+          break;
+        case 0x93: {  // STACK_GLOBAL
+          if (dialect_ != Dialect::DcpMetadata) refuse_opcode(op);
+          const Value* name = pop();
+          const Value* module = pop();
+          global(as_text(*module, "STACK_GLOBAL's module"), as_text(*name, "STACK_GLOBAL's name"));
+          break;
+        }
         case 'q': remember(little(1)); break;       // BINPUT
         case 'r': remember(little(4)); break;       // LONG_BINPUT
         case 'h': push(recall(little(1))); break;   // BINGET
         case 'j': push(recall(little(4))); break;   // LONG_BINGET
-        default: {
-          std::string name = "0x" + hex(op);
-          for (const auto& [code, opcode] : kRefusedOpcodes)
-            if (code == op) name = std::string(opcode) + " (0x" + hex(op) + ")";
-          refuse("opcode " + name + " is refused, as torch.load(weights_only=True) refuses it");
-        }
+        default: refuse_opcode(op);
       }
     }
   }
 
   // "data.pkl at byte N: what", N the offset of the opcode being run.
   [[noreturn]] void refuse(const std::string& what) const {
-    throw Error("data.pkl at byte " + std::to_string(op_at_) + ": " + what);
+    throw Error(std::string(dialect_ == Dialect::DcpMetadata ? ".metadata" : "data.pkl") + " at byte " +
+                std::to_string(op_at_) + ": " + what);
+  }
+
+  [[noreturn]] void refuse_opcode(uint8_t op) const {
+    std::string name = "0x" + hex(op);
+    for (const auto& [code, opcode] : kRefusedOpcodes)
+      if (code == op) name = std::string(opcode) + " (0x" + hex(op) + ")";
+    refuse("opcode " + name + (dialect_ == Dialect::DcpMetadata ? " is not one a DCP .metadata holds; refused"
+                                                                : " is refused, as torch.load(weights_only=True) refuses it"));
+  }
+
+  std::string_view as_text(const Value& value, const char* what) {
+    if (value.kind != Kind::Str) refuse(std::string(what) + " is a " + describe(value) + ", not a str");
+    return value.text;
   }
 
  private:
@@ -325,18 +390,27 @@ class Unpickler {
     return memo_[slot];
   }
 
-  void global() {
-    std::string_view module = line();
-    const std::string_view name = line();
+  void global(std::string_view module, std::string_view name) {
     if (module == "__builtin__") module = "builtins";  // protocol 2 spells it the Python 2 way
     Value* value = make(Kind::Global);
     value->text = module;
     value->name = name;
-    for (const auto& allowed : kGlobals)
+    const bool dcp = dialect_ == Dialect::DcpMetadata;
+    for (const auto& allowed : dcp ? std::span<const AllowedGlobal>(kDcpGlobals) : std::span<const AllowedGlobal>(kGlobals))
       if (allowed.module == module && allowed.name == name) {
         value->callable = allowed.callable;
         return push(value);
       }
+    if (dcp) {
+      if (module == "torch")
+        if (const auto dtype = parse_torch_dtype(name)) {
+          value->callable = Callable::DTypeName;
+          value->dtype = *dtype;
+          return push(value);
+        }
+      refuse("global " + quote(std::string(module) + "." + std::string(name)) +
+             " is not one of the classes torch.distributed.checkpoint writes in its .metadata; refused without loading it");
+    }
     if (module == "torch") {
       if (const auto dtype = parse_torch_dtype(name)) {
         value->callable = Callable::DTypeName;
@@ -358,10 +432,6 @@ class Unpickler {
   int64_t as_int(const Value& value, const char* what) {
     if (value.kind != Kind::Int) refuse(std::string(what) + " is a " + describe(value) + ", not an int");
     return value.number;
-  }
-  std::string_view as_text(const Value& value, const char* what) {
-    if (value.kind != Kind::Str) refuse(std::string(what) + " is a " + describe(value) + ", not a str");
-    return value.text;
   }
   std::vector<int64_t> int_tuple(const Value& value, const char* what) {
     if (value.kind != Kind::Tuple) refuse(std::string(what) + " is a " + describe(value) + ", not a tuple");
@@ -444,6 +514,13 @@ class Unpickler {
         return tensor;
       }
       case Callable::Parameter: return new_object(callable, args);
+      case Callable::DcpEnum:
+        arity(args, name, 1, 1);
+        as_int(arg(args, 0), "a memory format");
+        return other("memory_format");
+      case Callable::Path:
+        for (const Value* part : args.items) as_text(*part, "a part of a path");
+        return other("path");
       case Callable::Unread:
         refuse("calls " + name + ", which torch allows but vramd does not read (quantized, sparse, meta or subclass "
                "tensors); refused");
@@ -478,6 +555,12 @@ class Unpickler {
   }
 
   Value* new_object(const Value& cls, const Value& args) {
+    if (cls.kind == Kind::Global && cls.callable == Callable::DcpClass) {
+      if (args.kind != Kind::Tuple || !args.items.empty()) refuse("NEWOBJ of " + describe(cls) + " with arguments");
+      Value* object = make(Kind::Object);
+      object->name = cls.name;
+      return object;
+    }
     if (cls.kind != Kind::Global || cls.callable != Callable::Parameter)
       refuse("NEWOBJ of " + describe(cls) + "; only torch.nn.Parameter is built this way");
     if (args.kind != Kind::Tuple || args.items.empty() || args.items.size() > 2 || arg(args, 0).kind != Kind::Tensor ||
@@ -488,7 +571,16 @@ class Unpickler {
 
   // torch's weights_only BUILD sets an OrderedDict's attributes (its _metadata); a legacy
   // tensor or Parameter state would change what the tensor holds, which vramd does not model.
-  void build(const Value& target, const Value& state) {
+  void build(Value& target, Value& state) {
+    if (target.kind == Kind::Object) {  // a DCP dataclass: its fields, by name or in order
+      if (!target.items.empty()) refuse("BUILD on " + describe(target) + " twice");
+      if (state.kind != Kind::Dict && state.kind != Kind::Tuple)
+        refuse("BUILD on " + describe(target) + " with a " + describe(state) + " of fields");
+      for (size_t i = 0; state.kind == Kind::Dict && i < state.items.size(); i += 2)
+        as_text(*state.items[i], "a field name");
+      target.items = {&state};
+      return;
+    }
     if (target.kind != Kind::Dict || !target.ordered)
       refuse("BUILD on a " + describe(target) + "; only an OrderedDict's attributes may be set");
     if (state.kind == Kind::None) return;
@@ -610,6 +702,7 @@ class Unpickler {
   std::deque<Value> arena_;  // owns every value: a pickle may build cycles
   Value none_, true_, false_;
   std::string_view data_;
+  Dialect dialect_;
   size_t position_ = 0, op_at_ = 0, objects_ = 0;
   std::vector<Value*> stack_;
   std::vector<size_t> marks_;
@@ -681,15 +774,150 @@ class Flattener {
   size_t entries_ = 0, name_bytes_ = 0;
 };
 
+// Reads DCP's dataclasses out of the values a .metadata pickle built.
+class DcpReader {
+ public:
+  DcpMetadata read(const Value& root) {
+    const Value& metadata = object(root, "Metadata", "the pickle");
+    std::map<std::pair<std::string_view, std::vector<int64_t>>, DcpChunk> stored;
+    for_items(field(metadata, "storage_data"), "storage_data", [&](const Value& key, const Value& value) {
+      const Value& index = object(key, "MetadataIndex", "a storage_data key");
+      const std::string_view fqn = text(field(index, "fqn"), "MetadataIndex.fqn");
+      const Value* at = find(index, "offset");
+      if (!at || at->kind == Kind::None) return;  // a bytes entry's
+      const Value& info = object(value, "_StorageInfo", "storage_data of " + quote(fqn));
+      DcpChunk chunk;
+      chunk.file = std::string(text(field(info, "relative_path"), "_StorageInfo.relative_path"));
+      if (chunk.file.empty() || chunk.file == "." || chunk.file == ".." || chunk.file.find('/') != std::string::npos ||
+          chunk.file.find('\0') != std::string::npos)
+        throw Error(".metadata: the chunk of " + quote(fqn) + " is in " + quote(chunk.file) +
+                    ", which is not a file in the checkpoint's folder");
+      chunk.offset = natural(field(info, "offset"), "_StorageInfo.offset");
+      chunk.length = natural(field(info, "length"), "_StorageInfo.length");
+      if (const Value* transforms = find(info, "transform_descriptors");
+          transforms && transforms->kind != Kind::None && !transforms->items.empty())
+        throw Error(".metadata: the chunk of " + quote(fqn) + " in " + chunk.file +
+                    " was saved through transforms (compression); vramd reads plain chunks only");
+      if (!stored.emplace(std::pair{fqn, ints(*at, "MetadataIndex.offset")}, std::move(chunk)).second)
+        throw Error(".metadata: storage_data lists a chunk of " + quote(fqn) + " twice");
+    });
+
+    DcpMetadata out;
+    for_items(field(metadata, "state_dict_metadata"), "state_dict_metadata", [&](const Value& key, const Value& value) {
+      const std::string_view name = text(key, "a state_dict_metadata key");
+      if (value.kind == Kind::Object && value.name == "BytesStorageMetadata") {
+        ++out.skipped;
+        return;
+      }
+      const Value& meta = object(value, "TensorStorageMetadata", "state_dict_metadata of " + quote(name));
+      DcpTensor tensor;
+      tensor.name = std::string(name);
+      const Value& properties = object(field(meta, "properties"), "TensorProperties", "properties of " + quote(name));
+      const Value& state = *properties.items.at(0);
+      const Value& dtype = state.kind == Kind::Tuple ? (state.items.empty() ? none() : *state.items[0]) : field(properties, "dtype");
+      if (dtype.kind != Kind::Global || dtype.callable != Callable::DTypeName)
+        throw Error(".metadata: the dtype of " + quote(name) + " is a " + describe(dtype) + ", not one vramd reads");
+      tensor.dtype = dtype.dtype;
+      tensor.shape = ints(field(meta, "size"), "the size of " + quote(name));
+      for (int64_t size : tensor.shape)
+        if (size < 0) throw Error(".metadata: " + quote(name) + " has a negative size in " + format_shape(tensor.shape));
+      const Value& chunks = field(meta, "chunks");
+      if (chunks.kind != Kind::List) throw Error(".metadata: the chunks of " + quote(name) + " are a " + describe(chunks));
+      for (const Value* item : chunks.items) {
+        const Value& chunk = object(*item, "ChunkStorageMetadata", "a chunk of " + quote(name));
+        auto offsets = ints(field(chunk, "offsets"), "a chunk's offsets of " + quote(name));
+        auto sizes = ints(field(chunk, "sizes"), "a chunk's sizes of " + quote(name));
+        const std::string what = "the chunk of " + quote(name) + " at " + format_shape(offsets);
+        bool inside = offsets.size() == tensor.shape.size() && sizes.size() == tensor.shape.size();
+        for (size_t d = 0; inside && d < offsets.size(); ++d)
+          inside = offsets[d] >= 0 && sizes[d] >= 0 && sizes[d] <= tensor.shape[d] && offsets[d] <= tensor.shape[d] - sizes[d];
+        if (!inside)
+          throw Error(".metadata: " + what + " of size " + format_shape(sizes) + " lies outside its shape " +
+                      format_shape(tensor.shape));
+        const auto found = stored.find(std::pair{name, offsets});
+        if (found == stored.end()) throw Error(".metadata: " + what + " has no storage_data entry");
+        DcpChunk placed = found->second;
+        placed.offsets = std::move(offsets);
+        placed.sizes = std::move(sizes);
+        tensor.chunks.push_back(std::move(placed));
+      }
+      out.tensors.push_back(std::move(tensor));
+    });
+    return out;
+  }
+
+ private:
+  static const Value& none() {
+    static const Value value;
+    return value;
+  }
+  static const Value& object(const Value& value, std::string_view cls, const std::string& what) {
+    if (value.kind != Kind::Object || value.name != cls || value.items.empty())
+      throw Error(".metadata: " + what + " is a " + describe(value) + ", not a " + std::string(cls));
+    return value;
+  }
+  // A field of a dataclass whose state is a dict; null when it has none of that name.
+  static const Value* find(const Value& object, std::string_view name) {
+    const Value& state = *object.items[0];
+    if (state.kind != Kind::Dict) return nullptr;
+    for (size_t i = state.items.size(); i >= 2; i -= 2)  // the last of a name, as Python's dict keeps
+      if (state.items[i - 2]->text == name) return state.items[i - 1];
+    return nullptr;
+  }
+  static const Value& field(const Value& object, std::string_view name) {
+    const Value* found = find(object, name);
+    if (!found) throw Error(".metadata: " + describe(object) + " has no field " + quote(name));
+    return *found;
+  }
+  static std::string_view text(const Value& value, const std::string& what) {
+    if (value.kind != Kind::Str) throw Error(".metadata: " + what + " is a " + describe(value) + ", not a str");
+    return value.text;
+  }
+  static uint64_t natural(const Value& value, const std::string& what) {
+    if (value.kind != Kind::Int || value.number < 0)
+      throw Error(".metadata: " + what + " is a " + describe(value) + ", not a whole number");
+    return static_cast<uint64_t>(value.number);
+  }
+  static std::vector<int64_t> ints(const Value& value, const std::string& what) {
+    if (value.kind != Kind::Tuple) throw Error(".metadata: " + what + " is a " + describe(value) + ", not a torch.Size");
+    std::vector<int64_t> out;
+    for (const Value* item : value.items) {
+      if (item->kind != Kind::Int) throw Error(".metadata: " + what + " holds a " + describe(*item) + ", not an int");
+      out.push_back(item->number);
+    }
+    return out;
+  }
+  template <typename Visit>
+  static void for_items(const Value& dict, const char* what, Visit&& visit) {
+    if (dict.kind != Kind::Dict) throw Error(std::string(".metadata: ") + what + " is a " + describe(dict) + ", not a dict");
+    for (size_t i = 0; i < dict.items.size(); i += 2) visit(*dict.items[i], *dict.items[i + 1]);
+  }
+};
+
 }  // namespace
 
-PickledStateDict read_state_dict_pickle(std::string_view data) {
-  Unpickler unpickler(data);  // owns every value until the state dict is flattened
+DcpMetadata read_dcp_metadata(std::string_view data) {
+  Unpickler unpickler(data, Dialect::DcpMetadata);
+  return DcpReader().read(*unpickler.run());
+}
+
+PickledStateDict read_state_dict_pickle(std::string_view data, PickleRoot root_kind) {
+  Unpickler unpickler(data, Dialect::DataPkl);  // owns every value until the state dict is flattened
   const Value* root = unpickler.run();
-  if (root->kind != Kind::Dict) throw Error("data.pkl holds a " + describe(*root) + ", not a state dict");
   PickledStateDict state;
   for (const auto& storage : unpickler.storages)
     state.storages.push_back(PickledStorage{std::string(storage.key), storage.dtype, storage.bytes});
+  if (root_kind == PickleRoot::Tensor) {
+    if (root->kind != Kind::Tensor) throw Error("data.pkl holds a " + describe(*root) + ", not a tensor");
+    Value dict;  // {"": the tensor}
+    dict.kind = Kind::Dict;
+    Value name;
+    name.kind = Kind::Str;
+    dict.items = {&name, const_cast<Value*>(root)};
+    Flattener(unpickler, state).dict("", dict, 0);
+    return state;
+  }
+  if (root->kind != Kind::Dict) throw Error("data.pkl holds a " + describe(*root) + ", not a state dict");
   Flattener(unpickler, state).dict("", *root, 0);
   return state;
 }

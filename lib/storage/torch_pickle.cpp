@@ -7,7 +7,7 @@
 
 namespace vramd::storage {
 
-PickleIndex index_torch_pickle(std::string_view file, std::string_view prefix) {
+PickleIndex index_torch_pickle(std::string_view file, std::string_view prefix, PickleRoot root) {
   if (!file.starts_with("PK\x03\x04"))
     throw Error("not a torch.save zip checkpoint; legacy pre-1.6 files must be re-saved or converted to safetensors");
   const ZipArchive zip(file);
@@ -26,7 +26,7 @@ PickleIndex index_torch_pickle(std::string_view file, std::string_view prefix) {
     if (zip.read(*byteorder, 16, buffer) != "little") throw Error("was saved on a big-endian machine; not supported");
   const ZipMember* pickle = zip.find(folder + "data.pkl");
   if (!pickle) throw Error("has no " + quote(folder + "data.pkl") + ": not a torch.save checkpoint");
-  const auto state = read_state_dict_pickle(zip.read(*pickle, kMaxDataPklBytes, buffer));
+  const auto state = read_state_dict_pickle(zip.read(*pickle, kMaxDataPklBytes, buffer), root);
   if (state.tensors.empty()) throw Error("holds no tensors");
 
   // Every storage the pickle declares must be a stored record that holds it.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "storage/safetensors_header.hpp"
+#include "storage/state_dict_pickle.hpp"
 
 namespace vramd::storage {
 
@@ -28,6 +29,7 @@ struct PickleIndex {
 // refused when its name starts with `prefix`, and counted in `skipped` otherwise. Throws Error
 // (without the path; naming the record, opcode offset or limit) when the file is not such a
 // checkpoint.
-PickleIndex index_torch_pickle(std::string_view file, std::string_view prefix);
+// PickleRoot::Tensor indexes a torch.save of one tensor (a DCP chunk) as the name "".
+PickleIndex index_torch_pickle(std::string_view file, std::string_view prefix, PickleRoot root = PickleRoot::StateDict);
 
 }  // namespace vramd::storage
