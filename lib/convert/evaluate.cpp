@@ -29,7 +29,23 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
     case Expr::Op::Transpose: return input(0).transpose(expr.args[0], expr.args[1]);
     case Expr::Op::Permute: return input(0).permute(expr.args);
     case Expr::Op::Reshape: return input(0).reshape(packed ? storage::packed_shape(*packed, expr.shape) : expr.args);
-    case Expr::Op::Narrow: return input(0).narrow(expr.args[0], expr.args[1], expr.args[2]);
+    case Expr::Op::Narrow: {
+      // Rows of a stored tensor: read those rows alone. A view of the whole would do where the
+      // data is aligned, but a tensor that is not (a DCP chunk inside its archive) is copied,
+      // and the copy would read every row.
+      const Expr& from = *expr.inputs.at(0);
+      if (expr.args[0] == 0 && !packed && from.op == Expr::Op::Source) {
+        storage::TensorInfo rows = map.at(from.source, from.shard);
+        if (storage::dtype_block(rows.dtype) == 1 && !rows.shape.empty() && rows.shape[0] > 0) {
+          const uint64_t row = rows.nbytes / static_cast<uint64_t>(rows.shape[0]);
+          rows.offset += static_cast<uint64_t>(expr.args[1]) * row;
+          rows.nbytes = static_cast<uint64_t>(expr.args[2]) * row;
+          rows.shape[0] = expr.args[2];
+          return storage::load_tensor(map, rows, {.dtype = read_as, .mode = mode});
+        }
+      }
+      return input(0).narrow(expr.args[0], expr.args[1], expr.args[2]);
+    }
     case Expr::Op::Cat:
       if (expr.args[0] == 0 && !packed) {  // sources as stored, one after another: read in place
         std::vector<const storage::TensorInfo*> parts;
