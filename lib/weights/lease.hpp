@@ -19,6 +19,7 @@
 
 namespace vramd::model {
 struct LoadedModel;
+class Model;
 }
 
 namespace vramd::weights {
@@ -69,8 +70,9 @@ struct Manifest {
   std::optional<ManagedPlan> plan;  // a model that rests for its clients
 };
 
-// The plan of a model that rests for its clients, from its layers and config.
-ManagedPlan managed_plan(const model::LoadedModel& loaded, const config::ModelConfig& config);
+// The plan of a model that rests for its clients, from its layers and config: of a loaded
+// model, or of one built without weights (resting bytes then in the model's dtype).
+ManagedPlan managed_plan(const model::Model& model, const config::ModelConfig& config);
 
 // The shared memory of one loaded model, kept beside it for as long as it is loaded.
 class LeaseMemory {

@@ -135,11 +135,11 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name,
   return manifest;
 }
 
-ManagedPlan managed_plan(const model::LoadedModel& loaded, const config::ModelConfig& config) {
-  const c10::ScalarType dtype = state_dtype(config.vram.computation.dtype, loaded.model->dtype());
+ManagedPlan managed_plan(const model::Model& model, const config::ModelConfig& config) {
+  const c10::ScalarType dtype = state_dtype(config.vram.computation.dtype, model.dtype());
   ManagedPlan plan{config.vram.computation.device.str(), convert::dtype_torch_name(storage::dtype_of(dtype)),
                    config.vram.limit, {}};
-  for (const auto& layer : loaded.model->layers()) {
+  for (const auto& layer : model.layers()) {
     ManagedUnit unit{layer->path(), {}, 0, 0};
     for (const auto& p : layer->parameters()) {
       unit.tensors.push_back(p.name);

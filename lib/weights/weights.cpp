@@ -2,6 +2,7 @@
 
 #include "dist/communicator.hpp"
 #include "model/loader.hpp"
+#include "weights/lease.hpp"
 #include "weights/partitioned.hpp"
 #include "weights/resident.hpp"
 #include "weights/source.hpp"
@@ -51,32 +52,32 @@ bool streams(const model::Model& model, const config::ModelConfig& config) {
 
 }  // namespace
 
-// A model that rests for its clients: each client computes one unit (layer) whole at a time, so
-// the limit must hold the largest in the computation dtype.
+namespace {
+
+// A model that rests for its clients (managed_plan): each client computes one unit whole at a
+// time, so the limit must hold the largest in the computation dtype.
 model::VramStats plan_for_clients(const model::Model& model, const config::ModelConfig& config) {
-  const c10::ScalarType computed = state_dtype(config.vram.computation.dtype, model.dtype());
-  const c10::ScalarType resting = state_dtype(config.vram.onload.dtype, model.dtype());
+  const ManagedPlan plan = managed_plan(model, config);
   model::VramStats stats;
-  stats.limit = config.vram.limit.value_or(0);
+  stats.limit = plan.limit.value_or(0);
+  stats.slots = plan.units.size();
   uint64_t largest = 0;
-  for (const auto& layer : model.layers()) {
-    uint64_t bytes = 0;
-    for (const auto& p : layer->parameters())
-      if (!p.tied) bytes += static_cast<uint64_t>(p.elements()) * c10::elementSize(computed);
-    largest = std::max(largest, bytes);
-    stats.total += bytes;
-    stats.slots++;
+  for (const auto& unit : plan.units) {
+    largest = std::max(largest, unit.computed);
+    stats.total += unit.computed;
   }
   if (stats.limit && largest > stats.limit)
     fail(config.path, "vram.limit = " + format_bytes(stats.limit) + " cannot hold the largest unit (" +
-                          format_bytes(largest) + " in " + storage::torch_name(computed) +
+                          format_bytes(largest) + " in " + plan.dtype +
                           "), which each client that manages the model computes whole; raise it to at least that");
-  stats.plan = "rests in host memory in " + storage::torch_name(resting) + " for the clients that manage it: " +
-               counted(stats.slots, "unit") + ", the largest " + format_bytes(largest) + " in " +
-               storage::torch_name(computed) + " on " + config.vram.computation.device.str() +
+  stats.plan = "rests in host memory in " + storage::torch_name(state_dtype(config.vram.onload.dtype, model.dtype())) +
+               " for the clients that manage it: " + counted(stats.slots, "unit") + ", the largest " +
+               format_bytes(largest) + " in " + plan.dtype + " on " + plan.device +
                (stats.limit ? "; limit " + format_bytes(stats.limit) : "");
   return stats;
 }
+
+}  // namespace
 
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config) {
