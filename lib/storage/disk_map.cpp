@@ -221,14 +221,28 @@ struct Indexer {
   uint64_t keys_seen = 0;
   std::vector<std::string> sample_keys;
 
+  // A key the file holds, counted for the error when no key has the prefix.
+  void count(const std::string& key) {
+    ++keys_seen;
+    if (sample_keys.size() < 3) sample_keys.push_back(key);
+  }
+  // Whether the map takes the key (it starts with the prefix). `path`: its file, for the error
+  // when the prefix would leave it no name.
+  bool takes(const std::string& key, const std::string& path) const {
+    if (!key.starts_with(options.prefix)) return false;
+    if (options.strip_prefix && !options.prefix.empty() && key.size() == options.prefix.size())
+      fail(path, "key " + quote(key) + " equals the prefix, which leaves it no name");
+    return true;
+  }
+  uint32_t prefix_length() const { return options.strip_prefix ? static_cast<uint32_t>(options.prefix.size()) : 0; }
+
   void add(const Part& part, std::vector<TensorRecord> records, uint64_t data_offset) {
     const auto file = static_cast<uint32_t>(map.files.size() - 1);
     const std::string& path = map.files.back().path;
     std::set<std::string> missing = part.only.value_or(std::set<std::string>{});
     uint64_t unlisted = 0;
     for (auto& record : records) {
-      ++keys_seen;
-      if (sample_keys.size() < 3) sample_keys.push_back(record.name);
+      count(record.name);
       if (part.only) {
         if (!part.only->count(record.name)) {
           ++unlisted;
@@ -236,11 +250,9 @@ struct Indexer {
         }
         missing.erase(record.name);
       }
-      if (!record.name.starts_with(options.prefix)) continue;
+      if (!takes(record.name, path)) continue;
       TensorInfo info;
-      info.prefix_length = options.strip_prefix ? static_cast<uint32_t>(options.prefix.size()) : 0;
-      if (info.prefix_length > 0 && record.name.size() == info.prefix_length)
-        fail(path, "key " + quote(record.name) + " equals the prefix, which leaves it no name");
+      info.prefix_length = prefix_length();
       info.key = std::move(record.name);
       info.dtype = record.dtype;
       info.shape = std::move(record.shape);
@@ -320,8 +332,8 @@ constexpr size_t kMaxDcpChunks = 4096;  // of one tensor: its chunks are checked
 // torch.save archive a chunk or a safetensors file. Each chunk becomes a shard of its name, read
 // where it lies; the chunks of a name must tile its shape (no gap, no overlap). Errors name the
 // file at fault.
-void add_dcp(const Part& part, DiskMap::Impl& map, const DiskMapOptions& options, uint64_t& keys_seen,
-             std::vector<std::string>& sample_keys) {
+void add_dcp(const Part& part, Indexer& indexer) {
+  DiskMap::Impl& map = indexer.map;
   const File metadata_file(part.path);
   if (metadata_file.size() > kMaxDataPklBytes)
     fail(part.path, "is " + format_bytes(metadata_file.size()) + ", more than the " + format_bytes(kMaxDataPklBytes) +
@@ -362,12 +374,8 @@ void add_dcp(const Part& part, DiskMap::Impl& map, const DiskMapOptions& options
   };
 
   for (auto& tensor : metadata.tensors) {
-    ++keys_seen;
-    if (sample_keys.size() < 3) sample_keys.push_back(tensor.name);
-    if (!tensor.name.starts_with(options.prefix)) continue;
-    const auto prefix_length = options.strip_prefix ? static_cast<uint32_t>(options.prefix.size()) : 0;
-    if (prefix_length > 0 && tensor.name.size() == prefix_length)
-      fail(part.path, "key " + quote(tensor.name) + " equals the prefix, which leaves it no name");
+    indexer.count(tensor.name);
+    if (!indexer.takes(tensor.name, part.path)) continue;
     if (tensor.chunks.size() > kMaxDcpChunks)
       fail(part.path, quote(tensor.name) + " is saved in " + std::to_string(tensor.chunks.size()) + " chunks, more than " +
                           std::to_string(kMaxDcpChunks) + " (the limit)");
@@ -401,9 +409,9 @@ void add_dcp(const Part& part, DiskMap::Impl& map, const DiskMapOptions& options
         base = chunk.offset;
       } else {
         const auto& header = headers.at(file);
-        const auto found = std::find_if(header.tensors.begin(), header.tensors.end(),
-                                        [&](const TensorRecord& r) { return r.name == tensor.name; });
-        if (found == header.tensors.end()) fail(info.path, "holds no tensor " + quote(tensor.name) + " for " + what);
+        const auto found = std::lower_bound(header.tensors.begin(), header.tensors.end(), tensor.name,
+                                            [](const TensorRecord& r, const std::string& name) { return r.name < name; });
+        if (found == header.tensors.end() || found->name != tensor.name) fail(info.path, "holds no tensor " + quote(tensor.name) + " for " + what);
         if (chunk.offset != 0 || chunk.length != found->end - found->begin)
           fail(info.path, what + " is " + bytes_text + " of its tensor, which holds " +
                               std::to_string(found->end - found->begin));
@@ -416,7 +424,7 @@ void add_dcp(const Part& part, DiskMap::Impl& map, const DiskMapOptions& options
                             format_shape(chunk.sizes));
       TensorInfo out;
       out.key = tensor.name;
-      out.prefix_length = prefix_length;
+      out.prefix_length = indexer.prefix_length();
       out.dtype = tensor.dtype;
       out.shape = chunk.sizes;
       out.file = file;
@@ -459,7 +467,7 @@ DiskMap DiskMap::open(const std::vector<std::string>& sources, const DiskMapOpti
   Indexer indexer{*impl, options, 0, {}};
   for (const auto& part : parts) {
     if (part.dcp) {
-      add_dcp(part, *impl, options, indexer.keys_seen, indexer.sample_keys);
+      add_dcp(part, indexer);
       continue;
     }
     auto handle = std::make_unique<File>(part.path);
