@@ -9,7 +9,12 @@ RANKS Gloo processes and saved with dcp.save. Prints each contender's time and p
 kernel's, from wait4), the ratios, and vramd's peak RSS against the goal: the largest tensor
 plus the footprint of vramctl before it reads a weight (vramctl convert without --output, which
 plans the same merge and reads nothing, measured in the same run). The two merged files are compared tensor for tensor.
+
+Then the folder loads partitioned on twice as many ranks as saved it (`vramctl run --ranks`,
+load only): each rank's bytes read of the chunk files (`bytes_read` of --stats-json, counted by
+the reader) against its 1/N of the model.
 """
+import json
 import argparse
 import os
 import socket
@@ -115,6 +120,18 @@ def main():
     print(f"vramd's peak RSS against the goal (largest tensor {largest / MiB:.0f} MiB + vramctl's own "
           f"{footprint / MiB:.0f} MiB before reading): {our_rss / (largest + footprint):.2f}")
     print("the merged files are equal tensor for tensor")
+
+    ranks = 2 * args.ranks
+    config = args.workdir / "reshard.toml"
+    config.write_text(f'name = "reshard"\ncheckpoint = "{folder}"\narchitecture = "weights"\n'
+                      f'[partition]\nworld_size = {ranks}\ntimeout = "120s"\n')
+    stats = args.workdir / "reshard.json"
+    subprocess.run([VRAMCTL, "run", config, "--daemon-config", args.workdir / "vramd.toml", "--ranks", str(ranks),
+                    "--stats-json", stats], check=True, capture_output=True)
+    read = [rank["bytes_read"] for rank in json.loads(stats.read_text())["ranks"]]
+    print(f"saved on {args.ranks} ranks, loaded on {ranks}: bytes read by each rank, in MiB: "
+          f"{', '.join(f'{n / MiB:.1f}' for n in read)}; the most against 1/{ranks} of the model: "
+          f"{max(read) / (model_bytes / ranks):.3f}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
 #include "util/utf8.hpp"
+#include "weights/source.hpp"
 #include "weights/weights.hpp"
 
 namespace vramd::cli {
@@ -103,12 +104,16 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
                           {"load_seconds", report.load_seconds}, {"peak_rss_before_load", rss_before},
                           {"peak_rss_loaded", rss_loaded}};
   const auto write_stats = [&] {
+    stats["bytes_read"] = loaded.source->map.bytes_read();
     if (const auto ranks = loaded.weights->each_rank(static_cast<int64_t>(peak_rss()))) {
       stats["ranks"] = nlohmann::json::array();
       for (size_t r = 0; r < ranks->size(); ++r) {
         const auto& figures = (*ranks)[r];
-        stats["ranks"].push_back(
-            {{"rank", r}, {"peak_rss", figures.peak_rss}, {"peak_weights", figures.peak_weights}, {"slices", figures.share}});
+        stats["ranks"].push_back({{"rank", r},
+                                  {"peak_rss", figures.peak_rss},
+                                  {"peak_weights", figures.peak_weights},
+                                  {"slices", figures.share},
+                                  {"bytes_read", figures.bytes_read}});
       }
     }
     if (options.stats_json.empty() || !lead) return;

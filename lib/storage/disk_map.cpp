@@ -3,6 +3,7 @@
 #include <glob.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstring>
 #include <filesystem>
@@ -33,6 +34,7 @@ struct DiskMap::Impl {
   std::vector<TensorInfo> tensors;             // sorted by name
   std::vector<std::string> warnings;
   uint64_t total_bytes = 0;
+  std::atomic<uint64_t> bytes_read{0};
 };
 
 namespace {
@@ -555,25 +557,35 @@ void DiskMap::read_file(uint32_t file, std::span<std::byte> dst, uint64_t offset
 void DiskMap::read_ranges(std::span<const Range> ranges, const ReaderOptions& options) const {
   std::vector<ReadRange> resolved;
   resolved.reserve(ranges.size());
-  for (const auto& range : ranges) resolved.push_back({impl_->handles.at(range.file).get(), range.offset, range.dst});
+  for (const auto& range : ranges) {
+    resolved.push_back({impl_->handles.at(range.file).get(), range.offset, range.dst});
+    impl_->bytes_read += range.dst.size();
+  }
   storage::read_ranges(resolved, options);
 }
 
 void DiskMap::read_staged(std::span<const Staged> ranges, StagingPool& pool, const ReaderOptions& options) const {
   std::vector<StagedRange> resolved;
   resolved.reserve(ranges.size());
-  for (const auto& range : ranges) resolved.push_back({impl_->handles.at(range.file).get(), range.offset, range.size});
+  for (const auto& range : ranges) {
+    resolved.push_back({impl_->handles.at(range.file).get(), range.offset, range.size});
+    impl_->bytes_read += range.size;
+  }
   storage::read_staged(resolved, pool, options);
 }
 
 std::pair<std::span<std::byte>, std::shared_ptr<void>> DiskMap::bytes(const TensorInfo& info) const {
   auto mapping = impl_->handles[info.file]->mapping();
+  impl_->bytes_read += info.nbytes;
   return {mapping.subspan(info.offset, info.nbytes), impl_};
 }
 
 std::unique_ptr<Mapping> DiskMap::map_range(const TensorInfo& info) const {
+  impl_->bytes_read += info.nbytes;
   return impl_->handles.at(info.file)->map_range(info.offset, info.nbytes);
 }
+
+uint64_t DiskMap::bytes_read() const { return impl_->bytes_read; }
 
 void DiskMap::check_mappings() const {
   for (const auto& handle : impl_->handles) handle->check_mappings();

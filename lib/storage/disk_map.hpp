@@ -121,6 +121,10 @@ class DiskMap {
   std::optional<std::pair<uint32_t, uint64_t>> locate(const void* p, uint64_t n) const;
   // The read-only descriptor of files()[file], valid while the map lives.
   int descriptor(uint32_t file) const;
+  // Bytes of tensor data asked of the files so far, by reads and mappings alike (a mapping
+  // counts whole, touched or not): what this process read of the checkpoint, where the page
+  // cache, shared with other processes, cannot say.
+  uint64_t bytes_read() const;
 
   struct Impl;
 

@@ -233,8 +233,9 @@ std::optional<std::vector<RankFigures>> PartitionedWeights::each_rank(int64_t pe
   const auto rss = communicator_->all_gather_values(peak_rss, "reporting");
   const auto weights = communicator_->all_gather_values(static_cast<int64_t>(stats_.peak), "reporting");
   const auto shares = communicator_->all_gather_values(static_cast<int64_t>(slice_bytes()), "reporting");
+  const auto read = communicator_->all_gather_values(static_cast<int64_t>(source_->map.bytes_read()), "reporting");
   std::vector<RankFigures> ranks;
-  for (size_t r = 0; r < rss.size(); ++r) ranks.push_back({rss[r], weights[r], shares[r]});
+  for (size_t r = 0; r < rss.size(); ++r) ranks.push_back({rss[r], weights[r], shares[r], read[r]});
   return ranks;
 }
 

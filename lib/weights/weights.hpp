@@ -43,6 +43,7 @@ struct RankFigures {
   int64_t peak_rss = 0;      // of the process
   int64_t peak_weights = 0;  // most bytes of weights on the computation device
   int64_t share = 0;         // bytes of the weights this rank holds at rest (its slices)
+  int64_t bytes_read = 0;    // of the checkpoint's tensor data (storage::DiskMap::bytes_read)
 };
 
 class Weights : public model::LayerWeights {

@@ -79,9 +79,22 @@ def test_a_dcp_folder_loads_through_one_config_and_equals_the_unsharded_model(sa
 def test_partitioned_ranks_read_a_save_of_another_world_size(saved, name, ranks):
     out = saved["out"]
     partition = f'prefix = "model."\n[partition]\nworld_size = {ranks}\ntimeout = "60s"\n'
-    got = run(config(out, f"{name}-on-{ranks}", saved["folders"][name], partition), saved["witness"] / "inputs.safetensors",
-              "--ranks", ranks)
+    path = config(out, f"{name}-on-{ranks}", saved["folders"][name], partition)
+    stats = path.with_suffix(".json")
+    got = run(path, saved["witness"] / "inputs.safetensors", "--ranks", ranks, "--stats-json", stats)
     assert_equal(got, saved["single"])
+    # Each rank reads its 1/N of the partitioned weights and the replicated ones whole: the
+    # bytes it asked of the chunk files, counted by the reader (the page cache, which the ranks
+    # share, cannot say).
+    # A slice that ends inside a row of a chunk reads that row whole: at most two rows of each
+    # tensor more than 1/N.
+    weights = load_file(saved["witness"] / "model" / "model.safetensors")
+    rows = sum(2 * t.nbytes // t.shape[0] for t in weights.values())
+    figures = json.loads(stats.read_text())
+    read = [rank["bytes_read"] for rank in figures["ranks"]]
+    print(name, "on", ranks, "ranks: model", figures["bytes"], "bytes; read by each rank", read)
+    assert len(read) == ranks and sum(read) >= figures["bytes"]
+    assert max(read) <= figures["bytes"] / ranks + rows, read
 
 
 def test_the_daemon_serves_a_dcp_folder(saved, tmp_path):
