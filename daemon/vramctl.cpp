@@ -165,6 +165,12 @@ int vramctl_main(int argc, char** argv) {
   lease_cmd->add_option("--device", remote.device, "Where the weights are wanted: cpu or cuda:N (where the model holds them)");
   lease_cmd->add_flag("--hold", remote.hold, "Keep the lease until standard input ends");
   add_remote("onload", "Wake a sleeping model: weights back to its computation state", true);
+  auto* update_cmd = add_remote("update", "Give a loaded model new values for some or all of its weights", true);
+  update_cmd->add_option("checkpoint", remote.checkpoint,
+                         "A checkpoint the daemon reads as the model's config reads its own (prefix, converter)")
+      ->required();
+  update_cmd->add_flag("--body", remote.body,
+                       "Send the file's bytes instead: a safetensors file of tensors named as the model's parameters");
   auto* forward_cmd = add_remote("forward", "Run one forward on the daemon (loads the model when needed)", true);
   forward_cmd->add_option("--input,-i", remote.input, "safetensors file of named inputs");
   forward_cmd->add_option("values", remote.values, "Inputs as name=v1,v2,... (rows separated by ';'), e.g. input_ids=101,2023,102");

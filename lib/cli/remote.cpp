@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
@@ -310,6 +311,24 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
       while (::read(0, buffer, sizeof buffer) > 0) {
       }
     }
+    return 0;
+  }
+
+  if (command == "update") {
+    const auto response =
+        o.body ? client.request("POST", model_path + "/weights",
+                                read_regular_file(o.checkpoint, config::ServerLimits{}.max_body_bytes), {},
+                                "application/octet-stream")
+               : client.request("POST", model_path + "/weights",
+                                json{{"path", std::filesystem::absolute(o.checkpoint).lexically_normal().string()}}.dump(),
+                                {}, "application/json");
+    if (response.status != 200) return refused(response);
+    if (o.json) return out << response.body, 0;
+    const json body = parse_json(response);
+    const json& updated = body["updated"];
+    out << o.model << ": version " << body["version"].get<uint64_t>() << " (" << counted(updated["tensors"].get<uint64_t>(), "tensor")
+        << ", " << format_bytes(updated["bytes"].get<uint64_t>()) << " in " << std::fixed << std::setprecision(3)
+        << updated["seconds"].get<double>() << " s)" << std::defaultfloat << '\n';
     return 0;
   }
 

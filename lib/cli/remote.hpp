@@ -23,6 +23,9 @@ struct RemoteOptions {
   // lease
   std::string device = "cpu";
   bool hold = false;  // keep the lease until standard input ends
+  // update
+  std::string checkpoint;  // new values: a checkpoint the daemon reads (its path made absolute)
+  bool body = false;       // send the file's bytes instead (a safetensors file of parameters)
 };
 
 // Returns the exit status; throws Error when the daemon cannot be reached.

@@ -167,11 +167,12 @@ void send_all(int fd, std::string_view data) {
 }  // namespace
 
 Response Client::request(std::string_view method, std::string_view target, std::string_view body,
-                         const std::function<void(std::string_view)>& on_chunk) {
+                         const std::function<void(std::string_view)>& on_chunk, std::string_view content_type) {
   for (int attempt = 0;; ++attempt) {
     const bool reused = fd_ >= 0;
     if (!reused) connect();
     std::string head = std::string(method) + " " + std::string(target) + " HTTP/1.1\r\nHost: vramd\r\n";
+    if (!content_type.empty()) head += "Content-Type: " + std::string(content_type) + "\r\n";
     head += "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n";
     bool sent = true;
     try {

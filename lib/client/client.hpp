@@ -39,7 +39,7 @@ class Client {
   // byte is sent), or when the answer is not HTTP. `on_chunk`, when
   // given, receives the body as it arrives instead of collecting it.
   Response request(std::string_view method, std::string_view target, std::string_view body = {},
-                   const std::function<void(std::string_view)>& on_chunk = {});
+                   const std::function<void(std::string_view)>& on_chunk = {}, std::string_view content_type = {});
 
   // Takes a lease of `model` on `device` on a connection of its own. Throws Error with the
   // daemon's message (and HTTP status) when it refuses.

@@ -1,15 +1,21 @@
 #include "model/loader.hpp"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 
 #include "convert/converter.hpp"
+#include "convert/evaluate.hpp"
+#include "model/hyperparams.hpp"
 #include "model/registry.hpp"
+#include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/clock.hpp"
 #include "util/format.hpp"
@@ -38,6 +44,12 @@ std::string listed(const std::vector<std::string>& names, size_t limit = 12) {
   std::string text;
   for (size_t i = 0; i < names.size() && i < limit; ++i) text += (i ? ", " : "") + quote(names[i]);
   if (names.size() > limit) text += ", and " + std::to_string(names.size() - limit) + " more";
+  return text;
+}
+
+std::string joined(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const auto& line : lines) text += (text.empty() ? "" : ", ") + line;
   return text;
 }
 
@@ -149,11 +161,7 @@ Prepared prepare(const config::ModelConfig& config) {
 
   std::string problems;
   const auto add = [&](const std::string& text) { problems += (problems.empty() ? "" : "; ") + text; };
-  if (!mismatched.empty()) add("mismatched: " + [&] {
-    std::string text;
-    for (const auto& line : mismatched) text += (text.empty() ? "" : ", ") + line;
-    return text;
-  }());
+  if (!mismatched.empty()) add("mismatched: " + joined(mismatched));
   if (config.strict && !missing.empty())
     add(std::to_string(missing.size()) + " missing: " + listed(missing));
   if (config.strict && !unexpected.empty())
@@ -213,6 +221,129 @@ Transition onload(LoadedModel& loaded) {
   const auto start = Clock::now();
   const uint64_t bytes = loaded.weights->wake();
   return {bytes, seconds_since(start)};
+}
+
+namespace {
+
+// One tensor of an update: its name as given, what it is, and how to read it (onto the CPU).
+struct Incoming {
+  std::string name;
+  std::vector<int64_t> shape;
+  storage::DType dtype;
+  std::function<at::Tensor()> read;
+};
+
+UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config, const std::string& where,
+                          const std::vector<Incoming>& incoming, const NameMatcher& names) {
+  if (incoming.empty()) throw BadUpdate(where + ": holds no tensors");
+  Model& model = *loaded.model;
+  std::map<Parameter*, const Incoming*> chosen;
+  std::set<Parameter*> direct;  // given under their own name, which a tied name does not override
+  std::vector<std::string> unknown, mismatched;
+  for (const auto& tensor : incoming) {
+    // A parameter's own name, or a checkpoint's with or without the head's prefix (as at load;
+    // the matcher's guess from a few tensors alone can miss a name given as the model's).
+    std::string name = tensor.name;
+    Parameter* parameter = model.find(name);
+    if (!parameter) parameter = model.find(name = names.canonical(tensor.name));
+    if (!parameter) {
+      if (!model.ignores(name)) unknown.push_back(tensor.name);
+      continue;
+    }
+    if (tensor.shape != parameter->shape) {
+      mismatched.push_back(quote(tensor.name) + " is " + format_shape(tensor.shape) + ", the parameter is " +
+                           format_shape(parameter->shape));
+      continue;
+    }
+    if (!storage::is_floating(tensor.dtype)) {
+      mismatched.push_back(quote(tensor.name) + " is " + std::string(storage::dtype_name(tensor.dtype)) +
+                           ", the weights are floating-point");
+      continue;
+    }
+    const bool tied = parameter->tied != nullptr;
+    if (tied) parameter = const_cast<Parameter*>(parameter->tied);  // one storage: updated through its owner
+    if (tied && direct.count(parameter)) continue;
+    if (!tied) direct.insert(parameter);
+    chosen[parameter] = &tensor;
+  }
+  std::string problems;
+  const auto add = [&](const std::string& text) { problems += (problems.empty() ? "" : "; ") + text; };
+  if (!unknown.empty()) add(std::to_string(unknown.size()) + " not the model's: " + listed(unknown));
+  if (!mismatched.empty()) add("mismatched: " + joined(mismatched));
+  if (!problems.empty())
+    throw BadUpdate(where + " does not fit model " + quote(config.name) + " (" + model.architecture() + "): " + problems +
+                    "; nothing was updated");
+  if (chosen.empty()) throw BadUpdate(where + ": none of its tensors is a weight of model " + quote(config.name));
+
+  std::vector<std::pair<Parameter*, at::Tensor>> values;
+  UpdateReport report;
+  for (const auto& [parameter, tensor] : chosen) {
+    try {
+      values.emplace_back(parameter, tensor->read());
+    } catch (const Error& e) {
+      throw BadUpdate(where + ": reading " + quote(tensor->name) + ": " + e.what() + "; nothing was updated");
+    }
+    report.bytes += static_cast<uint64_t>(parameter->elements()) * parameter->value.element_size();
+  }
+  loaded.weights->update(config.name, values);
+  report.tensors = values.size();
+  return report;
+}
+
+}  // namespace
+
+UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> bytes) {
+  const std::string where = "the update's safetensors body";
+  storage::SafetensorsHeader header;
+  try {
+    header = storage::parse_safetensors_file(bytes);
+  } catch (const Error& e) {
+    throw BadUpdate(where + " is not a safetensors file: " + e.what());
+  }
+  std::vector<Incoming> incoming;
+  convert::ConversionPlan names_only;
+  for (const auto& record : header.tensors) {
+    incoming.push_back({record.name, record.shape, record.dtype, [&bytes, &header, &record] {
+      // A view of the body where its alignment allows (the weights copy it into memory of their
+      // own), else a copy.
+      const auto options = at::TensorOptions().dtype(storage::scalar_type(record.dtype));
+      auto* data = const_cast<std::byte*>(bytes.data() + header.data_offset + record.begin);
+      if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(options.dtype().toScalarType()) == 0)
+        return at::from_blob(data, record.shape, options);
+      at::Tensor tensor = at::empty(record.shape, options);
+      if (record.end > record.begin) std::memcpy(tensor.mutable_data_ptr(), data, record.end - record.begin);
+      return tensor;
+    }});
+    names_only.tensors.push_back({record.name, nullptr});
+  }
+  return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only));
+}
+
+UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path) {
+  const std::string where = "the update " + quote(path);
+  storage::DiskMap map = [&] {
+    try {
+      return storage::DiskMap::open(path, {.prefix = config.prefix, .strip_prefix = !config.keep_prefix,
+                                           .shards = !config.converter.empty()});
+    } catch (const Error& e) {
+      throw BadUpdate(where + ": " + e.what());
+    }
+  }();
+  const auto plan = [&] {
+    if (config.converter.empty()) return convert::identity_plan(map);
+    try {
+      const Hyperparams hyperparams = Hyperparams::for_model(config, loaded.source->map);
+      return convert::run_converter(config.converter, map, hyperparams.json());
+    } catch (const Error& e) {
+      throw BadUpdate(where + ": converter " + config.converter + ": " + e.what());
+    }
+  }();
+  std::vector<Incoming> incoming;
+  for (const auto& [target, expr] : plan.tensors)
+    incoming.push_back({target, expr->shape, expr->dtype, [&map, expr = expr] {
+      return convert::evaluate(*expr, map).contiguous();
+    }});
+  return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, plan));
 }
 
 }  // namespace vramd::model

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -65,5 +66,31 @@ LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& opt
 // device freed. Wake: back to how load_model left them. Each reports the bytes moved.
 Transition offload(LoadedModel& loaded);
 Transition onload(LoadedModel& loaded);
+
+// An update's tensors do not fit the model (the message names the tensor and why), or its
+// file cannot be read: the request's fault, HTTP 400.
+class BadUpdate : public Error {
+ public:
+  using Error::Error;
+};
+
+struct UpdateReport {
+  size_t tensors = 0;  // parameters given new values
+  uint64_t bytes = 0;  // of those values, as the model holds them
+};
+
+// New values for some of a loaded, awake model's weights, checked whole (every name a
+// parameter's, every shape its shape, every dtype floating, none twice) before any weight
+// changes, then swapped in as one step (weights::Weights::update). Tied parameters take their
+// values through the parameter they are tied to, as at load; names the architecture ignores
+// are skipped as at load. Throws BadUpdate naming `where` and every tensor at fault;
+// weights::NotUpdatable where the weights cannot take an update.
+//
+// `safetensors`: a file's bytes whose tensors are named as the model's parameters (as a
+// lease's manifest names them).
+UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> safetensors);
+// `path`: a checkpoint read as the config's is (its readers, prefix and converter), holding
+// some or all of the tensors that checkpoint holds.
+UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path);
 
 }  // namespace vramd::model

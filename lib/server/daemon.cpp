@@ -15,7 +15,9 @@
 #include "server/reply.hpp"
 #include "server/routes.hpp"
 #include "server/status.hpp"
+#include "storage/dtype.hpp"
 #include "storage/mapping.hpp"
+#include "storage/safetensors_header.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
@@ -139,7 +141,8 @@ class Daemon {
 
     static const std::map<std::string, Job::Kind> actions = {
         {"load", Job::Kind::Load},       {"unload", Job::Kind::Unload}, {"offload", Job::Kind::Offload},
-        {"onload", Job::Kind::Onload},   {"forward", Job::Kind::Forward}, {"lease", Job::Kind::Lease}};
+        {"onload", Job::Kind::Onload},   {"forward", Job::Kind::Forward}, {"lease", Job::Kind::Lease},
+        {"weights", Job::Kind::Update}};
     Job job(actions.at(route.action), exchange);
     if (auto it = request.query.find("wait"); it != request.query.end()) {
       if (job.kind != Job::Kind::Unload && job.kind != Job::Kind::Offload && job.kind != Job::Kind::Lease)
@@ -175,7 +178,42 @@ class Daemon {
         return respond_error(*exchange, 400, "forward needs a request body: the inputs as a safetensors file");
       job.input = std::move(const_cast<Request&>(request).body);
     }
+    if (job.kind == Job::Kind::Update) {
+      try {
+        read_update_request(const_cast<Request&>(request), job);
+      } catch (const Error& e) {
+        return respond_error(*exchange, 400, e.what());
+      }
+    }
     registry_.submit(*entry, std::move(job));
+  }
+
+  // POST .../weights: the new values as a safetensors body, or a JSON object {"path": "/abs/ckpt"}
+  // (Content-Type: application/json) naming a checkpoint the daemon reads.
+  static void read_update_request(Request& request, Job& job) {
+    const std::string* type = request.header("content-type");
+    if (type && type->starts_with("application/json")) {
+      const json body = json::parse(request.body, nullptr, false);
+      if (!body.is_object() || !body.contains("path") || !body["path"].is_string() || body.size() != 1)
+        throw Error("update: a JSON body must be {\"path\": \"/absolute/checkpoint\"}; the tensors themselves go as a "
+                    "safetensors body (Content-Type: application/octet-stream)");
+      job.path = body["path"].get<std::string>();
+      if (!job.path.starts_with("/"))
+        throw Error("update: path " + quote(job.path) + " is relative; give it whole (the daemon's folder is not yours)");
+      return;
+    }
+    if (request.body.empty())
+      throw Error("update needs a request body: the new values as a safetensors file, or {\"path\": ...} as JSON");
+    uint64_t elements = 0;
+    try {
+      const auto header = storage::parse_safetensors_file(
+          {reinterpret_cast<const std::byte*>(request.body.data()), request.body.size()});
+      for (const auto& record : header.tensors) elements += storage::element_count(record.shape);
+    } catch (const Error& e) {
+      throw Error(std::string("update: the request body is not a safetensors file: ") + e.what());
+    }
+    job.elements = elements;
+    job.input = std::move(request.body);
   }
 
   // POST .../lease: an optional JSON object {"device": "cpu", "wait": true, "reserve": {"device":
@@ -255,6 +293,8 @@ class Daemon {
       out << "vramd_forward_seconds_total{model=\"" << label(e->name) << "\"} " << e->forward_seconds << '\n';
     out << "# HELP vramd_loads_total Loads completed, by model.\n# TYPE vramd_loads_total counter\n";
     for (const Entry* e : registry_.entries()) out << "vramd_loads_total{model=\"" << label(e->name) << "\"} " << e->loads << '\n';
+    out << "# HELP vramd_updates_total Weight updates applied, by model.\n# TYPE vramd_updates_total counter\n";
+    for (const Entry* e : registry_.entries()) out << "vramd_updates_total{model=\"" << label(e->name) << "\"} " << e->updates << '\n';
     out << "# HELP vramd_lease_reserved_bytes Room a lease holds for its client on a device, by model, pid and device.\n"
            "# TYPE vramd_lease_reserved_bytes gauge\n";
     for (const Entry* e : registry_.entries())

@@ -16,6 +16,7 @@ const char* Job::name() const {
     case Kind::Unload: return "unload";
     case Kind::Replace: return "replace";
     case Kind::Lease: return "lease";
+    case Kind::Update: return "update";
   }
   return "?";
 }
@@ -73,6 +74,17 @@ void act(Job& job, Outcome& outcome) {
         outcome.error = error.what();
       }
       break;
+    case Job::Kind::Update:
+      try {
+        outcome.updated = runtime.update(job.input, job.path);
+      } catch (const BadInput& error) {
+        outcome.status = 400;
+        outcome.error = error.what();
+      } catch (const Conflict& error) {
+        outcome.status = 409;
+        outcome.error = error.what();
+      }
+      break;
   }
 }
 
@@ -85,7 +97,11 @@ Outcome run_job(Job& job, std::shared_ptr<Runtime> runtime, const config::ModelC
   try {
     if (!outcome.runtime && job.loads()) load(outcome, config, progress);
     if (outcome.load_error.empty() && outcome.runtime) act(job, outcome);
-    if (outcome.runtime) outcome.bytes = outcome.runtime->bytes_by_device(), outcome.vram = outcome.runtime->vram();
+    if (outcome.runtime) {
+      outcome.bytes = outcome.runtime->bytes_by_device();
+      outcome.vram = outcome.runtime->vram();
+      outcome.version = outcome.runtime->version();
+    }
   } catch (const std::exception& error) {
     outcome.status = 500;
     outcome.error = error.what();

@@ -20,10 +20,12 @@
 namespace vramd::server {
 
 struct Job {
-  enum class Kind { Load, Forward, Offload, Onload, Unload, Replace, Lease } kind;
+  enum class Kind { Load, Forward, Offload, Onload, Unload, Replace, Lease, Update } kind;
   std::shared_ptr<Exchange> exchange;  // null for the daemon's own jobs
   bool stream = false;                 // load: progress as newline-delimited JSON
-  std::string input;                   // forward: safetensors bytes
+  std::string input;                   // forward, update: safetensors bytes
+  std::string path;                    // update: a checkpoint to read instead
+  std::optional<uint64_t> elements;    // update: of the body's tensors (none for a path)
   bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
   bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
   std::string device = "cpu";          // lease: where the client wants the weights
@@ -40,7 +42,7 @@ struct Job {
   // Loads the model first when it is not loaded.
   bool loads() const { return kind == Kind::Load || kind == Kind::Forward || kind == Kind::Lease; }
   // Needs the weights on the computation device: room is made for them before it runs.
-  bool needs_weights() const { return loads() || kind == Kind::Onload; }
+  bool needs_weights() const { return loads() || kind == Kind::Onload || kind == Kind::Update; }
   // Takes the weights away: never while a client leases them.
   bool takes_weights() const { return kind == Kind::Unload || kind == Kind::Offload || kind == Kind::Replace; }
 };
@@ -60,6 +62,8 @@ struct Outcome {
   std::string error;
   std::string output;      // forward: safetensors bytes
   std::shared_ptr<weights::Manifest> manifest;  // lease
+  Runtime::Updated updated;                     // update
+  uint64_t version = 0;                         // of the weights after the job (0: not loaded)
   double seconds = 0, load_seconds = 0;
   Moved moved;
 };

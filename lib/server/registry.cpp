@@ -346,6 +346,13 @@ void Registry::pump(Entry& entry) {
           continue;
         }
         break;
+      case Job::Kind::Update:
+        if (!entry.runtime) {
+          done_now(409, {{"error", "model " + quote(entry.name) + " is not loaded; an update changes a loaded model's " +
+                                       "weights: load it first (a load reads its config's checkpoint)"}});
+          continue;
+        }
+        break;
       case Job::Kind::Forward:
       case Job::Kind::Replace:
       case Job::Kind::Lease:
@@ -359,6 +366,8 @@ void Registry::pump(Entry& entry) {
     std::optional<DeviceBytes> expected;
     if (job.needs_weights() && !resident) expected = computation_charges(*entry.config, *entry.dry);
     else if (job.kind == Job::Kind::Offload && entry.state == ModelState::Ready) expected = offload_charges(*entry.config, *entry.dry);
+    // An update writes its values beside the weights they replace.
+    if (job.kind == Job::Kind::Update) job.reserve = update_charges(*entry.config, *entry.dry, job.elements);
     if (expected || !job.reserve.empty()) {
       try {
         if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve)) {
@@ -423,6 +432,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   entry.busy = false;
   entry.reserved.clear();
   entry.runtime = outcome.runtime;
+  entry.version = outcome.version;
   entry.bytes = outcome.bytes;
   entry.vram = outcome.vram;
   auto watchers = std::exchange(entry.load_watchers, {});
@@ -493,12 +503,22 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
       }
       case Job::Kind::Load:
       case Job::Kind::Lease: entry.state = ModelState::Ready; break;
+      case Job::Kind::Update:
+        entry.state = ModelState::Ready;
+        entry.updates++;
+        entry.update_seconds += outcome.updated.seconds;
+        log::info(what + ": " + counted(outcome.updated.tensors, "tensor") + ", " + format_bytes(outcome.updated.bytes) +
+                  " in " + std::to_string(outcome.updated.seconds) + " s; version " + std::to_string(outcome.version));
+        break;
     }
     if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
       log::info(what + ": " + format_bytes(outcome.moved.bytes) + " in " + std::to_string(outcome.moved.seconds) + " s");
     body = entry_json(entry);
     if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
       body["moved"] = {{"bytes", outcome.moved.bytes}, {"seconds", outcome.moved.seconds}};
+    if (job.kind == Job::Kind::Update)
+      body["updated"] = {{"tensors", outcome.updated.tensors}, {"bytes", outcome.updated.bytes},
+                         {"seconds", outcome.updated.seconds}};
   }
 
   // Answer the job (unless it is a load, answered below with everyone following it).

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <chrono>
 #include <cstring>
 #include <iostream>
 #include <map>
@@ -38,6 +39,7 @@ struct Runtime::Impl {
   std::shared_ptr<dist::Group> group;  // partitioned: the ranks it is split across
   std::string partition;               // and its name among them
   weights::LeaseMemory lease_memory;
+  uint64_t version = 1;
   // After reading weights through the checkpoint's mappings: MappingLost if one lost pages.
   void check_mappings() const { loaded.source->map.check_mappings(); }
   void tell(const std::string& op, std::string_view input = {}) {
@@ -131,7 +133,9 @@ std::string Runtime::forward(std::string_view safetensors, const std::atomic<boo
     throw BadInput(e.what());  // the model's checks of its inputs
   }
   impl_->check_mappings();  // weights read from a file cut short: no answer from them
-  return storage::serialize_tensors(outputs, {{"model", impl_->config.name}, {"produced_by", "vramd"}});
+  return storage::serialize_tensors(outputs, {{"model", impl_->config.name},
+                                              {"produced_by", "vramd"},
+                                              {"version", std::to_string(impl_->version)}});
 }
 
 weights::Manifest Runtime::lease(const std::string& device) {
@@ -142,9 +146,29 @@ weights::Manifest Runtime::lease(const std::string& device) {
   if (impl_->offloaded) onload();
   auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name, *parsed);
   if (config::rests_for_clients(impl_->config)) manifest.plan = weights::managed_plan(*impl_->loaded.model, impl_->config);
+  manifest.version = impl_->version;
   impl_->check_mappings();
   return manifest;
 }
+
+Runtime::Updated Runtime::update(std::string_view safetensors, const std::string& path) {
+  const auto start = std::chrono::steady_clock::now();
+  if (impl_->offloaded) onload();
+  model::UpdateReport report;
+  try {
+    report = path.empty() ? model::update_from_bytes(impl_->loaded, impl_->config,
+                                                     {reinterpret_cast<const std::byte*>(safetensors.data()), safetensors.size()})
+                          : model::update_from_checkpoint(impl_->loaded, impl_->config, path);
+  } catch (const model::BadUpdate& e) {
+    throw BadInput(e.what());
+  } catch (const weights::NotUpdatable& e) {
+    throw Conflict(e.what());
+  }
+  impl_->version++;
+  return {report.tensors, report.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+}
+
+uint64_t Runtime::version() const { return impl_->version; }
 
 Moved Runtime::offload() {
   if (impl_->offloaded) return {};

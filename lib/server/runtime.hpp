@@ -30,6 +30,12 @@ class BadInput : public Error {
   using Error::Error;
 };
 
+// The model cannot do what the request asks as configured (the message says what to change): HTTP 409.
+class Conflict : public Error {
+ public:
+  using Error::Error;
+};
+
 struct LoadProgress {
   uint64_t bytes_done = 0, bytes_total = 0;
   size_t tensors_done = 0, tensors_total = 0;
@@ -64,6 +70,21 @@ class Runtime {
   // waking an offloaded model first. Throws BadInput for a device leases cannot use,
   // weights::NotLeasable for a model whose weights cannot all be shared.
   weights::Manifest lease(const std::string& device);
+
+  struct Updated {
+    size_t tensors = 0;
+    uint64_t bytes = 0;  // of the new values, as the model holds them
+    double seconds = 0;
+  };
+  // New values for some of the weights (POST /v1/models/NAME/weights): the tensors of
+  // `safetensors`, named as the model's parameters, or with a `path`, a checkpoint read as the
+  // config's (model::update_from_checkpoint). Wakes an offloaded model. The version goes up by
+  // one. Throws BadInput naming the tensor at fault and Conflict where the weights cannot take it, in both
+  // cases with nothing changed.
+  Updated update(std::string_view safetensors, const std::string& path = {});
+  // 1 once loaded, one more for each update: the forward that answers and the lease that
+  // hands over weights say which version they used.
+  uint64_t version() const;
 
   Moved offload();  // every weight to the config's offload state
   Moved onload();   // back to the computation state

@@ -55,7 +55,7 @@ json manifest_json(const weights::Manifest& manifest, const std::string& model, 
     tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"strides", t.strides},
                        {"region", t.region ? json(*t.region) : json(nullptr)}, {"offset", t.offset}});
   json out = {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
-              {"bytes", manifest.bytes}, {"regions", regions}, {"tensors", tensors}};
+              {"bytes", manifest.bytes}, {"version", manifest.version}, {"regions", regions}, {"tensors", tensors}};
   if (const auto& plan = manifest.plan) {
     json units = json::array();
     for (const auto& u : plan->units)
@@ -110,12 +110,13 @@ json entry_json(const Entry& e) {
                       {"preload", c.residency.preload}};
   }
   if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
+  j["version"] = e.runtime ? json(e.version) : json(nullptr);
   j["leases"] = leases_json(e);
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
   j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
   j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},
                 {"forward_errors", e.forward_errors}, {"forwards_cancelled", e.forwards_cancelled},
-                {"forward_seconds", e.forward_seconds}};
+                {"forward_seconds", e.forward_seconds}, {"updates", e.updates}, {"update_seconds", e.update_seconds}};
   return j;
 }
 

@@ -68,6 +68,7 @@ struct Manifest {
   std::vector<LeaseRegion> regions;
   std::vector<LeaseTensor> tensors;
   std::optional<ManagedPlan> plan;  // a model that rests for its clients
+  uint64_t version = 0;             // of the weights handed over (server::Runtime::version)
 };
 
 // The plan of a model that rests for its clients, from its layers and config: of a loaded

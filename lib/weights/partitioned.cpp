@@ -224,6 +224,11 @@ std::map<std::string, uint64_t> PartitionedWeights::bytes_by_device() const {
   return {{device_.str(), stats_.held}};
 }
 
+void PartitionedWeights::update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>&) {
+  throw NotUpdatable("model " + quote(model) + " is partitioned across processes ([partition].world_size), and " +
+                     "updating partitioned weights is not built yet: remove [partition] from its config to update it");
+}
+
 void PartitionedWeights::check_leasable(const std::string& model, const std::string&) const {
   throw NotLeasable("model " + quote(model) + " is partitioned across processes ([partition].world_size), each holding " +
                     "a slice; a lease needs every weight in this one: remove [partition] from its config to lease it");

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
@@ -95,19 +96,30 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
 // Every weight to `state`; "auto" keeps each weight's dtype. Returns the bytes moved or read.
 uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
   const auto& assignments = source_->assignments;
-  const bool released = !assignments.empty() && assignments.front().parameter->value.is_meta();
+  const bool released = std::any_of(assignments.begin(), assignments.end(),
+                                    [](const Assignment& a) { return a.parameter->value.is_meta(); });
   uint64_t bytes = 0;
   if (state.device.is_disk()) {
     for (const auto& a : assignments) {
       at::Tensor& value = a.parameter->value;
       if (value.is_meta()) continue;
       bytes += value.nbytes();
-      value = at::empty(a.parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(value.scalar_type()));
+      value = updated_.count(a.parameter)
+                  ? value.to(c10::kCPU)  // in no checkpoint: kept on the host
+                  : at::empty(a.parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(value.scalar_type()));
     }
     return bytes;
   }
   const c10::Device device = torch_device(state.device);
-  if (released) return read_all(device, state_dtype(state.dtype, assignments.front().parameter->value.scalar_type()), nullptr, nullptr);
+  if (released) {
+    std::vector<std::pair<model::Parameter*, at::Tensor>> kept;
+    for (const auto& a : assignments)
+      if (updated_.count(a.parameter)) kept.emplace_back(a.parameter, a.parameter->value);
+    const auto dtype = state_dtype(state.dtype, assignments.front().parameter->value.scalar_type());
+    bytes = read_all(device, dtype, nullptr, nullptr);
+    for (auto& [parameter, value] : kept) parameter->value = value.to(device, dtype);
+    return bytes;
+  }
   for (const auto& a : assignments) {
     at::Tensor& value = a.parameter->value;
     const auto dtype = state_dtype(state.dtype, value.scalar_type());
@@ -132,6 +144,21 @@ std::map<std::string, uint64_t> ResidentWeights::bytes_by_device() const {
     bytes[value.device().str()] += value.nbytes();
   }
   return bytes;
+}
+
+void ResidentWeights::update(const std::string&, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) {
+  // Fresh memory for each, where its parameter's value is now (an offloaded model is woken first).
+  std::vector<at::Tensor> fresh;
+  fresh.reserve(values.size());
+  for (const auto& [parameter, value] : values) {
+    const at::Tensor& now = parameter->value;
+    fresh.push_back(value.to(now.device(), now.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous());
+  }
+  if (!fresh.empty()) synchronise(fresh.front().device());
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i].first->value = std::move(fresh[i]);
+    updated_.insert(values[i].first);
+  }
 }
 
 void ResidentWeights::check_leasable(const std::string& model, const std::string& device) const {

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <set>
 
 #include "weights/weights.hpp"
 
@@ -31,6 +32,7 @@ class ResidentWeights final : public Weights {
   std::optional<model::VramStats> stats() const override;
   std::map<std::string, uint64_t> bytes_by_device() const override;
   void check_leasable(const std::string& model, const std::string& device) const override;
+  void update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) override;
 
  private:
   uint64_t read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options, size_t* zero_copy);
@@ -41,6 +43,8 @@ class ResidentWeights final : public Weights {
   config::VramConfig states_;
   config::DeviceState awake_;  // where the weights are while the model is awake
   bool zero_copy_;
+  // Parameters an update gave values no checkpoint holds: asleep on disk, they stay on the host.
+  std::set<const model::Parameter*> updated_;
 };
 
 }  // namespace vramd::weights

@@ -20,6 +20,7 @@
 #include "model/dry_run.hpp"
 #include "model/layer.hpp"
 #include "model/vram_stats.hpp"
+#include "util/error.hpp"
 
 namespace vramd::model {
 class Model;
@@ -46,6 +47,12 @@ struct RankFigures {
   int64_t bytes_read = 0;    // of the checkpoint's tensor data (storage::DiskMap::bytes_read)
 };
 
+// These weights cannot take an update as configured (the message says why and what to change): 409.
+class NotUpdatable : public Error {
+ public:
+  using Error::Error;
+};
+
 class Weights : public model::LayerWeights {
  public:
   // Sleep: every weight to the config's offload state (released when it is disk); the
@@ -63,6 +70,13 @@ class Weights : public model::LayerWeights {
   // Throws NotLeasable (weights/lease.hpp) naming `model` and what to change in its config,
   // when a lease on `device` ("cpu", "cuda:0") cannot hand these weights over whole.
   virtual void check_leasable(const std::string& model, const std::string& device) const = 0;
+
+  // New values for some of the weights, as one step (the model's jobs do not overlap it): each
+  // of `values` (a CPU tensor of its parameter's shape, any floating dtype) is cast into fresh
+  // memory in its parameter's state, and only once all are there do the parameters take them.
+  // Never in place: a lease's client keeps the memory it mapped, and the values it had. Where
+  // the update fails nothing has changed. Throws NotUpdatable naming `model` and what to change.
+  virtual void update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) = 0;
 
   // Records every change of the bytes on the computation device from now on, replacing an
   // earlier record; false where nothing changes while the model computes, or none is kept.

@@ -98,6 +98,15 @@ def loads(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file that loads() has read ({} when it has none)."""
+    (header_size,) = struct.unpack_from("<Q", data)
+    found = json.loads(bytes(data[8:8 + header_size]).decode("utf-8")).get("__metadata__") or {}
+    if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+        raise ValueError("__metadata__ is not an object of strings")
+    return found
+
+
 def _entry(name, entry):
     """(dtype, shape, data_offsets) of one header entry, checked."""
     if not isinstance(entry, dict):

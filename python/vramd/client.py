@@ -11,7 +11,7 @@ import torch
 from . import _shape
 from ._errors import DaemonError
 from ._http import Connection, Response, refusal
-from ._safetensors import dumps, loads
+from ._safetensors import dumps, loads, metadata
 from ._socket import open_socket, socket_path
 from .lease import Lease, request_lease
 
@@ -117,17 +117,39 @@ class Client:
         """Wakes model `name` (weights back to its computation state); its object with `moved`."""
         return self._json("POST", _model_path(name, "onload"), _check_model)
 
-    def forward(self, name: str, inputs: Mapping[str, torch.Tensor],
-                keep_alive: str | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, name: str, inputs: Mapping[str, torch.Tensor], keep_alive: str | None = None, *,
+                with_version: bool = False) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], int]:
         """Runs one forward of model `name` (loading or waking it first) on named input tensors
-        (any device, dtype among those safetensors names); its named outputs, on the CPU."""
+        (any device, dtype among those safetensors names); its named outputs, on the CPU.
+        with_version: (outputs, the version of the weights the forward ran on) instead."""
         target = _model_path(name, "forward", keep_alive=keep_alive)
         response = self._call("POST", target, dumps(inputs), "application/octet-stream")
         try:
-            return loads(response.body)
-        except ValueError as e:
+            outputs = loads(response.body)
+            if not with_version:
+                return outputs
+            return outputs, int(metadata(response.body)["version"])
+        except (ValueError, KeyError) as e:
             raise DaemonError(f"vramd at {self.socket_path} answered with a safetensors file that is "
                               f"malformed: {e}", request=f"POST {target}") from None
+
+    def update(self, name: str, values: Mapping[str, torch.Tensor] | str | os.PathLike) -> dict:
+        """Gives loaded model `name` new values for some or all of its weights; its object, with
+        `version` (one more than before) and `updated` ({"tensors", "bytes", "seconds"}).
+
+        values: tensors named as the model's parameters (as a lease names them; any device and
+            floating dtype, cast as a load casts), sent in the request; or the path of a checkpoint
+            the daemon reads as the model's config reads its own (prefix, converter).
+        Forwards queued before it run on the old values, those after on the new; leases taken
+        before keep the old values. Checked whole first: a name that is not the model's, a shape
+        that differs, a file it cannot read raise DaemonError (400) and change nothing."""
+        target = _model_path(name, "weights")
+        if isinstance(values, (str, os.PathLike)):
+            body = json.dumps({"path": os.path.abspath(os.fspath(values))}).encode()
+            response = self._call("POST", target, body, "application/json")
+        else:
+            response = self._call("POST", target, dumps(values), "application/octet-stream")
+        return self._documented(response.body, _check_update, f"POST {target}")
 
     def lease(self, name: str, device: str = "cpu", wait: bool = True,
               reserve: tuple[str, int] | None = None) -> Lease:
@@ -186,6 +208,12 @@ def _model_path(name: str, action: str | None = None, **query: str | None) -> st
 def _check_model(body) -> None:
     _shape.field(body, "name", str)
     _shape.field(body, "state", str)
+
+
+def _check_update(body) -> None:
+    _check_model(body)
+    _shape.field(body, "version", int)
+    _shape.field(body, "updated", dict)
 
 
 def _check_load_line(body) -> None:

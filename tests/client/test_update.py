@@ -1,0 +1,233 @@
+"""Updating a loaded model's weights through the real daemon, the Python package and vramctl: an
+update from a checkpoint path and from tensors in the request equals a fresh load of the updated
+checkpoint bit for bit; forwards running beside 50 updates each see one version whole and say
+which; a lease taken before keeps its values; bad updates are refused naming the tensor with the
+model still serving; an update past the budget is refused. One daemon serves the module."""
+import json
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+from daemon_support import ROOT, Daemon, UnixConnection, request, vramctl  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "tests" / "parity"))
+import hf_models  # noqa: E402
+import vramd  # noqa: E402
+
+
+def checkpoint(folder, state, config_json):
+    """A Hugging Face folder holding `state`, with the config.json of the original beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, folder / "model.safetensors")
+    shutil.copy(config_json, folder / "config.json")
+    return folder / "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    out = tmp_path_factory.mktemp("update")
+    witness = hf_models.make("llama", "float32", out)
+    original = witness / "model" / "model.safetensors"
+    state = load_file(original)
+    generator = torch.Generator().manual_seed(1)
+    changed = {name: value + torch.randn(value.shape, generator=generator) * 0.05 for name, value in state.items()}
+    updated = checkpoint(out / "updated", changed, witness / "model" / "config.json")
+    head = "lm_head.weight"
+    partial = checkpoint(out / "partial", {**state, head: changed[head]}, witness / "model" / "config.json")
+    d = Daemon(out, budgets='cpu = "4GiB"')
+    for name, path, extra in [("m", original, ""), ("fresh", updated, ""), ("partial", partial, ""),
+                              ("sleeper", original, '[vram]\noffload = { device = "disk" }\n'),
+                              ("streamed", original, '[vram]\nlimit = "300KiB"\nonload = { device = "disk" }\noffload = { device = "disk" }\n')]:
+        (d.models / f"{name}.toml").write_text(f'checkpoint = "{path}"\n{extra}')
+    inputs = load_file(witness / "inputs.safetensors")
+    with d.start():
+        with vramd.connect(d.sock) as client:
+            before = client.forward("m", inputs)
+            after = client.forward("fresh", inputs)
+            after_partial = client.forward("partial", inputs)
+        yield {"daemon": d, "inputs": inputs, "original": original, "updated": updated, "state": state,
+               "changed": changed, "before": before, "after": after, "after_partial": after_partial, "out": out}
+        assert d.stop() == 0
+
+
+def equal(got, want):
+    assert got.keys() == want.keys()
+    return all(torch.equal(got[name], want[name]) for name in got)
+
+
+def test_an_update_from_a_path_then_from_tensors_equals_a_fresh_load(served):
+    with vramd.connect(served["daemon"].sock) as client:
+        version = client.status("m")["version"]
+        answer = client.update("m", served["updated"])
+        assert answer["version"] == version + 1
+        assert answer["updated"]["tensors"] == len(served["state"])
+        assert answer["updated"]["bytes"] == sum(t.nbytes for t in served["state"].values())
+        got, ran_on = client.forward("m", served["inputs"], with_version=True)
+        assert ran_on == version + 1 and equal(got, served["after"])  # float32: bit for bit
+        # Back to the original, sent in the request this time.
+        assert client.update("m", served["state"])["version"] == version + 2
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+        assert client.status("m")["stats"]["updates"] >= 2
+
+
+def test_a_partial_update_changes_only_its_tensors(served):
+    with vramd.connect(served["daemon"].sock) as client:
+        answer = client.update("m", {"lm_head.weight": served["changed"]["lm_head.weight"].to(torch.bfloat16)
+                                     .to(torch.float32)})
+        assert answer["updated"]["tensors"] == 1
+        # A bfloat16 value is cast to the model's float32, as a load casts it.
+        client.update("m", {"lm_head.weight": served["changed"]["lm_head.weight"].to(torch.float64)})
+        assert equal(client.forward("m", served["inputs"]), served["after_partial"])
+        client.update("m", {"lm_head.weight": served["state"]["lm_head.weight"]})
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+
+
+def test_forwards_beside_fifty_updates_each_see_one_version(served):
+    sock = served["daemon"].sock
+    with vramd.connect(sock) as client:
+        first = client.status("m")["version"]
+    # Versions first, first + 2, ... hold the original; first + 1, first + 3, ... the update.
+    outputs = {0: served["before"], 1: served["after"]}
+    seen, failures, done = [], [], threading.Event()
+
+    def forwards():
+        try:
+            with vramd.connect(sock) as client:
+                while not done.is_set():
+                    got, version = client.forward("m", served["inputs"], with_version=True)
+                    seen.append(version)
+                    if not equal(got, outputs[(version - first) % 2]):
+                        failures.append(version)
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(repr(e))
+
+    threads = [threading.Thread(target=forwards) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        with vramd.connect(sock) as client:
+            for i in range(50):
+                values = served["changed"] if i % 2 == 0 else served["state"]
+                assert client.update("m", values)["version"] == first + i + 1
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(60)
+    assert not failures, failures
+    assert len(set(seen)) > 2, seen  # the forwards ran between updates, not only before or after
+    with vramd.connect(sock) as client:
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+
+
+def test_a_lease_taken_before_an_update_keeps_its_values(served):
+    with vramd.connect(served["daemon"].sock) as client:
+        with client.lease("m") as old:
+            version = client.status("m")["version"]
+            held = {name: tensor.clone() for name, tensor in old.items()}
+            client.update("m", served["changed"])
+            assert all(torch.equal(old[name], held[name]) for name in held)
+            with client.lease("m") as new:  # the update's values, in a region of the daemon's memory
+                assert new["lm_head.weight"].equal(served["changed"]["lm_head.weight"])
+                manifest = json.loads(request(served["daemon"].sock, "GET", "/v1/models/m/lease")[1])
+                assert manifest["version"] == version + 1
+                client.update("m", served["state"])
+                assert new["lm_head.weight"].equal(served["changed"]["lm_head.weight"])
+            assert all(torch.equal(old[name], held[name]) for name in held)
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+
+
+def test_an_updated_model_offloaded_to_disk_wakes_with_its_update(served):
+    with vramd.connect(served["daemon"].sock) as client:
+        client.load("sleeper")
+        client.update("sleeper", served["updated"])
+        client.offload("sleeper")
+        assert equal(client.forward("sleeper", served["inputs"]), served["after"])  # woken: re-read, then the update
+        # Updating a sleeping model wakes it.
+        client.offload("sleeper")
+        client.update("sleeper", {"lm_head.weight": served["state"]["lm_head.weight"]})
+        assert client.status("sleeper")["state"] == "ready"
+
+
+def test_vramctl_update_from_a_path_and_as_a_body(served):
+    sock = served["daemon"].sock
+    result = vramctl(sock, "update", "m", served["updated"])
+    assert result.stdout.startswith("m: version ") and f"({len(served['state'])} tensors" in result.stdout, result.stdout
+    body = served["out"] / "lm_head.safetensors"
+    save_file({"lm_head.weight": served["state"]["lm_head.weight"]}, body)
+    result = vramctl(sock, "update", "m", body, "--body", "--json")
+    assert json.loads(result.stdout)["updated"]["tensors"] == 1
+    vramctl(sock, "update", "m", served["original"])
+    with vramd.connect(sock) as client:
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+
+
+def refused(client, name, values, status):
+    with pytest.raises(vramd.DaemonError) as caught:
+        client.update(name, values)
+    assert caught.value.status == status, caught.value
+    return str(caught.value)
+
+
+def test_bad_updates_are_refused_naming_the_tensor_and_the_model_keeps_serving(served, tmp_path):
+    head = served["state"]["lm_head.weight"]
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    with vramd.connect(served["daemon"].sock) as client:
+        version = client.status("m")["version"]
+        message = refused(client, "m", {"lm_head.weight": head, "model.layers.9.mlp.up_proj.weight": head}, 400)
+        assert "'model.layers.9.mlp.up_proj.weight'" in message and "nothing was updated" in message
+        message = refused(client, "m", {"lm_head.weight": head[:10]}, 400)
+        assert "'lm_head.weight' is [10, 64], the parameter is [1000, 64]" in message
+        message = refused(client, "m", {"lm_head.weight": head.to(torch.int32)}, 400)
+        assert "'lm_head.weight' is I32" in message
+        assert "a FIFO" in refused(client, "m", fifo, 400)
+        assert "no such file" in refused(client, "m", tmp_path / "missing.safetensors", 400).lower()
+        client.load("streamed")
+        message = refused(client, "streamed", served["updated"], 409)
+        assert "[vram]" in message and "not built yet" in message
+        client.unload("partial")
+        assert "not loaded" in refused(client, "partial", served["updated"], 409)
+        assert client.status("m")["version"] == version
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+        # A NaN is data, not an error.
+        client.update("m", {"lm_head.weight": torch.full_like(head, float("nan"))})
+        assert torch.isnan(client.forward("m", served["inputs"])["logits"]).all()
+        client.update("m", {"lm_head.weight": head})
+    sock = served["daemon"].sock
+    body = bytes(vramd._safetensors.dumps({"lm_head.weight": head}))
+    for bad, why in [(body[:-10], "not a safetensors file"), (b"", "needs a request body"),
+                     (b'{"path": "relative.safetensors"}', "is relative")]:
+        status, answer = request_typed(sock, bad, "application/json" if bad.startswith(b"{") else "application/octet-stream")
+        assert status == 400 and why in json.loads(answer)["error"], answer
+
+
+def request_typed(sock, body, content_type):
+    connection = UnixConnection(str(sock))
+    try:
+        connection.request("POST", "/v1/models/m/weights", body=body, headers={"Content-Type": content_type})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_an_update_past_the_budget_is_refused_and_one_that_fits_is_not(served, tmp_path):
+    # The model is 857,344 bytes; its update is written beside it, so a whole one needs twice that.
+    d = Daemon(tmp_path, budgets='cpu = "1500KiB"')
+    (d.models / "m.toml").write_text(f'checkpoint = "{served["original"]}"\n')
+    with d.start():
+        with vramd.connect(d.sock) as client:
+            client.load("m")
+            message = refused(client, "m", served["changed"], 507)
+            assert "cpu" in message
+            assert client.update("m", {"lm_head.weight": served["changed"]["lm_head.weight"]})["version"] == 2
+            assert client.status("m")["devices"]["cpu"] == 857344
+        assert d.stop() == 0
