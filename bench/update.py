@@ -1,0 +1,165 @@
+"""Updating a loaded model's weights (POST /v1/models/NAME/weights) against the bounds of the same
+machine, measured in the same run:
+
+    memcpy       one copy of the model's bytes in memory (torch's copy_ of a tensor that size)
+    disk read    the updated checkpoint read cold, in 8 MiB reads (the page cache dropped first)
+
+and the ways to get new weights into a model the daemon serves:
+
+    update from a path, cold   the daemon reads the checkpoint (page cache dropped first)
+    update from a path, warm   the same with the checkpoint in the page cache
+    update from tensors        Client.update(name, dict): the tensors serialised into the request
+    unload + load + forward    what a user does without updates: the new checkpoint's config loaded
+
+Each prints seconds and GB/s of the model's bytes, and the ratio to its bound (memcpy for what
+reads memory, the disk read for a cold path). Last, the time from the request to the first
+forward's answer on the new weights: update + forward against unload + load + forward.
+
+    .venv/bin/python bench/update.py [--workdir /tmp/vramd-bench-update] [--layers 8] [--repeat 3]
+
+The model: a LLaMA of hidden size 1024 and LAYERS layers in bfloat16 (334 MiB at 8 layers),
+random weights, served on the CPU; its update, the same shapes with other values. Every figure
+is the median of REPEAT runs. See docs/benchmarks.md.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "python"))
+import vramd  # noqa: E402
+from vram import evict  # noqa: E402
+
+VRAMD = ROOT / "build" / "bin" / "vramd"
+GB = 1e9
+
+
+def checkpoint(folder, layers, seed):
+    """A LLaMA checkpoint of random bfloat16 weights, as save_pretrained lays it out."""
+    path = folder / "model.safetensors"
+    if path.exists():
+        return path
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                                      max_position_embeddings=512, tie_word_embeddings=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+    save_file({k: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16) for k, shape in shapes.items()},
+              path)
+    return path
+
+
+def median_seconds(repeat, setup, timed):
+    seconds = []
+    for _ in range(repeat):
+        setup()
+        start = time.perf_counter()
+        timed()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def disk_read(path):
+    evict(path)
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(view):
+            pass
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/vramd-bench-update"))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    work = args.workdir
+    old = checkpoint(work / f"old-{args.layers}", args.layers, 0)
+    new = checkpoint(work / f"new-{args.layers}", args.layers, 1)
+    model_bytes = old.stat().st_size
+    new_tensors = load_file(new)
+    inputs = {"input_ids": torch.arange(16).view(1, 16)}
+
+    source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
+    target = torch.empty_like(source).fill_(0)
+    memcpy = median_seconds(args.repeat, lambda: None, lambda: target.copy_(source))
+    del source, target
+    disk = median_seconds(args.repeat, lambda: None, lambda: disk_read(new))
+
+    models = work / "models"
+    models.mkdir(exist_ok=True)
+    (models / "m.toml").write_text(f'checkpoint = "{old}"\n')
+    (models / "m-new.toml").write_text(f'checkpoint = "{new}"\n')
+    sock = work / "vramd.sock"
+    (work / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n[budgets]\ncpu = "16GiB"\n')
+    log = open(work / "vramd.log", "wb")
+    daemon = subprocess.Popen([VRAMD, "--config", str(work / "vramd.toml")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise SystemExit(f"vramd did not start: {(work / 'vramd.log').read_text()}")
+            time.sleep(0.05)
+        client = vramd.connect(sock)
+        client.load("m")
+        client.forward("m", inputs)
+
+        def update_path():
+            client.update("m", new)
+
+        cold = median_seconds(args.repeat, lambda: evict(new), update_path)
+        warm = median_seconds(args.repeat, lambda: None, update_path)
+        body = median_seconds(args.repeat, lambda: None, lambda: client.update("m", new_tensors))
+
+        def update_forward():
+            client.update("m", new)
+            return client.forward("m", inputs)
+
+        def reload_forward():
+            client.unload("m-new")
+            client.load("m-new")
+            return client.forward("m-new", inputs)
+
+        to_first = median_seconds(args.repeat, lambda: client.update("m", old), update_forward)
+        client.unload("m")
+        to_first_reload = median_seconds(args.repeat, lambda: None, reload_forward)
+        client.load("m")
+        got = update_forward()
+        expected = client.forward("m-new", inputs)
+        assert all(torch.equal(got[k], expected[k]) for k in got), "the updated model differs from a fresh load"
+        client.close()
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+        log.close()
+
+    def rate(seconds):
+        return model_bytes / seconds / GB
+
+    print(f"model: LLaMA, {args.layers} layers, bfloat16, {model_bytes / 2**20:.0f} MiB, on the CPU; "
+          f"median of {args.repeat}")
+    print(f"memcpy:                      {memcpy:7.3f} s  {rate(memcpy):6.2f} GB/s")
+    print(f"disk read (cold):            {disk:7.3f} s  {rate(disk):6.2f} GB/s")
+    print(f"update from a path, cold:    {cold:7.3f} s  {rate(cold):6.2f} GB/s  {disk / cold:.2f} of the disk read")
+    print(f"update from a path, warm:    {warm:7.3f} s  {rate(warm):6.2f} GB/s  {memcpy / warm:.2f} of memcpy")
+    print(f"update from tensors (body):  {body:7.3f} s  {rate(body):6.2f} GB/s  {memcpy / body:.2f} of memcpy")
+    print(f"request to first forward on new weights: update + forward {to_first:.3f} s, "
+          f"unload + load + forward {to_first_reload:.3f} s ({to_first_reload / to_first:.2f}x)")
+    print("the updated model's logits equal a fresh load of the new checkpoint")
+
+
+if __name__ == "__main__":
+    main()
