@@ -2,13 +2,18 @@
 machine, measured in the same run:
 
     memcpy       one copy of the model's bytes in memory (torch's copy_ of a tensor that size)
+    mapped memfd the same copy out of a memfd mapped just before (each page then faults in:
+                 what the daemon must do to read a client's memfd)
     disk read    the updated checkpoint read cold, in 8 MiB reads (the page cache dropped first)
 
 and the ways to get new weights into a model the daemon serves:
 
     update from a path, cold   the daemon reads the checkpoint (page cache dropped first)
     update from a path, warm   the same with the checkpoint in the page cache
-    update from tensors        Client.update(name, dict): the tensors serialised into the request
+    update from a memfd        Client.update(name, dict): the tensors written once into a sealed
+                               memfd that the daemon maps; and the daemon's own part of it
+                               (`updated.seconds`: reading the memfd into the weights, in place)
+    update from a body         Client.update(name, dict, via="body"): the tensors in the request
     unload + load + forward    what a user does without updates: the new checkpoint's config loaded
 
 Each prints seconds and GB/s of the model's bytes, and the ratio to its bound (memcpy for what
@@ -22,6 +27,7 @@ random weights, served on the CPU; its update, the same shapes with other values
 is the median of REPEAT runs. See docs/benchmarks.md.
 """
 import argparse
+import mmap
 import os
 import statistics
 import subprocess
@@ -96,6 +102,19 @@ def main():
     source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
     target = torch.empty_like(source).fill_(0)
     memcpy = median_seconds(args.repeat, lambda: None, lambda: target.copy_(source))
+    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
+    os.ftruncate(fd, model_bytes)
+    with mmap.mmap(fd, model_bytes) as filled:
+        torch.frombuffer(filled, dtype=torch.uint8).fill_(1)
+
+    def copy_mapped():
+        with mmap.mmap(fd, model_bytes) as mapped:
+            view = torch.frombuffer(mapped, dtype=torch.uint8)
+            target.copy_(view)
+            del view
+
+    mapped = median_seconds(args.repeat, lambda: None, copy_mapped)
+    os.close(fd)
     del source, target
     disk = median_seconds(args.repeat, lambda: None, lambda: disk_read(new))
 
@@ -122,7 +141,16 @@ def main():
 
         cold = median_seconds(args.repeat, lambda: evict(new), update_path)
         warm = median_seconds(args.repeat, lambda: None, update_path)
-        body = median_seconds(args.repeat, lambda: None, lambda: client.update("m", new_tensors))
+        daemon_seconds = []
+
+        def update_memfd():
+            daemon_seconds.append(client.update("m", new_tensors)["updated"]["seconds"])
+
+        update_memfd()  # the weights in memory of the daemon's own from now on, which memfds update in place
+        daemon_seconds.clear()
+        memfd = median_seconds(args.repeat, lambda: None, update_memfd)
+        memfd_daemon = statistics.median(daemon_seconds)
+        body = median_seconds(args.repeat, lambda: None, lambda: client.update("m", new_tensors, via="body"))
 
         def update_forward():
             client.update("m", new)
@@ -152,10 +180,14 @@ def main():
     print(f"model: LLaMA, {args.layers} layers, bfloat16, {model_bytes / 2**20:.0f} MiB, on the CPU; "
           f"median of {args.repeat}")
     print(f"memcpy:                      {memcpy:7.3f} s  {rate(memcpy):6.2f} GB/s")
+    print(f"copy out of a mapped memfd:  {mapped:7.3f} s  {rate(mapped):6.2f} GB/s")
     print(f"disk read (cold):            {disk:7.3f} s  {rate(disk):6.2f} GB/s")
     print(f"update from a path, cold:    {cold:7.3f} s  {rate(cold):6.2f} GB/s  {disk / cold:.2f} of the disk read")
     print(f"update from a path, warm:    {warm:7.3f} s  {rate(warm):6.2f} GB/s  {memcpy / warm:.2f} of memcpy")
-    print(f"update from tensors (body):  {body:7.3f} s  {rate(body):6.2f} GB/s  {memcpy / body:.2f} of memcpy")
+    print(f"update from a memfd:         {memfd:7.3f} s  {rate(memfd):6.2f} GB/s  {memcpy / memfd:.2f} of memcpy")
+    print(f"  of which the daemon's:     {memfd_daemon:7.3f} s  {rate(memfd_daemon):6.2f} GB/s  "
+          f"{memcpy / memfd_daemon:.2f} of memcpy, {mapped / memfd_daemon:.2f} of the copy out of a mapped memfd")
+    print(f"update from a body:          {body:7.3f} s  {rate(body):6.2f} GB/s  {memcpy / body:.2f} of memcpy")
     print(f"request to first forward on new weights: update + forward {to_first:.3f} s, "
           f"unload + load + forward {to_first_reload:.3f} s ({to_first_reload / to_first:.2f}x)")
     print("the updated model's logits equal a fresh load of the new checkpoint")

@@ -15,6 +15,7 @@
 #include "convert/evaluate.hpp"
 #include "model/hyperparams.hpp"
 #include "model/registry.hpp"
+#include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/clock.hpp"
@@ -234,7 +235,7 @@ struct Incoming {
 };
 
 UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config, const std::string& where,
-                          const std::vector<Incoming>& incoming, const NameMatcher& names) {
+                          const std::vector<Incoming>& incoming, const NameMatcher& names, weights::WeightUpdate update) {
   if (incoming.empty()) throw BadUpdate(where + ": holds no tensors");
   Model& model = *loaded.model;
   std::map<Parameter*, const Incoming*> chosen;
@@ -275,25 +276,24 @@ UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config
                     "; nothing was updated");
   if (chosen.empty()) throw BadUpdate(where + ": none of its tensors is a weight of model " + quote(config.name));
 
-  std::vector<std::pair<Parameter*, at::Tensor>> values;
   UpdateReport report;
   for (const auto& [parameter, tensor] : chosen) {
     try {
-      values.emplace_back(parameter, tensor->read());
+      update.values.emplace_back(parameter, tensor->read());
     } catch (const Error& e) {
       throw BadUpdate(where + ": reading " + quote(tensor->name) + ": " + e.what() + "; nothing was updated");
     }
     report.bytes += static_cast<uint64_t>(parameter->elements()) * parameter->value.element_size();
   }
-  loaded.weights->update(config.name, values);
-  report.tensors = values.size();
+  report.tensors = update.values.size();
+  loaded.weights->update(config.name, update);
   return report;
 }
 
 }  // namespace
 
-UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> bytes) {
-  const std::string where = "the update's safetensors body";
+UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> bytes,
+                               const std::string& where, const std::map<std::string, uint64_t>& room) {
   storage::SafetensorsHeader header;
   try {
     header = storage::parse_safetensors_file(bytes);
@@ -316,10 +316,14 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
     }});
     names_only.tensors.push_back({record.name, nullptr});
   }
-  return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only));
+  weights::WeightUpdate update;
+  update.in_place = true;  // bytes that cannot change while they are read
+  update.room = room;
+  return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only), std::move(update));
 }
 
-UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path) {
+UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path,
+                                    const std::map<std::string, uint64_t>& room) {
   const std::string where = "the update " + quote(path);
   storage::DiskMap map = [&] {
     try {
@@ -343,7 +347,18 @@ UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConf
     incoming.push_back({target, expr->shape, expr->dtype, [&map, expr = expr] {
       return convert::evaluate(*expr, map).contiguous();
     }});
-  return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, plan));
+  // The file may be cut short while it is read: the new values go beside the old, and are taken
+  // only once every read is whole.
+  weights::WeightUpdate update;
+  update.room = room;
+  update.check = [&map, &where] {
+    try {
+      map.check_mappings();
+    } catch (const storage::MappingLost& e) {
+      throw BadUpdate(where + ": " + e.what() + "; nothing was updated");
+    }
+  };
+  return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, plan), std::move(update));
 }
 
 }  // namespace vramd::model

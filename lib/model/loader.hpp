@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -87,10 +88,15 @@ struct UpdateReport {
 // weights::NotUpdatable where the weights cannot take an update.
 //
 // `safetensors`: a file's bytes whose tensors are named as the model's parameters (as a
-// lease's manifest names them).
-UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> safetensors);
+// lease's manifest names them), which cannot change while they are read (the request's body, a
+// sealed memfd), so that weights may take them in place; `where` names them in errors.
+UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> safetensors,
+                               const std::string& where, const std::map<std::string, uint64_t>& room);
 // `path`: a checkpoint read as the config's is (its readers, prefix and converter), holding
 // some or all of the tensors that checkpoint holds.
-UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path);
+// Both take `room`, bytes by device reserved for values written beside the old ones
+// (weights::WeightUpdate), and throw weights::UpdateNeedsRoom when that is not enough.
+UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path,
+                                    const std::map<std::string, uint64_t>& room);
 
 }  // namespace vramd::model

@@ -44,22 +44,6 @@ DeviceBytes offload_charges(const config::ModelConfig& config, const model::DryR
   return out;
 }
 
-DeviceBytes update_charges(const config::ModelConfig& config, const model::DryRun& dry, std::optional<uint64_t> elements) {
-  DeviceBytes out;
-  const bool for_clients = config::rests_for_clients(config);
-  if (config.partition.world_size > 1 || (dry.weights && !for_clients)) return out;
-  const config::Dtype dtype = for_clients ? config.vram.onload.dtype : config::Dtype{};
-  const config::Device device = for_clients ? config::Device::named("cpu") : config.vram.computation.device;
-  uint64_t bytes = bytes_in(dry, dtype);
-  const auto model_dtype = storage::parse_torch_dtype(dry.dtype);
-  if (elements && model_dtype && storage::dtype_bits(*model_dtype)) {
-    const unsigned bits = storage::dtype_bits(dtype ? *dtype : *model_dtype);
-    bytes = std::min(bytes, static_cast<uint64_t>((static_cast<unsigned __int128>(*elements) * bits + 7) / 8));
-  }
-  add(out, device, bytes);
-  return out;
-}
-
 DeviceBytes charges(const DeviceBytes& held, const DeviceBytes& floor, const DeviceBytes& reserved) {
   DeviceBytes out = held;
   for (const auto& [device, bytes] : floor) out[device] = std::max(out[device], bytes);

@@ -6,7 +6,6 @@
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <string>
 
 #include "config/model_config.hpp"
@@ -25,13 +24,6 @@ DeviceBytes computation_charges(const config::ModelConfig& config, const model::
 // What putting a model to sleep places on its offload device: its weights in the offload dtype
 // (the model's own where the offload state names none). Empty when they sleep on disk.
 DeviceBytes offload_charges(const config::ModelConfig& config, const model::DryRun& dry);
-
-// The room an update of a loaded model needs while it runs: its new values are written beside
-// the weights they replace, in their state (server/job.hpp), so `elements` of them in the
-// weights' dtype on their device; all of the model where `elements` is unknown (a checkpoint
-// path, known once read). Empty for streamed and partitioned weights, which refuse updates.
-DeviceBytes update_charges(const config::ModelConfig& config, const model::DryRun& dry,
-                           std::optional<uint64_t> elements);
 
 // A model's charge: on each device what it reports holding, at least `floor` (its computation
 // charges while it holds its weights in their computation state, else nothing), plus what is

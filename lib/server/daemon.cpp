@@ -15,9 +15,7 @@
 #include "server/reply.hpp"
 #include "server/routes.hpp"
 #include "server/status.hpp"
-#include "storage/dtype.hpp"
 #include "storage/mapping.hpp"
-#include "storage/safetensors_header.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/log.hpp"
@@ -188,15 +186,24 @@ class Daemon {
     registry_.submit(*entry, std::move(job));
   }
 
-  // POST .../weights: the new values as a safetensors body, or a JSON object {"path": "/abs/ckpt"}
-  // (Content-Type: application/json) naming a checkpoint the daemon reads.
+  // POST .../weights: the new values as a safetensors body, or a JSON object (Content-Type:
+  // application/json) {"path": "/abs/ckpt"} naming a checkpoint the daemon reads, or {"fd": N}
+  // naming the client's sealed memfd, which the daemon opens as /proc/PID/fd/N.
   static void read_update_request(Request& request, Job& job) {
     const std::string* type = request.header("content-type");
     if (type && type->starts_with("application/json")) {
       const json body = json::parse(request.body, nullptr, false);
-      if (!body.is_object() || !body.contains("path") || !body["path"].is_string() || body.size() != 1)
-        throw Error("update: a JSON body must be {\"path\": \"/absolute/checkpoint\"}; the tensors themselves go as a "
-                    "safetensors body (Content-Type: application/octet-stream)");
+      const bool path = body.is_object() && body.size() == 1 && body.contains("path") && body["path"].is_string();
+      const bool fd = body.is_object() && body.size() == 1 && body.contains("fd") && body["fd"].is_number_unsigned();
+      if (!path && !fd)
+        throw Error("update: a JSON body must be {\"path\": \"/absolute/checkpoint\"} or {\"fd\": N} (a sealed memfd of "
+                    "yours); the tensors themselves go as a safetensors body (Content-Type: application/octet-stream)");
+      if (fd) {
+        if (request.peer_pid < 0)
+          throw Error("update: {\"fd\": N} names a descriptor of the client's process, which only the Unix socket tells");
+        job.memfd = "/proc/" + std::to_string(request.peer_pid) + "/fd/" + std::to_string(body["fd"].get<uint64_t>());
+        return;
+      }
       job.path = body["path"].get<std::string>();
       if (!job.path.starts_with("/"))
         throw Error("update: path " + quote(job.path) + " is relative; give it whole (the daemon's folder is not yours)");
@@ -204,15 +211,6 @@ class Daemon {
     }
     if (request.body.empty())
       throw Error("update needs a request body: the new values as a safetensors file, or {\"path\": ...} as JSON");
-    uint64_t elements = 0;
-    try {
-      const auto header = storage::parse_safetensors_file(
-          {reinterpret_cast<const std::byte*>(request.body.data()), request.body.size()});
-      for (const auto& record : header.tensors) elements += storage::element_count(record.shape);
-    } catch (const Error& e) {
-      throw Error(std::string("update: the request body is not a safetensors file: ") + e.what());
-    }
-    job.elements = elements;
     job.input = std::move(request.body);
   }
 

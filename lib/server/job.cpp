@@ -76,10 +76,14 @@ void act(Job& job, Outcome& outcome) {
       break;
     case Job::Kind::Update:
       try {
-        outcome.updated = runtime.update(job.input, job.path);
+        outcome.updated = runtime.update(job.input, job.path, job.memfd, job.reserve);
       } catch (const BadInput& error) {
         outcome.status = 400;
         outcome.error = error.what();
+      } catch (const NeedsRoom& error) {
+        outcome.needs_room = error.room;  // the registry reserves it and runs the job again, once
+        outcome.status = 507;
+        outcome.error = "the update's new values need room beside the old ones, more than was reserved for them";
       } catch (const Conflict& error) {
         outcome.status = 409;
         outcome.error = error.what();

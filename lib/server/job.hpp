@@ -25,11 +25,13 @@ struct Job {
   bool stream = false;                 // load: progress as newline-delimited JSON
   std::string input;                   // forward, update: safetensors bytes
   std::string path;                    // update: a checkpoint to read instead
-  std::optional<uint64_t> elements;    // update: of the body's tensors (none for a path)
+  std::string memfd;                   // update: or the client's sealed memfd, /proc/PID/fd/N
   bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
   bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
   std::string device = "cpu";          // lease: where the client wants the weights
-  std::map<std::string, uint64_t> reserve;  // lease: what its client will use on a device, in that budget
+  // Lease: what its client will use on a device, in that budget. Update: the room its new values
+  // need beside the old ones, once a first run has said how much (Outcome::needs_room).
+  std::map<std::string, uint64_t> reserve;
   // Forward: set once its client has gone, or at shutdown once the grace period is over; the
   // forward then stops before its next layer op.
   std::shared_ptr<std::atomic<bool>> stop;
@@ -63,6 +65,9 @@ struct Outcome {
   std::string output;      // forward: safetensors bytes
   std::shared_ptr<weights::Manifest> manifest;  // lease
   Runtime::Updated updated;                     // update
+  // Update: the room its new values need beside the old ones, more than was reserved; nothing
+  // changed, and the registry runs it again once that room is reserved.
+  std::map<std::string, uint64_t> needs_room;
   uint64_t version = 0;                         // of the weights after the job (0: not loaded)
   double seconds = 0, load_seconds = 0;
   Moved moved;

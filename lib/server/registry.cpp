@@ -366,8 +366,6 @@ void Registry::pump(Entry& entry) {
     std::optional<DeviceBytes> expected;
     if (job.needs_weights() && !resident) expected = computation_charges(*entry.config, *entry.dry);
     else if (job.kind == Job::Kind::Offload && entry.state == ModelState::Ready) expected = offload_charges(*entry.config, *entry.dry);
-    // An update writes its values beside the weights they replace.
-    if (job.kind == Job::Kind::Update) job.reserve = update_charges(*entry.config, *entry.dry, job.elements);
     if (expected || !job.reserve.empty()) {
       try {
         if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve)) {
@@ -440,6 +438,14 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   entry.stop_forward.reset();
   const std::string what = std::string(job.name()) + " " + entry.name;
 
+  // An update whose new values need room beside the old ones (nothing changed yet): it runs
+  // again, first in the queue, once that room is reserved (or is refused with 507 in pump).
+  if (!outcome.needs_room.empty() && job.reserve.empty()) {
+    job.reserve = outcome.needs_room;
+    entry.queue.push_front(std::move(job));
+    pump(entry);
+    return;
+  }
   if (outcome.loaded) {
     entry.loads++;
     entry.load_seconds = outcome.load_seconds;

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <fcntl.h>
+
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -14,9 +16,12 @@
 #include "dist/group.hpp"
 #include "model/loader.hpp"
 #include "storage/file.hpp"
+#include "storage/mapping.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
+#include "util/unique_fd.hpp"
 #include "weights/source.hpp"
 #include "weights/weights.hpp"
 
@@ -151,18 +156,53 @@ weights::Manifest Runtime::lease(const std::string& device) {
   return manifest;
 }
 
-Runtime::Updated Runtime::update(std::string_view safetensors, const std::string& path) {
+namespace {
+
+// The client's memfd (/proc/PID/fd/N), opened here and mapped read-only, its seals checked on
+// this descriptor: the file mapped is the file checked, and nobody can change or cut it.
+std::unique_ptr<storage::Mapping> map_sealed(const std::string& path, const std::string& what) {
+  OpenedFile opened;
+  try {
+    opened = open_regular_file(path);
+  } catch (const Error& e) {
+    throw BadInput(what + ": " + e.what());
+  }
+  const UniqueFd fd(opened.fd);
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  constexpr int kNeeded = F_SEAL_WRITE | F_SEAL_SHRINK;
+  if (seals < 0 || (seals & kNeeded) != kNeeded)
+    throw BadInput(what + " is not sealed against writes and shrinking (fcntl F_ADD_SEALS with F_SEAL_WRITE | "
+                          "F_SEAL_SHRINK): seal it, so that it cannot change while the daemon reads it");
+  if (opened.size == 0) throw BadInput(what + " is empty");
+  return std::make_unique<storage::Mapping>(path, fd.get(), 0, opened.size, false, std::make_shared<std::atomic<bool>>(false));
+}
+
+}  // namespace
+
+Runtime::Updated Runtime::update(std::string_view safetensors, const std::string& path, const std::string& memfd,
+                                 const std::map<std::string, uint64_t>& room) {
   const auto start = std::chrono::steady_clock::now();
   if (impl_->offloaded) onload();
   model::UpdateReport report;
   try {
-    report = path.empty() ? model::update_from_bytes(impl_->loaded, impl_->config,
-                                                     {reinterpret_cast<const std::byte*>(safetensors.data()), safetensors.size()})
-                          : model::update_from_checkpoint(impl_->loaded, impl_->config, path);
+    const auto bytes = [](const std::byte* data, size_t size) { return std::span<const std::byte>(data, size); };
+    if (!memfd.empty()) {
+      const std::string what = "the update's memfd " + quote(memfd);
+      const auto mapping = map_sealed(memfd, what);
+      report = model::update_from_bytes(impl_->loaded, impl_->config, bytes(mapping->data(), mapping->size()), what, room);
+    } else if (!path.empty()) {
+      report = model::update_from_checkpoint(impl_->loaded, impl_->config, path, room);
+    } else {
+      report = model::update_from_bytes(impl_->loaded, impl_->config,
+                                        bytes(reinterpret_cast<const std::byte*>(safetensors.data()), safetensors.size()),
+                                        "the update's safetensors body", room);
+    }
   } catch (const model::BadUpdate& e) {
     throw BadInput(e.what());
   } catch (const weights::NotUpdatable& e) {
     throw Conflict(e.what());
+  } catch (const weights::UpdateNeedsRoom& e) {
+    throw NeedsRoom(e.room);
   }
   impl_->version++;
   return {report.tensors, report.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};

@@ -36,6 +36,14 @@ class Conflict : public Error {
   using Error::Error;
 };
 
+// An update's new values need more room beside the old ones than was reserved for it: bytes by
+// device. Nothing has changed.
+class NeedsRoom : public Error {
+ public:
+  explicit NeedsRoom(std::map<std::string, uint64_t> room) : Error("an update needs room"), room(std::move(room)) {}
+  std::map<std::string, uint64_t> room;
+};
+
 struct LoadProgress {
   uint64_t bytes_done = 0, bytes_total = 0;
   size_t tensors_done = 0, tensors_total = 0;
@@ -76,12 +84,17 @@ class Runtime {
     uint64_t bytes = 0;  // of the new values, as the model holds them
     double seconds = 0;
   };
-  // New values for some of the weights (POST /v1/models/NAME/weights): the tensors of
-  // `safetensors`, named as the model's parameters, or with a `path`, a checkpoint read as the
-  // config's (model::update_from_checkpoint). Wakes an offloaded model. The version goes up by
-  // one. Throws BadInput naming the tensor at fault and Conflict where the weights cannot take it, in both
-  // cases with nothing changed.
-  Updated update(std::string_view safetensors, const std::string& path = {});
+  // New values for some of the weights (POST /v1/models/NAME/weights), from one of: the bytes
+  // of a safetensors file whose tensors are named as the model's parameters; a checkpoint
+  // `path`, read as the config's (model::update_from_checkpoint); or a `memfd`
+  // (/proc/PID/fd/N of the client's) holding such a safetensors file, sealed against writes and
+  // shrinking, read where it lies. `room`: bytes by device reserved for new values that cannot
+  // be written where the old ones are (weights::WeightUpdate). Wakes an offloaded model. The
+  // version goes up by one. Throws BadInput naming the tensor or file at fault, Conflict where
+  // the weights cannot take an update, and NeedsRoom where they need more room than `room`, in
+  // each case with nothing changed.
+  Updated update(std::string_view safetensors, const std::string& path = {}, const std::string& memfd = {},
+                 const std::map<std::string, uint64_t>& room = {});
   // 1 once loaded, one more for each update: the forward that answers and the lease that
   // hands over weights say which version they used.
   uint64_t version() const;

@@ -224,7 +224,7 @@ std::map<std::string, uint64_t> PartitionedWeights::bytes_by_device() const {
   return {{device_.str(), stats_.held}};
 }
 
-void PartitionedWeights::update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>&) {
+void PartitionedWeights::update(const std::string& model, const WeightUpdate&) {
   throw NotUpdatable("model " + quote(model) + " is partitioned across processes ([partition].world_size), and " +
                      "updating partitioned weights is not built yet: remove [partition] from its config to update it");
 }

@@ -53,7 +53,7 @@ class PartitionedWeights final : public Weights {
   std::optional<model::VramStats> stats() const override;
   std::map<std::string, uint64_t> bytes_by_device() const override;
   void check_leasable(const std::string& model, const std::string& device) const override;
-  void update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) override;
+  void update(const std::string& model, const WeightUpdate& update) override;
   std::optional<std::vector<RankFigures>> each_rank(int64_t peak_rss) override;
 
   uint64_t slice_bytes() const { return slice_bytes_; }  // this rank's share of the partitioned parameters

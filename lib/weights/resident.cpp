@@ -3,6 +3,8 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstring>
+#include <map>
 #include <optional>
 #include <utility>
 
@@ -146,19 +148,51 @@ std::map<std::string, uint64_t> ResidentWeights::bytes_by_device() const {
   return bytes;
 }
 
-void ResidentWeights::update(const std::string&, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) {
-  // Fresh memory for each, where its parameter's value is now (an offloaded model is woken first).
-  std::vector<at::Tensor> fresh;
-  fresh.reserve(values.size());
-  for (const auto& [parameter, value] : values) {
-    const at::Tensor& now = parameter->value;
-    fresh.push_back(value.to(now.device(), now.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous());
-  }
-  if (!fresh.empty()) synchronise(fresh.front().device());
+namespace {
+
+// Memory an allocator gave the daemon for this value alone: not a view of a checkpoint's mapping
+// or of a lease's region (made from_blob, without an allocator), and held by nothing else.
+bool own_alone(const at::Tensor& value) {
+  return value.use_count() == 1 && value.storage().allocator() != nullptr && value.storage().use_count() == 1 &&
+         value.is_contiguous();
+}
+
+}  // namespace
+
+void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
+  // Each where its parameter's value is now (an offloaded model is woken first): fresh memory
+  // for all first, then the swap.
+  const auto& values = update.values;
+  std::vector<bool> beside(values.size());
+  std::map<std::string, uint64_t> room;
   for (size_t i = 0; i < values.size(); ++i) {
-    values[i].first->value = std::move(fresh[i]);
+    const at::Tensor& now = values[i].first->value;
+    beside[i] = !(update.in_place && own_alone(now));
+    if (beside[i]) room[now.device().str()] += now.nbytes();
+  }
+  for (const auto& [device, bytes] : room) {
+    const auto held = update.room.find(device);
+    if (held == update.room.end() || held->second < bytes) throw UpdateNeedsRoom(room);
+  }
+  std::vector<at::Tensor> fresh(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    const at::Tensor& now = values[i].first->value;
+    if (beside[i])
+      fresh[i] = values[i].second.to(now.device(), now.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+  }
+  if (update.check) update.check();
+  for (size_t i = 0; i < values.size(); ++i) {
+    at::Tensor& now = values[i].first->value;
+    const at::Tensor& value = values[i].second;
+    if (fresh[i].defined())
+      now = std::move(fresh[i]);
+    else if (now.is_cpu() && value.scalar_type() == now.scalar_type() && value.is_contiguous())
+      std::memcpy(now.mutable_data_ptr(), value.const_data_ptr(), now.nbytes());  // a plain copy, no dispatch
+    else
+      now.copy_(value);
     updated_.insert(values[i].first);
   }
+  if (!values.empty()) synchronise(values.front().first->value.device());
 }
 
 void ResidentWeights::check_leasable(const std::string& model, const std::string& device) const {

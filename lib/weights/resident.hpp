@@ -32,7 +32,7 @@ class ResidentWeights final : public Weights {
   std::optional<model::VramStats> stats() const override;
   std::map<std::string, uint64_t> bytes_by_device() const override;
   void check_leasable(const std::string& model, const std::string& device) const override;
-  void update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) override;
+  void update(const std::string& model, const WeightUpdate& update) override;
 
  private:
   uint64_t read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options, size_t* zero_copy);

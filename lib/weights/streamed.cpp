@@ -581,7 +581,7 @@ std::map<std::string, uint64_t> StreamedWeights::bytes_by_device() const {
   return {{device_.str(), in_use_}};
 }
 
-void StreamedWeights::update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>&) {
+void StreamedWeights::update(const std::string& model, const WeightUpdate&) {
   throw NotUpdatable("model " + quote(model) + " streams its weights under its [vram] table (a limit, a preparing " +
                      "dtype of its own, or an onload state off the computation device), and updating streamed weights " +
                      "is not built yet: remove [vram] from its config to update it");

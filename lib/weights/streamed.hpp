@@ -61,7 +61,7 @@ class StreamedWeights final : public Weights {
   std::optional<model::VramStats> stats() const override;
   std::map<std::string, uint64_t> bytes_by_device() const override;
   void check_leasable(const std::string& model, const std::string& device) const override;
-  void update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) override;
+  void update(const std::string& model, const WeightUpdate& update) override;
   bool start_trace() override;
   std::vector<VramEvent> take_trace() override;
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -47,6 +48,31 @@ struct RankFigures {
   int64_t bytes_read = 0;    // of the checkpoint's tensor data (storage::DiskMap::bytes_read)
 };
 
+// New values for some weights (Weights::update). Each value is cast into fresh memory in its
+// parameter's state, and only once all are there (and `check` has passed) do the parameters take
+// them, so that a lease's client keeps the memory it mapped, with the values it had, and where
+// the update fails nothing has changed. With `in_place` (the values are bytes that cannot change
+// while they are copied: the request's own, a sealed memfd) a weight in memory of the daemon's
+// own that nothing else holds takes its value where it is instead: the same outcome, without
+// fresh memory.
+struct WeightUpdate {
+  std::vector<std::pair<model::Parameter*, at::Tensor>> values;  // CPU tensors of the parameters' shapes, any floating dtype
+  bool in_place = false;
+  // Bytes by device ("cpu", "cuda:0") the budget holds for fresh memory. Where the values need
+  // more, the update throws UpdateNeedsRoom saying how much, before it allocates any.
+  std::map<std::string, uint64_t> room;
+  // Called once every value has been read, before any weight takes one; throws to leave them
+  // as they were (a checkpoint cut short under its mapping: storage::MappingLost).
+  std::function<void()> check;
+};
+
+// An update needs more fresh memory than WeightUpdate::room: bytes by device.
+class UpdateNeedsRoom : public Error {
+ public:
+  explicit UpdateNeedsRoom(std::map<std::string, uint64_t> room) : Error("an update needs room"), room(std::move(room)) {}
+  std::map<std::string, uint64_t> room;
+};
+
 // These weights cannot take an update as configured (the message says why and what to change): 409.
 class NotUpdatable : public Error {
  public:
@@ -71,12 +97,9 @@ class Weights : public model::LayerWeights {
   // when a lease on `device` ("cpu", "cuda:0") cannot hand these weights over whole.
   virtual void check_leasable(const std::string& model, const std::string& device) const = 0;
 
-  // New values for some of the weights, as one step (the model's jobs do not overlap it): each
-  // of `values` (a CPU tensor of its parameter's shape, any floating dtype) is cast into fresh
-  // memory in its parameter's state, and only once all are there do the parameters take them.
-  // Never in place: a lease's client keeps the memory it mapped, and the values it had. Where
-  // the update fails nothing has changed. Throws NotUpdatable naming `model` and what to change.
-  virtual void update(const std::string& model, const std::vector<std::pair<model::Parameter*, at::Tensor>>& values) = 0;
+  // New values for some of the weights, as one step (the model's jobs do not overlap it).
+  // Throws NotUpdatable naming `model` and what to change.
+  virtual void update(const std::string& model, const WeightUpdate& update) = 0;
 
   // Records every change of the bytes on the computation device from now on, replacing an
   // earlier record; false where nothing changes while the model computes, or none is kept.

@@ -28,10 +28,11 @@ NAMES = {dtype: name for name, dtype in DTYPES.items()}
 TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in NAMES}
 
 
-def dumps(tensors: Mapping[str, torch.Tensor]) -> bytearray:
-    """A safetensors file of `tensors` (any device, layout or strides; one copy each). Larger
-    elements come first so that every tensor is aligned for its dtype, as the daemon writes them.
-    Raises TypeError or ValueError naming the tensor that cannot be written."""
+def dumps(tensors: Mapping[str, torch.Tensor], allocate=bytearray):
+    """A safetensors file of `tensors` (any device, layout or strides; one copy each), in the
+    writable buffer `allocate(size)` gives (a bytearray, or an mmap). Larger elements come first
+    so that every tensor is aligned for its dtype, as the daemon writes them. Raises TypeError or
+    ValueError naming the tensor that cannot be written."""
     entries = []
     for name, tensor in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
@@ -54,7 +55,7 @@ def dumps(tensors: Mapping[str, torch.Tensor]) -> bytearray:
         end += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    out = bytearray(8 + len(text) + end)
+    out = allocate(8 + len(text) + end)
     out[:8] = struct.pack("<Q", len(text))
     out[8:8 + len(text)] = text
     for name, data in entries:

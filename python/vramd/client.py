@@ -1,7 +1,9 @@
 """The daemon's endpoints (docs/api.md) as methods of one client."""
 from __future__ import annotations
 
+import fcntl
 import json
+import mmap
 import os
 from collections.abc import Callable, Mapping
 from urllib.parse import quote
@@ -133,13 +135,16 @@ class Client:
             raise DaemonError(f"vramd at {self.socket_path} answered with a safetensors file that is "
                               f"malformed: {e}", request=f"POST {target}") from None
 
-    def update(self, name: str, values: Mapping[str, torch.Tensor] | str | os.PathLike) -> dict:
+    def update(self, name: str, values: Mapping[str, torch.Tensor] | str | os.PathLike, via: str = "memfd") -> dict:
         """Gives loaded model `name` new values for some or all of its weights; its object, with
         `version` (one more than before) and `updated` ({"tensors", "bytes", "seconds"}).
 
         values: tensors named as the model's parameters (as a lease names them; any device and
-            floating dtype, cast as a load casts), sent in the request; or the path of a checkpoint
-            the daemon reads as the model's config reads its own (prefix, converter).
+            floating dtype, cast as a load casts); or the path of a checkpoint the daemon reads as
+            the model's config reads its own (prefix, converter).
+        via: how tensors travel. "memfd": written once into a sealed memfd that the daemon maps
+            where it lies (it opens /proc/PID/fd/N of this process, so it must run as this user or
+            root); "body": serialised into the request.
         Forwards queued before it run on the old values, those after on the new; leases taken
         before keep the old values. Checked whole first: a name that is not the model's, a shape
         that differs, a file it cannot read raise DaemonError (400) and change nothing."""
@@ -147,8 +152,16 @@ class Client:
         if isinstance(values, (str, os.PathLike)):
             body = json.dumps({"path": os.path.abspath(os.fspath(values))}).encode()
             response = self._call("POST", target, body, "application/json")
-        else:
+        elif via == "memfd":
+            fd = _sealed_memfd(values)
+            try:
+                response = self._call("POST", target, json.dumps({"fd": fd}).encode(), "application/json")
+            finally:
+                os.close(fd)
+        elif via == "body":
             response = self._call("POST", target, dumps(values), "application/octet-stream")
+        else:
+            raise ValueError(f"via={via!r}: expected 'memfd' or 'body'")
         return self._documented(response.body, _check_update, f"POST {target}")
 
     def lease(self, name: str, device: str = "cpu", wait: bool = True,
@@ -197,6 +210,27 @@ class Client:
 def connect(socket: str | os.PathLike | None = None, timeout: float | None = None) -> Client:
     """A Client connected to vramd; see Client."""
     return Client(socket, timeout)
+
+
+def _sealed_memfd(tensors: Mapping[str, torch.Tensor]) -> int:
+    """A memfd holding `tensors` as a safetensors file, sealed so that nobody can change it."""
+    fd = os.memfd_create("vramd-update", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        mappings = []
+
+        def allocate(size):
+            os.ftruncate(fd, size)
+            mappings.append(mmap.mmap(fd, size))
+            return mappings[-1]
+
+        dumps(tensors, allocate)
+        for mapping in mappings:
+            mapping.close()  # a writable mapping left would keep the kernel from sealing
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _model_path(name: str, action: str | None = None, **query: str | None) -> str:

@@ -72,10 +72,14 @@ def test_an_update_from_a_path_then_from_tensors_equals_a_fresh_load(served):
         assert answer["updated"]["bytes"] == sum(t.nbytes for t in served["state"].values())
         got, ran_on = client.forward("m", served["inputs"], with_version=True)
         assert ran_on == version + 1 and equal(got, served["after"])  # float32: bit for bit
-        # Back to the original, sent in the request this time.
+        # Back to the original, in a sealed memfd the daemon maps (the default), then in the request.
         assert client.update("m", served["state"])["version"] == version + 2
         assert equal(client.forward("m", served["inputs"]), served["before"])
-        assert client.status("m")["stats"]["updates"] >= 2
+        assert client.update("m", served["changed"], via="body")["version"] == version + 3
+        assert equal(client.forward("m", served["inputs"]), served["after"])
+        assert client.update("m", served["state"], via="body")["version"] == version + 4
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+        assert client.status("m")["stats"]["updates"] >= 4
 
 
 def test_a_partial_update_changes_only_its_tensors(served):
@@ -203,10 +207,24 @@ def test_bad_updates_are_refused_naming_the_tensor_and_the_model_keeps_serving(s
         client.update("m", {"lm_head.weight": head})
     sock = served["daemon"].sock
     body = bytes(vramd._safetensors.dumps({"lm_head.weight": head}))
-    for bad, why in [(body[:-10], "not a safetensors file"), (b"", "needs a request body"),
-                     (b'{"path": "relative.safetensors"}', "is relative")]:
-        status, answer = request_typed(sock, bad, "application/json" if bad.startswith(b"{") else "application/octet-stream")
-        assert status == 400 and why in json.loads(answer)["error"], answer
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.write(unsealed, body)
+    reader, writer = os.pipe()
+    try:
+        for bad, why in [(body[:-10], "not a safetensors file"), (b"", "needs a request body"),
+                         (b'{"path": "relative.safetensors"}', "is relative"),
+                         (b'{"path": "/a", "fd": 3}', "must be"),
+                         (b'{"fd": %d}' % unsealed, "is not sealed against writes and shrinking"),
+                         (b'{"fd": %d}' % reader, "a FIFO"),
+                         (b'{"fd": 999999}', "/fd/999999")]:
+            status, answer = request_typed(sock, bad, "application/json" if bad.startswith(b"{") else "application/octet-stream")
+            assert status == 400 and why in json.loads(answer)["error"], answer
+    finally:
+        for fd in (unsealed, reader, writer):
+            os.close(fd)
+    with vramd.connect(sock) as client:
+        assert client.status("m")["version"] == version + 2  # the NaN and its undoing
+        assert equal(client.forward("m", served["inputs"]), served["before"])
 
 
 def request_typed(sock, body, content_type):
@@ -219,15 +237,25 @@ def request_typed(sock, body, content_type):
         connection.close()
 
 
-def test_an_update_past_the_budget_is_refused_and_one_that_fits_is_not(served, tmp_path):
-    # The model is 857,344 bytes; its update is written beside it, so a whole one needs twice that.
+def test_an_update_takes_room_beside_the_old_values_only_where_it_cannot_write_in_place(served, tmp_path):
+    # The model is 857,344 bytes, in a budget of 1,536,000: a whole copy beside it cannot fit.
     d = Daemon(tmp_path, budgets='cpu = "1500KiB"')
     (d.models / "m.toml").write_text(f'checkpoint = "{served["original"]}"\n')
     with d.start():
         with vramd.connect(d.sock) as client:
             client.load("m")
+            # Loaded, its weights are views of the checkpoint's mapping, which an update never writes.
             message = refused(client, "m", served["changed"], 507)
-            assert "cpu" in message
-            assert client.update("m", {"lm_head.weight": served["changed"]["lm_head.weight"]})["version"] == 2
+            assert "needs 837.25 KiB on cpu" in message, message
+            # One tensor at a time fits beside; each then lies in memory of the daemon's own.
+            for name, value in served["changed"].items():
+                client.update("m", {name: value})
             assert client.status("m")["devices"]["cpu"] == 857344
+            # Now a whole update is written where the old values are, and needs no room.
+            assert client.update("m", served["state"])["version"] == 2 + len(served["changed"])
+            assert equal(client.forward("m", served["inputs"]), served["before"])
+            # A lease holds the old values: the next update goes beside them again, and is refused.
+            with client.lease("m"):
+                assert "needs 837.25 KiB on cpu" in refused(client, "m", served["changed"], 507)
+            assert equal(client.forward("m", served["inputs"]), served["before"])
         assert d.stop() == 0
