@@ -225,11 +225,14 @@ class Daemon {
     for (const auto& [key, value] : body.items()) {
       if (key == "device" && value.is_string()) job.device = value.get<std::string>();
       else if (key == "wait" && value.is_boolean()) job.wait = value.get<bool>();
-      else if (key == "device" || key == "wait")
+      else if (key == "follow" && value.is_boolean()) job.follow = value.get<bool>();
+      else if (key == "device" || key == "wait" || key == "follow")
         throw Error("lease: " + key + " must be a " + (key == "device" ? "string" : "boolean"));
       else if (key == "reserve") read_reservation(value, job);
-      else throw Error("lease: unknown key " + quote(key) + " (device, wait, reserve)");
+      else throw Error("lease: unknown key " + quote(key) + " (device, wait, follow, reserve)");
     }
+    if (!job.hold && job.follow)
+      throw Error("lease: follow sends each new version on the lease's connection, and GET holds none: POST it");
     if (!job.hold && !job.reserve.empty())
       throw Error("lease: reserve holds room for as long as a lease is held, and GET holds none: POST it");
   }

@@ -1,6 +1,8 @@
 #include "server/http.hpp"
 
 #include <poll.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -92,6 +94,7 @@ class Connection {
   void close() {
     if (closing_) return;
     closing_ = true;
+    if (channel_) channel_->connection_ = nullptr;
     uv_read_stop(stream());
     if (auto on_end = std::move(on_upgrade_end_)) {
       log::debug(peer_ + ": the handed-over connection closed");
@@ -128,9 +131,26 @@ class Connection {
       close();
     }
   }
-  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
-               std::function<bool(std::string_view)> on_data) {
-    if (closing_ || closing_after_writes_ || !is_unix_ || unsent() > 0 || bytes.empty()) return false;
+  std::shared_ptr<Channel> upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
+                                   std::function<bool(std::string_view)> on_data) {
+    if (!is_unix_ || !send_with_fds(bytes, fds)) return nullptr;
+    upgraded_ = true;
+    exchange_.reset();
+    uv_timer_stop(&timer_);
+    on_upgrade_end_ = std::move(on_end);
+    on_upgrade_data_ = std::move(on_data);
+    pending_.clear();
+    if (!closing_) uv_read_start(stream(), on_alloc, on_read);  // to see it close
+    channel_ = std::make_shared<Channel>();
+    channel_->connection_ = this;
+    return channel_;
+  }
+
+  // `bytes` with `fds` attached: their first part by sendmsg (which carries the descriptors),
+  // the rest queued as any write. False, having written nothing, when the connection is closing
+  // or has not taken what was written before (the descriptors would arrive out of place).
+  bool send_with_fds(const std::string& bytes, const std::vector<int>& fds) {
+    if (closing_ || closing_after_writes_ || unsent() > 0 || bytes.empty()) return false;
     uv_os_fd_t fd = -1;
     if (uv_fileno(reinterpret_cast<uv_handle_t*>(stream()), &fd) != 0) return false;
     iovec data{const_cast<char*>(bytes.data()), bytes.size()};
@@ -151,17 +171,10 @@ class Connection {
     do sent = ::sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
     while (sent < 0 && errno == EINTR);
     if (sent < 0) {
-      log::info(peer_ + ": could not hand over the connection: " + std::strerror(errno));
+      log::info(peer_ + ": could not send descriptors: " + std::strerror(errno));
       return false;
     }
-    upgraded_ = true;
-    exchange_.reset();
-    uv_timer_stop(&timer_);
-    on_upgrade_end_ = std::move(on_end);
-    on_upgrade_data_ = std::move(on_data);
     write_raw(bytes.substr(static_cast<size_t>(sent)));
-    pending_.clear();
-    if (!closing_) uv_read_start(stream(), on_alloc, on_read);  // to see it close
     return true;
   }
 
@@ -335,6 +348,7 @@ class Connection {
   bool keep_alive_ = true, held_back_ = false, in_handler_ = false, upgraded_ = false;
   std::function<void()> on_upgrade_end_;
   std::function<bool(std::string_view)> on_upgrade_data_;
+  std::shared_ptr<Channel> channel_;  // once upgraded
   bool closing_ = false, closing_after_writes_ = false;
   int closed_handles_ = 0;
   std::shared_ptr<Exchange> exchange_;
@@ -374,13 +388,18 @@ void Exchange::end() {
   connection->finish_exchange();
 }
 
-bool Exchange::upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
-                       std::function<bool(std::string_view)> on_data) {
-  if (state_ != State::Waiting || !connection_) return false;
-  if (!connection_->upgrade(bytes, fds, std::move(on_end), std::move(on_data))) return false;
+std::shared_ptr<Channel> Exchange::upgrade(const std::string& bytes, const std::vector<int>& fds,
+                                           std::function<void()> on_end, std::function<bool(std::string_view)> on_data) {
+  if (state_ != State::Waiting || !connection_) return nullptr;
+  auto channel = connection_->upgrade(bytes, fds, std::move(on_end), std::move(on_data));
+  if (!channel) return nullptr;
   state_ = State::Done;
   connection_ = nullptr;
-  return true;
+  return channel;
+}
+
+bool Channel::send(const std::string& bytes, const std::vector<int>& fds) {
+  return connection_ && connection_->send_with_fds(bytes, fds);
 }
 
 size_t Exchange::unsent() const { return connection_ ? connection_->unsent() : 0; }

@@ -30,6 +30,20 @@ namespace vramd::server {
 
 class Connection;
 
+// A handed-over connection (Exchange::upgrade) that the daemon may write to again: a lease
+// that follows its model's updates.
+class Channel {
+ public:
+  // Writes `bytes` with `fds` attached (SCM_RIGHTS), as the upgrade wrote its own. False when
+  // the connection has closed, or has not yet taken what was written before, or the kernel
+  // would not take the descriptors now.
+  bool send(const std::string& bytes, const std::vector<int>& fds);
+
+ private:
+  friend class Connection;
+  Connection* connection_ = nullptr;  // null once it closed
+};
+
 // One request and the answer to it. The answer is either whole (respond) or streamed in
 // chunks (begin_stream, write, end). Once the client has gone, answering does nothing.
 class Exchange {
@@ -54,10 +68,11 @@ class Exchange {
   // (SCM_RIGHTS; the caller keeps its own descriptors), after which the connection carries no
   // more HTTP: what the client sends goes to `on_data` as it comes (ignored without one; false
   // there closes the connection), no timeout applies, and `on_end` runs once when it closes,
-  // whoever closes it. Returns false, keeping nothing, when the client is gone, the connection is
-  // not a Unix socket, or the kernel would not take the descriptors now.
-  bool upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
-               std::function<bool(std::string_view)> on_data = {});
+  // whoever closes it. Returns the connection as a Channel to write to again; null, keeping
+  // nothing, when the client is gone, the connection is not a Unix socket, or the kernel would
+  // not take the descriptors now.
+  std::shared_ptr<Channel> upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
+                                   std::function<bool(std::string_view)> on_data = {});
 
  private:
   friend class Connection;

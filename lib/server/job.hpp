@@ -28,6 +28,8 @@ struct Job {
   std::string memfd;                   // update: or the client's sealed memfd, /proc/PID/fd/N
   bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
   bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
+  bool follow = false;                 // lease: send the manifest of each new version after an update
+  std::optional<uint64_t> refresh;     // lease: the daemon's own, for following lease `refresh`
   std::string device = "cpu";          // lease: where the client wants the weights
   // Lease: what its client will use on a device, in that budget. Update: the room its new values
   // need beside the old ones, once a first run has said how much (Outcome::needs_room).

@@ -527,6 +527,8 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
                          {"seconds", outcome.updated.seconds}};
   }
 
+  if (job.refresh) send_refresh(entry, job, outcome);
+  if (job.kind == Job::Kind::Update && status == 200) refresh_followers(entry);
   // Answer the job (unless it is a load, answered below with everyone following it).
   if (job.exchange && std::find(watchers.begin(), watchers.end(), job.exchange) == watchers.end()) {
     if (job.kind == Job::Kind::Forward && status == 200) job.exchange->respond(200, "application/octet-stream", outcome.output);
@@ -599,16 +601,18 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   const uint64_t id = ++leases_made_;
   const auto& request = job.exchange->request();
   entry.leases[id] = {.id = id, .pid = request.peer_pid, .uid = request.peer_uid, .device = job.device,
-                      .since = std::chrono::system_clock::now(), .reserved = job.reserve, .peak = std::nullopt, .said = {}};
+                      .since = std::chrono::system_clock::now(), .reserved = job.reserve, .peak = std::nullopt, .said = {},
+                      .follow = job.follow, .channel = nullptr, .sent = manifest.version, .taken = manifest.version};
   std::vector<int> fds;
   for (const auto& region : manifest.regions) fds.push_back(region.fd.get());
   const std::string bytes = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: vramd-lease/1\r\nConnection: Upgrade\r\n\r\n" +
                             json_line(manifest_json(manifest, entry.name, id));
   const std::weak_ptr<int> alive = alive_;
-  const bool handed = job.exchange->upgrade(
+  auto channel = job.exchange->upgrade(
       bytes, fds, [this, alive, name = entry.name, id] { if (alive.lock()) end_lease(name, id); },
       [this, alive, name = entry.name, id](std::string_view data) { return alive.lock() && hear(name, id, data); });
-  if (!handed) {
+  if (channel) entry.leases[id].channel = std::move(channel);
+  if (!entry.leases[id].channel) {
     entry.leases.erase(id);
     if (!job.exchange->gone()) respond_error(*job.exchange, 500, "could not hand the lease of " + quote(entry.name) + " over");
     return;
@@ -616,6 +620,46 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   log::info("lease " + std::to_string(id) + " of " + entry.name + " to " + request.peer + ": " +
             counted(manifest.tensors.size(), "tensor") + ", " + format_bytes(manifest.bytes) + " in " +
             counted(manifest.regions.size(), "region"));
+}
+
+void Registry::refresh_followers(Entry& entry) {
+  for (const auto& [id, lease] : entry.leases)
+    if (lease.follow && lease.taken == lease.sent && entry.version > lease.sent) refresh(entry, lease);
+}
+
+void Registry::refresh(Entry& entry, const Lease& lease) {
+  Job job(Job::Kind::Lease);
+  job.device = lease.device;
+  job.refresh = lease.id;
+  submit(entry, std::move(job));
+}
+
+void Registry::send_refresh(Entry& entry, const Job& job, const Outcome& outcome) {
+  const auto found = entry.leases.find(*job.refresh);
+  if (found == entry.leases.end()) return;  // it ended meanwhile
+  Lease& lease = found->second;
+  const std::string what = "lease " + std::to_string(lease.id) + " of " + entry.name;
+  if (outcome.status != 200 || !outcome.manifest) {
+    log::warn(what + ": the new version's manifest could not be made (" + outcome.error + "); it no longer follows");
+    lease.follow = false;
+    return;
+  }
+  if (lease.taken < lease.sent || outcome.manifest->version <= lease.sent) {
+    // Versions it does not take would pile up in its socket, each holding its memory: it gets
+    // the newest once it has taken the one sent before.
+    log::debug(what + ": version " + std::to_string(outcome.manifest->version) + " waits until its client takes version " +
+               std::to_string(lease.sent));
+    return;
+  }
+  std::vector<int> fds;
+  for (const auto& region : outcome.manifest->regions) fds.push_back(region.fd.get());
+  if (!lease.channel || !lease.channel->send(json_line(manifest_json(*outcome.manifest, entry.name, lease.id)), fds)) {
+    log::warn(what + ": its client has not taken what was sent before, or is gone; it no longer follows");
+    lease.follow = false;
+    return;
+  }
+  lease.sent = outcome.manifest->version;
+  log::info(what + ": version " + std::to_string(lease.sent) + " sent");
 }
 
 bool Registry::hear(const std::string& name, uint64_t id, std::string_view data) {
@@ -626,12 +670,19 @@ bool Registry::hear(const std::string& name, uint64_t id, std::string_view data)
   for (size_t end; (end = lease.said.find('\n')) != std::string::npos;) {
     const json line = json::parse(std::string_view(lease.said).substr(0, end), nullptr, false);
     lease.said.erase(0, end + 1);
-    if (!line.is_object() || line.size() != 1 || !line.contains("peak") || !line["peak"].is_number_unsigned()) {
-      log::warn("lease " + std::to_string(id) + " of " + name + ": its client sent a line that is not {\"peak\": N}; "
-                "the lease ends");
+    const auto said = [&](const char* key) { return line.size() == 1 && line.contains(key) && line[key].is_number_unsigned(); };
+    if (!line.is_object() || !(said("peak") || said("taken"))) {
+      log::warn("lease " + std::to_string(id) + " of " + name + ": its client sent a line that is neither {\"peak\": N} "
+                "nor {\"taken\": VERSION}; the lease ends");
       return false;
     }
-    lease.peak = line["peak"].get<uint64_t>();
+    if (said("peak")) {
+      lease.peak = line["peak"].get<uint64_t>();
+      continue;
+    }
+    lease.taken = std::max(lease.taken, std::min(line["taken"].get<uint64_t>(), lease.sent));
+    // It took the version sent before: a newer one made meanwhile goes now.
+    if (lease.follow && lease.taken == lease.sent && entry->version > lease.sent) refresh(*entry, lease);
   }
   if (lease.said.size() <= 4096) return true;
   log::warn("lease " + std::to_string(id) + " of " + name + ": its client sent a line past 4 KiB; the lease ends");

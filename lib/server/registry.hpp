@@ -52,6 +52,11 @@ struct Lease {
   std::map<std::string, uint64_t> reserved;  // what its client uses on a device, counted in that budget
   std::optional<uint64_t> peak;               // the most its client says it has used there
   std::string said;                           // the client's unfinished line
+  // Follows its model's updates: the manifest of each new version is sent on `channel`, once
+  // the client has said it took the one sent before ({"taken": VERSION}).
+  bool follow = false;
+  std::shared_ptr<Channel> channel;
+  uint64_t sent = 0, taken = 0;  // versions
 };
 
 struct Entry {
@@ -148,6 +153,11 @@ class Registry {
 
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);
+  // After an update: each following lease of the entry gets the new version's manifest (a lease
+  // job of the daemon's own each, run in the entry's queue).
+  void refresh_followers(Entry& entry);
+  void refresh(Entry& entry, const Lease& lease);
+  void send_refresh(Entry& entry, const Job& job, const Outcome& outcome);
   void end_lease(const std::string& name, uint64_t id);
   // A lease's client speaks: {"peak": N} lines, the most it has used of its reservation. False
   // (the lease ends, with a warning) for anything else.

@@ -165,14 +165,16 @@ class Client:
         return self._documented(response.body, _check_update, f"POST {target}")
 
     def lease(self, name: str, device: str = "cpu", wait: bool = True,
-              reserve: tuple[str, int] | None = None) -> Lease:
+              reserve: tuple[str, int] | None = None, follow: bool = False) -> Lease:
         """Leases model `name`'s weights on `device` as read-only, zero-copy tensors, on a
         connection of its own; see Lease. `wait`: wait for the model to load rather than refuse.
         `reserve`: (device, bytes) this process will use there, held in the daemon's budget for
         that device (which makes room as for its own models, or refuses with 507) until the lease
-        ends."""
+        ends. `follow`: the daemon sends each new version of the weights after an update, which
+        Lease.wait_update() takes."""
         sock = open_socket(self.socket_path, self.timeout)
-        return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}", reserve=reserve)
+        return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}", reserve=reserve,
+                             follow=follow)
 
     def lease_plan(self, name: str) -> dict:
         """What a lease of model `name` would hand over, without holding it: the manifest's `plan`

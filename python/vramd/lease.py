@@ -40,13 +40,53 @@ class Lease:
     mapped pages (they keep the mappings alive), but the daemon may then unload or reload the
     model, and what they hold is no longer its weights' promise.
 
+    A lease taken with `follow=True` is sent the manifest of each new version of the weights
+    after an update (POST /v1/models/NAME/weights); wait_update() takes it. Until then, and for
+    a lease that does not follow, `state_dict` keeps the values it had. The daemon sends a
+    version only once the one before has been taken, the newest at that time: a client slower
+    than the updates skips versions rather than queueing them.
+
     Used as a context manager, `with client.lease("minilm") as state_dict:` closes at the end."""
 
-    def __init__(self, sock: socket.socket, manifest: dict, state_dict: dict[str, torch.Tensor], regions: list):
+    def __init__(self, sock: socket.socket, manifest: dict, state_dict: dict[str, torch.Tensor], regions: list,
+                 reader: Reader | None = None, fds: list[int] | None = None, where: str = "vramd"):
         self._sock = sock
         self._regions = [region for region in regions if region is not None]
+        self._reader, self._fds, self._where = reader, fds, where
         self.manifest = manifest
         self.state_dict = state_dict
+
+    @property
+    def version(self) -> int:
+        """The version of the weights in `state_dict` (the daemon's count of updates, from 1)."""
+        return self.manifest.get("version", 0)
+
+    def wait_update(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """Waits for the daemon to send a new version's manifest (a lease taken with follow=True),
+        maps it and makes `state_dict` its tensors; returns it. The tensors of the version
+        before stay readable for as long as something holds them. Raises TimeoutError after
+        `timeout` seconds, DaemonError when the lease has ended."""
+        if self._sock is None or self._reader is None:
+            raise ValueError("the lease is closed" if self._sock is None else "this lease does not follow updates")
+        request = f"lease {self.manifest.get('lease')} of {self.manifest.get('model')!r}"
+        previous = self._sock.gettimeout()
+        self._sock.settimeout(timeout)
+        try:
+            self.manifest, self.state_dict, mappings = _receive_manifest(self._reader, self._fds)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            failure = as_daemon_error(e, self._where, request, timeout)
+            if failure is e:
+                raise
+            raise failure from None
+        finally:
+            if self._sock is not None:
+                self._sock.settimeout(previous)
+        self._regions = [region for region in mappings if region is not None]
+        # Taken: the daemon sends the next version only now, so that none pile up unread.
+        self._sock.sendall(json.dumps({"taken": self.version}).encode() + b"\n")
+        return self.state_dict
 
     @property
     def read_only(self) -> bool:
@@ -76,7 +116,7 @@ class Lease:
 
 
 def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: bool = True,
-                  where: str = "vramd", reserve: tuple[str, int] | None = None) -> Lease:
+                  where: str = "vramd", reserve: tuple[str, int] | None = None, follow: bool = False) -> Lease:
     """Asks for a lease of model `name` on `sock`, a fresh connection to a trusted server, which
     the Lease then owns (closed here on any error). `where` names the server in messages."""
     target = f"/v1/models/{quote(name, safe='')}/lease"
@@ -86,6 +126,8 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
         body = {"device": device, "wait": wait}
         if reserve is not None:
             body["reserve"] = {"device": reserve[0], "bytes": int(reserve[1])}
+        if follow:
+            body["follow"] = True
         send_request(sock, "POST", target, json.dumps(body).encode(), "application/json")
         reader = Reader(sock, fds)  # every read from here on keeps the descriptors passed beside the bytes
         response = read_head(reader)
@@ -94,6 +136,23 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
             raise refusal(response, request)
         if response.headers.get("upgrade", "").lower() != UPGRADE:
             raise ProtocolError(f"switched to {response.headers.get('upgrade')!r}, not {UPGRADE!r}")
+        manifest, state_dict, mappings = _receive_manifest(reader, fds)
+    except BaseException as e:
+        timeout = sock.gettimeout()
+        sock.close()
+        failure = as_daemon_error(e, where, request, timeout)
+        if failure is e:
+            raise
+        raise failure from None
+    if follow:
+        return Lease(sock, manifest, state_dict, mappings, reader, fds, where)
+    return Lease(sock, manifest, state_dict, mappings)
+
+
+def _receive_manifest(reader: Reader, fds: list[int]) -> tuple[dict, dict[str, torch.Tensor], list]:
+    """The next manifest line and its descriptors (which `reader` collects into `fds`), checked
+    and mapped: the manifest, its state dict and the mappings. The descriptors are closed."""
+    try:
         line = reader.until(b"\n", MANIFEST_LIMIT)
         try:
             manifest = json.loads(line)
@@ -106,18 +165,11 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
         for t in tensors:  # every check before the first mapping
             _check_bounds(t, lengths)
         mappings = _map_all(regions, fds, lengths, ordinal)
-        state_dict = {t["name"]: _view(t, mappings, manifest["device"]) for t in tensors}
-    except BaseException as e:
-        timeout = sock.gettimeout()
-        sock.close()
-        failure = as_daemon_error(e, where, request, timeout)
-        if failure is e:
-            raise
-        raise failure from None
+        return manifest, {t["name"]: _view(t, mappings, manifest["device"]) for t in tensors}, mappings
     finally:
         for fd in fds:  # a mapping outlives its descriptor
             os.close(fd)
-    return Lease(sock, manifest, state_dict, mappings)
+        fds.clear()
 
 
 def _check_manifest(manifest) -> tuple[list[dict], list[dict], int | None]:

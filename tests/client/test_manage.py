@@ -272,7 +272,7 @@ def test_a_reservation_past_the_budget_is_refused_and_a_killed_clients_is_freed(
         lease = client.lease("toy-float8_e4m3fn", reserve=("cpu", 1 << 20))
         lease._sock.sendall(b'{"peak": "lots"}\n')
         wait_for(lambda: get_json(sock, "/v1/models/toy-float8_e4m3fn")["leases"] == [], what="the lease to end")
-        assert "its client sent a line that is not" in daemon["daemon"].log.read_text()
+        assert "its client sent a line that is neither" in daemon["daemon"].log.read_text()
         lease.close()
         # Other models served on throughout.
         with torch.device("meta"):

@@ -148,6 +148,48 @@ def test_a_lease_taken_before_an_update_keeps_its_values(served):
         assert equal(client.forward("m", served["inputs"]), served["before"])
 
 
+def test_a_following_lease_gets_each_new_version_on_its_connection(served):
+    sock = served["daemon"].sock
+    with vramd.connect(sock) as client:
+        following, still = client.lease("m", follow=True), client.lease("m")
+        with following, still:
+            version = following.version
+            assert version == client.status("m")["version"]
+            with pytest.raises(TimeoutError):
+                following.wait_update(timeout=0.2)  # nothing new yet
+            old = following.state_dict["lm_head.weight"]
+            client.update("m", served["changed"])
+            new = following.wait_update(timeout=60)
+            assert following.version == version + 1
+            assert all(torch.equal(new[name], served["changed"][name]) for name in served["changed"])
+            assert torch.equal(old, served["state"]["lm_head.weight"])  # the version before stays readable
+            assert torch.equal(still.state_dict["lm_head.weight"], served["state"]["lm_head.weight"])  # not following
+            client.update("m", served["state"])
+            back = following.wait_update(timeout=60)
+            assert following.version == version + 2
+            assert all(torch.equal(back[name], served["state"][name]) for name in served["state"])
+            # A follower is sent a version only once it has taken the one before, then the newest.
+            client.update("m", served["changed"])
+            client.update("m", served["state"])
+            client.update("m", served["changed"])
+            following.wait_update(timeout=60)
+            assert following.version == version + 3
+            latest = following.wait_update(timeout=60)
+            assert following.version == version + 5  # version + 4 was skipped
+            assert all(torch.equal(latest[name], served["changed"][name]) for name in served["changed"])
+            with pytest.raises(TimeoutError):
+                following.wait_update(timeout=0.2)
+            client.update("m", served["state"])
+        plain = client.lease("m")
+        with plain, pytest.raises(ValueError, match="does not follow"):
+            plain.wait_update()
+    for method, body, why in [("POST", b'{"follow": "yes"}', "follow must be a boolean"),
+                              ("GET", b'{"follow": true}', "GET holds none: POST it")]:
+        status, answer = request(sock, method, "/v1/models/m/lease", body)
+        assert status == 400 and why in json.loads(answer)["error"], answer
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+
+
 def test_an_updated_model_offloaded_to_disk_wakes_with_its_update(served):
     with vramd.connect(served["daemon"].sock) as client:
         client.load("sleeper")
