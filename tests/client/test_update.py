@@ -202,6 +202,33 @@ def test_an_updated_model_offloaded_to_disk_wakes_with_its_update(served):
         assert client.status("sleeper")["state"] == "ready"
 
 
+def test_tied_weights_take_an_update_through_either_name(served, tmp_path):
+    # LLaMA with tied embeddings: lm_head.weight is model.embed_tokens.weight, saved once.
+    witness = hf_models.make("llama3", "float32", tmp_path)
+    original = witness / "model" / "model.safetensors"
+    state = load_file(original)
+    embed = state["model.embed_tokens.weight"] * 1.5
+    changed = checkpoint(tmp_path / "changed", {**state, "model.embed_tokens.weight": embed},
+                         witness / "model" / "config.json")
+    d = served["daemon"]
+    (d.models / "tied.toml").write_text(f'checkpoint = "{original}"\n')
+    (d.models / "tied-fresh.toml").write_text(f'checkpoint = "{changed}"\n')
+    inputs = load_file(witness / "inputs.safetensors")
+    with vramd.connect(d.sock) as client:
+        client.reload()
+        want = client.forward("tied-fresh", inputs)
+        client.load("tied")
+        client.update("tied", {"lm_head.weight": embed})  # the tied name reaches the weight it shares
+        assert equal(client.forward("tied", inputs), want)
+        client.update("tied", {"model.embed_tokens.weight": state["model.embed_tokens.weight"]})
+        assert not equal(client.forward("tied", inputs), want)
+        # Both names at once: the weight's own name wins, as at load.
+        client.update("tied", {"model.embed_tokens.weight": embed, "lm_head.weight": state["model.embed_tokens.weight"]})
+        assert equal(client.forward("tied", inputs), want)
+        client.unload("tied")
+        client.unload("tied-fresh")
+
+
 def test_vramctl_update_from_a_path_and_as_a_body(served):
     sock = served["daemon"].sock
     result = vramctl(sock, "update", "m", served["updated"])
