@@ -138,6 +138,8 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
             raise ProtocolError(f"switched to {response.headers.get('upgrade')!r}, not {UPGRADE!r}")
         manifest, state_dict, mappings = _receive_manifest(reader, fds)
     except BaseException as e:
+        for fd in fds:  # passed beside a refusal
+            os.close(fd)
         timeout = sock.gettimeout()
         sock.close()
         failure = as_daemon_error(e, where, request, timeout)
