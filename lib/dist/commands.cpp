@@ -59,7 +59,7 @@ std::optional<Command> CommandReader::next() {
     command.op = text.value("op", "");
     command.model = text.value("model", "");
     command.config = text.value("config", "");
-    if (command.op == "forward") command.input = group_->get(input_key(seq_), std::chrono::minutes(1));
+    if (command.op == "forward" || command.op == "update") command.input = group_->get(input_key(seq_), std::chrono::minutes(1));
     if (group_->add(read_key(seq_), 1) == group_->size() - 1) {
       group_->erase(command_key(seq_));
       group_->erase(input_key(seq_));

@@ -1,7 +1,7 @@
 // What rank 0 of a group does to its partitioned models, told to the other ranks in order
 // through the group's store (dist/group.hpp): command/S holds rank 0's S-th command as JSON
-// ({"op", "model", "config"}), input/S a forward's inputs. Every other rank reads them in order
-// and the last to read one erases it. LibTorch-free: what a command does to a model is the
+// ({"op", "model", "config"}), input/S a forward's inputs or an update's values. Every other
+// rank reads them in order and the last to read one erases it. LibTorch-free: what a command does to a model is the
 // caller's (server/runtime.cpp).
 #pragma once
 
@@ -17,10 +17,10 @@ class Group;
 
 struct Command {
   int64_t seq = 0;
-  std::string op;      // "load", "unload", "offload", "onload" or "forward"
+  std::string op;      // "load", "unload", "offload", "onload", "forward" or "update"
   std::string model;   // the partitioned model's name among the ranks (partition_name)
   std::string config;  // load: the config file's path
-  std::string input;   // forward: the inputs as safetensors bytes
+  std::string input;   // forward: the inputs as safetensors bytes; update: the new values, the same
 };
 
 // Rank 0: tells the other ranks, who do it in order.

@@ -293,7 +293,8 @@ UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config
 }  // namespace
 
 UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> bytes,
-                               const std::string& where, const std::map<std::string, uint64_t>& room) {
+                               const std::string& where, const std::map<std::string, uint64_t>& room,
+                               std::function<void()> before_write) {
   storage::SafetensorsHeader header;
   try {
     header = storage::parse_safetensors_file(bytes);
@@ -319,6 +320,7 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
   weights::WeightUpdate update;
   update.in_place = true;  // bytes that cannot change while they are read
   update.room = room;
+  update.check = std::move(before_write);
   return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only), std::move(update));
 }
 

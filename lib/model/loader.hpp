@@ -90,8 +90,10 @@ struct UpdateReport {
 // `safetensors`: a file's bytes whose tensors are named as the model's parameters (as a
 // lease's manifest names them), which cannot change while they are read (the request's body, a
 // sealed memfd), so that weights may take them in place; `where` names them in errors.
+// `before_write` runs once every value is read and checked, before any weight takes one.
 UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> safetensors,
-                               const std::string& where, const std::map<std::string, uint64_t>& room);
+                               const std::string& where, const std::map<std::string, uint64_t>& room,
+                               std::function<void()> before_write = {});
 // `path`: a checkpoint read as the config's is (its readers, prefix and converter), holding
 // some or all of the tensors that checkpoint holds.
 // Both take `room`, bytes by device reserved for values written beside the old ones

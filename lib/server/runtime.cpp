@@ -185,17 +185,21 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
   if (impl_->offloaded) onload();
   model::UpdateReport report;
   try {
-    const auto bytes = [](const std::byte* data, size_t size) { return std::span<const std::byte>(data, size); };
+    // A partitioned model's other ranks take the same bytes once rank 0 has checked them.
+    const auto from_bytes = [&](const std::byte* data, size_t size, const std::string& what) {
+      const std::function<void()> tell = [&] { impl_->tell("update", {reinterpret_cast<const char*>(data), size}); };
+      return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, room,
+                                      impl_->group ? tell : std::function<void()>());
+    };
     if (!memfd.empty()) {
       const std::string what = "the update's memfd " + quote(memfd);
       const auto mapping = map_sealed(memfd, what);
-      report = model::update_from_bytes(impl_->loaded, impl_->config, bytes(mapping->data(), mapping->size()), what, room);
+      report = from_bytes(mapping->data(), mapping->size(), what);
     } else if (!path.empty()) {
       report = model::update_from_checkpoint(impl_->loaded, impl_->config, path, room);
     } else {
-      report = model::update_from_bytes(impl_->loaded, impl_->config,
-                                        bytes(reinterpret_cast<const std::byte*>(safetensors.data()), safetensors.size()),
-                                        "the update's safetensors body", room);
+      report = from_bytes(reinterpret_cast<const std::byte*>(safetensors.data()), safetensors.size(),
+                          "the update's safetensors body");
     }
   } catch (const model::BadUpdate& e) {
     throw BadInput(e.what());
@@ -236,6 +240,7 @@ std::optional<model::VramStats> Runtime::vram() const { return impl_->loaded.wei
 int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Group> group) {
   const std::string me = "vramd rank " + std::to_string(group->rank()) + ": ";
   std::map<std::string, model::LoadedModel> models;
+  std::map<std::string, config::ModelConfig> configs;
   dist::CommandReader commands(group);
   if (commands.first() > 1) std::cerr << me << "rejoined the group at command " << commands.first() << '\n';
   while (const auto command = commands.next()) {
@@ -245,14 +250,20 @@ int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Gr
         model::LoadOptions options;
         options.group = group;
         options.partition_name = command->model;
-        models[command->model] = model::load_model(config::load_model_config(command->config, daemon), options);
+        auto config = config::load_model_config(command->config, daemon);
+        models[command->model] = model::load_model(config, options);
+        configs[command->model] = std::move(config);
         continue;
       }
       auto found = models.find(command->model);
       if (found == models.end()) continue;  // its load failed here already, and said why
-      if (op == "unload") models.erase(found);
+      if (op == "unload") models.erase(found), configs.erase(command->model);
       else if (op == "offload") model::offload(found->second);
       else if (op == "onload") model::onload(found->second);
+      else if (op == "update")
+        model::update_from_bytes(found->second, configs.at(command->model),
+                                 {reinterpret_cast<const std::byte*>(command->input.data()), command->input.size()},
+                                 "rank 0's update", {});
       else if (op == "forward") {
         c10::InferenceMode inference;
         found->second.model->forward(parse_inputs(command->input));

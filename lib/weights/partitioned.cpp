@@ -224,9 +224,39 @@ std::map<std::string, uint64_t> PartitionedWeights::bytes_by_device() const {
   return {{device_.str(), stats_.held}};
 }
 
-void PartitionedWeights::update(const std::string& model, const WeightUpdate&) {
-  throw NotUpdatable("model " + quote(model) + " is partitioned across processes ([partition].world_size), and " +
-                     "updating partitioned weights is not built yet: remove [partition] from its config to update it");
+// Every rank takes the same update (rank 0 hands its bytes to the others, server/runtime.cpp),
+// checked the same way, and writes its own slice of each value where the slice rests: in
+// place, which cannot fail once the values are read, so that no rank takes it without the others.
+void PartitionedWeights::update(const std::string& model, const WeightUpdate& update) {
+  std::map<const Parameter*, std::pair<Unit*, size_t>> home;
+  for (const auto& unit : units_)
+    for (size_t i = 0; i < unit->parameters.size(); ++i) home[unit->parameters[i]] = {unit.get(), i};
+  if (!update.in_place)
+    throw NotUpdatable("model " + quote(model) + " is partitioned across processes: it takes an update of tensors (a " +
+                       "body or a memfd), which rank 0 hands to every rank; a checkpoint path is not built yet");
+  for (const auto& [parameter, value] : update.values)
+    if (const auto it = home.find(parameter); it != home.end() && !it->second.first->held.defined())
+      throw NotUpdatable("model " + quote(model) + " rests its slices on disk ([vram].onload = disk), re-read from " +
+                         "the checkpoint at each gather: they cannot take an update; rest them in memory to update it");
+  if (update.check) update.check();
+  for (auto& unit : units_)
+    if (unit->gathered.defined() && unit->users == 0) drop(*unit);  // gathered from the version before
+  const int64_t begin_of_rank = communicator_->rank();
+  for (const auto& [parameter, value] : update.values) {
+    const auto it = home.find(parameter);
+    if (it == home.end()) {  // replicated: whole on every rank
+      parameter->value = value.to(parameter->value.device(), parameter->value.scalar_type(), false, /*copy=*/true);
+      continue;
+    }
+    Unit& unit = *it->second.first;
+    const int64_t offset = unit.offsets[it->second.second];
+    const int64_t begin = begin_of_rank * unit.slice, end = std::min(begin + unit.slice, unit.elements);
+    const int64_t first = std::max(begin, offset), last = std::min(end, offset + parameter->elements());
+    if (first < last)
+      unit.held.narrow(0, first - begin, last - first).copy_(value.reshape({-1}).narrow(0, first - offset, last - first));
+  }
+  synchronise(device_);
+  count_held();
 }
 
 void PartitionedWeights::check_leasable(const std::string& model, const std::string&) const {

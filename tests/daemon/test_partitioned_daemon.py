@@ -2,18 +2,24 @@
 daemon config; [partition] in the model's): served through the real socket with the
 single-process model's outputs; when a rank dies, the request to that model fails with an error
 naming it while the daemon and its other models carry on, and once the daemon has started the
-rank again the model loads and serves again."""
+rank again the model loads and serves again. An update reaches every rank's slices."""
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
-from safetensors.torch import load, load_file, save
+from safetensors.torch import load, load_file, save, save_file
 
-from daemon_support import VRAMCTL, Daemon, model, request, vramctl, wait_for
+from daemon_support import ROOT, VRAMCTL, Daemon, model, request, vramctl, wait_for
 import hf_models
+
+sys.path.insert(0, str(ROOT / "python"))
+import vramd  # noqa: E402
 
 
 def children(pid):
@@ -83,3 +89,38 @@ def test_a_partitioned_model_serves_and_survives_a_rank_dying(tmp_path):
         assert "odd\\xff.toml': a partitioned model's config is named to the other ranks in JSON" in json.loads(body)["error"]
         status, body = request(d.sock, "POST", "/v1/models/split/forward", save(inputs), timeout=30)
         assert status == 200 and all(torch.equal(load(body)[k], expected[k]) for k in expected)
+
+
+def test_a_partitioned_model_takes_an_update_on_every_rank(tmp_path):
+    case = hf_models.make("llama3", "float32", tmp_path / "hf")
+    state = load_file(case / "model" / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    changed = {name: value + torch.randn(value.shape, generator=generator) * 0.05 for name, value in state.items()}
+    (tmp_path / "changed").mkdir()
+    save_file(changed, tmp_path / "changed" / "model.safetensors")
+    shutil.copy(case / "model" / "config.json", tmp_path / "changed" / "config.json")
+    d = Daemon(tmp_path / "d", extra="[group]\nworld_size = 2")
+    partition = '[partition]\nworld_size = 2\ntimeout = "30s"\n'
+    (d.models / "split.toml").write_text(f'checkpoint = "{case / "model"}"\n{partition}')
+    (d.models / "fresh.toml").write_text(f'checkpoint = "{tmp_path / "changed"}"\n')
+    inputs = load_file(case / "inputs.safetensors")
+    with d.start():
+        with vramd.connect(d.sock) as client:
+            before = client.forward("split", inputs)
+            after = client.forward("fresh", inputs)
+            # Rank 0 checks the tensors, then hands the same bytes to rank 1; each writes its slices.
+            assert client.update("split", changed, via="body")["version"] == 2
+            got, version = client.forward("split", inputs, with_version=True)
+            assert version == 2 and all(torch.equal(got[k], after[k]) for k in after)
+            assert client.update("split", state)["version"] == 3  # a memfd, read by rank 0
+            assert all(torch.equal(client.forward("split", inputs)[k], before[k]) for k in before)
+            # A path would have to be read by every rank: refused, and nothing changes on either.
+            with pytest.raises(vramd.DaemonError) as caught:
+                client.update("split", tmp_path / "changed" / "model.safetensors")
+            assert caught.value.status == 409 and "checkpoint path is not built yet" in str(caught.value)
+            with pytest.raises(vramd.DaemonError) as caught:
+                client.update("split", {"model.layers.0.nope": state["model.norm.weight"]})
+            assert caught.value.status == 400
+            assert all(torch.equal(client.forward("split", inputs)[k], before[k]) for k in before)
+            assert client.status("split")["version"] == 3
+        assert d.stop() == 0
