@@ -581,10 +581,57 @@ std::map<std::string, uint64_t> StreamedWeights::bytes_by_device() const {
   return {{device_.str(), in_use_}};
 }
 
-void StreamedWeights::update(const std::string& model, const WeightUpdate&) {
-  throw NotUpdatable("model " + quote(model) + " streams its weights under its [vram] table (a limit, a preparing " +
-                     "dtype of its own, or an onload state off the computation device), and updating streamed weights " +
-                     "is not built yet: remove [vram] from its config to update it");
+// Written where each weight rests, in that state's dtype: a resident slot's prepared tensors on
+// the computation device, a streamed slot's onload copies (a tied weight in every slot that
+// holds it). In place, so that neither the limit nor the onload device holds a second copy; no
+// lease can hold a streamed model's weights. Values that could change while read (a path) are
+// copied into host memory and checked first, so that nothing is written from a file cut short.
+// A slot prefetched from the version before is evicted: its next use prepares the new one.
+void StreamedWeights::update(const std::string& model, const WeightUpdate& update) {
+  std::multimap<const Parameter*, std::pair<Slot*, size_t>> homes;
+  for (const auto& slot : slots_)
+    for (size_t i = 0; i < slot->parts.size(); ++i)
+      if (slot->parts[i]) homes.emplace(slot->parts[i]->parameter, std::pair{slot.get(), i});
+  const auto onload_dtype = state_dtype(config_.vram.onload.dtype, dtype_);
+  for (const auto& [parameter, value] : update.values)
+    for (auto [it, end] = homes.equal_range(parameter); it != end; ++it) {
+      const auto& [slot, i] = it->second;
+      if (slot->from_disk)
+        throw NotUpdatable("model " + quote(model) + " streams layer " + quote(slot->layer->path()) + " from disk, " +
+                           "re-read from the checkpoint at each use: it cannot take an update; rest it in memory " +
+                           "([vram].onload on a device, within onload_limit) to update it");
+      const bool packed = slot->resident ? slot->forms[i] == kPacked
+                                         : held_dtype(*slot->parts[i], onload_dtype, onload_packed_) == kPacked;
+      if (packed)
+        throw NotUpdatable("model " + quote(model) + " holds " + quote(parameter->name) + " as packed GGUF blocks, " +
+                           "which take no update of plain values: keep them unpacked (packed = false) to update it");
+    }
+  std::vector<at::Tensor> values;
+  for (const auto& [parameter, value] : update.values)
+    values.push_back(update.in_place ? value : value.contiguous().clone());
+  if (update.check) update.check();
+
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] {
+    return prefetch_queue_.empty() &&
+           std::none_of(slots_.begin(), slots_.end(), [](auto& s) { return s->state == Slot::State::Loading; });
+  });
+  for (size_t v = 0; v < values.size(); ++v)
+    for (auto [it, end] = homes.equal_range(update.values[v].first); it != end; ++it) {
+      auto& [slot, i] = it->second;
+      if (slot->resident) {
+        slot->tensors[i].copy_(values[v]);
+      } else {
+        slot->held[i].copy_(values[v]);
+        if (slot->state == Slot::State::Ready) {
+          slot->tensors.clear();
+          slot->state = Slot::State::Away;
+          in_use_ -= slot->bytes;
+          note_locked(*slot, "evict");
+        }
+      }
+    }
+  synchronise(device_);
 }
 
 void StreamedWeights::check_leasable(const std::string& model, const std::string&) const {

@@ -190,6 +190,28 @@ def test_a_following_lease_gets_each_new_version_on_its_connection(served):
         assert equal(client.forward("m", served["inputs"]), served["before"])
 
 
+def test_weights_prepared_in_a_dtype_of_their_own_take_an_update_in_it(served, tmp_path):
+    # Managed by [vram]: prepared in bfloat16, computed in float32. The update is cast to the
+    # prepared dtype where the weights rest, as a load casts the checkpoint.
+    d = served["daemon"]
+    prepared = '[vram]\npreparing = { dtype = "bfloat16" }\n'
+    (d.models / "prepared.toml").write_text(f'checkpoint = "{served["original"]}"\n{prepared}')
+    (d.models / "prepared-fresh.toml").write_text(f'checkpoint = "{served["updated"]}"\n{prepared}')
+    with vramd.connect(d.sock) as client:
+        client.reload()
+        want = client.forward("prepared-fresh", served["inputs"])
+        before = client.forward("prepared", served["inputs"])
+        assert "bfloat16" in client.status("prepared")["weights"]["plan"]
+        client.update("prepared", served["changed"])
+        assert equal(client.forward("prepared", served["inputs"]), want)
+        client.update("prepared", served["original"])  # a path: read whole and checked before it is written
+        assert equal(client.forward("prepared", served["inputs"]), before)
+        client.update("prepared", served["updated"])
+        assert equal(client.forward("prepared", served["inputs"]), want)
+        client.unload("prepared")
+        client.unload("prepared-fresh")
+
+
 def test_an_updated_model_offloaded_to_disk_wakes_with_its_update(served):
     with vramd.connect(served["daemon"].sock) as client:
         client.load("sleeper")
@@ -265,7 +287,7 @@ def test_bad_updates_are_refused_naming_the_tensor_and_the_model_keeps_serving(s
         assert "no such file" in refused(client, "m", tmp_path / "missing.safetensors", 400).lower()
         client.load("streamed")
         message = refused(client, "streamed", served["updated"], 409)
-        assert "[vram]" in message and "not built yet" in message
+        assert "streams layer" in message and "from disk" in message and "rest it in memory" in message
         client.unload("partial")
         assert "not loaded" in refused(client, "partial", served["updated"], 409)
         assert client.status("m")["version"] == version
