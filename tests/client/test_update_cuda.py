@@ -1,0 +1,72 @@
+"""Updates of weights on a GPU through the real daemon and the Python package: a resident model on
+cuda:0 and one streamed through cuda:0 under a limit from host copies each equal a fresh load of
+the updated checkpoint after an update from a memfd and from a path; a lease of GPU memory taken
+before an update keeps its values, and a following one gets the new version. Skips without a
+GPU; scripts/gpu-check runs it where there is one."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+from daemon_support import ROOT, Daemon  # noqa: E402
+from test_update import checkpoint, equal  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "tests" / "parity"))
+import hf_models  # noqa: E402
+import vramd  # noqa: E402
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: updates of GPU weights not run")]
+ON_CUDA = '[vram]\ncomputation = { device = "cuda:0" }\n'
+STREAMED = '[vram]\ncomputation = { device = "cuda:0" }\nonload = { device = "cpu" }\nlimit = "300KiB"\n'
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    out = tmp_path_factory.mktemp("update_cuda")
+    witness = hf_models.make("llama", "float32", out)
+    original = witness / "model" / "model.safetensors"
+    state = load_file(original)
+    generator = torch.Generator().manual_seed(1)
+    changed = {name: value + torch.randn(value.shape, generator=generator) * 0.05 for name, value in state.items()}
+    updated = checkpoint(out / "updated", changed, witness / "model" / "config.json")
+    d = Daemon(out, budgets='cpu = "4GiB"\n"cuda:0" = "4GiB"')
+    for name, path, table in [("gpu", original, ON_CUDA), ("gpu-fresh", updated, ON_CUDA),
+                              ("streamed", original, STREAMED), ("streamed-fresh", updated, STREAMED)]:
+        (d.models / f"{name}.toml").write_text(f'checkpoint = "{path}"\n{table}')
+    inputs = load_file(witness / "inputs.safetensors")
+    with d.start():
+        yield {"daemon": d, "inputs": inputs, "state": state, "changed": changed, "updated": updated,
+               "original": original}
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("name", ["gpu", "streamed"])
+def test_gpu_weights_take_an_update_from_a_memfd_and_from_a_path(served, name):
+    with vramd.connect(served["daemon"].sock) as client:
+        want = client.forward(f"{name}-fresh", served["inputs"])
+        before = client.forward(name, served["inputs"])
+        client.update(name, served["changed"])
+        assert equal(client.forward(name, served["inputs"]), want)
+        client.update(name, served["changed"])  # in place this time, where the weights are the daemon's own
+        assert equal(client.forward(name, served["inputs"]), want)
+        client.update(name, served["original"])
+        assert equal(client.forward(name, served["inputs"]), before)
+        client.unload(f"{name}-fresh")
+
+
+def test_a_gpu_lease_keeps_its_values_and_a_following_one_gets_the_update(served):
+    with vramd.connect(served["daemon"].sock) as client:
+        client.update("gpu", served["state"])
+        kept, following = client.lease("gpu", device="cuda:0"), client.lease("gpu", device="cuda:0", follow=True)
+        with kept, following:
+            before = {name: t.clone() for name, t in kept.state_dict.items()}
+            client.update("gpu", served["changed"])
+            new = following.wait_update(timeout=60)
+            assert all(torch.equal(new[name].cpu(), served["changed"][name]) for name in served["changed"])
+            assert all(torch.equal(kept.state_dict[name], before[name]) for name in before)
+        client.update("gpu", served["state"])
