@@ -611,12 +611,12 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   auto channel = job.exchange->upgrade(
       bytes, fds, [this, alive, name = entry.name, id] { if (alive.lock()) end_lease(name, id); },
       [this, alive, name = entry.name, id](std::string_view data) { return alive.lock() && hear(name, id, data); });
-  if (channel) entry.leases[id].channel = std::move(channel);
-  if (!entry.leases[id].channel) {
+  if (!channel) {
     entry.leases.erase(id);
     if (!job.exchange->gone()) respond_error(*job.exchange, 500, "could not hand the lease of " + quote(entry.name) + " over");
     return;
   }
+  entry.leases[id].channel = std::move(channel);
   log::info("lease " + std::to_string(id) + " of " + entry.name + " to " + request.peer + ": " +
             counted(manifest.tensors.size(), "tensor") + ", " + format_bytes(manifest.bytes) + " in " +
             counted(manifest.regions.size(), "region"));
