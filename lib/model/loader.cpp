@@ -324,8 +324,16 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
   return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only), std::move(update));
 }
 
-UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path,
-                                    const std::map<std::string, uint64_t>& room) {
+namespace {
+
+// An update's checkpoint, indexed and converted as the config's own is.
+struct UpdateCheckpoint {
+  std::string where;
+  storage::DiskMap map;
+  convert::ConversionPlan plan;
+};
+
+UpdateCheckpoint open_update(const LoadedModel& loaded, const config::ModelConfig& config, const std::string& path) {
   const std::string where = "the update " + quote(path);
   storage::DiskMap map = [&] {
     try {
@@ -335,7 +343,7 @@ UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConf
       throw BadUpdate(where + ": " + e.what());
     }
   }();
-  const auto plan = [&] {
+  auto plan = [&] {
     if (config.converter.empty()) return convert::identity_plan(map);
     try {
       const Hyperparams hyperparams = Hyperparams::for_model(config, loaded.source->map);
@@ -344,6 +352,27 @@ UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConf
       throw BadUpdate(where + ": converter " + config.converter + ": " + e.what());
     }
   }();
+  return {where, std::move(map), std::move(plan)};
+}
+
+}  // namespace
+
+std::string checkpoint_as_safetensors(const LoadedModel& loaded, const config::ModelConfig& config, const std::string& path) {
+  const auto [where, map, plan] = open_update(loaded, config, path);
+  storage::NamedTensors tensors;
+  try {
+    for (const auto& [target, expr] : plan.tensors) tensors.emplace_back(target, convert::evaluate(*expr, map).contiguous());
+    std::string bytes = storage::serialize_tensors(tensors);
+    map.check_mappings();
+    return bytes;
+  } catch (const Error& e) {
+    throw BadUpdate(where + ": " + e.what() + "; nothing was updated");
+  }
+}
+
+UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path,
+                                    const std::map<std::string, uint64_t>& room) {
+  const auto [where, map, plan] = open_update(loaded, config, path);
   std::vector<Incoming> incoming;
   for (const auto& [target, expr] : plan.tensors)
     incoming.push_back({target, expr->shape, expr->dtype, [&map, expr = expr] {

@@ -100,5 +100,9 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
 // (weights::WeightUpdate), and throw weights::UpdateNeedsRoom when that is not enough.
 UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path,
                                     const std::map<std::string, uint64_t>& room);
+// The checkpoint at `path`, read as update_from_checkpoint reads it, as the bytes of one
+// safetensors file of its converted tensors (for update_from_bytes): what rank 0 of a
+// partitioned model hands the other ranks. Throws BadUpdate naming the file.
+std::string checkpoint_as_safetensors(const LoadedModel& loaded, const config::ModelConfig& config, const std::string& path);
 
 }  // namespace vramd::model

@@ -195,6 +195,10 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
       const std::string what = "the update's memfd " + quote(memfd);
       const auto mapping = map_sealed(memfd, what);
       report = from_bytes(mapping->data(), mapping->size(), what);
+    } else if (!path.empty() && impl_->group) {
+      // Read here, on rank 0, whole: the other ranks take its bytes, which need not be on their hosts.
+      const std::string read = model::checkpoint_as_safetensors(impl_->loaded, impl_->config, path);
+      report = from_bytes(reinterpret_cast<const std::byte*>(read.data()), read.size(), "the update " + quote(path));
     } else if (!path.empty()) {
       report = model::update_from_checkpoint(impl_->loaded, impl_->config, path, room);
     } else {

@@ -231,9 +231,9 @@ void PartitionedWeights::update(const std::string& model, const WeightUpdate& up
   std::map<const Parameter*, std::pair<Unit*, size_t>> home;
   for (const auto& unit : units_)
     for (size_t i = 0; i < unit->parameters.size(); ++i) home[unit->parameters[i]] = {unit.get(), i};
-  if (!update.in_place)
-    throw NotUpdatable("model " + quote(model) + " is partitioned across processes: it takes an update of tensors (a " +
-                       "body or a memfd), which rank 0 hands to every rank; a checkpoint path is not built yet");
+  if (!update.in_place)  // server::Runtime reads a path on rank 0 and hands every rank its bytes
+    throw NotUpdatable("model " + quote(model) + " is partitioned across processes: it takes an update as bytes that " +
+                       "rank 0 hands to every rank");
   for (const auto& [parameter, value] : update.values)
     if (const auto it = home.find(parameter); it != home.end() && !it->second.first->held.defined())
       throw NotUpdatable("model " + quote(model) + " rests its slices on disk ([vram].onload = disk), re-read from " +

@@ -114,13 +114,13 @@ def test_a_partitioned_model_takes_an_update_on_every_rank(tmp_path):
             assert version == 2 and all(torch.equal(got[k], after[k]) for k in after)
             assert client.update("split", state)["version"] == 3  # a memfd, read by rank 0
             assert all(torch.equal(client.forward("split", inputs)[k], before[k]) for k in before)
-            # A path would have to be read by every rank: refused, and nothing changes on either.
-            with pytest.raises(vramd.DaemonError) as caught:
-                client.update("split", tmp_path / "changed" / "model.safetensors")
-            assert caught.value.status == 409 and "checkpoint path is not built yet" in str(caught.value)
+            # A path is read on rank 0 and handed to rank 1 as bytes: it need not exist on its host.
+            assert client.update("split", tmp_path / "changed")["version"] == 4
+            assert all(torch.equal(client.forward("split", inputs)[k], after[k]) for k in after)
+            assert client.update("split", state)["version"] == 5
             with pytest.raises(vramd.DaemonError) as caught:
                 client.update("split", {"model.layers.0.nope": state["model.norm.weight"]})
             assert caught.value.status == 400
             assert all(torch.equal(client.forward("split", inputs)[k], before[k]) for k in before)
-            assert client.status("split")["version"] == 3
+            assert client.status("split")["version"] == 5
         assert d.stop() == 0
