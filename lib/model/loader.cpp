@@ -1,11 +1,9 @@
 #include "model/loader.hpp"
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -305,15 +303,9 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
   convert::ConversionPlan names_only;
   for (const auto& record : header.tensors) {
     incoming.push_back({record.name, record.shape, record.dtype, [&bytes, &header, &record] {
-      // A view of the body where its alignment allows (the weights copy it into memory of their
-      // own), else a copy.
-      const auto options = at::TensorOptions().dtype(storage::scalar_type(record.dtype));
-      auto* data = const_cast<std::byte*>(bytes.data() + header.data_offset + record.begin);
-      if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(options.dtype().toScalarType()) == 0)
-        return at::from_blob(data, record.shape, options);
-      at::Tensor tensor = at::empty(record.shape, options);
-      if (record.end > record.begin) std::memcpy(tensor.mutable_data_ptr(), data, record.end - record.begin);
-      return tensor;
+      // The bytes outlive the update, and the weights copy them into memory of their own.
+      return storage::view_or_copy(bytes.subspan(header.data_offset + record.begin, record.end - record.begin),
+                                   storage::scalar_type(record.dtype), record.shape, nullptr);
     }});
     names_only.tensors.push_back({record.name, nullptr});
   }

@@ -89,22 +89,26 @@ at::Tensor unpacked(const DiskMap& map, const TensorInfo& info, std::span<const 
   return tensor;
 }
 
+at::Tensor view_or_copy(std::span<const std::byte> bytes, c10::ScalarType type, c10::IntArrayRef shape,
+                        std::shared_ptr<void> owner) {
+  const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
+  auto* data = const_cast<std::byte*>(bytes.data());  // read-only in intent: views are never written
+  if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(type) == 0)
+    return at::from_blob(data, shape, [owner = std::move(owner)](void*) {}, cpu);
+  at::Tensor tensor = at::empty(shape, cpu);
+  if (!bytes.empty()) std::memcpy(tensor.mutable_data_ptr(), data, bytes.size());
+  return tensor;
+}
+
 // The tensor's bytes as they are stored, shaped `shape` in `type`: a view of the mapping where
 // `mode` allows and the bytes are aligned for `type`, else read into fresh memory.
 at::Tensor stored_bytes(const DiskMap& map, const TensorInfo& info, c10::ScalarType type, c10::IntArrayRef shape,
                         ReadMode mode) {
-  const auto cpu = at::TensorOptions().dtype(type).device(c10::kCPU);
   if (mode == ReadMode::Auto) {
-    const auto mapped = map.bytes(info);
-    const std::span<std::byte> bytes = mapped.first;
-    const std::shared_ptr<void> owner = mapped.second;
-    if (reinterpret_cast<uintptr_t>(bytes.data()) % c10::elementSize(type) == 0)
-      return at::from_blob(bytes.data(), shape, [owner](void*) {}, cpu);
-    at::Tensor tensor = at::empty(shape, cpu);
-    std::memcpy(tensor.mutable_data_ptr(), bytes.data(), bytes.size());
-    return tensor;
+    const auto [bytes, owner] = map.bytes(info);
+    return view_or_copy(bytes, type, shape, owner);
   }
-  at::Tensor tensor = at::empty(shape, cpu);
+  at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(type).device(c10::kCPU));
   std::span<std::byte> dst(static_cast<std::byte*>(tensor.mutable_data_ptr()), info.nbytes);
   if (mode == ReadMode::Direct)
     map.read_direct(info, dst);

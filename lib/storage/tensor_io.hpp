@@ -46,6 +46,10 @@ at::Tensor load_tensor(const DiskMap& map, std::string_view name, const ReadOpti
 // nothing is copied, and the mapping goes with the tensor, so nothing of the file stays mapped
 // after. Writing to it faults. Undefined when the data is not aligned to its dtype or is empty.
 at::Tensor map_tensor(const DiskMap& map, const TensorInfo& info);
+// `bytes` as a CPU tensor of `shape` in `type`: a view of them, kept valid by `owner`, where
+// they are aligned for `type`; else a copy.
+at::Tensor view_or_copy(std::span<const std::byte> bytes, c10::ScalarType type, c10::IntArrayRef shape,
+                        std::shared_ptr<void> owner);
 // A block-typed tensor's packed bytes unpacked to float32 (storage/dequantize.hpp); throws
 // Error naming its file and key.
 at::Tensor unpacked(const DiskMap& map, const TensorInfo& info, std::span<const std::byte> packed);
