@@ -3,7 +3,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <optional>
 #include <utility>
@@ -183,13 +182,8 @@ void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
   if (update.check) update.check();
   for (size_t i = 0; i < values.size(); ++i) {
     at::Tensor& now = values[i].first->value;
-    const at::Tensor& value = values[i].second;
-    if (fresh[i].defined())
-      now = std::move(fresh[i]);
-    else if (now.is_cpu() && value.scalar_type() == now.scalar_type() && value.is_contiguous())
-      std::memcpy(now.mutable_data_ptr(), value.const_data_ptr(), now.nbytes());  // a plain copy, no dispatch
-    else
-      now.copy_(value);
+    if (fresh[i].defined()) now = std::move(fresh[i]);
+    else now.copy_(values[i].second);
     updated_.insert(values[i].first);
   }
   if (!values.empty()) synchronise(values.front().first->value.device());
