@@ -241,7 +241,6 @@ void PartitionedWeights::update(const std::string& model, const WeightUpdate& up
   if (update.check) update.check();
   for (auto& unit : units_)
     if (unit->gathered.defined() && unit->users == 0) drop(*unit);  // gathered from the version before
-  const int64_t begin_of_rank = communicator_->rank();
   for (const auto& [parameter, value] : update.values) {
     const auto it = home.find(parameter);
     if (it == home.end()) {  // replicated: whole on every rank
@@ -250,7 +249,7 @@ void PartitionedWeights::update(const std::string& model, const WeightUpdate& up
     }
     Unit& unit = *it->second.first;
     const int64_t offset = unit.offsets[it->second.second];
-    const int64_t begin = begin_of_rank * unit.slice, end = std::min(begin + unit.slice, unit.elements);
+    const auto [begin, end] = own_elements(unit);
     const int64_t first = std::max(begin, offset), last = std::min(end, offset + parameter->elements());
     if (first < last)
       unit.held.narrow(0, first - begin, last - first).copy_(value.reshape({-1}).narrow(0, first - offset, last - first));
@@ -286,8 +285,13 @@ void PartitionedWeights::count_held() {
   stats_.peak = std::max(stats_.peak, stats_.held);
 }
 
+std::pair<int64_t, int64_t> PartitionedWeights::own_elements(const Unit& unit) const {
+  const int64_t begin = communicator_->rank() * unit.slice;
+  return {begin, std::min(begin + unit.slice, unit.elements)};
+}
+
 at::Tensor PartitionedWeights::read_slice(const Unit& unit, c10::ScalarType dtype, SliceReads& reads) const {
-  const int64_t begin = communicator_->rank() * unit.slice, end = std::min(begin + unit.slice, unit.elements);
+  const auto [begin, end] = own_elements(unit);
   // The slice starts at the phase of the first parameter it holds part of, read as stored.
   uint64_t phase = 0;
   for (size_t i = 0; i < unit.parameters.size(); ++i) {

@@ -19,6 +19,7 @@
 
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "weights/order.hpp"
@@ -62,6 +63,9 @@ class PartitionedWeights final : public Weights {
   struct Unit;
   struct Use;  // what one layer's op needs
   Use& use_of(const model::Layer& layer);
+  // The elements [begin, end) of the unit's flat array in this rank's slice (end may fall short
+  // of begin + slice: the padding).
+  std::pair<int64_t, int64_t> own_elements(const Unit& unit) const;
   // This rank's slice of the unit from the checkpoint: at once, or with its reads queued in
   // `reads` to be made with others (the slice is whole once they are flushed).
   at::Tensor read_slice(const Unit& unit, c10::ScalarType dtype) const;
