@@ -623,11 +623,11 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
 }
 
 void Registry::refresh_followers(Entry& entry) {
-  for (const auto& [id, lease] : entry.leases)
-    if (lease.follow && lease.taken == lease.sent && entry.version > lease.sent) refresh(entry, lease);
+  for (const auto& [id, lease] : entry.leases) refresh(entry, lease);
 }
 
 void Registry::refresh(Entry& entry, const Lease& lease) {
+  if (!lease.follow || lease.taken < lease.sent || entry.version <= lease.sent) return;
   Job job(Job::Kind::Lease);
   job.device = lease.device;
   job.refresh = lease.id;
@@ -681,8 +681,7 @@ bool Registry::hear(const std::string& name, uint64_t id, std::string_view data)
       continue;
     }
     lease.taken = std::max(lease.taken, std::min(line["taken"].get<uint64_t>(), lease.sent));
-    // It took the version sent before: a newer one made meanwhile goes now.
-    if (lease.follow && lease.taken == lease.sent && entry->version > lease.sent) refresh(*entry, lease);
+    refresh(*entry, lease);  // it took the version sent before: a newer one made meanwhile goes now
   }
   if (lease.said.size() <= 4096) return true;
   log::warn("lease " + std::to_string(id) + " of " + name + ": its client sent a line past 4 KiB; the lease ends");

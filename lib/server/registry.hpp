@@ -156,6 +156,7 @@ class Registry {
   // After an update: each following lease of the entry gets the new version's manifest (a lease
   // job of the daemon's own each, run in the entry's queue).
   void refresh_followers(Entry& entry);
+  // That job for one lease, if it follows, has taken the version sent before and is behind.
   void refresh(Entry& entry, const Lease& lease);
   void send_refresh(Entry& entry, const Job& job, const Outcome& outcome);
   void end_lease(const std::string& name, uint64_t id);
