@@ -5,7 +5,6 @@ which; a lease taken before keeps its values; bad updates are refused naming the
 model still serving; an update past the budget is refused. One daemon serves the module."""
 import json
 import os
-import shutil
 import sys
 import threading
 from pathlib import Path
@@ -23,25 +22,16 @@ import hf_models  # noqa: E402
 import vramd  # noqa: E402
 
 
-def checkpoint(folder, state, config_json):
-    """A Hugging Face folder holding `state`, with the config.json of the original beside it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(state, folder / "model.safetensors")
-    shutil.copy(config_json, folder / "config.json")
-    return folder / "model.safetensors"
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     out = tmp_path_factory.mktemp("update")
     witness = hf_models.make("llama", "float32", out)
     original = witness / "model" / "model.safetensors"
     state = load_file(original)
-    generator = torch.Generator().manual_seed(1)
-    changed = {name: value + torch.randn(value.shape, generator=generator) * 0.05 for name, value in state.items()}
-    updated = checkpoint(out / "updated", changed, witness / "model" / "config.json")
+    changed = hf_models.perturbed(state)
+    updated = hf_models.save_beside(witness, changed, out / "updated")
     head = "lm_head.weight"
-    partial = checkpoint(out / "partial", {**state, head: changed[head]}, witness / "model" / "config.json")
+    partial = hf_models.save_beside(witness, {**state, head: changed[head]}, out / "partial")
     d = Daemon(out, budgets='cpu = "4GiB"')
     for name, path, extra in [("m", original, ""), ("fresh", updated, ""), ("partial", partial, ""),
                               ("sleeper", original, '[vram]\noffload = { device = "disk" }\n'),
@@ -230,8 +220,7 @@ def test_tied_weights_take_an_update_through_either_name(served, tmp_path):
     original = witness / "model" / "model.safetensors"
     state = load_file(original)
     embed = state["model.embed_tokens.weight"] * 1.5
-    changed = checkpoint(tmp_path / "changed", {**state, "model.embed_tokens.weight": embed},
-                         witness / "model" / "config.json")
+    changed = hf_models.save_beside(witness, {**state, "model.embed_tokens.weight": embed}, tmp_path / "changed")
     d = served["daemon"]
     (d.models / "tied.toml").write_text(f'checkpoint = "{original}"\n')
     (d.models / "tied-fresh.toml").write_text(f'checkpoint = "{changed}"\n')

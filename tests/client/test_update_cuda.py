@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from daemon_support import ROOT, Daemon  # noqa: E402
-from test_update import checkpoint, equal  # noqa: E402
+from test_update import equal  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
@@ -31,9 +31,8 @@ def served(tmp_path_factory):
     witness = hf_models.make("llama", "float32", out)
     original = witness / "model" / "model.safetensors"
     state = load_file(original)
-    generator = torch.Generator().manual_seed(1)
-    changed = {name: value + torch.randn(value.shape, generator=generator) * 0.05 for name, value in state.items()}
-    updated = checkpoint(out / "updated", changed, witness / "model" / "config.json")
+    changed = hf_models.perturbed(state)
+    updated = hf_models.save_beside(witness, changed, out / "updated")
     d = Daemon(out, budgets='cpu = "4GiB"\n"cuda:0" = "4GiB"')
     for name, path, table in [("gpu", original, ON_CUDA), ("gpu-fresh", updated, ON_CUDA),
                               ("streamed", original, STREAMED), ("streamed-fresh", updated, STREAMED)]:

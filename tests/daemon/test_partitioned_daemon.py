@@ -5,7 +5,6 @@ naming it while the daemon and its other models carry on, and once the daemon ha
 rank again the model loads and serves again. An update reaches every rank's slices."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, load_file, save
 
 from daemon_support import ROOT, VRAMCTL, Daemon, model, request, vramctl, wait_for
 import hf_models
@@ -94,11 +93,8 @@ def test_a_partitioned_model_serves_and_survives_a_rank_dying(tmp_path):
 def test_a_partitioned_model_takes_an_update_on_every_rank(tmp_path):
     case = hf_models.make("llama3", "float32", tmp_path / "hf")
     state = load_file(case / "model" / "model.safetensors")
-    generator = torch.Generator().manual_seed(1)
-    changed = {name: value + torch.randn(value.shape, generator=generator) * 0.05 for name, value in state.items()}
-    (tmp_path / "changed").mkdir()
-    save_file(changed, tmp_path / "changed" / "model.safetensors")
-    shutil.copy(case / "model" / "config.json", tmp_path / "changed" / "config.json")
+    changed = hf_models.perturbed(state)
+    hf_models.save_beside(case, changed, tmp_path / "changed")
     d = Daemon(tmp_path / "d", extra="[group]\nworld_size = 2")
     partition = '[partition]\nworld_size = 2\ntimeout = "30s"\n'
     (d.models / "split.toml").write_text(f'checkpoint = "{case / "model"}"\n{partition}')

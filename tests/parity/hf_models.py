@@ -6,6 +6,7 @@ the outputs transformers computes for them: the witnesses the model tests compar
 writes OUT_DIR/CASE-DTYPE/model/ (as save_pretrained writes it) and OUT_DIR/CASE-DTYPE/{inputs,expected}.safetensors.
 """
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -178,6 +179,22 @@ def make(case, dtype_name, out):
     save_file({k: v.contiguous() for k, v in inputs.items()}, folder / "inputs.safetensors")
     save_file({k: v.contiguous() for k, v in expected.items()}, folder / "expected.safetensors")
     return folder
+
+
+def save_beside(witness, state, folder):
+    """`state` saved as a checkpoint of `witness`'s model (make()'s folder): its config.json
+    copied beside it. Returns the checkpoint's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, folder / "model.safetensors")
+    shutil.copy(Path(witness) / "model" / "config.json", folder / "config.json")
+    return folder / "model.safetensors"
+
+
+def perturbed(state, seed=1, scale=0.05):
+    """Every tensor of `state` moved by seeded noise: the new values of an update."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: value + torch.randn(value.shape, generator=generator) * scale for name, value in state.items()}
 
 
 if __name__ == "__main__":
