@@ -90,18 +90,22 @@ def test_forwards_beside_fifty_updates_each_see_one_version(served):
         first = client.status("m")["version"]
     # Versions first, first + 2, ... hold the original; first + 1, first + 3, ... the update.
     outputs = {0: served["before"], 1: served["after"]}
-    seen, failures, done = [], [], threading.Event()
+    seen, failures, done, answered = [], [], threading.Event(), threading.Condition()
 
     def forwards():
         try:
             with vramd.connect(sock) as client:
                 while not done.is_set():
                     got, version = client.forward("m", served["inputs"], with_version=True)
-                    seen.append(version)
+                    with answered:
+                        seen.append(version)
+                        answered.notify_all()
                     if not equal(got, outputs[(version - first) % 2]):
                         failures.append(version)
         except Exception as e:  # noqa: BLE001 - reported below
             failures.append(repr(e))
+            with answered:
+                answered.notify_all()
 
     threads = [threading.Thread(target=forwards) for _ in range(3)]
     for thread in threads:
@@ -109,6 +113,10 @@ def test_forwards_beside_fifty_updates_each_see_one_version(served):
     try:
         with vramd.connect(sock) as client:
             for i in range(50):
+                # Each update waits for a forward on the version before it: forwards and updates
+                # interleave, however the threads are scheduled (the bound only ends a stuck test).
+                with answered:
+                    assert answered.wait_for(lambda: first + i in seen or failures, timeout=60), seen
                 values = served["changed"] if i % 2 == 0 else served["state"]
                 assert client.update("m", values)["version"] == first + i + 1
     finally:
