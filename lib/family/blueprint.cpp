@@ -211,6 +211,14 @@ std::string layer_path(const std::string& layer, int64_t index) {
   return path;
 }
 
+// An expert's module, `{e}` in the family's name replaced by its number.
+std::string expert_path(const std::string& expert, int64_t index) {
+  std::string path = expert;
+  const auto at = path.find("{e}");
+  if (at != std::string::npos) path.replace(at, 3, std::to_string(index));
+  return path;
+}
+
 }  // namespace
 
 Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, const std::vector<std::string>& tensor_names) {
@@ -347,6 +355,30 @@ Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, c
   b.activation = r.string("activation", "silu");
   b.mlp_bias = r.boolean("mlp_bias", false);
 
+  b.clip_qkv = r.number("clip_qkv", 0);
+  require(b.clip_qkv >= 0, r.key_of("clip_qkv") + " must not be negative");
+  b.experts = r.integer("num_experts", 0);
+  b.sparse.assign(static_cast<size_t>(std::max<int64_t>(b.layers, 0)), 0);
+  if (b.experts > 0) {
+    b.experts_per_token = r.integer("experts_per_token");
+    b.expert_intermediate = r.integer("expert_intermediate_size");
+    b.shared_intermediate = r.integer("shared_expert_intermediate_size", 0);
+    b.norm_topk_prob = r.boolean("norm_topk_prob", false);
+    b.router_weights_in_float = r.boolean("router_weights_in_float", false);
+    within("num_experts", b.experts, 1, 1 << 16);
+    within("experts_per_token", b.experts_per_token, 1, b.experts);
+    within("expert_intermediate_size", b.expert_intermediate, 1, kMaxWidth * 16);
+    within("shared_expert_intermediate_size", b.shared_intermediate, 0, kMaxWidth * 16);
+    // transformers' Qwen2-MoE: layer i is sparse unless mlp_only_layers lists it, every
+    // decoder_sparse_step-th layer counting from 1.
+    const int64_t step = r.integer("sparse_step", 1);
+    within("sparse_step", step, 1, kMaxLayers);
+    std::vector<int64_t> dense;
+    if (auto listed = r.get("dense_layers")) dense = listed->get<std::vector<int64_t>>();
+    for (int64_t i = 0; i < b.layers; ++i)
+      b.sparse[i] = (i + 1) % step == 0 && std::find(dense.begin(), dense.end(), i) == dense.end();
+  }
+
   b.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   b.projection_dim = r.integer("projection_dim", b.hidden);
   within("projection_dim", b.projection_dim, 1, kMaxWidth);
@@ -420,17 +452,40 @@ Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, c
     n.mlp_norm = in_block("mlp_norm");
     n.mlp_post_norm = in_block("mlp_post_norm");
     n.mlp_residual_norm = in_block("mlp_residual_norm");
-    n.gate = in_block("gate");
-    n.up = in_block("up");
-    n.gate_up = in_block("gate_up");
-    n.down = in_block("down");
-    if (i == 0) {
-      if (n.qkv.empty() && (n.q.empty() || n.k.empty() || n.v.empty()))
-        fail(family.origin, "names: give q, k and v, or the fused qkv");
-      if (n.o.empty() || n.down.empty()) fail(family.origin, "names: o and down are needed");
+    if (b.sparse[i]) {
+      n.router = in_block("router");
+      const std::string expert = named("expert");
+      if (n.router.empty() || expert.empty() || named("expert_gate").empty() || named("expert_up").empty() ||
+          named("expert_down").empty())
+        fail(family.origin, "names: a mixture of experts (num_experts) needs router, expert, expert_gate, expert_up and expert_down");
+      const auto projections = [&](const std::string& module) {
+        return ExpertNames{module + "." + named("expert_gate"), module + "." + named("expert_up"),
+                           module + "." + named("expert_down")};
+      };
+      for (int64_t e = 0; e < b.experts; ++e) n.experts.push_back(projections(prefix + expert_path(expert, e)));
+      if (b.shared_intermediate > 0) {
+        const std::string shared = in_block("shared_expert");
+        if (shared.empty())
+          fail(family.origin, "names: a shared expert (shared_expert_intermediate_size) needs shared_expert");
+        n.shared_expert = projections(shared);
+        n.shared_expert_gate = in_block("shared_expert_gate");
+      }
+    } else {
+      n.gate = in_block("gate");
+      n.up = in_block("up");
+      n.gate_up = in_block("gate_up");
+      n.down = in_block("down");
+    }
+    if (!b.sparse[i]) {
+      if (n.down.empty()) fail(family.origin, "names: down is needed");
       if (n.gate_up.empty() && n.up.empty()) fail(family.origin, "names: give up, or the fused gate_up");
       if (b.mlp_gated && n.gate_up.empty() && n.gate.empty())
         fail(family.origin, "names: a gated MLP (mlp_gated) needs gate, or the fused gate_up");
+    }
+    if (i == 0) {
+      if (n.qkv.empty() && (n.q.empty() || n.k.empty() || n.v.empty()))
+        fail(family.origin, "names: give q, k and v, or the fused qkv");
+      if (n.o.empty()) fail(family.origin, "names: o is needed");
       if (n.q_norm.empty() != n.k_norm.empty()) fail(family.origin, "names: q_norm and k_norm go together");
     }
     b.blocks.push_back(std::move(n));

@@ -36,12 +36,22 @@ struct Rope {
 enum class NormKind { Rms, Layer };
 enum class Positions { Rope, Learned, Relative, None };
 
+// The projections of one gated MLP: an expert, or a mixture's shared expert.
+struct ExpertNames {
+  std::string gate, up, down;
+};
+
 // Module names of one block, empty where the family has no such module.
 struct BlockNames {
   std::string attention_norm, attention_post_norm, attention_residual_norm;
   std::string q, k, v, qkv, o, q_norm, k_norm;
   std::string mlp_norm, mlp_post_norm, mlp_residual_norm;
-  std::string gate, up, gate_up, down;
+  std::string gate, up, gate_up, down;  // the dense MLP (empty in a sparse block)
+  // A sparse block (a mixture of experts): its router, each expert, the shared expert and its
+  // gate (empty where the family has none).
+  std::string router, shared_expert_gate;
+  std::vector<ExpertNames> experts;
+  ExpertNames shared_expert;
 };
 
 struct Blueprint {
@@ -79,6 +89,14 @@ struct Blueprint {
   bool mlp_gated = true;
   std::string activation = "silu";
   bool mlp_bias = false;
+
+  // Mixtures of experts: each sparse block routes every token to `experts_per_token` of
+  // `experts` gated MLPs of `expert_intermediate` (0 experts: every block is dense).
+  int64_t experts = 0, experts_per_token = 0, expert_intermediate = 0, shared_intermediate = 0;
+  bool norm_topk_prob = false;           // the chosen experts' weights renormalised to sum to 1
+  bool router_weights_in_float = false;  // and kept in float32 (Mixtral); else cast to the dtype
+  std::vector<char> sparse;              // per layer: whether its MLP is a mixture
+  double clip_qkv = 0;                   // q, k and v clamped to [-clip, clip] (OLMoE); 0: none
 
   bool tie_word_embeddings = false;  // and the checkpoint holds no head of its own
   int64_t projection_dim = 0;       // of the projection head (CLIP's text_projection)

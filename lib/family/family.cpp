@@ -168,6 +168,9 @@ class Parser {
     }
     if (family_.names.count("layer") && family_.names["layer"].name.find("{i}") == std::string::npos)
       table.bad_value("layer", "must hold {i}");
+    if (family_.names.count("expert") && !family_.names["expert"].name.empty() &&
+        family_.names["expert"].name.find("{e}") == std::string::npos)
+      table.bad_value("expert", "must hold {e}");
   }
 
   void requirements(config::TableReader& table) {

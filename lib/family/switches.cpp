@@ -37,6 +37,7 @@ const std::vector<Switch>& table() {
       {"scale_by_inverse_layer", Type::Boolean, {}},
       {"attention_softcap", Type::Number, {}},
       {"eager_attention", Type::Boolean, {}},
+      {"clip_qkv", Type::Number, {}},
       {"sliding_window", Type::Integer, {}},
       {"layer_types", Type::Strings, {"full_attention", "sliding_attention"}},
       {"sliding_pattern", Type::Integer, {}},
@@ -58,6 +59,15 @@ const std::vector<Switch>& table() {
       {"mlp_gated", Type::Boolean, {}},
       {"activation", Type::String, {"gelu", "gelu_new", "gelu_pytorch_tanh", "quick_gelu", "silu", "swish", "relu"}},
       {"mlp_bias", Type::Boolean, {}},
+      // mixture of experts
+      {"num_experts", Type::Integer, {}},
+      {"experts_per_token", Type::Integer, {}},
+      {"expert_intermediate_size", Type::Integer, {}},
+      {"shared_expert_intermediate_size", Type::Integer, {}},
+      {"norm_topk_prob", Type::Boolean, {}},
+      {"router_weights_in_float", Type::Boolean, {}},
+      {"sparse_step", Type::Integer, {}},
+      {"dense_layers", Type::Integers, {}},
       // heads
       {"tie_word_embeddings", Type::Boolean, {}},
       {"final_softcap", Type::Number, {}},
@@ -91,7 +101,8 @@ std::vector<std::string> slot_names() {
           "attention_norm", "attention_post_norm", "attention_residual_norm", "q",             "k",
           "v",              "qkv",             "o",                       "q_norm",            "k_norm",
           "mlp_norm",       "mlp_post_norm",   "mlp_residual_norm",       "gate",              "up",
-          "gate_up",        "down"};
+          "gate_up",        "down",            "router",                  "expert",            "expert_gate",
+          "expert_up",      "expert_down",     "shared_expert",           "shared_expert_gate"};
 }
 
 std::string type_text(const Switch& sw) {
@@ -99,6 +110,7 @@ std::string type_text(const Switch& sw) {
     case Type::Integer: return "an integer";
     case Type::Number: return "a number";
     case Type::Boolean: return "true or false";
+    case Type::Integers: return "a list of integers";
     case Type::Object: return "a table";
     case Type::String:
     case Type::Strings: {
@@ -121,6 +133,9 @@ std::string type_problem(const Switch& sw, const nlohmann::json& value) {
     case Type::Integer: fits = value.is_number_integer(); break;
     case Type::Number: fits = value.is_number(); break;
     case Type::Boolean: fits = value.is_boolean(); break;
+    case Type::Integers:
+      fits = value.is_array() && std::all_of(value.begin(), value.end(), [](const auto& item) { return item.is_number_integer(); });
+      break;
     case Type::Object: fits = value.is_object(); break;
     case Type::String: fits = allowed(value); break;
     case Type::Strings: fits = value.is_array() && std::all_of(value.begin(), value.end(), allowed); break;

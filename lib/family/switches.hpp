@@ -9,7 +9,7 @@
 
 namespace vramd::family {
 
-enum class Type { Integer, Number, Boolean, String, Strings, Object };
+enum class Type { Integer, Number, Boolean, String, Strings, Integers, Object };
 
 struct Switch {
   const char* name;

@@ -4,15 +4,20 @@
 // follows transformers' order and casts, so that outputs match it bit for bit where the same
 // kernels run.
 #include <ATen/ops/arange.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/clamp_min.h>
 #include <ATen/ops/cumsum.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/log.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/minimum.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/tanh.h>
+#include <ATen/ops/topk.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -101,12 +106,20 @@ class Transformer final : public Model {
       block.attention_post_norm = optional_norm(n.attention_post_norm, hidden);
       block.attention_residual_norm = optional_norm(n.attention_residual_norm, hidden);
       block.mlp_norm = optional_norm(n.mlp_norm, hidden);
-      if (!n.gate_up.empty()) block.gate_up = &projection(n.gate_up, hidden, 2 * b_.intermediate, b_.mlp_bias);
-      else {
+      if (b_.sparse[i]) {  // in transformers' module order: router, experts, shared expert, its gate
+        block.router = &linear(n.router, hidden, b_.experts, false);
+        for (const auto& names : n.experts) block.experts.push_back(expert(names, b_.expert_intermediate));
+        if (b_.shared_intermediate > 0) {
+          block.shared_expert = expert(n.shared_expert, b_.shared_intermediate);
+          if (!n.shared_expert_gate.empty()) block.shared_expert_gate = &linear(n.shared_expert_gate, hidden, 1, false);
+        }
+      } else if (!n.gate_up.empty()) {
+        block.gate_up = &projection(n.gate_up, hidden, 2 * b_.intermediate, b_.mlp_bias);
+      } else {
         if (b_.mlp_gated) block.gate = &projection(n.gate, hidden, b_.intermediate, b_.mlp_bias);
         block.up = &projection(n.up, hidden, b_.intermediate, b_.mlp_bias);
       }
-      block.down = &projection(n.down, b_.intermediate, hidden, b_.mlp_bias);
+      if (!b_.sparse[i]) block.down = &projection(n.down, b_.intermediate, hidden, b_.mlp_bias);
       block.mlp_post_norm = optional_norm(n.mlp_post_norm, hidden);
       block.mlp_residual_norm = optional_norm(n.mlp_residual_norm, hidden);
       block.sliding = b_.sliding[i];
@@ -123,6 +136,7 @@ class Transformer final : public Model {
     input_names_ = {"input_ids", "attention_mask"};
     if (embed_positions_ || b_.positions == Positions::Rope) input_names_.push_back("position_ids");
     if (embed_types_) input_names_.push_back("token_type_ids");
+    if (b_.experts > 0) input_names_.push_back("output_router_logits");
     if (b_.positions == Positions::Rope) {
       const auto rotary = static_cast<int64_t>(static_cast<double>(head_dim) * b_.rope.partial);
       rope_.emplace(b_.rope, rotary, b_.max_positions);
@@ -170,6 +184,9 @@ class Transformer final : public Model {
       local_rotation = local_rope_->tables(positions, rotary_dtype);
     }
 
+    // Each sparse block's router logits [tokens, experts], when asked for.
+    std::vector<at::Tensor> router_logits;
+    const bool keep_router_logits = b_.experts > 0 && inputs.flag("output_router_logits");
     for (size_t i = 0; i < blocks_.size(); ++i) {
       Block& block = blocks_[i];
       const at::Tensor& mask = block.sliding ? sliding_mask : full_mask;
@@ -183,35 +200,102 @@ class Transformer final : public Model {
       if (block.attention_residual_norm) h = (*block.attention_residual_norm)(h);
 
       const at::Tensor y = block.mlp_norm ? (*block.mlp_norm)(h) : h;
-      at::Tensor inner;
-      if (block.gate_up) {
-        const auto halves = (*block.gate_up)(y).chunk(2, -1);
-        inner = halves[1] * act_(halves[0]);
-      } else if (block.gate) {
-        // gate before up, in two statements: the operands of * are evaluated in no fixed order,
-        // and the order layers are asked for is the order streamed weights prefetch in.
-        const at::Tensor gate = act_((*block.gate)(y));
-        inner = gate * (*block.up)(y);
-      } else {
-        inner = act_((*block.up)(y));
-      }
-      out = (*block.down)(inner);
+      out = block.router ? mixture(block, y, keep_router_logits ? &router_logits : nullptr) : mlp(block, y);
       if (block.mlp_post_norm) out = (*block.mlp_post_norm)(out);
       h = h + out;
       if (block.mlp_residual_norm) h = (*block.mlp_residual_norm)(h);
     }
     if (final_norm_) h = (*final_norm_)(h);
-    return heads(h, ids, keep);
+    storage::NamedTensors outputs = heads(h, ids, keep);
+    // [sparse layers, batch * sequence, experts], as transformers' router_logits stacked.
+    if (keep_router_logits) outputs.emplace_back("router_logits", at::stack(router_logits));
+    return outputs;
   }
 
  private:
+  // A gated MLP of its own weights: one expert of a mixture, or its shared expert.
+  struct Expert {
+    Layer *gate = nullptr, *up = nullptr, *down = nullptr;
+  };
+
   struct Block {
     Layer *attention_norm = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *qkv = nullptr, *q_norm = nullptr,
           *k_norm = nullptr, *o = nullptr, *attention_post_norm = nullptr, *attention_residual_norm = nullptr;
     Layer *mlp_norm = nullptr, *gate = nullptr, *up = nullptr, *gate_up = nullptr, *down = nullptr,
           *mlp_post_norm = nullptr, *mlp_residual_norm = nullptr;
+    Layer *router = nullptr, *shared_expert_gate = nullptr;  // a sparse block's
+    std::vector<Expert> experts;
+    Expert shared_expert;
     bool sliding = false;
   };
+
+  Expert expert(const family::ExpertNames& names, int64_t intermediate) {
+    Expert e;
+    e.gate = &linear(names.gate, b_.hidden, intermediate, false);
+    e.up = &linear(names.up, b_.hidden, intermediate, false);
+    e.down = &linear(names.down, intermediate, b_.hidden, false);
+    return e;
+  }
+
+  // gate before up, in two statements: the operands of * are evaluated in no fixed order, and
+  // the order layers are asked for is the order streamed weights prefetch in.
+  at::Tensor gated(const Expert& e, const at::Tensor& x) const {
+    const at::Tensor gate = act_((*e.gate)(x));
+    return (*e.down)(gate * (*e.up)(x));
+  }
+
+  // A dense block's MLP.
+  at::Tensor mlp(Block& block, const at::Tensor& y) const {
+    at::Tensor inner;
+    if (block.gate_up) {
+      const auto halves = (*block.gate_up)(y).chunk(2, -1);
+      inner = halves[1] * act_(halves[0]);
+    } else if (block.gate) {
+      const at::Tensor gate = act_((*block.gate)(y));
+      inner = gate * (*block.up)(y);
+    } else {
+      inner = act_((*block.up)(y));
+    }
+    return (*block.down)(inner);
+  }
+
+  // A sparse block's MLP, as transformers' sparse MoE blocks compute it by default (the grouped
+  // experts): the router's softmax in float32, the top experts of each token, their weights
+  // renormalised (norm_topk_prob) and cast back unless kept in float32; each expert the batch
+  // chose runs on its tokens alone, in ascending order; each token's weighted outputs are summed
+  // over its top k at once (in float32 for a lower precision), then cast to the dtype. Experts
+  // no token chose are never asked for their weights, so a streamed model moves only the routed.
+  at::Tensor mixture(Block& block, const at::Tensor& y, std::vector<at::Tensor>* router_logits) const {
+    const int64_t k = b_.experts_per_token;
+    const at::Tensor x = y.reshape({-1, b_.hidden});
+    at::Tensor shared;
+    if (block.shared_expert.down) shared = gated(block.shared_expert, x);
+    const at::Tensor logits = (*block.router)(x);
+    if (router_logits) router_logits->push_back(logits);
+    auto [weights, chosen] = at::topk(at::softmax(logits, -1, at::kFloat), k, -1);
+    if (b_.norm_topk_prob) weights = weights / weights.sum(-1, true);
+    if (!b_.router_weights_in_float) weights = weights.to(logits.scalar_type());
+    // One row per (token, place in its top k), grouped by expert.
+    const at::Tensor flat = chosen.reshape(-1), flat_weights = weights.reshape(-1);
+    const at::Tensor order = std::get<1>(flat.sort(/*stable=*/std::optional<bool>(true), 0));
+    const at::Tensor counts = at::bincount(flat, {}, b_.experts).cpu();
+    const auto* count = counts.const_data_ptr<int64_t>();
+    at::Tensor weighted = at::empty({flat.size(0), b_.hidden}, x.options().dtype(at::promote_types(x.scalar_type(), weights.scalar_type())));
+    int64_t start = 0;
+    for (int64_t e = 0; e < b_.experts; ++e) {
+      if (count[e] == 0) continue;
+      const at::Tensor rows = order.narrow(0, start, count[e]);
+      start += count[e];
+      const at::Tensor h = gated(block.experts[static_cast<size_t>(e)], x.index_select(0, rows.div(k, "floor")));
+      weighted.index_copy_(0, rows, h * flat_weights.index_select(0, rows).unsqueeze(-1));
+    }
+    at::Tensor out = weighted.view({x.size(0), k, b_.hidden}).sum(1).to(x.scalar_type());
+    if (shared.defined()) {
+      if (block.shared_expert_gate) shared = at::sigmoid((*block.shared_expert_gate)(x)) * shared;
+      out = out + shared;
+    }
+    return out.view(y.sizes());
+  }
 
   Layer& norm(const std::string& path, int64_t dim) {
     if (b_.norm == family::NormKind::Layer) return layer_norm(path, dim, b_.norm_eps, b_.norm_bias);
@@ -247,6 +331,11 @@ class Transformer final : public Model {
     if (block.q_norm && b_.full_qk_norm) {
       q = (*block.q_norm)(q);
       k = (*block.k_norm)(k);
+    }
+    if (b_.clip_qkv > 0) {
+      q = q.clamp(-b_.clip_qkv, b_.clip_qkv);
+      k = k.clamp(-b_.clip_qkv, b_.clip_qkv);
+      v = v.clamp(-b_.clip_qkv, b_.clip_qkv);
     }
     q = q.view({batch, length, b_.heads, head_dim});
     k = k.view({batch, length, b_.kv_heads, head_dim});

@@ -185,6 +185,15 @@ at::Tensor Inputs::attention_mask(const at::Tensor& ids) const {
   return mask->to(device_).to(at::kBool);
 }
 
+bool Inputs::flag(std::string_view name) const {
+  const at::Tensor* tensor = find(name);
+  if (!tensor) return false;
+  if (tensor->numel() != 1 || tensor->is_complex() || !(tensor->eq(0).item<bool>() || tensor->eq(1).item<bool>()))
+    throw Error("input " + quote(name) + " must be one element, 0 or 1, found " + describe(*tensor) +
+                (tensor->numel() == 1 && !tensor->is_complex() ? " holding " + std::to_string(tensor->item<double>()) : ""));
+  return tensor->eq(1).item<bool>();
+}
+
 // Masks and attention
 
 namespace {

@@ -81,6 +81,8 @@ class Inputs {
   std::optional<at::Tensor> optional_ids(std::string_view name, const at::Tensor& like, int64_t vocabulary) const;
   // [batch, sequence] of 0/1 (any dtype), as bool; absent: all ones.
   at::Tensor attention_mask(const at::Tensor& ids) const;
+  // A switch given as one element of 0 or 1 (any dtype, any shape of one element); absent: false.
+  bool flag(std::string_view name) const;
 
  private:
   const at::Tensor* find(std::string_view name) const;

@@ -127,9 +127,11 @@ TEST_CASE("a family extends another and a user's folder adds and replaces famili
 TEST_CASE("every shipped family parses and computes the model types it declares") {
   const family::Catalog catalog;
   CHECK(catalog.names() ==
-        "bert, clip_text, gemma, gemma2, gemma3, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3, roberta, t5_encoder");
+        "bert, clip_text, gemma, gemma2, gemma3, gpt2, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, "
+        "qwen3_moe, roberta, t5_encoder");
   for (const char* type : {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2",
-                           "bert", "roberta", "xlm-roberta", "clip_text_model", "t5"})
+                           "bert", "roberta", "xlm-roberta", "clip_text_model", "t5", "mixtral", "qwen2_moe", "qwen3_moe",
+                           "olmoe"})
     CHECK(!catalog.for_model_type(type)->names.empty());
 }
 
@@ -148,4 +150,38 @@ TEST_CASE("a family's embedding order is its own, inherited, and checked") {
         }) == "x.toml:1:19: embedding_order = [...]: 'lm_head' is not an embedding slot (embed_tokens, embed_positions, "
               "embed_types, embed_norm)\n"
               "x.toml:1:19: embedding_order = [...]: names 'embed_tokens' twice");
+}
+
+TEST_CASE("a mixture of experts resolves its sparse layers and names, and refuses what it cannot build") {
+  // kSmall with a mixture: its switches before [names], its slots first in [names].
+  std::string family_text = kSmall;
+  family_text.insert(family_text.find("[names]\n") + 8,
+                     "router = \"moe.gate\"\nexpert = \"moe.experts.{e}\"\nexpert_gate = \"w1\"\nexpert_up = \"w3\"\n"
+                     "expert_down = \"w2\"\n");
+  family_text.insert(family_text.find("[names]\n"),
+                     "num_experts = \"num_experts\"\nexperts_per_token = \"num_experts_per_tok\"\n"
+                     "expert_intermediate_size = \"moe_intermediate_size\"\nsparse_step = \"decoder_sparse_step\"\n"
+                     "dense_layers = \"mlp_only_layers\"\n");
+  std::string unnamed = family_text;  // routes, but names no experts
+  unnamed.erase(unnamed.find("router = "), unnamed.find("expert_down = \"w2\"\n") + 19 - unnamed.find("router = "));
+  const std::string config = R"(, "num_hidden_layers": 4, "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 6)";
+  const auto b = resolved(config + R"(, "decoder_sparse_step": 1, "mlp_only_layers": [2])", family_text);
+  CHECK(b.sparse == std::vector<char>{1, 1, 0, 1});
+  CHECK((b.experts == 3 && b.experts_per_token == 2 && b.expert_intermediate == 6 && !b.norm_topk_prob));
+  CHECK(b.blocks[1].router == "layers.1.moe.gate");
+  CHECK(b.blocks[1].experts.size() == 3);
+  CHECK(b.blocks[1].experts[2].up == "layers.1.moe.experts.2.w3");
+  CHECK((b.blocks[1].gate.empty() && b.blocks[2].gate == "layers.2.gate" && b.blocks[2].experts.empty()));
+  CHECK(resolved(config + R"(, "decoder_sparse_step": 2)", family_text).sparse == std::vector<char>{0, 1, 0, 1});
+  CHECK(error_of([&] { resolved(config + R"(, "num_experts_per_tok": 4)", family_text); }) ==
+        "config.json: num_experts_per_tok (4) must be in [1, 3]");
+  CHECK(error_of([&] { resolved(config + R"(, "mlp_only_layers": [1, "2"])", family_text); }) ==
+        "config.json: hyperparameter 'mlp_only_layers': expected a list of integers, found [1,\"2\"]");
+  // A family that routes but names no experts, and an expert name without {e}.
+  CHECK(error_of([&] { resolved(config, unnamed); }) ==
+        "small.toml: names: a mixture of experts (num_experts) needs router, expert, expert_gate, expert_up and "
+        "expert_down");
+  const std::string no_index = std::string(family_text).replace(family_text.find("{e}"), 3, "");
+  CHECK(error_of([&] { family::parse_family("small", no_index, "small.toml"); }).find("names.expert = 'moe.experts.': must hold {e}") !=
+        std::string::npos);
 }

@@ -89,6 +89,33 @@ CASES = {
     "olmo2": lambda: (T.Olmo2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=1),
                       T.Olmo2ForCausalLM),
+    # Mixtures of experts (saved with per-expert keys, as on the Hub). Mixtral: 2 of 4 experts,
+    # renormalised weights kept in float32, a window shorter than the inputs.
+    "mixtral": lambda: (T.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=5, max_position_embeddings=256),
+                        T.MixtralForCausalLM),
+    # A shared expert behind its sigmoid gate, a dense layer among sparse ones (mlp_only_layers),
+    # weights not renormalised.
+    "qwen2_moe": lambda: (T.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                           num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                                           mlp_only_layers=[1], max_position_embeddings=256),
+                          T.Qwen2MoeForCausalLM),
+    # Renormalised weights, every second layer sparse (decoder_sparse_step), a sliding window.
+    "qwen3_moe": lambda: (T.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                           moe_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, num_experts=8,
+                                           num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+                                           use_sliding_window=True, sliding_window=5, max_position_embeddings=256),
+                          T.Qwen3MoeForCausalLM),
+    # q and k norms over whole projections, q, k and v clamped.
+    "olmoe": lambda: (T.OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                    num_experts_per_tok=3, clip_qkv=0.7, pad_token_id=1, eos_token_id=2,
+                                    max_position_embeddings=256),
+                      T.OlmoeForCausalLM),
     # A BERT saved without its pooler (add_pooling_layer=False).
     "bert_no_pooler": lambda: (T.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, intermediate_size=128,

@@ -90,7 +90,12 @@ def test_the_sliding_window_and_rope_scaling_matter(witnesses, tmp_path):
                            ("gemma3", 'layer_types = ["full_attention", "full_attention", "full_attention"]'),
                            ("phi3", "original_max_position_embeddings = 32"),
                            ("roberta", "pad_token_id = 0"),
-                           ("t5_encoder", "relative_attention_max_distance = 128")]:
+                           ("t5_encoder", "relative_attention_max_distance = 128"),
+                           ("mixtral", "sliding_window = 1000"),
+                           ("mixtral", "num_experts_per_tok = 1"),
+                           ("qwen2_moe", "norm_topk_prob = true"),
+                           ("qwen3_moe", "norm_topk_prob = false"),
+                           ("olmoe", "clip_qkv = 1000.0")]:
         folder = witnesses[case, "float32"]
         got = run(folder, tmp_path, f"[arch]\n{override}\n")
         output = "logits" if "logits" in got else "last_hidden_state"
@@ -378,3 +383,31 @@ def test_a_family_is_not_forced_on_a_checkpoint_of_another(tmp_path):
                                            "not declare") in result.stderr, result.stderr
     toml.write_text(f'checkpoint = "{tmp_path / "gemma"}"\narchitecture = "llama"\n[arch]\nmodel_type = "llama"\n')
     assert vramctl("run", toml).returncode == 0
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "mixtral"])
+def test_router_logits_are_transformers_when_asked_for(witnesses, case, tmp_path):
+    # transformers' output_router_logits: each sparse layer's [tokens, experts], stacked; the
+    # dense layer of qwen2_moe has none.
+    import transformers
+    folder = witnesses[case, "float32"]
+    model_class = getattr(transformers, transformers.AutoConfig.from_pretrained(folder / "model").architectures[0])
+    model = model_class.from_pretrained(folder / "model").eval()
+    inputs = load_file(folder / "inputs.safetensors")
+    with torch.no_grad():
+        expected = torch.stack(model(**inputs, output_router_logits=True).router_logits)
+    assert expected.shape[0] == 2  # qwen2_moe's layer 1 is dense and has no router
+    for flag, wanted in [(torch.tensor(True), True), (torch.tensor([0]), False)]:
+        save_file({**inputs, "output_router_logits": flag}, tmp_path / "in.safetensors")
+        config = tmp_path / "model.toml"
+        config.write_text(f'checkpoint = "{folder / "model"}"\n')
+        result = vramctl("run", config, "--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors")
+        assert result.returncode == 0, result.stderr
+        got = load_file(tmp_path / "out.safetensors")
+        assert ("router_logits" in got) == wanted
+        if wanted:
+            assert got["router_logits"].shape == expected.shape
+            assert relative_error(got["router_logits"], expected) <= TOLERANCE["float32"]
+    save_file({**inputs, "output_router_logits": torch.tensor(2)}, tmp_path / "in.safetensors")
+    result = vramctl("run", config, "--input", tmp_path / "in.safetensors", "--output", tmp_path / "out.safetensors")
+    assert result.returncode != 0 and "input 'output_router_logits' must be one element, 0 or 1" in result.stderr
