@@ -177,6 +177,10 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     if (options.stats) log << "vram: " << v.plan << "; " << v.loads << " streamed loads ("
                            << format_bytes(v.bytes_streamed) << ", " << format_bytes(v.bytes_packed) << " of it packed), "
                            << v.prefetched << " prefetched, waited " << ms(v.wait_seconds) << '\n';
+    if (options.stats && v.expert_slots)
+      log << "experts: " << v.resident_expert_slots << " of " << v.expert_slots << " expert layers resident; " << v.expert_hits
+          << " hits, " << v.expert_misses << " misses (" << format_bytes(v.expert_bytes_streamed) << " brought in), "
+          << v.expert_swaps << " swaps\n";
   }
   const double first = seconds.front();
   std::sort(seconds.begin(), seconds.end());

@@ -108,7 +108,10 @@ class Transformer final : public Model {
       block.mlp_norm = optional_norm(n.mlp_norm, hidden);
       if (b_.sparse[i]) {  // in transformers' module order: router, experts, shared expert, its gate
         block.router = &linear(n.router, hidden, b_.experts, false);
-        for (const auto& names : n.experts) block.experts.push_back(expert(names, b_.expert_intermediate));
+        for (const auto& names : n.experts) {
+          block.experts.push_back(expert(names, b_.expert_intermediate));
+          for (Layer* layer : {block.experts.back().gate, block.experts.back().up, block.experts.back().down}) layer->mark_routed();
+        }
         if (b_.shared_intermediate > 0) {
           block.shared_expert = expert(n.shared_expert, b_.shared_intermediate);
           if (!n.shared_expert_gate.empty()) block.shared_expert_gate = &linear(n.shared_expert_gate, hidden, 1, false);
@@ -280,6 +283,9 @@ class Transformer final : public Model {
     const at::Tensor order = std::get<1>(flat.sort(/*stable=*/std::optional<bool>(true), 0));
     const at::Tensor counts = at::bincount(flat, {}, b_.experts).cpu();
     const auto* count = counts.const_data_ptr<int64_t>();
+    for (int64_t e = 0; e < b_.experts; ++e)  // the routed experts, in the order they run
+      if (count[e] > 0)
+        for (const Layer* layer : {block.experts[e].gate, block.experts[e].up, block.experts[e].down}) layer->expect();
     at::Tensor weighted = at::empty({flat.size(0), b_.hidden}, x.options().dtype(at::promote_types(x.scalar_type(), weights.scalar_type())));
     int64_t start = 0;
     for (int64_t e = 0; e < b_.experts; ++e) {

@@ -24,6 +24,9 @@ class LayerWeights {
   // The layer's weights on the computation device, in the computation dtype, until release().
   virtual std::vector<at::Tensor> acquire(const Layer& layer) = 0;
   virtual void release(const Layer& layer) = 0;
+  // The layer's op runs soon (an expert a batch was routed to): a manager may bring its weights
+  // in ahead of it.
+  virtual void expect(const Layer&) {}
 };
 
 // Stops a forward between ops: while one is alive on a thread, each layer op on that thread
@@ -82,6 +85,14 @@ class Layer {
 
   // With a manager, weights come from it for the op's duration.
   void set_manager(LayerWeights* manager) { manager_ = manager; }
+  // Tells the manager that this layer's op runs soon.
+  void expect() const {
+    if (manager_) manager_->expect(*this);
+  }
+  // A routed layer (a projection of one expert of a mixture) runs only for the tokens routed to
+  // it, so no forward's order says when it runs next: managers bring it in only when expected.
+  bool routed() const { return routed_; }
+  void mark_routed() { routed_ = true; }
 
   // The values its parameters hold (a tied one's: its leader's): what the op uses without a
   // manager. Throws Error naming a parameter that was never loaded.
@@ -95,6 +106,7 @@ class Layer {
   std::vector<Parameter> parameters_;
   LayerOptions options_;
   LayerWeights* manager_ = nullptr;
+  bool routed_ = false;
 };
 
 }  // namespace vramd::model

@@ -28,6 +28,10 @@ void to_json(nlohmann::json& out, const VramStats& v) {
          {"wait_seconds", v.wait_seconds},
          {"read_seconds", v.read_seconds},
          {"order_learned", v.order_learned}};
+  if (v.expert_slots)
+    out["experts"] = {{"layers", v.expert_slots},     {"resident_layers", v.resident_expert_slots},
+                      {"hits", v.expert_hits},        {"misses", v.expert_misses},
+                      {"bytes_streamed", v.expert_bytes_streamed}, {"swaps", v.expert_swaps}};
 }
 
 }  // namespace vramd::model

@@ -32,6 +32,12 @@ struct VramStats {
   size_t prefetched = 0;         // of those, ready before their op asked
   double wait_seconds = 0;       // time ops waited for their weights
   double read_seconds = 0;       // time spent reading and converting streamed weights
+  // Routed layers (each expert's projections): how many, how many kept prepared now, and their
+  // ops: found prepared (hits) or brought in for the op (misses); swaps: made
+  // resident in place of a resident one routed to less often; bytes streamed for them.
+  size_t expert_slots = 0, resident_expert_slots = 0;
+  size_t expert_hits = 0, expert_misses = 0, expert_swaps = 0;
+  uint64_t expert_bytes_streamed = 0;
   bool order_learned = false;
   std::string plan;  // one line: what is resident, what streams from where, room, limit, peak
 };

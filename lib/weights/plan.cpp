@@ -46,13 +46,17 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
 
   std::vector<size_t> by_size(slots.size());
   std::iota(by_size.begin(), by_size.end(), size_t{0});
-  std::stable_sort(by_size.begin(), by_size.end(), [&](size_t a, size_t b) { return slots[a].prepared < slots[b].prepared; });
+  std::stable_sort(by_size.begin(), by_size.end(), [&](size_t a, size_t b) {
+    return slots[a].routed != slots[b].routed ? !slots[a].routed : slots[a].prepared < slots[b].prepared;
+  });
   for (const size_t i : by_size) {
-    if (stats.resident + slots[i].prepared > limit - stats.streaming) break;
+    if (stats.resident + slots[i].prepared > limit - stats.streaming) continue;  // a smaller expert may fit
     plan.resident[i] = true;
     stats.resident += slots[i].prepared;
     stats.resident_slots++;
   }
+  for (size_t i = 0; i < slots.size(); ++i)
+    if (slots[i].routed) stats.expert_slots++, stats.resident_expert_slots += plan.resident[i];
   const uint64_t onload_limit = onload_on_disk ? 0 : vram.onload_limit.value_or(UINT64_MAX);
   for (size_t i = 0; i < slots.size(); ++i) {
     if (plan.resident[i]) continue;

@@ -21,6 +21,7 @@ struct SlotBytes {
   uint64_t copy = 0;      // the computation copy while its op runs (0: preparing is computation)
   uint64_t onload = 0;    // resting on the onload device, in the onload dtype
   uint64_t packed = 0;    // of prepared, GGUF blocks held packed
+  bool routed = false;    // an expert's projection (model::Layer::routed): placed after the rest
 };
 
 struct StreamPlan {
@@ -31,7 +32,8 @@ struct StreamPlan {
 
 // Everything prepared when it fits with room for one computation copy; else room to stream the
 // largest slots with their copies (two of them when the limit holds three, so that the next is
-// read while one computes), and the smallest slots resident in what is left. Streamed slots rest
+// read while one computes), and the smallest slots resident in what is left: first those every
+// token runs through, then routed ones (experts), in layer order. Streamed slots rest
 // on the onload device in layer order while [vram].onload_limit allows, from the first that does
 // not fit on disk. `prepared_dtype` and `dtype` (the computation's) name the dtypes in errors.
 // Throws Error naming config.path when the limit cannot hold the largest slot, or when the

@@ -51,6 +51,9 @@ struct StreamedWeights::Slot {
   uint64_t copy = 0;       // the computation copy while the op runs (0: preparing is computation)
   bool resident = false;
   bool from_disk = false;  // streamed and re-read from the checkpoint (onload "disk", or past vram.onload_limit)
+  bool routed = false;     // an expert's projection: brought in only when expected or asked for
+  bool expected = false;   // routed, and its op expected soon (in expected_)
+  uint64_t uses = 0;       // ops since load, for which routed slots stay resident
   enum class State { Away, Loading, Ready, InUse } state = State::Away;  // streamed slots only
   std::vector<at::Tensor> tensors;   // prepared; while Loading, the buffers to read into
   std::vector<at::Tensor> computed;  // the computation copy while the op runs
@@ -90,6 +93,7 @@ std::vector<SlotBytes> slot_bytes(const model::Model& model, const Source& sourc
   std::vector<SlotBytes> slots;
   for (size_t l = 0; l < model.layers().size(); ++l) {
     SlotBytes slot;
+    slot.routed = model.layers()[l]->routed();
     const auto parameters = model.layers()[l]->parameters();
     for (size_t i = 0; i < parameters.size(); ++i) {
       const Assignment* part = parts[l][i];
@@ -126,6 +130,8 @@ StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> so
   for (size_t l = 0; l < model.layers().size(); ++l) {
     auto slot = std::make_unique<Slot>();
     slot->layer = model.layers()[l].get();
+    slot->routed = slot->layer->routed();
+    by_layer_[slot->layer] = slot.get();
     slot->parts = std::move(parts[l]);
     for (const Assignment* part : slot->parts)
       slot->forms.push_back(part ? held_dtype(*part, prepared_dtype_, packed) : prepared_dtype_);
@@ -271,9 +277,9 @@ void StreamedWeights::materialise_plan() {
 }
 
 StreamedWeights::Slot& StreamedWeights::slot_of(const Layer& layer) {
-  for (const auto& slot : slots_)
-    if (slot->layer == &layer) return *slot;
-  throw Error("layer " + quote(layer.path()) + " is not managed");
+  auto it = by_layer_.find(&layer);
+  if (it == by_layer_.end()) throw Error("layer " + quote(layer.path()) + " is not managed");
+  return *it->second;
 }
 
 void StreamedWeights::note_locked(const Slot& slot, const char* kind) {
@@ -293,9 +299,12 @@ bool StreamedWeights::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_
       continue;
     }
     if (!needed) return false;
+    // Furthest ahead first; an expert expected soon last.
     Slot* victim = nullptr;
-    for (auto it = order_.rbegin(); it != order_.rend() && !victim; ++it)
-      if (*it != needed && (*it)->state == Slot::State::Ready && !(*it)->resident) victim = *it;
+    for (const bool expected : {false, true})
+      for (auto it = order_.rbegin(); it != order_.rend() && !victim; ++it)
+        if (*it != needed && (*it)->state == Slot::State::Ready && !(*it)->resident && (*it)->expected == expected)
+          victim = *it;
     if (victim) {
       victim->tensors.clear();
       victim->state = Slot::State::Away;
@@ -350,6 +359,7 @@ at::Tensor StreamedWeights::buffer(at::Tensor buffer, c10::IntArrayRef shape, c1
 
 void StreamedWeights::count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors) {
   stats_.bytes_streamed += slot.bytes;
+  if (slot.routed) stats_.expert_bytes_streamed += slot.bytes;
   for (const auto& t : slot.held) stats_.bytes_moved += t.nbytes();  // prepare carried them as held
   for (const auto& t : tensors) {
     if (storage::is_mapped_view(t)) stats_.bytes_mapped += t.nbytes();
@@ -376,6 +386,14 @@ std::vector<at::Tensor> StreamedWeights::acquire(const Layer& layer) {
   Slot& slot = slot_of(layer);
   std::unique_lock lock(mutex_);
   if (order_.asked(&slot)) stats_.order_learned = true;
+  if (slot.routed) {
+    slot.uses++;
+    (slot.resident ? stats_.expert_hits : stats_.expert_misses)++;
+    if (slot.expected) {
+      slot.expected = false;
+      expected_.erase(std::find(expected_.begin(), expected_.end(), &slot));
+    }
+  }
   if (slot.resident && !slot.copy) return slot.tensors;
   const auto start = Clock::now();
   if (!slot.resident) {
@@ -438,7 +456,7 @@ void StreamedWeights::release(const Layer& layer) {
   {
     std::lock_guard lock(mutex_);
     give_back_locked(slot.computed);
-    if (!slot.resident) {
+    if (!slot.resident && !(slot.routed && promote_locked(slot))) {
       give_back_locked(slot.tensors);
       slot.state = Slot::State::Away;
     }
@@ -448,25 +466,105 @@ void StreamedWeights::release(const Layer& layer) {
   if (!slot.resident) prefetch_after(slot.position);
 }
 
-// Queues the streamed slots after `position` while they fit, wrapping into the next forward
-// once one forward has followed another: a model run once (vramctl run) reads each streamed
-// layer once, and a served one has the next request's first layers ready.
+// Queues the expected experts, then the streamed slots after `position` while they fit,
+// wrapping into the next forward once one forward has followed another: a model run once
+// (vramctl run) reads each streamed layer once, and a served one has the next request's first
+// layers ready. Routed slots come in only when expected: no order says which runs next.
 void StreamedWeights::prefetch_after(size_t position) {
   std::unique_lock lock(mutex_);
-  const size_t n = order_.size();
-  const size_t steps = order_.learned() ? n : n - position;
-  for (size_t step = 1; step < steps; ++step) {
-    Slot* next = order_[(position + step) % n];
-    if (next->resident || next->state != Slot::State::Away) continue;
-    std::vector<at::Tensor> buffers;
-    if (!claim_locked(lock, *next, false, next->bytes, buffers, nullptr)) break;  // never skip ahead
-    next->tensors = std::move(buffers);
-    next->state = Slot::State::Loading;
-    note_locked(*next, "prefetch");
-    prefetch_queue_.push_back(next);
+  if (queue_expected_locked(lock)) {
+    const size_t n = order_.size();
+    const size_t steps = order_.learned() ? n : n - position;
+    for (size_t step = 1; step < steps; ++step) {
+      Slot* next = order_[(position + step) % n];
+      if (next->resident || next->routed || next->state != Slot::State::Away) continue;
+      if (!queue_locked(lock, *next)) break;  // never skip ahead
+    }
   }
   lock.unlock();
   changed_.notify_all();
+}
+
+// Claims room for the slot without evicting anything and queues its read; false when it does
+// not fit now.
+bool StreamedWeights::queue_locked(std::unique_lock<std::mutex>& lock, Slot& slot) {
+  std::vector<at::Tensor> buffers;
+  if (!claim_locked(lock, slot, false, slot.bytes, buffers, nullptr)) return false;
+  slot.tensors = std::move(buffers);
+  slot.state = Slot::State::Loading;
+  note_locked(slot, "prefetch");
+  prefetch_queue_.push_back(&slot);
+  return true;
+}
+
+// Queues the expected experts that are away, in the order they run; false while one does not fit.
+bool StreamedWeights::queue_expected_locked(std::unique_lock<std::mutex>& lock) {
+  for (Slot* slot : expected_)
+    if (slot->state == Slot::State::Away && !queue_locked(lock, *slot)) return false;
+  return true;
+}
+
+void StreamedWeights::expect(const Layer& layer) {
+  Slot& slot = slot_of(layer);
+  std::unique_lock lock(mutex_);
+  if (slot.resident || !slot.routed) return;
+  if (!slot.expected) {
+    slot.expected = true;
+    expected_.push_back(&slot);
+  }
+  queue_expected_locked(lock);
+  lock.unlock();
+  changed_.notify_all();
+}
+
+// After the op of a streamed expert: keeps it prepared in place of the resident expert routed to
+// least often, when it was routed to more often and is no smaller. The one made to stream rests
+// where the other did (in the onload state, or re-read from the checkpoint, which an updated
+// model's weights no longer are: then nothing changes). Bytes on the computation device only
+// shrink, so the limit holds.
+bool StreamedWeights::promote_locked(Slot& slot) {
+  Slot* coldest = nullptr;
+  for (const auto& other : slots_)
+    if (other->routed && other->resident && other->bytes >= slot.bytes && (!coldest || other->uses < coldest->uses))
+      coldest = other.get();
+  if (!coldest || coldest->uses >= slot.uses || (slot.held.empty() && updated_)) return false;
+  for (const auto& t : slot.tensors)
+    if (storage::is_mapped_view(t)) return false;  // a view of the page cache is no copy to keep
+  if (!slot.held.empty()) {
+    const c10::Device onload = torch_device(config_.vram.onload.device);
+    const auto onload_dtype = state_dtype(config_.vram.onload.dtype, dtype_);
+    std::vector<at::Tensor> held;
+    for (size_t i = 0; i < coldest->parts.size(); ++i) {
+      const Assignment* part = coldest->parts[i];
+      if (!part) continue;
+      at::Tensor copy = source_->convert(*part, coldest->tensors[i], onload, held_dtype(*part, onload_dtype, onload_packed_));
+      held.push_back(!device_.is_cpu() && onload.is_cpu() ? copy.pin_memory() : copy);
+    }
+    for (const auto& t : slot.held) stats_.onload -= t.nbytes();
+    for (const auto& t : held) stats_.onload += t.nbytes();
+    coldest->held = std::move(held);
+    slot.held.clear();
+  } else {
+    coldest->from_disk = true;
+    slot.from_disk = false;
+    stats_.disk += coldest->bytes;
+    stats_.disk -= slot.bytes;
+  }
+  for (auto& parameter : coldest->layer->parameters())
+    if (!parameter.tied) parameter.value = at::empty(parameter.shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
+  coldest->tensors.clear();
+  coldest->resident = false;
+  coldest->state = Slot::State::Away;
+  in_use_ -= coldest->bytes;
+  note_locked(*coldest, "evict");
+  auto parameters = slot.layer->parameters();
+  for (size_t i = 0; i < parameters.size(); ++i)
+    if (!parameters[i].tied && slot.forms[i] != kPacked) parameters[i].value = slot.tensors[i];
+  slot.resident = true;
+  slot.state = Slot::State::Ready;
+  stats_.resident = stats_.resident - coldest->bytes + slot.bytes;
+  stats_.expert_swaps++;
+  return true;
 }
 
 void StreamedWeights::prefetch_loop() {
@@ -612,6 +710,7 @@ void StreamedWeights::update(const std::string& model, const WeightUpdate& updat
   if (update.check) update.check();
 
   std::unique_lock lock(mutex_);
+  updated_ = true;
   changed_.wait(lock, [&] {
     return prefetch_queue_.empty() &&
            std::none_of(slots_.begin(), slots_.end(), [](auto& s) { return s->state == Slot::State::Loading; });

@@ -27,6 +27,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "storage/device_staging.hpp"
@@ -54,6 +55,7 @@ class StreamedWeights final : public Weights {
   // Called by Layer only.
   std::vector<at::Tensor> acquire(const model::Layer& layer) override;
   void release(const model::Layer& layer) override;
+  void expect(const model::Layer& layer) override;
 
   // Wake: the plan restored.
   uint64_t sleep() override;
@@ -76,6 +78,9 @@ class StreamedWeights final : public Weights {
                                            std::vector<at::Tensor> buffers) const;
   void materialise_plan();
   void prefetch_after(size_t position);
+  bool queue_locked(std::unique_lock<std::mutex>& lock, Slot& slot);
+  bool queue_expected_locked(std::unique_lock<std::mutex>& lock);
+  bool promote_locked(Slot& slot);
   void prefetch_loop();
   bool reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed);
   bool claim_locked(std::unique_lock<std::mutex>& lock, const Slot& slot, bool copy, uint64_t bytes,
@@ -97,6 +102,7 @@ class StreamedWeights final : public Weights {
   bool pool_ = false;                // keep released buffers for reuse (CPU; CUDA's allocator does that itself)
   bool onload_packed_, offload_packed_;  // those states keep GGUF blocks packed (weights/source.hpp)
   std::vector<std::unique_ptr<Slot>> slots_;
+  std::unordered_map<const model::Layer*, Slot*> by_layer_;
   LearnedOrder<Slot> order_;         // layer order until the first forward's is learned
 
   mutable std::mutex mutex_;
@@ -105,6 +111,8 @@ class StreamedWeights final : public Weights {
   std::vector<at::Tensor> spares_;   // released buffers kept for reuse, as bytes
   model::VramStats stats_;
   std::vector<Slot*> prefetch_queue_;
+  std::vector<Slot*> expected_;      // routed slots whose ops run soon, in that order
+  bool updated_ = false;             // an update made the weights differ from the checkpoint
   std::optional<std::chrono::steady_clock::time_point> trace_start_;
   std::vector<VramEvent> trace_;
   bool stopping_ = false;

@@ -95,6 +95,13 @@ CASES = {
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2, sliding_window=5, max_position_embeddings=256),
                         T.MixtralForCausalLM),
+    # 16 experts a layer, for the streaming tests (tests/parity/test_moe.py): a few tokens route to
+    # a few of them.
+    "mixtral_wide": lambda: (T.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             num_local_experts=16, num_experts_per_tok=2,
+                                             max_position_embeddings=256),
+                             T.MixtralForCausalLM),
     # A shared expert behind its sigmoid gate, a dense layer among sparse ones (mlp_only_layers),
     # weights not renormalised.
     "qwen2_moe": lambda: (T.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,

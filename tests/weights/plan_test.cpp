@@ -66,6 +66,19 @@ TEST_CASE("streaming plan keeps room for two of the largest when the limit holds
   CHECK(plan.stats.onload == 0);
 }
 
+TEST_CASE("streaming plan places what every token runs through before experts, then experts in layer order") {
+  // Experts of 5 KiB (routed) beside layers of 10, 20, 30 and 40 KiB under 80 KiB: room for one
+  // 40 (the limit is under three); the 10 and 20 first although larger than the experts, the 30
+  // passed over, then the first two experts fill the 40 KiB left.
+  auto slots = slots_of({10, 5, 5, 40, 5, 20, 30});
+  for (const size_t routed : {1, 2, 4}) slots[routed].routed = true;
+  const auto plan = plan_streaming(slots, streamed(80 * KiB), "Float", "Float");
+  CHECK(plan.stats.streaming == 40 * KiB);
+  CHECK(plan.resident == std::vector<bool>{true, true, true, false, false, true, false});
+  CHECK(plan.stats.resident == 40 * KiB);
+  CHECK((plan.stats.expert_slots == 3 && plan.stats.resident_expert_slots == 2));
+}
+
 TEST_CASE("streaming plan keeps room for one of the largest under a tight limit") {
   const auto plan = plan_streaming(slots_of({10, 40, 20, 40}), streamed(70 * KiB), "Float", "Float");
   CHECK(plan.stats.streaming == 40 * KiB);

@@ -1,0 +1,145 @@
+"""Mixtures of experts under [vram].limit: each expert's projections are layers of their own,
+brought in only when a batch is routed to them, and kept resident as often as they are routed.
+Through vramctl run on real checkpoints saved by transformers; the routing is read back from the
+model's own router_logits output."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+import hf_models  # noqa: E402
+from daemon_support import Daemon, request  # noqa: E402
+
+VRAMCTL = os.environ["VRAMCTL"]
+EXPERT = re.compile(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """16 experts a layer, 2 chosen per token, float32; and inputs of two tokens, which route to
+    at most 4 experts a layer."""
+    folder = hf_models.make("mixtral_wide", "float32", tmp_path_factory.mktemp("moe"))
+    inputs = load_file(folder / "inputs.safetensors")
+    save_file({"input_ids": inputs["input_ids"][:1, :2].contiguous(), "output_router_logits": torch.tensor(1)},
+              folder / "short.safetensors")
+    return folder
+
+
+def sizes(folder):
+    """(bytes of the layers every token runs through, bytes of one expert's three layers, the largest tensor)."""
+    weights = load_file(folder / "model" / "model.safetensors")
+    shared = sum(t.numel() * t.element_size() for name, t in weights.items() if not EXPERT.search(name))
+    expert = sum(t.numel() * t.element_size() for name, t in weights.items() if ".experts.0." in name and "layers.0." in name)
+    return shared, expert, max(t.numel() * t.element_size() for t in weights.values())
+
+
+def run(folder, tmp_path, inputs, vram="", repeat=1, trace=False):
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n"cuda:0" = "8GiB"\n')
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model"}"\n{vram}')
+    output, stats = tmp_path / "out.safetensors", tmp_path / "stats.json"
+    command = [VRAMCTL, "run", config, "--daemon-config", tmp_path / "vramd.toml", "--input", inputs, "--output", output,
+               "--stats-json", stats, "--repeat", str(repeat)]
+    if trace:
+        command += ["--trace", tmp_path / "trace.json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    events = json.loads((tmp_path / "trace.json").read_text())["events"] if trace else None
+    return load_file(output), json.loads(stats.read_text()), events
+
+
+def routed(router_logits, k=2):
+    """{(layer, expert)} that some token chose, from router_logits [layers, tokens, experts]."""
+    top = router_logits.topk(k, -1).indices
+    return {(layer, int(e)) for layer in range(top.shape[0]) for e in top[layer].flatten().unique()}
+
+
+def quarter(folder, device="cpu"):
+    """A [vram] table whose limit holds every layer but the experts, room to stream, and a quarter
+    of the experts (8 of 32), with the streamed ones resting in host memory."""
+    shared, expert, largest = sizes(folder)
+    limit = shared + 8 * expert + 2 * largest  # the planner keeps room for two of the largest
+    onload_limit = 'onload_limit = "1GiB"\n' if device == "cpu" else ""
+    return (f'[vram]\ncomputation = {{ device = "{device}" }}\noffload = {{ device = "disk" }}\n'
+            f'onload = {{ device = "cpu" }}\n{onload_limit}limit = {limit}\n'), limit
+
+
+def test_streamed_experts_equal_resident_ones_and_only_routed_ones_move(mixtral, tmp_path):
+    # The padded batch of the parity tests: most experts are routed, a quarter fit.
+    resident, _, _ = run(mixtral, tmp_path, mixtral / "inputs.safetensors")
+    vram, limit = quarter(mixtral)
+    got, stats, _ = run(mixtral, tmp_path, mixtral / "inputs.safetensors", vram, repeat=3)
+    v, experts = stats["vram"], stats["vram"]["experts"]
+    assert v["peak"] <= limit, v
+    assert experts["layers"] == 96 and experts["resident_layers"] == 24, experts
+    assert experts["hits"] > 0 and experts["misses"] > 0, experts
+    for name in resident:
+        assert torch.equal(got[name], resident[name]), name
+
+    # Two tokens: at most 4 of 16 experts a layer. The first forward brings in only those; then
+    # they stay, in place of the resident experts no token chose, and the next forwards move no
+    # expert at all.
+    short = mixtral / "short.safetensors"
+    resident, _, _ = run(mixtral, tmp_path, short)
+    chosen = routed(resident["router_logits"])
+    assert len(chosen) <= 8
+    expert_bytes = sizes(mixtral)[1]
+    misses = {}
+    for repeat in (1, 3):
+        got, stats, events = run(mixtral, tmp_path, short, vram, repeat=repeat, trace=True)
+        for name in resident:
+            assert torch.equal(got[name], resident[name]), name
+        experts = misses[repeat] = stats["vram"]["experts"]
+        moved = {(int(m[1]), int(m[2])) for e in events if e[3] in ("prefetch", "acquire")
+                 for m in [EXPERT.search(e[2])] if m}
+        assert moved <= chosen, moved - chosen  # an expert no token chose is never brought in
+        # Each forward asks for each chosen expert's three layers: found resident, or brought in
+        # once; every one brought in stays, in place of a resident one no token chose.
+        assert experts["hits"] + experts["misses"] == repeat * len(chosen) * 3, experts
+        assert experts["bytes_streamed"] == experts["misses"] * expert_bytes // 3, experts
+        assert experts["swaps"] == experts["misses"], experts
+        assert stats["vram"]["peak"] <= limit
+    # So the forwards after the first moved no expert at all.
+    assert misses[3]["misses"] == misses[1]["misses"] > 0, misses
+    assert not [e for e in events if e[3] == "prefetch" and EXPERT.search(e[2])], events
+
+
+def test_the_daemon_reports_expert_hits_and_misses(mixtral, tmp_path):
+    vram, _ = quarter(mixtral)
+    daemon = Daemon(tmp_path)
+    (daemon.models / "moe.toml").write_text(f'checkpoint = "{mixtral / "model"}"\n{vram}')
+    daemon.start()
+    try:
+        status, body = request(daemon.sock, "POST", "/v1/models/moe/forward", (mixtral / "short.safetensors").read_bytes())
+        assert status == 200, body
+        status, body = request(daemon.sock, "GET", "/v1/models/moe")
+        experts = json.loads(body)["weights"]["experts"]
+        assert experts["layers"] == 96 and experts["hits"] + experts["misses"] > 0, experts
+        status, body = request(daemon.sock, "GET", "/metrics")
+        metrics = body.decode()
+        assert f'vramd_expert_misses_total{{model="moe"}} {experts["misses"]}' in metrics
+        assert f'vramd_expert_bytes_streamed_total{{model="moe"}} {experts["bytes_streamed"]}' in metrics
+    finally:
+        assert daemon.stop() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: experts streamed onto a GPU are not run")
+def test_experts_streamed_onto_a_gpu_equal_resident_ones_there(mixtral, tmp_path):
+    cuda = '[vram]\ncomputation = { device = "cuda:0" }\n'
+    vram, limit = quarter(mixtral, "cuda:0")
+    for inputs in ("inputs.safetensors", "short.safetensors"):
+        resident, _, _ = run(mixtral, tmp_path, mixtral / inputs, cuda)
+        got, stats, _ = run(mixtral, tmp_path, mixtral / inputs, vram, repeat=3)
+        assert stats["vram"]["peak"] <= limit and stats["vram"]["experts"]["misses"] > 0, stats["vram"]
+        for name in resident:
+            assert torch.equal(got[name], resident[name]), name
+    assert stats["vram"]["experts"]["swaps"] > 0, stats["vram"]
