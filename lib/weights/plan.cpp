@@ -49,11 +49,24 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   std::stable_sort(by_size.begin(), by_size.end(), [&](size_t a, size_t b) {
     return slots[a].routed != slots[b].routed ? !slots[a].routed : slots[a].prepared < slots[b].prepared;
   });
-  for (const size_t i : by_size) {
-    if (stats.resident + slots[i].prepared > limit - stats.streaming) continue;  // a smaller expert may fit
-    plan.resident[i] = true;
-    stats.resident += slots[i].prepared;
-    stats.resident_slots++;
+  const auto place = [&] {
+    for (const size_t i : by_size) {
+      if (plan.resident[i] || stats.resident + slots[i].prepared > limit - stats.streaming) continue;
+      plan.resident[i] = true;
+      stats.resident += slots[i].prepared;
+      stats.resident_slots++;
+    }
+  };
+  place();
+  // The room streaming keeps is for the slots that stream: where the largest ones stayed
+  // resident (layers every token runs through placed before smaller experts), less of it is
+  // kept, and what it gave back holds more resident.
+  uint64_t largest_streamed = 0;
+  for (size_t i = 0; i < slots.size(); ++i)
+    if (!plan.resident[i]) largest_streamed = std::max(largest_streamed, slots[i].prepared + slots[i].copy);
+  if (!fits && largest_streamed < largest) {
+    stats.streaming = limit >= 3 * largest_streamed ? 2 * largest_streamed : largest_streamed;
+    place();
   }
   for (size_t i = 0; i < slots.size(); ++i)
     if (slots[i].routed) stats.expert_slots++, stats.resident_expert_slots += plan.resident[i];

@@ -79,6 +79,19 @@ TEST_CASE("streaming plan places what every token runs through before experts, t
   CHECK((plan.stats.expert_slots == 3 && plan.stats.resident_expert_slots == 2));
 }
 
+TEST_CASE("streaming plan keeps room for the largest slots that stream, not for resident ones") {
+  // A 40 KiB layer every token runs through and 14 experts of 5 KiB under 100 KiB: room for one
+  // 40 first, which leaves 4 experts beside it; the 40 stayed resident, so the room shrinks to
+  // two experts and 10 fit.
+  auto slots = slots_of({40, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5});
+  for (size_t i = 1; i < slots.size(); ++i) slots[i].routed = true;
+  const auto plan = plan_streaming(slots, streamed(100 * KiB), "Float", "Float");
+  CHECK(plan.stats.streaming == 10 * KiB);
+  CHECK(plan.resident[0]);
+  CHECK(plan.stats.resident_expert_slots == 10);
+  CHECK(plan.stats.resident == 90 * KiB);
+}
+
 TEST_CASE("streaming plan keeps room for one of the largest under a tight limit") {
   const auto plan = plan_streaming(slots_of({10, 40, 20, 40}), streamed(70 * KiB), "Float", "Float");
   CHECK(plan.stats.streaming == 40 * KiB);
