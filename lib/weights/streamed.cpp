@@ -518,7 +518,8 @@ void StreamedWeights::expect(const Layer& layer) {
 }
 
 // After the op of a streamed expert: keeps it prepared in place of the resident expert routed to
-// least often, when it was routed to more often and is no smaller. The one made to stream rests
+// least often, when it was routed to more often and is no smaller (a view of the checkpoint's
+// pages copied into memory of its own, as resident weights are). The one made to stream rests
 // where the other did (in the onload state, or re-read from the checkpoint, which an updated
 // model's weights no longer are: then nothing changes). Bytes on the computation device only
 // shrink, so the limit holds.
@@ -528,8 +529,8 @@ bool StreamedWeights::promote_locked(Slot& slot) {
     if (other->routed && other->resident && other->bytes >= slot.bytes && (!coldest || other->uses < coldest->uses))
       coldest = other.get();
   if (!coldest || coldest->uses >= slot.uses || (slot.held.empty() && updated_)) return false;
-  for (const auto& t : slot.tensors)
-    if (storage::is_mapped_view(t)) return false;  // a view of the page cache is no copy to keep
+  for (auto& t : slot.tensors)  // a view of the page cache is no copy of its own: made one (CPU)
+    if (storage::is_mapped_view(t)) t = fresh_buffer(t.sizes(), t.scalar_type(), device_).copy_(t);
   if (!slot.held.empty()) {
     const c10::Device onload = torch_device(config_.vram.onload.device);
     const auto onload_dtype = state_dtype(config_.vram.onload.dtype, dtype_);
