@@ -76,7 +76,10 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert figures["lease"]["tensors"] == figures["load_file"]["tensors"] > 0
     assert figures["lease"]["bytes"] == figures["load_file"]["bytes"] > 0
     assert any(line.startswith("a state dict on cpu in a fresh process: lease ") for line in figures["summary"])
-    for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt"):
+    moe = json.loads((out / "moe.json").read_text())  # bench/moe.py, a small model on the CPU
+    assert moe["device"] == "cpu" and moe["vramd"]["moved"] > 0 and moe["accelerate"]["moved"] > 0, moe
+    assert any(line.startswith("- forward: vramd ") and "accelerate" in line for line in report.splitlines()), report
+    for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log"):
         assert (out / log).exists(), log
     assert not list(temporary.glob("vramd-*")), list(temporary.iterdir())  # the daemon's socket folder, say
 
