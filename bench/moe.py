@@ -37,8 +37,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "python"))
-import vramd  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
+from vram import serving  # noqa: E402
 
 VRAMD = Path(os.environ.get("VRAMD", ROOT / "build" / "bin" / "vramd"))
 MiB = 2**20
@@ -72,19 +72,7 @@ def vramd_contender(work, folder, device, limit, inputs):
     onload = '{ device = "disk" }' if device == "cpu" else '{ device = "cpu" }'
     (models / "moe.toml").write_text(f'checkpoint = "{folder}"\n[vram]\ncomputation = {{ device = "{device}" }}\n'
                                      f'offload = {{ device = "disk" }}\nonload = {onload}\nlimit = {limit}\n')
-    sock = work / "vramd.sock"
-    sock.unlink(missing_ok=True)
-    (work / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n[budgets]\ncpu = "64GiB"\n'
-                                     f'"cuda:0" = "64GiB"\n')
-    log = open(work / "vramd.log", "wb")
-    daemon = subprocess.Popen([VRAMD, "--config", str(work / "vramd.toml")], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise SystemExit(f"vramd did not start: {(work / 'vramd.log').read_text()}")
-            time.sleep(0.05)
-        client = vramd.connect(sock)
+    with serving(work, 'cpu = "64GiB"\n"cuda:0" = "64GiB"', VRAMD) as client:
         client.load("moe")
         times, outputs, figures = [], [], []
         for ids in inputs:
@@ -92,11 +80,6 @@ def vramd_contender(work, folder, device, limit, inputs):
             outputs.append(client.forward("moe", {"input_ids": ids})["logits"])
             times.append(time.perf_counter() - start)
             figures.append(client.status("moe")["weights"])
-        client.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
-        log.close()
     # Per forward after the first: the differences of the running totals.
     streamed = [b["bytes_streamed"] - a["bytes_streamed"] for a, b in zip(figures, figures[1:])]
     experts = [b["experts"]["bytes_streamed"] - a["experts"]["bytes_streamed"] for a, b in zip(figures, figures[1:])]

@@ -30,7 +30,6 @@ import argparse
 import mmap
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +39,7 @@ from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "python"))
-import vramd  # noqa: E402
-from vram import evict  # noqa: E402
+from vram import evict, serving  # noqa: E402
 
 VRAMD = ROOT / "build" / "bin" / "vramd"
 GB = 1e9
@@ -122,17 +119,7 @@ def main():
     models.mkdir(exist_ok=True)
     (models / "m.toml").write_text(f'checkpoint = "{old}"\n')
     (models / "m-new.toml").write_text(f'checkpoint = "{new}"\n')
-    sock = work / "vramd.sock"
-    (work / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n[budgets]\ncpu = "16GiB"\n')
-    log = open(work / "vramd.log", "wb")
-    daemon = subprocess.Popen([VRAMD, "--config", str(work / "vramd.toml")], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise SystemExit(f"vramd did not start: {(work / 'vramd.log').read_text()}")
-            time.sleep(0.05)
-        client = vramd.connect(sock)
+    with serving(work, 'cpu = "16GiB"', VRAMD) as client:
         client.load("m")
         client.forward("m", inputs)
 
@@ -168,11 +155,6 @@ def main():
         got = update_forward()
         expected = client.forward("m-new", inputs)
         assert all(torch.equal(got[k], expected[k]) for k in got), "the updated model differs from a fresh load"
-        client.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
-        log.close()
 
     def rate(seconds):
         return model_bytes / seconds / GB

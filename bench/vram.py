@@ -32,6 +32,7 @@ each contender instead of warmed, and the pure read time is taken cold. A conten
 more than the cap is killed and reported so.
 """
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -86,6 +87,33 @@ def evict(path):
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
+
+
+@contextlib.contextmanager
+def serving(work, budgets, binary=ROOT / "build" / "bin" / "vramd"):
+    """A vramd daemon serving the model folder WORK/models (its log WORK/vramd.log) under the
+    [budgets] entries `budgets`, and a client connected to it, until the block ends."""
+    sys.path.insert(0, str(ROOT / "python"))
+    import vramd
+    sock = work / "vramd.sock"
+    sock.unlink(missing_ok=True)
+    (work / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n[budgets]\n{budgets}\n')
+    with open(work / "vramd.log", "wb") as log:
+        daemon = subprocess.Popen([binary, "--config", str(work / "vramd.toml")], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while not sock.exists():
+                if time.monotonic() > deadline or daemon.poll() is not None:
+                    raise SystemExit(f"vramd did not start: {(work / 'vramd.log').read_text()}")
+                time.sleep(0.05)
+            client = vramd.connect(sock)
+            try:
+                yield client
+            finally:
+                client.close()
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
 
 
 def killed_by(cap, returncode):
