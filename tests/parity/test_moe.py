@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
@@ -112,14 +112,21 @@ def test_streamed_experts_equal_resident_ones_and_only_routed_ones_move(mixtral,
     assert not [e for e in events if e[3] == "prefetch" and EXPERT.search(e[2])], events
 
 
-def test_the_daemon_reports_expert_hits_and_misses(mixtral, tmp_path):
+def test_the_daemon_reports_expert_hits_and_misses_and_keeps_its_experts_across_sleep(mixtral, tmp_path):
     vram, _ = quarter(mixtral)
     daemon = Daemon(tmp_path)
     (daemon.models / "moe.toml").write_text(f'checkpoint = "{mixtral / "model"}"\n{vram}')
     daemon.start()
     try:
-        status, body = request(daemon.sock, "POST", "/v1/models/moe/forward", (mixtral / "short.safetensors").read_bytes())
-        assert status == 200, body
+        short = (mixtral / "short.safetensors").read_bytes()
+        status, first = request(daemon.sock, "POST", "/v1/models/moe/forward", short)
+        assert status == 200, first
+        # Asleep and awake again, with the experts the first forward made resident: the same answer.
+        for verb in ("offload", "onload"):
+            status, body = request(daemon.sock, "POST", f"/v1/models/moe/{verb}")
+            assert status == 200, body
+        status, again = request(daemon.sock, "POST", "/v1/models/moe/forward", short)
+        assert status == 200 and all(torch.equal(t, load(first)[name]) for name, t in load(again).items())
         status, body = request(daemon.sock, "GET", "/v1/models/moe")
         experts = json.loads(body)["weights"]["experts"]
         assert experts["layers"] == 96 and experts["hits"] + experts["misses"] > 0, experts

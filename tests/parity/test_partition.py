@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
-CASES = ["llama3", "gpt2", "bert", "gemma3", "t5_encoder"]  # llama3, gpt2, gemma3 tie their head to the embedding
+CASES = ["llama3", "gpt2", "bert", "gemma3", "t5_encoder", "mixtral"]  # llama3, gpt2, gemma3 tie their head to the embedding
 
 
 @pytest.fixture(scope="module")
