@@ -37,6 +37,16 @@ constexpr ArchitectureKey kArchitectureKeys[] = {
     {"gemma2", "attn_logit_softcapping", "attn_logit_softcapping"},
     {"gemma2", "final_logit_softcapping", "final_logit_softcapping"},
     {"gemma3", "attention.sliding_window", "sliding_window"},
+    // Mixtures of experts: a llama file with experts is a Mixtral.
+    {"llama", "expert_count", "num_local_experts"},
+    {"llama", "expert_used_count", "num_experts_per_tok"},
+    {"qwen2moe", "expert_count", "num_experts"},
+    {"qwen2moe", "expert_used_count", "num_experts_per_tok"},
+    {"qwen2moe", "expert_feed_forward_length", "moe_intermediate_size"},
+    {"qwen2moe", "expert_shared_feed_forward_length", "shared_expert_intermediate_size"},
+    {"qwen3moe", "expert_count", "num_experts"},
+    {"qwen3moe", "expert_used_count", "num_experts_per_tok"},
+    {"qwen3moe", "expert_feed_forward_length", "moe_intermediate_size"},
 };
 // Read to check, not copied: they must agree with the rest.
 constexpr const char* kChecked[] = {"attention.value_length", "rope.dimension_count"};
@@ -44,6 +54,7 @@ constexpr const char* kChecked[] = {"attention.value_length", "rope.dimension_co
 constexpr std::pair<const char*, const char*> kArchitectures[] = {
     {"llama", "llama"}, {"qwen2", "qwen2"}, {"qwen3", "qwen3"}, {"phi3", "phi3"}, {"gemma2", "gemma2"},
     {"gemma3", "gemma3_text"},  // a GGUF file of Gemma 3 holds its text model alone
+    {"qwen2moe", "qwen2_moe"}, {"qwen3moe", "qwen3_moe"},
 };
 
 }  // namespace
@@ -59,8 +70,8 @@ std::string gguf_config_json(const storage::DiskMap& map) {
   const auto* runs = std::find_if(std::begin(kArchitectures), std::end(kArchitectures),
                                   [&](const auto& entry) { return architecture == entry.first; });
   if (runs == std::end(kArchitectures))
-    refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama, qwen2, qwen3, phi3, gemma2, "
-           "gemma3 are)");
+    refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama and Mixtral, qwen2, qwen3, "
+           "phi3, gemma2, gemma3, qwen2moe, qwen3moe are)");
 
   Json config = {{"model_type", runs->second}};
   Json checked = Json::object();
@@ -95,6 +106,11 @@ std::string gguf_config_json(const storage::DiskMap& map) {
     if (const auto* embedding = map.find("token_embd.weight"); embedding && !embedding->shape.empty())
       config["vocab_size"] = embedding->shape[0];
   config["tie_word_embeddings"] = map.find("output.weight") == nullptr;
+  // llama.cpp's Mixtral is a llama file with experts, its routing renormalised (the family's
+  // own); Qwen3-MoE's llama.cpp renormalises too, which its config.json says with
+  // norm_topk_prob; Qwen2-MoE's does not, as its config's default.
+  if (architecture == "llama" && config.contains("num_local_experts")) config["model_type"] = "mixtral";
+  if (architecture == "qwen3moe") config["norm_topk_prob"] = true;
   return config.dump();
 }
 

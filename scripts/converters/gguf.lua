@@ -1,5 +1,6 @@
 -- llama.cpp's GGUF tensor names -> Hugging Face's, for the families vramd runs from GGUF
--- (llama, qwen2, qwen3, phi3, gemma2, gemma3). The hyperparameters come from the file's metadata
+-- (llama, qwen2, qwen3, phi3, gemma2, gemma3, and the mixtures of experts mixtral, qwen2_moe,
+-- qwen3_moe). The hyperparameters come from the file's metadata
 -- (model/gguf_config.cpp).
 --
 -- llama.cpp's converter reorders the rows of each head of LLaMA's q and k from Hugging Face's
@@ -10,7 +11,8 @@
 
 local heads = arch.num_attention_heads
 local head_dim = arch.head_dim or arch.hidden_size / heads
-local reorder = arch.model_type == "llama"
+local mixtral = arch.model_type == "mixtral"
+local reorder = arch.model_type == "llama" or mixtral
 
 local layer_names = {
   ["attn_norm.weight"] = "input_layernorm.weight",
@@ -38,6 +40,22 @@ if gemma then  -- a norm before and after each sublayer
   layer_names["ffn_norm.weight"] = "pre_feedforward_layernorm.weight"
   layer_names["post_ffw_norm.weight"] = "post_feedforward_layernorm.weight"
 end
+-- Mixtures of experts: each layer's experts stacked into one 3-D tensor per projection
+-- ([experts, rows, columns]), each taken back out as its expert's own weight (rows of blocks,
+-- so packed blocks stay packed); the router, and Qwen2-MoE's shared expert and its gate (a
+-- vector in the file, a one-row weight in transformers).
+local moe = mixtral and "block_sparse_moe." or "mlp."
+local experts = {
+  ["ffn_gate_exps.weight"] = mixtral and "w1" or "gate_proj",
+  ["ffn_up_exps.weight"] = mixtral and "w3" or "up_proj",
+  ["ffn_down_exps.weight"] = mixtral and "w2" or "down_proj",
+}
+layer_names["ffn_gate_inp.weight"] = moe .. "gate.weight"
+layer_names["ffn_gate_shexp.weight"] = "mlp.shared_expert.gate_proj.weight"
+layer_names["ffn_up_shexp.weight"] = "mlp.shared_expert.up_proj.weight"
+layer_names["ffn_down_shexp.weight"] = "mlp.shared_expert.down_proj.weight"
+layer_names["ffn_gate_inp_shexp.weight"] = "mlp.shared_expert_gate.weight"
+
 local names = {
   ["token_embd.weight"] = "model.embed_tokens.weight",
   ["output_norm.weight"] = "model.norm.weight",
@@ -58,9 +76,15 @@ local out = {}
 for name, t in src:items() do
   if gemma and name:match("norm%.weight$") then t = t:shift(-1) end
   local layer, rest = name:match("^blk%.(%d+)%.(.+)$")
-  if layer and layer_names[rest] then
+  if layer and experts[rest] then
+    local prefix = "model.layers." .. layer .. "." .. moe .. "experts."
+    for e = 0, t.shape[1] - 1 do
+      out[prefix .. e .. "." .. experts[rest] .. ".weight"] = t:narrow(0, e, 1):reshape({ t.shape[2], t.shape[3] })
+    end
+  elseif layer and layer_names[rest] then
     local target = "model.layers." .. layer .. "." .. layer_names[rest]
     local rotary = rest:match("^attn_[qk]%.")
+    if rest == "ffn_gate_inp_shexp.weight" and #t.shape == 1 then t = t:reshape({ 1, t.shape[1] }) end
     out[target] = (reorder and rotary) and halves(t) or t
   elseif names[name] then
     out[names[name]] = t

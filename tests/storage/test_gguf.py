@@ -232,16 +232,20 @@ def test_every_block_type_unpacks_to_the_gguf_packages_values_bit_for_bit(tmp_pa
 
 # --- Running a GGUF model -------------------------------------------------------------------------
 
-def llama_gguf(path, model, quantize_to=None, extra=None):
-    """A transformers LlamaForCausalLM (or Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3) written as
-    llama.cpp's converter writes one: its names, LLaMA's q and k rows of each head in Meta's
-    rotary order, Gemma's norms plus one, the hyperparameters as metadata; the 2-D weights
-    quantized to `quantize_to` where given. The gguf
-    package cannot quantize to the K types: they are small random blocks instead of the model's
-    values (a file for vramd against itself, not for transformers)."""
+def llama_gguf(path, model, quantize_to=None, extra=None, experts_to=None):
+    """A transformers LlamaForCausalLM (or Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3, or the
+    mixtures Mixtral, Qwen2-MoE, Qwen3-MoE) written as llama.cpp's converter writes one: its
+    names, LLaMA's (and Mixtral's) q and k rows of each head in Meta's rotary order, Gemma's
+    norms plus one, the hyperparameters as metadata, each layer's experts stacked into 3-D
+    ffn_*_exps; the 2-D weights quantized to `quantize_to` and the experts to `experts_to` where
+    given. The gguf package cannot quantize to the K types: they are small random blocks instead
+    of the model's values (a file for vramd against itself, not for transformers). Returns the
+    experts' values as the file holds them, dequantized by the gguf package, under transformers'
+    per-expert names."""
     rng = np.random.default_rng(3)
     c = model.config
-    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
+    arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+            "qwen3_moe": "qwen3moe"}.get(c.model_type, c.model_type)
     gemma = arch in ("gemma2", "gemma3")
     writer = gguf.GGUFWriter(path, arch)
     for key, value in [("context_length", c.max_position_embeddings), ("embedding_length", c.hidden_size),
@@ -254,7 +258,15 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
     writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
-    if arch == "qwen3" or gemma:  # llama.cpp writes the head size where config.json has it
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        writer.add_uint32(f"{arch}.expert_count", experts)
+        writer.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
+        if arch != "llama":
+            writer.add_uint32(f"{arch}.expert_feed_forward_length", c.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", c.shared_expert_intermediate_size)
+    if arch in ("qwen3", "qwen3moe") or gemma:  # llama.cpp writes the head size where config.json has it
         writer.add_uint32(f"{arch}.attention.key_length", head_dim)
         writer.add_uint32(f"{arch}.attention.value_length", head_dim)
     if gemma:
@@ -274,13 +286,40 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    expert_names = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+                    "ffn_down_exps": ("w2", "down_proj")}
+    held = {}
     if gemma:
         names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"})
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # the embedding's
+        if ".mlp.experts." in name:  # transformers holds gate and up fused, [experts, 2 x rows, columns]
+            if name.endswith("down_proj"):
+                stacks = {"ffn_down_exps": tensor}
+            else:
+                gate, up = tensor.chunk(2, 1)
+                stacks = {"ffn_gate_exps": gate, "ffn_up_exps": up}
+            layer = name.split(".")[2]
+            for target, stack in stacks.items():
+                w = np.ascontiguousarray(stack.float().numpy())
+                if experts_to:
+                    data = (random_blocks(experts_to.name, w.shape[0] * w.shape[1], w.shape[2], rng, scale=1e-2)
+                            .reshape(w.shape[0], w.shape[1], -1) if experts_to.name in SCALE_OFFSETS
+                            else gguf.quants.quantize(w, experts_to))
+                    writer.add_tensor(f"blk.{layer}.{target}.weight", data, raw_dtype=experts_to)
+                    w = gguf.quants.dequantize(data, experts_to).astype(np.float32)
+                else:
+                    writer.add_tensor(f"blk.{layer}.{target}.weight", w)
+                module, projection = ("block_sparse_moe", expert_names[target][0]) if c.model_type == "mixtral" \
+                    else ("mlp", expert_names[target][1])
+                for e in range(w.shape[0]):
+                    held[f"model.layers.{layer}.{module}.experts.{e}.{projection}.weight"] = w[e]
+            continue
         base, kind = name.removeprefix("model.").rsplit(".", 1)
         layer = base.split(".")[1] if base.startswith("layers.") else None
         part = base.split(".", 2)[2] if layer else base
@@ -288,6 +327,8 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
         w = tensor.float().numpy()
         if gemma and name.endswith("norm.weight"):
             w = w + np.float32(1)
+        if names[part] == "ffn_gate_inp_shexp":
+            w = w.reshape(-1)  # a vector in llama.cpp's files
         heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(names[part])
         if heads and arch == "llama":
             w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
@@ -301,6 +342,7 @@ def llama_gguf(path, model, quantize_to=None, extra=None):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return held
 
 
 def tiny(family, hidden_size=64, intermediate_size=128):
@@ -340,6 +382,56 @@ def tiny(family, hidden_size=64, intermediate_size=128):
 @pytest.fixture(scope="module")
 def tiny_llama():
     return tiny("llama")
+
+
+def tiny_moe(family):
+    """A Mixtral, a Qwen2-MoE (with its shared expert) or a Qwen3-MoE of 4 experts, 2 per token,
+    whose experts' rows are one K-type block (256) long."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    shape = dict(vocab_size=1000, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=2)
+    if family == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**shape, num_local_experts=4)).eval()
+    if family == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**shape, num_experts=4, moe_intermediate_size=256,
+                                             shared_expert_intermediate_size=256)
+        return transformers.Qwen2MoeForCausalLM(config).eval()
+    config = transformers.Qwen3MoeConfig(**shape, num_experts=4, moe_intermediate_size=256, head_dim=64,
+                                         norm_topk_prob=True)
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_a_gguf_mixture_of_experts_equals_its_values_from_safetensors(tmp_path, family, qtype):
+    # llama.cpp's 3-D ffn_*_exps, its router and shared expert names and its expert counts:
+    # the model equals the same weights saved by transformers with its experts' values replaced
+    # by what the file holds, dequantized by the gguf package (to float32's last bits: the same
+    # values at other addresses can take another path through MKL's matrix products); and
+    # streamed under a limit with the experts' blocks packed, it equals itself resident.
+    import torch
+    from safetensors.torch import load_file, save_file
+    model = tiny_moe(family)
+    held = llama_gguf(tmp_path / "moe.gguf", model, experts_to=gguf.GGMLQuantizationType[qtype])
+    model.config.rms_norm_eps = float(np.float32(model.config.rms_norm_eps))  # as the file holds it
+    model.save_pretrained(tmp_path / "witness")
+    weights = load_file(tmp_path / "witness" / "model.safetensors")
+    assert held.keys() <= weights.keys() and len(held) == 2 * 4 * 3
+    weights.update({name: torch.from_numpy(values) for name, values in held.items()})
+    save_file(weights, tmp_path / "witness" / "model.safetensors", metadata={"format": "pt"})
+    save_file({"input_ids": torch.tensor([[1, 5, 9, 200, 31, 7]])}, tmp_path / "inputs.safetensors")
+    inputs, config = tmp_path / "inputs.safetensors", tmp_path / "vramd.toml"
+    config.write_text(f'converters = ["{CONFIGS.parent / "scripts" / "converters"}"]\n[budgets]\ncpu = "1GiB"\n')
+    expected, _ = run_gguf(tmp_path, "witness", tmp_path / "witness", "", inputs, config)
+    resident, _ = run_gguf(tmp_path, "resident", "moe.gguf", "", inputs, config)
+    error = ((resident["logits"] - expected["logits"]).abs().max() / expected["logits"].abs().max()).item()
+    assert error <= 1e-6, error
+    streamed, stats = run_gguf(tmp_path, "streamed", "moe.gguf", STREAMED.replace("400KiB", "1800KiB"), inputs, config)
+    assert torch.equal(streamed["logits"], resident["logits"])
+    v = stats["vram"]
+    assert v["peak"] <= v["limit"] and v["experts"]["misses"] > 0 and 0 < v["bytes_packed"] <= v["bytes_streamed"], v
 
 
 @pytest.mark.parametrize("family, qtype", [("llama", None), ("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0"),
