@@ -13,6 +13,8 @@ by transformers; the limit: --limit of its bytes (default 0.4). Each forward is 
               checkpoint's pages), host memory on a GPU. Bytes moved per forward: what the
               daemon's weights figures say it brought to the computation device (bytes_streamed),
               and of those the experts'.
+  vramd, experts on the CPU  (a GPU only) the same limit with [vram].experts = "cpu": every
+              expert computed on the CPU from host memory, as llama.cpp's --cpu-moe does.
   accelerate  AutoModelForCausalLM.from_pretrained(device_map="auto", max_memory={computation
               device: limit, ...}); on the CPU the rest is offloaded to disk (offload_folder), on
               a GPU to host memory. Its hooks bring each offloaded module's weights in whole when
@@ -66,12 +68,13 @@ def batches(count, tokens):
     return [torch.randint(0, 32000, (1, tokens), generator=generator) for _ in range(count)]
 
 
-def vramd_contender(work, folder, device, limit, inputs):
+def vramd_contender(work, folder, device, limit, inputs, experts="stream"):
     models = work / "models"
     models.mkdir(exist_ok=True)
     onload = '{ device = "disk" }' if device == "cpu" else '{ device = "cpu" }'
     (models / "moe.toml").write_text(f'checkpoint = "{folder}"\n[vram]\ncomputation = {{ device = "{device}" }}\n'
-                                     f'offload = {{ device = "disk" }}\nonload = {onload}\nlimit = {limit}\n')
+                                     f'offload = {{ device = "disk" }}\nonload = {onload}\nlimit = {limit}\n'
+                                     f'experts = "{experts}"\n')
     with serving(work, 'cpu = "64GiB"\n"cuda:0" = "64GiB"', VRAMD) as client:
         client.load("moe")
         times, outputs, figures = [], [], []
@@ -156,11 +159,14 @@ def main():
     limit = int(total * args.limit)
     inputs = batches(args.forwards, args.tokens)
     v, v_out = vramd_contender(work, folder, args.device, limit, inputs)
+    # On a GPU, also every expert computed on the CPU (llama.cpp's --cpu-moe) under the same limit.
+    cpu_experts = vramd_contender(work, folder, args.device, limit, inputs, "cpu")[0] if args.device != "cpu" else None
     a, a_out = accelerate_run(work, folder, args.device, limit, inputs)
     error = max(((x.float().cpu() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(v_out, a_out))
     figures = {"device": args.device, "checkpoint_bytes": total, "limit": limit, "tokens": args.tokens,
                "forwards": args.forwards, "vramd": v, "accelerate": a, "logits_relative_error": error,
-               "forward_ratio": a["forward"] / v["forward"], "bytes_ratio": v["moved"] / a["moved"]}
+               "forward_ratio": a["forward"] / v["forward"], "bytes_ratio": v["moved"] / a["moved"],
+               "vramd_experts_on_cpu": cpu_experts}
     print(f"Mixtral-shaped, {args.layers} layers of 8 experts (2 per token), {total / MiB:.0f} MiB in bfloat16, "
           f"limit {limit / MiB:.0f} MiB ({args.limit:.2f}), on {args.device}; {args.forwards} forwards of "
           f"{args.tokens} new token(s) each")
@@ -172,6 +178,10 @@ def main():
     print(f"bytes moved per forward: vramd {v['moved'] / MiB:.1f} MiB (experts {v['experts_moved'] / MiB:.1f} MiB), "
           f"accelerate {a['moved'] / MiB:.1f} MiB: {figures['bytes_ratio']:.3f} of accelerate's (goal under 0.2)")
     print(f"vramd's experts: {v['experts']}; peak {v['peak'] / MiB:.1f} MiB of the {limit / MiB:.1f} MiB limit")
+    if cpu_experts:
+        print(f"vramd with experts = \"cpu\" (computed on the CPU, the rest on {args.device}): forward "
+              f"{cpu_experts['forward'] * 1e3:.1f} ms ({a['forward'] / cpu_experts['forward']:.2f}x accelerate's, "
+              f"{v['forward'] / cpu_experts['forward']:.2f}x streaming them); {cpu_experts['plan']}")
     print(f"logits: vramd against accelerate, max relative difference {error:.2e}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -141,6 +141,16 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const Dtype& base_
     else if (direct_io->value<std::string>() != "auto")
       table->bad_value("direct_io", "expected true, false or \"auto\"");
   }
+  if (auto experts = table->string("experts")) {
+    if (*experts == "cpu" && vram.computation.device == Device::named("cpu"))
+      table->bad_value("experts", "\"cpu\" computes the experts on the CPU beside the rest of the model on a GPU, and "
+                                  "this model computes on the CPU already; leave it out");
+    else if (*experts == "cpu")
+      vram.experts_on_cpu = true;
+    else if (*experts != "stream")
+      table->bad_value("experts", "expected \"stream\" (the default: under limit, the experts a batch is routed to "
+                                  "are brought to the computation device) or \"cpu\" (computed on the CPU)");
+  }
   table->finish();
 }
 

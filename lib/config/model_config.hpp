@@ -39,6 +39,9 @@ struct VramConfig {
   // checkpoint streamed from disk that the page cache cannot keep. Unset ("auto"): chosen at
   // load from the checkpoint's size and the memory the page cache can have.
   std::optional<bool> direct_io;
+  // Every expert of a mixture computed on the CPU from host memory, in the computation dtype,
+  // while the rest computes on the GPU (llama.cpp's --cpu-moe): `experts = "cpu"`.
+  bool experts_on_cpu = false;
 };
 
 struct ResidencyConfig {

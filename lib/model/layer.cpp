@@ -67,7 +67,10 @@ at::Tensor Layer::operator()(const at::Tensor& input) {
   if (!manager_) return apply(weights(), input);
   auto w = manager_->acquire(*this);
   try {
-    at::Tensor output = apply(w, input);
+    // Weights a manager keeps on another device (experts computed on the CPU): the op runs
+    // there, on the input carried across, and its output comes back.
+    const bool elsewhere = !w.empty() && w[0].device() != input.device();
+    at::Tensor output = elsewhere ? apply(w, input.to(w[0].device())).to(input.device()) : apply(w, input);
     w.clear();  // the weights go with the release, not later
     manager_->release(*this);
     return output;

@@ -31,7 +31,9 @@ void to_json(nlohmann::json& out, const VramStats& v) {
   if (v.expert_slots)
     out["experts"] = {{"layers", v.expert_slots},     {"resident_layers", v.resident_expert_slots},
                       {"hits", v.expert_hits},        {"misses", v.expert_misses},
-                      {"bytes_streamed", v.expert_bytes_streamed}, {"swaps", v.expert_swaps}};
+                      {"bytes_streamed", v.expert_bytes_streamed}, {"swaps", v.expert_swaps},
+                      {"cpu_layers", v.host_expert_slots}, {"cpu_bytes", v.host_experts},
+                      {"cpu_ops", v.expert_cpu_ops}};
 }
 
 }  // namespace vramd::model

@@ -38,6 +38,10 @@ struct VramStats {
   size_t expert_slots = 0, resident_expert_slots = 0;
   size_t expert_hits = 0, expert_misses = 0, expert_swaps = 0;
   uint64_t expert_bytes_streamed = 0;
+  // With [vram].experts = "cpu": the expert layers computed on the CPU, their bytes in host
+  // memory (beside the limit, which counts the computation device), and their ops.
+  size_t host_expert_slots = 0, expert_cpu_ops = 0;
+  uint64_t host_experts = 0;
   bool order_learned = false;
   std::string plan;  // one line: what is resident, what streams from where, room, limit, peak
 };

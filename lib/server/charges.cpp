@@ -35,6 +35,7 @@ DeviceBytes computation_charges(const config::ModelConfig& config, const model::
   // model whose packed GGUF layers are unpacked before their ops holds more than its total.
   add(out, vram.computation.device, planned.limit ? planned.limit : planned.total);
   if (!(vram.onload.device == vram.computation.device)) add(out, vram.onload.device, planned.onload);
+  add(out, config::Device::named("cpu"), planned.host_experts);  // experts computed on the CPU
   return out;
 }
 

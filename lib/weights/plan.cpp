@@ -22,6 +22,11 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   uint64_t largest = 0, largest_copy = 0;
   const SlotBytes* biggest = nullptr;
   for (const auto& slot : slots) {
+    if (slot.host) {
+      stats.host_expert_slots++;
+      stats.host_experts += slot.prepared;
+      continue;
+    }
     stats.total += slot.prepared;
     stats.packed += slot.packed;
     largest_copy = std::max(largest_copy, slot.copy);
@@ -51,7 +56,7 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   });
   const auto place = [&] {
     for (const size_t i : by_size) {
-      if (plan.resident[i] || stats.resident + slots[i].prepared > limit - stats.streaming) continue;
+      if (slots[i].host || plan.resident[i] || stats.resident + slots[i].prepared > limit - stats.streaming) continue;
       plan.resident[i] = true;
       stats.resident += slots[i].prepared;
       stats.resident_slots++;
@@ -63,7 +68,7 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   // kept, and what it gave back holds more resident.
   uint64_t largest_streamed = 0;
   for (size_t i = 0; i < slots.size(); ++i)
-    if (!plan.resident[i]) largest_streamed = std::max(largest_streamed, slots[i].prepared + slots[i].copy);
+    if (!plan.resident[i] && !slots[i].host) largest_streamed = std::max(largest_streamed, slots[i].prepared + slots[i].copy);
   if (!fits && largest_streamed < largest) {
     stats.streaming = limit >= 3 * largest_streamed ? 2 * largest_streamed : largest_streamed;
     place();
@@ -72,7 +77,7 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
     if (slots[i].routed) stats.expert_slots++, stats.resident_expert_slots += plan.resident[i];
   const uint64_t onload_limit = onload_on_disk ? 0 : vram.onload_limit.value_or(UINT64_MAX);
   for (size_t i = 0; i < slots.size(); ++i) {
-    if (plan.resident[i]) continue;
+    if (plan.resident[i] || slots[i].host) continue;
     plan.from_disk[i] = stats.disk_slots > 0 || stats.onload + slots[i].onload > onload_limit;
     if (plan.from_disk[i]) {
       stats.disk_slots++;

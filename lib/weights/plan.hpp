@@ -22,6 +22,8 @@ struct SlotBytes {
   uint64_t onload = 0;    // resting on the onload device, in the onload dtype
   uint64_t packed = 0;    // of prepared, GGUF blocks held packed
   bool routed = false;    // an expert's projection (model::Layer::routed): placed after the rest
+  bool host = false;      // routed and computed on the CPU ([vram].experts = "cpu"): never on the
+                          // computation device; `prepared` is its bytes in host memory
 };
 
 struct StreamPlan {

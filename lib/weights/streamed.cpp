@@ -52,6 +52,7 @@ struct StreamedWeights::Slot {
   bool resident = false;
   bool from_disk = false;  // streamed and re-read from the checkpoint (onload "disk", or past vram.onload_limit)
   bool routed = false;     // an expert's projection: brought in only when expected or asked for
+  bool host = false;       // routed and computed on the CPU from `held` ([vram].experts = "cpu")
   bool expected = false;   // routed, and its op expected soon (in expected_)
   uint64_t uses = 0;       // ops since load, for which routed slots stay resident
   enum class State { Away, Loading, Ready, InUse } state = State::Away;  // streamed slots only
@@ -90,11 +91,21 @@ std::vector<SlotBytes> slot_bytes(const model::Model& model, const Source& sourc
   const c10::ScalarType onload = state_dtype(config.vram.onload.dtype, dtype);
   const bool packed = packed_state(config.vram.preparing, config), onload_packed = packed_state(config.vram.onload, config);
   const auto parts = layer_parts(model, source);
+  const bool routed = std::any_of(model.layers().begin(), model.layers().end(), [](auto& l) { return l->routed(); });
+  if (config.vram.experts_on_cpu && !routed)
+    fail(config.path, "vram.experts = \"cpu\", but " + quote(model.architecture()) + " has no experts to compute there");
   std::vector<SlotBytes> slots;
   for (size_t l = 0; l < model.layers().size(); ++l) {
     SlotBytes slot;
     slot.routed = model.layers()[l]->routed();
     const auto parameters = model.layers()[l]->parameters();
+    if (slot.routed && config.vram.experts_on_cpu) {  // held unpacked in host memory, computed there
+      slot.host = true;
+      for (const auto& parameter : parameters) slot.prepared += static_cast<uint64_t>(parameter.elements()) * c10::elementSize(dtype);
+      slot.onload = slot.prepared;
+      slots.push_back(slot);
+      continue;
+    }
     for (size_t i = 0; i < parameters.size(); ++i) {
       const Assignment* part = parts[l][i];
       const uint64_t bytes = bytes_held(parameters[i], part, prepared, packed);
@@ -131,6 +142,7 @@ StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> so
     auto slot = std::make_unique<Slot>();
     slot->layer = model.layers()[l].get();
     slot->routed = slot->layer->routed();
+    slot->host = slot->routed && config.vram.experts_on_cpu;
     by_layer_[slot->layer] = slot.get();
     slot->parts = std::move(parts[l]);
     for (const Assignment* part : slot->parts)
@@ -250,7 +262,14 @@ void StreamedWeights::materialise_plan() {
   // Host copies of a CUDA model's streamed layers are pinned, so they copy asynchronously.
   const bool pin = !device_.is_cpu() && onload_device.is_cpu();
   for (const auto& slot : slots_) {
-    if (slot->resident) {
+    if (slot->host) {  // owned copies, which an update may write
+      std::vector<at::Tensor> held;
+      for (size_t i = 0; i < slot->parts.size(); ++i)
+        if (const Assignment* part = slot->parts[i])
+          held.push_back(slot->held.empty() ? source_->read(*part, c10::kCPU, dtype_, false)
+                                            : source_->convert(*part, slot->held[i], c10::kCPU, dtype_));
+      slot->held = std::move(held);
+    } else if (slot->resident) {
       slot->tensors = prepare(*slot, {});
       auto parameters = slot->layer->parameters();
       for (size_t i = 0; i < parameters.size(); ++i)  // packed bytes are no value an op could use
@@ -386,6 +405,10 @@ std::vector<at::Tensor> StreamedWeights::acquire(const Layer& layer) {
   Slot& slot = slot_of(layer);
   std::unique_lock lock(mutex_);
   if (order_.asked(&slot)) stats_.order_learned = true;
+  if (slot.host) {  // computed where it rests (Layer carries the input across)
+    stats_.expert_cpu_ops++;
+    return slot.held;
+  }
   if (slot.routed) {
     slot.uses++;
     (slot.resident ? stats_.expert_hits : stats_.expert_misses)++;
@@ -452,7 +475,7 @@ std::vector<at::Tensor> StreamedWeights::acquire(const Layer& layer) {
 
 void StreamedWeights::release(const Layer& layer) {
   Slot& slot = slot_of(layer);
-  if (slot.resident && !slot.copy) return;
+  if (slot.host || (slot.resident && !slot.copy)) return;
   {
     std::lock_guard lock(mutex_);
     give_back_locked(slot.computed);
@@ -507,7 +530,7 @@ bool StreamedWeights::queue_expected_locked(std::unique_lock<std::mutex>& lock) 
 void StreamedWeights::expect(const Layer& layer) {
   Slot& slot = slot_of(layer);
   std::unique_lock lock(mutex_);
-  if (slot.resident || !slot.routed) return;
+  if (slot.resident || slot.host || !slot.routed) return;
   if (!slot.expected) {
     slot.expected = true;
     expected_.push_back(&slot);
@@ -699,8 +722,9 @@ void StreamedWeights::update(const std::string& model, const WeightUpdate& updat
         throw NotUpdatable("model " + quote(model) + " streams layer " + quote(slot->layer->path()) + " from disk, " +
                            "re-read from the checkpoint at each use: it cannot take an update; rest it in memory " +
                            "([vram].onload on a device, within onload_limit) to update it");
-      const bool packed = slot->resident ? slot->forms[i] == kPacked
-                                         : held_dtype(*slot->parts[i], onload_dtype, onload_packed_) == kPacked;
+      const bool packed = slot->host       ? false
+                          : slot->resident ? slot->forms[i] == kPacked
+                                           : held_dtype(*slot->parts[i], onload_dtype, onload_packed_) == kPacked;
       if (packed)
         throw NotUpdatable("model " + quote(model) + " holds " + quote(parameter->name) + " as packed GGUF blocks, " +
                            "which take no update of plain values: keep them unpacked (packed = false) to update it");
@@ -745,7 +769,10 @@ std::string StreamedWeights::describe(const VramStats& s, const config::ModelCon
                                       c10::ScalarType dtype, const std::string& direct_why) {
   std::string text = std::to_string(s.resident_slots) + " of " + std::to_string(s.slots) + " layers resident (" +
                      format_bytes(s.resident) + " in " + dtype_text(prepared) + (s.packed ? " and packed" : "") + ")";
-  if (const size_t from_onload = s.slots - s.resident_slots - s.disk_slots)
+  if (s.host_expert_slots)
+    text += ", " + std::to_string(s.host_expert_slots) + " expert layers computed on the CPU (" +
+            format_bytes(s.host_experts) + " in host memory)";
+  if (const size_t from_onload = s.slots - s.resident_slots - s.disk_slots - s.host_expert_slots)
     text += ", " + std::to_string(from_onload) + " streamed from " + config.vram.onload.device.str() + " (" +
             format_bytes(s.total - s.resident - s.disk) + ")";
   if (s.disk_slots)

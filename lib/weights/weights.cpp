@@ -46,7 +46,7 @@ std::shared_ptr<Weights> partitioned(model::Model& model, std::shared_ptr<Source
 // state (a resident model that sleeps packed, too).
 bool streams(const model::Model& model, const config::ModelConfig& config) {
   const auto& vram = config.vram;
-  return vram.limit || state_dtype(vram.preparing.dtype, model.dtype()) != model.dtype() ||
+  return vram.limit || vram.experts_on_cpu || state_dtype(vram.preparing.dtype, model.dtype()) != model.dtype() ||
          packed_state(vram.preparing, config) || packed_state(vram.onload, config) || packed_state(vram.offload, config);
 }
 

@@ -150,3 +150,46 @@ def test_experts_streamed_onto_a_gpu_equal_resident_ones_there(mixtral, tmp_path
         for name in resident:
             assert torch.equal(got[name], resident[name]), name
     assert stats["vram"]["experts"]["swaps"] > 0, stats["vram"]
+
+
+def test_experts_on_the_cpu_are_planned_beside_a_gpu_model_and_refused_where_they_cannot_be(mixtral, tmp_path):
+    # vramctl check plans without a GPU: the experts rest in host memory, apart from the limit.
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n"cuda:0" = "8GiB"\n')
+    config = tmp_path / "moe.toml"
+
+    def check(text):
+        config.write_text(text)
+        return subprocess.run([VRAMCTL, "check", config, "--daemon-config", tmp_path / "vramd.toml"],
+                              capture_output=True, text=True, timeout=120)
+
+    cuda = '[vram]\ncomputation = { device = "cuda:0" }\nexperts = "cpu"\n'
+    done = check(f'checkpoint = "{mixtral / "model"}"\n{cuda}')
+    assert done.returncode == 0, done.stdout + done.stderr
+    expert_bytes = 32 * sizes(mixtral)[1]
+    assert expert_bytes == int(2.25 * 2**20)
+    assert "96 expert layers computed on the CPU (2.25 MiB in host memory)" in done.stdout, done.stdout
+    done = check(f'checkpoint = "{mixtral / "model"}"\n[vram]\nexperts = "cpu"\n')
+    assert done.returncode == 1 and "this model computes on the CPU already" in done.stdout, done.stdout
+    llama = hf_models.make("llama", "float32", tmp_path)
+    done = check(f'checkpoint = "{llama / "model"}"\n{cuda}')
+    assert done.returncode == 1 and "vram.experts = \"cpu\", but 'llama' has no experts to compute there" in done.stdout, \
+        done.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: experts computed on the CPU beside a GPU are not run")
+def test_experts_computed_on_the_cpu_beside_a_gpu_model_give_its_outputs(mixtral, tmp_path):
+    # llama.cpp's --cpu-moe: every expert in host memory, computed there; the rest on the GPU,
+    # under a limit or not. float32 products on two devices agree to their last bits.
+    cuda = '[vram]\ncomputation = { device = "cuda:0" }\n'
+    for inputs in ("inputs.safetensors", "short.safetensors"):
+        resident, _, _ = run(mixtral, tmp_path, mixtral / inputs, cuda)
+        shared, _ = sizes(mixtral)
+        for vram in (cuda + 'experts = "cpu"\n', cuda + f'experts = "cpu"\nlimit = {shared}\n'):
+            got, stats, _ = run(mixtral, tmp_path, mixtral / inputs, vram, repeat=2)
+            experts = stats["vram"]["experts"]
+            assert experts["cpu_layers"] == 96 and experts["cpu_ops"] > 0 and experts["misses"] == 0, experts
+            assert stats["vram"]["peak"] <= shared, stats["vram"]
+            for name in resident:
+                error = ((got[name].float() - resident[name].float()).abs().max() / resident[name].float().abs().max())
+                assert error <= 1e-4, (name, error)
