@@ -283,9 +283,10 @@ class Transformer final : public Model {
     const at::Tensor order = std::get<1>(flat.sort(/*stable=*/std::optional<bool>(true), 0));
     const at::Tensor counts = at::bincount(flat, {}, b_.experts).cpu();
     const auto* count = counts.const_data_ptr<int64_t>();
-    for (int64_t e = 0; e < b_.experts; ++e)  // the routed experts, in the order they run
-      if (count[e] > 0)
-        for (const Layer* layer : {block.experts[e].gate, block.experts[e].up, block.experts[e].down}) layer->expect();
+    std::vector<const Layer*> routed;  // the routed experts' layers, in the order they run
+    for (int64_t e = 0; e < b_.experts; ++e)
+      if (count[e] > 0) routed.insert(routed.end(), {block.experts[e].gate, block.experts[e].up, block.experts[e].down});
+    Layer::expect(routed);
     at::Tensor weighted = at::empty({flat.size(0), b_.hidden}, x.options().dtype(at::promote_types(x.scalar_type(), weights.scalar_type())));
     int64_t start = 0;
     for (int64_t e = 0; e < b_.experts; ++e) {

@@ -24,9 +24,9 @@ class LayerWeights {
   // The layer's weights on the computation device, in the computation dtype, until release().
   virtual std::vector<at::Tensor> acquire(const Layer& layer) = 0;
   virtual void release(const Layer& layer) = 0;
-  // The layer's op runs soon (an expert a batch was routed to): a manager may bring its weights
-  // in ahead of it.
-  virtual void expect(const Layer&) {}
+  // These layers' ops run next, in this order (the experts a batch was routed to), in place of
+  // any expected before: a manager may bring their weights in ahead of them.
+  virtual void expect(std::span<const Layer* const>) {}
 };
 
 // Stops a forward between ops: while one is alive on a thread, each layer op on that thread
@@ -85,9 +85,9 @@ class Layer {
 
   // With a manager, weights come from it for the op's duration.
   void set_manager(LayerWeights* manager) { manager_ = manager; }
-  // Tells the manager that this layer's op runs soon.
-  void expect() const {
-    if (manager_) manager_->expect(*this);
+  // Tells their manager (one model's layers share one) that these layers' ops run next.
+  static void expect(std::span<const Layer* const> layers) {
+    if (!layers.empty() && layers.front()->manager_) layers.front()->manager_->expect(layers);
   }
   // A routed layer (a projection of one expert of a mixture) runs only for the tokens routed to
   // it, so no forward's order says when it runs next: managers bring it in only when expected.

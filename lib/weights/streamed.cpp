@@ -527,11 +527,14 @@ bool StreamedWeights::queue_expected_locked(std::unique_lock<std::mutex>& lock) 
   return true;
 }
 
-void StreamedWeights::expect(const Layer& layer) {
-  Slot& slot = slot_of(layer);
+// Those not asked for since they were expected (a forward stopped between) are expected no more.
+void StreamedWeights::expect(std::span<const Layer* const> layers) {
   std::unique_lock lock(mutex_);
-  if (slot.resident || slot.host || !slot.routed) return;
-  if (!slot.expected) {
+  for (Slot* stale : expected_) stale->expected = false;
+  expected_.clear();
+  for (const Layer* layer : layers) {
+    Slot& slot = slot_of(*layer);
+    if (slot.resident || slot.host || !slot.routed || slot.expected) continue;
     slot.expected = true;
     expected_.push_back(&slot);
   }

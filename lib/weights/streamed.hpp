@@ -55,7 +55,7 @@ class StreamedWeights final : public Weights {
   // Called by Layer only.
   std::vector<at::Tensor> acquire(const model::Layer& layer) override;
   void release(const model::Layer& layer) override;
-  void expect(const model::Layer& layer) override;
+  void expect(std::span<const model::Layer* const> layers) override;
 
   // Wake: the plan restored.
   uint64_t sleep() override;
