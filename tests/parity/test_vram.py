@@ -21,7 +21,7 @@ import hf_models  # noqa: E402
 VRAMCTL = os.environ["VRAMCTL"]
 CASES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert",  # llama3, gpt2, gemma2 tie their head
          "gemma2", "phi3", "olmo2", "clip_text", "t5_encoder", "mixtral", "qwen2_moe"]
-FLOAT8_CASES = ["llama3", "gpt2", "bert"]
+FLOAT8_CASES = ["llama3", "gpt2", "bert", "mixtral"]
 
 
 @pytest.fixture(scope="module")
