@@ -18,6 +18,24 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
 
 
+
+def free_port():
+    """A loopback TCP port no socket holds now, for a process about to bind it: drawn below the
+    kernel's ephemeral range. A port bound to 0 comes from that range, which every outgoing
+    connection (each Gloo rank's) draws from too, so one found free there can be taken by another
+    test's connection before its own process binds it."""
+    import random
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    candidates = list(range(10000, low)) if low > 11000 else list(range(1024, low))
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
 class UnixConnection(http.client.HTTPConnection):
     def __init__(self, path, timeout=60):
         super().__init__("vramd", timeout=timeout)

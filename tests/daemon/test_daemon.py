@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from daemon_support import ROOT, VRAMCTL, VRAMD, Daemon, as_user, get_json, model, public_folder, raw, request, vramctl, wait_for
+from daemon_support import (ROOT, VRAMCTL, VRAMD, Daemon, as_user, free_port, get_json, model, public_folder, raw,
+                            request, vramctl, wait_for)
 import hf_models
 
 sys.path.insert(0, str(ROOT / "python"))
@@ -564,9 +565,7 @@ def test_other_uids_are_refused_unless_listed(tmp_path, checkpoints):
 
 
 def test_loopback_tcp_when_configured(tmp_path, checkpoints):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     d = Daemon(tmp_path, extra=f'tcp = "127.0.0.1:{port}"')
     add_model(d, "minilm", checkpoints["minilm"])
     with d.start():

@@ -8,7 +8,6 @@ dict is {"model": ...}, with {"optim": ...} beside it under --optimizer (AdamW a
 learning rate 0, so the weights stay as saved and the optimizer holds state of every weight).
 """
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -23,7 +22,8 @@ from torch.distributed.fsdp import fully_shard
 
 
 def save(rank, ranks, port, model_dir, out, serialization, optimizer):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (ranks,))
     for layer in model.model.layers:
@@ -46,10 +46,10 @@ def save(rank, ranks, port, model_dir, out, serialization, optimizer):
 
 def main():
     model_dir, out, ranks, serialization = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(save, args=(ranks, port, model_dir, out, serialization, "--optimizer" in sys.argv), nprocs=ranks)
+    # The ranks' store listens here, on a port it holds from the start: a port found free and
+    # then bound by rank 0 seconds later (once torch is imported) could be another test's by then.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.spawn(save, args=(ranks, store.port, model_dir, out, serialization, "--optimizer" in sys.argv), nprocs=ranks)
     shutil.copy(Path(model_dir) / "config.json", Path(out) / "config.json")
 
 

@@ -16,7 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 import hf_models  # noqa: E402
+from daemon_support import free_port  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
 CASES = ["llama3", "gpt2", "bert", "gemma3", "t5_encoder", "mixtral"]  # llama3, gpt2, gemma3 tie their head to the embedding
@@ -177,13 +179,6 @@ def test_partition_needs_a_group(witnesses, tmp_path):
 def rank_env(rank, world_size, port):
     return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port)}
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_rank(config, folder, rank, world_size, port, *args):

@@ -22,7 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 import hf_models  # noqa: E402
+from daemon_support import free_port  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
 TIMEOUT = 5  # [partition] timeout, in seconds
@@ -125,13 +127,6 @@ class Rank:
 
     def kill(self):
         self.process.send_signal(signal.SIGKILL)
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_configs(folder, case, converter=""):
