@@ -203,19 +203,13 @@ Rope read_rope(const Json& table, double theta, double partial, std::optional<in
   return rope;
 }
 
-std::string layer_path(const std::string& layer, int64_t index) {
-  std::string path = layer;
+// A layer's or an expert's module: each `placeholder` ("{i}", "{e}") in the family's name
+// replaced by its number.
+std::string numbered(const std::string& name, std::string_view placeholder, int64_t index) {
+  std::string path = name;
   const std::string number = std::to_string(index);
-  for (auto at = path.find("{i}"); at != std::string::npos; at = path.find("{i}", at + number.size()))
-    path.replace(at, 3, number);
-  return path;
-}
-
-// An expert's module, `{e}` in the family's name replaced by its number.
-std::string expert_path(const std::string& expert, int64_t index) {
-  std::string path = expert;
-  const auto at = path.find("{e}");
-  if (at != std::string::npos) path.replace(at, 3, std::to_string(index));
+  for (auto at = path.find(placeholder); at != std::string::npos; at = path.find(placeholder, at + number.size()))
+    path.replace(at, placeholder.size(), number);
   return path;
 }
 
@@ -432,8 +426,14 @@ Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, c
     fail(family.origin, "positions = \"relative\" needs names.relative_bias");
 
   const std::string layer = named("layer");
+  // An expert's module, and its projections within it.
+  const std::string expert = named("expert");
+  const ExpertNames projection{named("expert_gate"), named("expert_up"), named("expert_down")};
+  const auto projections = [&](const std::string& module) {
+    return ExpertNames{module + "." + projection.gate, module + "." + projection.up, module + "." + projection.down};
+  };
   for (int64_t i = 0; i < b.layers; ++i) {
-    const std::string prefix = layer_path(layer, i) + ".";
+    const std::string prefix = numbered(layer, "{i}", i) + ".";
     const auto in_block = [&](const char* slot) {
       const std::string name = named(slot);
       return name.empty() ? name : prefix + name;
@@ -454,15 +454,9 @@ Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, c
     n.mlp_residual_norm = in_block("mlp_residual_norm");
     if (b.sparse[i]) {
       n.router = in_block("router");
-      const std::string expert = named("expert");
-      if (n.router.empty() || expert.empty() || named("expert_gate").empty() || named("expert_up").empty() ||
-          named("expert_down").empty())
+      if (n.router.empty() || expert.empty() || projection.gate.empty() || projection.up.empty() || projection.down.empty())
         fail(family.origin, "names: a mixture of experts (num_experts) needs router, expert, expert_gate, expert_up and expert_down");
-      const auto projections = [&](const std::string& module) {
-        return ExpertNames{module + "." + named("expert_gate"), module + "." + named("expert_up"),
-                           module + "." + named("expert_down")};
-      };
-      for (int64_t e = 0; e < b.experts; ++e) n.experts.push_back(projections(prefix + expert_path(expert, e)));
+      for (int64_t e = 0; e < b.experts; ++e) n.experts.push_back(projections(prefix + numbered(expert, "{e}", e)));
       if (b.shared_intermediate > 0) {
         const std::string shared = in_block("shared_expert");
         if (shared.empty())
@@ -475,8 +469,6 @@ Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, c
       n.up = in_block("up");
       n.gate_up = in_block("gate_up");
       n.down = in_block("down");
-    }
-    if (!b.sparse[i]) {
       if (n.down.empty()) fail(family.origin, "names: down is needed");
       if (n.gate_up.empty() && n.up.empty()) fail(family.origin, "names: give up, or the fused gate_up");
       if (b.mlp_gated && n.gate_up.empty() && n.gate.empty())
