@@ -249,17 +249,12 @@ class Transformer final : public Model {
 
   // A dense block's MLP.
   at::Tensor mlp(Block& block, const at::Tensor& y) const {
-    at::Tensor inner;
+    if (block.gate) return gated({block.gate, block.up, block.down}, y);
     if (block.gate_up) {
       const auto halves = (*block.gate_up)(y).chunk(2, -1);
-      inner = halves[1] * act_(halves[0]);
-    } else if (block.gate) {
-      const at::Tensor gate = act_((*block.gate)(y));
-      inner = gate * (*block.up)(y);
-    } else {
-      inner = act_((*block.up)(y));
+      return (*block.down)(halves[1] * act_(halves[0]));
     }
-    return (*block.down)(inner);
+    return (*block.down)(act_((*block.up)(y)));
   }
 
   // A sparse block's MLP, as transformers' sparse MoE blocks compute it by default (the grouped
