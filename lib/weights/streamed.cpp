@@ -142,7 +142,6 @@ StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> so
     auto slot = std::make_unique<Slot>();
     slot->layer = model.layers()[l].get();
     slot->routed = slot->layer->routed();
-    slot->host = slot->routed && config.vram.experts_on_cpu;
     by_layer_[slot->layer] = slot.get();
     slot->parts = std::move(parts[l]);
     for (const Assignment* part : slot->parts)
@@ -160,6 +159,7 @@ StreamedWeights::StreamedWeights(model::Model& model, std::shared_ptr<Source> so
     slots_[i]->copy = sizes[i].copy;
     slots_[i]->resident = plan.resident[i];
     slots_[i]->from_disk = plan.from_disk[i];
+    slots_[i]->host = sizes[i].host;
   }
   stats_ = plan.stats;
   onload_on_disk_ = config.vram.onload.device.is_disk();
@@ -271,9 +271,7 @@ void StreamedWeights::materialise_plan() {
       slot->held = std::move(held);
     } else if (slot->resident) {
       slot->tensors = prepare(*slot, {});
-      auto parameters = slot->layer->parameters();
-      for (size_t i = 0; i < parameters.size(); ++i)  // packed bytes are no value an op could use
-        if (!parameters[i].tied && slot->forms[i] != kPacked) parameters[i].value = slot->tensors[i];
+      show_values(*slot, true);
       slot->held.clear();
     } else if (slot->from_disk) {
       slot->held.clear();
@@ -293,6 +291,17 @@ void StreamedWeights::materialise_plan() {
   std::lock_guard lock(mutex_);
   in_use_ = stats_.resident;
   stats_.peak = std::max(stats_.peak, in_use_);
+}
+
+// A resident slot's prepared tensors as its parameters' values (packed bytes are no value an op
+// could use); or, with `resident` false, none (meta tensors): the layer's weights are away.
+void StreamedWeights::show_values(Slot& slot, bool resident) const {
+  auto parameters = slot.layer->parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (parameters[i].tied) continue;
+    if (!resident) parameters[i].value = at::empty(parameters[i].shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
+    else if (slot.forms[i] != kPacked) parameters[i].value = slot.tensors[i];
+  }
 }
 
 StreamedWeights::Slot& StreamedWeights::slot_of(const Layer& layer) {
@@ -577,16 +586,13 @@ bool StreamedWeights::promote_locked(Slot& slot) {
     stats_.disk += coldest->bytes;
     stats_.disk -= slot.bytes;
   }
-  for (auto& parameter : coldest->layer->parameters())
-    if (!parameter.tied) parameter.value = at::empty(parameter.shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
+  show_values(*coldest, false);
   coldest->tensors.clear();
   coldest->resident = false;
   coldest->state = Slot::State::Away;
   in_use_ -= coldest->bytes;
   note_locked(*coldest, "evict");
-  auto parameters = slot.layer->parameters();
-  for (size_t i = 0; i < parameters.size(); ++i)
-    if (!parameters[i].tied && slot.forms[i] != kPacked) parameters[i].value = slot.tensors[i];
+  show_values(slot, true);
   slot.resident = true;
   slot.state = Slot::State::Ready;
   stats_.resident = stats_.resident - coldest->bytes + slot.bytes;
@@ -659,8 +665,7 @@ uint64_t StreamedWeights::sleep() {
     slot->tensors.clear();
     slot->computed.clear();
     slot->state = Slot::State::Away;
-    for (auto& parameter : slot->layer->parameters())
-      if (!parameter.tied) parameter.value = at::empty(parameter.shape, at::TensorOptions().device(c10::kMeta).dtype(dtype_));
+    show_values(*slot, false);
   }
   spares_.clear();
   stats_.staging = 0;

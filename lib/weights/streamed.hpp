@@ -70,6 +70,7 @@ class StreamedWeights final : public Weights {
  private:
   struct Slot;
   Slot& slot_of(const model::Layer& layer);
+  void show_values(Slot& slot, bool resident) const;
   std::vector<at::Tensor> prepare(const Slot& slot, std::vector<at::Tensor> buffers) const;
   at::Tensor mapped(const Slot& slot, size_t i) const;
   uint64_t phase(const Slot& slot, size_t i) const;
