@@ -296,20 +296,18 @@ class Daemon {
     for (const Entry* e : registry_.entries()) out << "vramd_loads_total{model=\"" << label(e->name) << "\"} " << e->loads << '\n';
     out << "# HELP vramd_updates_total Weight updates applied, by model.\n# TYPE vramd_updates_total counter\n";
     for (const Entry* e : registry_.entries()) out << "vramd_updates_total{model=\"" << label(e->name) << "\"} " << e->updates << '\n';
-    out << "# HELP vramd_expert_hits_total Ops of experts' layers that found them resident, by model.\n"
-           "# TYPE vramd_expert_hits_total counter\n";
-    for (const Entry* e : registry_.entries())
-      if (e->vram && e->vram->expert_slots) out << "vramd_expert_hits_total{model=\"" << label(e->name) << "\"} " << e->vram->expert_hits << '\n';
-    out << "# HELP vramd_expert_misses_total Ops of experts' layers that brought them in, by model.\n"
-           "# TYPE vramd_expert_misses_total counter\n";
-    for (const Entry* e : registry_.entries())
-      if (e->vram && e->vram->expert_slots)
-        out << "vramd_expert_misses_total{model=\"" << label(e->name) << "\"} " << e->vram->expert_misses << '\n';
-    out << "# HELP vramd_expert_bytes_streamed_total Bytes of experts' layers brought in, by model.\n"
-           "# TYPE vramd_expert_bytes_streamed_total counter\n";
-    for (const Entry* e : registry_.entries())
-      if (e->vram && e->vram->expert_slots)
-        out << "vramd_expert_bytes_streamed_total{model=\"" << label(e->name) << "\"} " << e->vram->expert_bytes_streamed << '\n';
+    // A mixture of experts' counters, for the models that have experts.
+    const auto experts = [&](const char* name, const char* help, auto count) {
+      out << "# HELP " << name << ' ' << help << ", by model.\n# TYPE " << name << " counter\n";
+      for (const Entry* e : registry_.entries())
+        if (e->vram && e->vram->expert_slots) out << name << "{model=\"" << label(e->name) << "\"} " << count(*e->vram) << '\n';
+    };
+    experts("vramd_expert_hits_total", "Ops of experts' layers that found them resident",
+            [](const model::VramStats& v) { return v.expert_hits; });
+    experts("vramd_expert_misses_total", "Ops of experts' layers that brought them in",
+            [](const model::VramStats& v) { return v.expert_misses; });
+    experts("vramd_expert_bytes_streamed_total", "Bytes of experts' layers brought in",
+            [](const model::VramStats& v) { return v.expert_bytes_streamed; });
     out << "# HELP vramd_lease_reserved_bytes Room a lease holds for its client on a device, by model, pid and device.\n"
            "# TYPE vramd_lease_reserved_bytes gauge\n";
     for (const Entry* e : registry_.entries())
