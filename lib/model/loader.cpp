@@ -292,7 +292,7 @@ UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config
 
 UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> bytes,
                                const std::string& where, const std::map<std::string, uint64_t>& room,
-                               std::function<void()> before_write) {
+                               std::function<void()> before_write, std::shared_ptr<void> shared) {
   storage::SafetensorsHeader header;
   try {
     header = storage::parse_safetensors_file(bytes);
@@ -302,15 +302,17 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
   std::vector<Incoming> incoming;
   convert::ConversionPlan names_only;
   for (const auto& record : header.tensors) {
-    incoming.push_back({record.name, record.shape, record.dtype, [&bytes, &header, &record] {
-      // The bytes outlive the update, and the weights copy them into memory of their own.
+    incoming.push_back({record.name, record.shape, record.dtype, [&bytes, &header, &record, &shared] {
+      // The bytes outlive the update; the weights copy them into memory of their own, or keep
+      // views that hold `shared`.
       return storage::view_or_copy(bytes.subspan(header.data_offset + record.begin, record.end - record.begin),
-                                   storage::scalar_type(record.dtype), record.shape, nullptr);
+                                   storage::scalar_type(record.dtype), record.shape, shared);
     }});
     names_only.tensors.push_back({record.name, nullptr});
   }
   weights::WeightUpdate update;
   update.in_place = true;  // bytes that cannot change while they are read
+  update.adopt = shared != nullptr;
   update.room = room;
   update.check = std::move(before_write);
   return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only), std::move(update));

@@ -91,9 +91,11 @@ struct UpdateReport {
 // lease's manifest names them), which cannot change while they are read (the request's body, a
 // sealed memfd), so that weights may take them in place; `where` names them in errors.
 // `before_write` runs once every value is read and checked, before any weight takes one.
+// `shared`, where given, owns the bytes, which are sealed shared memory: weights may keep views
+// of them as their values (weights::WeightUpdate::adopt), and keep `shared` alive while they do.
 UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> safetensors,
                                const std::string& where, const std::map<std::string, uint64_t>& room,
-                               std::function<void()> before_write = {});
+                               std::function<void()> before_write = {}, std::shared_ptr<void> shared = {});
 // `path`: a checkpoint read as the config's is (its readers, prefix and converter), holding
 // some or all of the tensors that checkpoint holds.
 // Both take `room`, bytes by device reserved for values written beside the old ones

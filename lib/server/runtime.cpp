@@ -16,7 +16,6 @@
 #include "dist/group.hpp"
 #include "model/loader.hpp"
 #include "storage/file.hpp"
-#include "storage/mapping.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/file.hpp"
@@ -159,22 +158,23 @@ weights::Manifest Runtime::lease(const std::string& device) {
 namespace {
 
 // The client's memfd (/proc/PID/fd/N), opened here and mapped read-only, its seals checked on
-// this descriptor: the file mapped is the file checked, and nobody can change or cut it.
-std::unique_ptr<storage::Mapping> map_sealed(const std::string& path, const std::string& what) {
+// this descriptor: the file mapped is the file checked, and nobody can change or cut it. So the
+// weights may keep its pages as they are, and leases share it as a region of the daemon's own.
+std::shared_ptr<weights::SharedRegion> adopt_sealed(const std::string& path, const std::string& what) {
   OpenedFile opened;
   try {
     opened = open_regular_file(path);
   } catch (const Error& e) {
     throw BadInput(what + ": " + e.what());
   }
-  const UniqueFd fd(opened.fd);
+  UniqueFd fd(opened.fd);
   const int seals = ::fcntl(fd.get(), F_GET_SEALS);
   constexpr int kNeeded = F_SEAL_WRITE | F_SEAL_SHRINK;
   if (seals < 0 || (seals & kNeeded) != kNeeded)
     throw BadInput(what + " is not sealed against writes and shrinking (fcntl F_ADD_SEALS with F_SEAL_WRITE | "
                           "F_SEAL_SHRINK): seal it, so that it cannot change while the daemon reads it");
   if (opened.size == 0) throw BadInput(what + " is empty");
-  return std::make_unique<storage::Mapping>(path, fd.get(), 0, opened.size, false, std::make_shared<std::atomic<bool>>(false));
+  return weights::SharedRegion::adopt(std::move(fd), opened.size, what);
 }
 
 }  // namespace
@@ -186,15 +186,17 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
   model::UpdateReport report;
   try {
     // A partitioned model's other ranks take the same bytes once rank 0 has checked them.
-    const auto from_bytes = [&](const std::byte* data, size_t size, const std::string& what) {
+    const auto from_bytes = [&](const std::byte* data, size_t size, const std::string& what,
+                                std::shared_ptr<void> shared = {}) {
       const std::function<void()> tell = [&] { impl_->tell("update", {reinterpret_cast<const char*>(data), size}); };
       return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, room,
-                                      impl_->group ? tell : std::function<void()>());
+                                      impl_->group ? tell : std::function<void()>(), std::move(shared));
     };
     if (!memfd.empty()) {
       const std::string what = "the update's memfd " + quote(memfd);
-      const auto mapping = map_sealed(memfd, what);
-      report = from_bytes(mapping->data(), mapping->size(), what);
+      const auto region = adopt_sealed(memfd, what);
+      report = from_bytes(region->data(), region->size(), what, region);
+      impl_->lease_memory.adopt(region);  // where the weights kept its pages, leases hand it on
     } else if (!path.empty() && impl_->group) {
       // Read here, on rank 0, whole: the other ranks take its bytes, which need not be on their hosts.
       const std::string read = model::checkpoint_as_safetensors(impl_->loaded, impl_->config, path);

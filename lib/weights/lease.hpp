@@ -84,6 +84,9 @@ class LeaseMemory {
   // Throws NotLeasable for a model whose weights are streamed, partitioned or not on `device`
   // (the host or a CUDA device).
   Manifest share(model::LoadedModel& loaded, const std::string& name, const config::Device& device);
+  // A region whose pages the model's weights may now lie in (a client's memfd, SharedRegion::adopt),
+  // shared as it is while any of them does.
+  void adopt(const std::shared_ptr<SharedRegion>& region);
 
  private:
   Manifest share_cuda(model::LoadedModel& loaded, const std::string& name, const config::Device& device);

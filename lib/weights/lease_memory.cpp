@@ -135,6 +135,11 @@ Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name,
   return manifest;
 }
 
+void LeaseMemory::adopt(const std::shared_ptr<SharedRegion>& region) {
+  std::erase_if(regions_, [](const auto& weak) { return weak.expired(); });  // one memfd an update: drop the freed
+  regions_.push_back(region);
+}
+
 ManagedPlan managed_plan(const model::Model& model, const config::ModelConfig& config) {
   const c10::ScalarType dtype = state_dtype(config.vram.computation.dtype, model.dtype());
   ManagedPlan plan{config.vram.computation.device.str(), convert::dtype_torch_name(storage::dtype_of(dtype)),

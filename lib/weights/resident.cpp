@@ -156,12 +156,28 @@ bool own_alone(const at::Tensor& value) {
          value.is_contiguous();
 }
 
+// A value that a weight may keep as it is (WeightUpdate::adopt): a view of shared memory (from_blob,
+// without an allocator), laid out as the weight is held and where it is held.
+bool adoptable(const at::Tensor& now, const at::Tensor& value) {
+  return value.device() == now.device() && value.scalar_type() == now.scalar_type() && value.is_contiguous() &&
+         value.storage().allocator() == nullptr;
+}
+
 }  // namespace
 
 void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
+  const auto& values = update.values;
+  if (update.adopt && std::all_of(values.begin(), values.end(),
+                                  [](const auto& v) { return adoptable(v.first->value, v.second); })) {
+    if (update.check) update.check();
+    for (const auto& [parameter, value] : values) {
+      parameter->value = value;
+      updated_.insert(parameter);
+    }
+    return;
+  }
   // Each where its parameter's value is now (an offloaded model is woken first): fresh memory
   // for all first, then the swap.
-  const auto& values = update.values;
   std::vector<bool> beside(values.size());
   std::map<std::string, uint64_t> room;
   for (size_t i = 0; i < values.size(); ++i) {

@@ -27,6 +27,18 @@ std::shared_ptr<SharedRegion> SharedRegion::create(uint64_t size, const std::str
   return region;
 }
 
+std::shared_ptr<SharedRegion> SharedRegion::adopt(UniqueFd fd, uint64_t size, const std::string& what) {
+  if (size == 0) fail(what, "a shared region of 0 bytes");
+  // Not populated: as with a checkpoint's mapping, a page is mapped in when it is first read.
+  void* read = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (read == MAP_FAILED) fail(what, std::string("mapping it failed: ") + std::strerror(errno));
+  std::shared_ptr<SharedRegion> region(new SharedRegion);
+  region->fd_ = std::move(fd);
+  region->size_ = size;
+  region->read_ = static_cast<std::byte*>(read);
+  return region;
+}
+
 SharedRegion::~SharedRegion() {
   if (write_) ::munmap(write_, size_);
   if (read_) ::munmap(read_, size_);

@@ -3,6 +3,7 @@
 // before anyone else sees it. The daemon computes with the same pages through a read-only
 // mapping made after the seal (before it, even a read-only shared mapping would keep the
 // kernel from sealing), so no client can change what another client or the daemon computes with.
+// A client's sealed memfd whose values a model takes as they are (an update) becomes a region too.
 #pragma once
 
 #include <cstddef>
@@ -19,6 +20,10 @@ class SharedRegion {
   // `size` bytes (more than 0) of zeroed memory named `name` (seen in /proc/PID/maps as
   // "memfd:NAME"). Throws Error naming it when memory or descriptors run out.
   static std::shared_ptr<SharedRegion> create(uint64_t size, const std::string& name);
+  // Somebody else's memfd, already sealed against writes and shrinking (the caller checks),
+  // `size` bytes of it mapped read-only: a region from the start. Throws
+  // Error naming `what` when the mapping fails.
+  static std::shared_ptr<SharedRegion> adopt(UniqueFd fd, uint64_t size, const std::string& what);
   ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
   SharedRegion& operator=(const SharedRegion&) = delete;

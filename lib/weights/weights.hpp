@@ -58,6 +58,11 @@ struct RankFigures {
 struct WeightUpdate {
   std::vector<std::pair<model::Parameter*, at::Tensor>> values;  // CPU tensors of the parameters' shapes, any floating dtype
   bool in_place = false;
+  // The values are views of sealed shared memory that lives as long as they do (a client's
+  // memfd, SharedRegion::adopt): a weight resting in host memory in a value's dtype may keep the
+  // view as its value, without a copy. ResidentWeights does so when every value allows it, and
+  // otherwise copies them all: a memfd stays whole while any of its values is held.
+  bool adopt = false;
   // Bytes by device ("cpu", "cuda:0") the budget holds for fresh memory. Where the values need
   // more, the update throws UpdateNeedsRoom saying how much, before it allocates any.
   std::map<std::string, uint64_t> room;

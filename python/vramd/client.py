@@ -144,7 +144,8 @@ class Client:
             the model's config reads its own (prefix, converter).
         via: how tensors travel. "memfd": written once into a sealed memfd that the daemon maps
             where it lies (it opens /proc/PID/fd/N of this process, so it must run as this user or
-            root); "body": serialised into the request.
+            root), and keeps as the weights where every tensor has its weight's dtype and the
+            model holds them in host memory; "body": serialised into the request.
         Forwards queued before it run on the old values, those after on the new; leases taken
         before keep the old values. Checked whole first: a name that is not the model's, a shape
         that differs, a file it cannot read raise DaemonError (400) and change nothing."""

@@ -5,6 +5,7 @@ which; a lease taken before keeps its values; bad updates are refused naming the
 model still serving; an update past the budget is refused. One daemon serves the module."""
 import json
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -261,9 +262,9 @@ def test_vramctl_update_from_a_path_and_as_a_body(served):
         assert equal(client.forward("m", served["inputs"]), served["before"])
 
 
-def refused(client, name, values, status):
+def refused(client, name, values, status, via="memfd"):
     with pytest.raises(vramd.DaemonError) as caught:
-        client.update(name, values)
+        client.update(name, values, via=via)
     assert caught.value.status == status, caught.value
     return str(caught.value)
 
@@ -333,17 +334,65 @@ def test_an_update_takes_room_beside_the_old_values_only_where_it_cannot_write_i
         with vramd.connect(d.sock) as client:
             client.load("m")
             # Loaded, its weights are views of the checkpoint's mapping, which an update never writes.
-            message = refused(client, "m", served["changed"], 507)
+            message = refused(client, "m", served["changed"], 507, via="body")
             assert "needs 837.25 KiB on cpu" in message, message
             # One tensor at a time fits beside; each then lies in memory of the daemon's own.
             for name, value in served["changed"].items():
-                client.update("m", {name: value})
+                client.update("m", {name: value}, via="body")
             assert client.status("m")["devices"]["cpu"] == 857344
             # Now a whole update is written where the old values are, and needs no room.
-            assert client.update("m", served["state"])["version"] == 2 + len(served["changed"])
+            assert client.update("m", served["state"], via="body")["version"] == 2 + len(served["changed"])
             assert equal(client.forward("m", served["inputs"]), served["before"])
             # A lease holds the old values: the next update goes beside them again, and is refused.
             with client.lease("m"):
-                assert "needs 837.25 KiB on cpu" in refused(client, "m", served["changed"], 507)
-            assert equal(client.forward("m", served["inputs"]), served["before"])
+                assert "needs 837.25 KiB on cpu" in refused(client, "m", served["changed"], 507, via="body")
+                # A sealed memfd of the model's dtypes needs no room at all: the weights keep its pages.
+                client.update("m", served["changed"])
+                assert client.status("m")["devices"]["cpu"] == 857344
+                assert equal(client.forward("m", served["inputs"]), served["after"])
         assert d.stop() == 0
+
+
+def memfds(pid, name="vramd-update"):
+    """The inodes of the memfds named `name` that process `pid` maps."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {int(line.split()[4]) for line in lines if f"/memfd:{name} " in line + " "}
+
+
+UPDATE_IN_A_CHILD = """
+import sys, vramd
+from safetensors.torch import load_file
+with vramd.connect(sys.argv[1]) as client:
+    print(client.update("m", load_file(sys.argv[2]))["version"])
+"""
+
+
+def test_a_sealed_memfd_of_the_models_dtypes_becomes_its_weights_without_a_copy(served, tmp_path):
+    d = served["daemon"]
+    daemon = d.process.pid
+    before = memfds(daemon)
+    # From a process that exits at once: the daemon keeps the memfd's pages, not a copy of them.
+    changed = tmp_path / "changed.safetensors"
+    save_file(served["changed"], changed)
+    child = subprocess.run([sys.executable, "-c", UPDATE_IN_A_CHILD, str(d.sock), str(changed)], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "python")}, timeout=120)
+    assert child.returncode == 0, child.stderr
+    adopted = memfds(daemon) - before
+    assert len(adopted) == 1, adopted
+    with vramd.connect(d.sock) as client:
+        assert equal(client.forward("m", served["inputs"]), served["after"])
+        # A lease hands on the same memfd.
+        with client.lease("m") as lease:
+            assert memfds(os.getpid()) & adopted == adopted
+            assert all(torch.equal(lease[name], served["changed"][name]) for name in served["changed"])
+        # Values that must be cast are copied, and the update before is let go whole.
+        client.update("m", {name: value.to(torch.float64) for name, value in served["state"].items()})
+        assert memfds(daemon) & adopted == set()
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+        # One of those values out of place (a bfloat16 among float32) copies them all.
+        mixed = {**served["changed"], "lm_head.weight": served["changed"]["lm_head.weight"].to(torch.bfloat16)}
+        client.update("m", mixed)
+        assert memfds(daemon) - before == set()
+        client.update("m", served["state"])
+        assert len(memfds(daemon) - before) == 1
+        assert equal(client.forward("m", served["inputs"]), served["before"])
