@@ -12,13 +12,15 @@ and the ways to get new weights into a model the daemon serves:
     update from a path, warm   the same with the checkpoint in the page cache
     update from a memfd        Client.update(name, dict): the tensors written once into a sealed
                                memfd that the daemon maps; and the daemon's own part of it
-                               (`updated.seconds`: reading the memfd into the weights, in place)
+                               (`updated.seconds`: checking the memfd, whose pages the weights
+                               then keep as their values, and freeing the version before)
     update from a body         Client.update(name, dict, via="body"): the tensors in the request
     unload + load + forward    what a user does without updates: the new checkpoint's config loaded
 
 Each prints seconds and GB/s of the model's bytes, and the ratio to its bound (memcpy for what
 reads memory, the disk read for a cold path). Last, the time from the request to the first
-forward's answer on the new weights: update + forward against unload + load + forward.
+forward's answer on the new weights: update (from a path, and from a memfd) + forward against
+unload + load + forward.
 
     .venv/bin/python bench/update.py [--workdir /tmp/vramd-bench-update] [--layers 8] [--repeat 3]
 
@@ -133,7 +135,7 @@ def main():
         def update_memfd():
             daemon_seconds.append(client.update("m", new_tensors)["updated"]["seconds"])
 
-        update_memfd()  # the weights in memory of the daemon's own from now on, which memfds update in place
+        update_memfd()
         daemon_seconds.clear()
         memfd = median_seconds(args.repeat, lambda: None, update_memfd)
         memfd_daemon = statistics.median(daemon_seconds)
@@ -149,6 +151,13 @@ def main():
             return client.forward("m-new", inputs)
 
         to_first = median_seconds(args.repeat, lambda: client.update("m", old), update_forward)
+        old_tensors = load_file(old)
+
+        def update_memfd_forward():
+            client.update("m", new_tensors)
+            return client.forward("m", inputs)
+
+        to_first_memfd = median_seconds(args.repeat, lambda: client.update("m", old_tensors), update_memfd_forward)
         client.unload("m")
         to_first_reload = median_seconds(args.repeat, lambda: None, reload_forward)
         client.load("m")
@@ -170,8 +179,9 @@ def main():
     print(f"  of which the daemon's:     {memfd_daemon:7.3f} s  {rate(memfd_daemon):6.2f} GB/s  "
           f"{memcpy / memfd_daemon:.2f} of memcpy, {mapped / memfd_daemon:.2f} of the copy out of a mapped memfd")
     print(f"update from a body:          {body:7.3f} s  {rate(body):6.2f} GB/s  {memcpy / body:.2f} of memcpy")
-    print(f"request to first forward on new weights: update + forward {to_first:.3f} s, "
-          f"unload + load + forward {to_first_reload:.3f} s ({to_first_reload / to_first:.2f}x)")
+    print(f"request to first forward on new weights: update from a path + forward {to_first:.3f} s, "
+          f"from a memfd + forward {to_first_memfd:.3f} s, unload + load + forward {to_first_reload:.3f} s "
+          f"({to_first_reload / to_first:.2f}x, {to_first_reload / to_first_memfd:.2f}x)")
     print("the updated model's logits equal a fresh load of the new checkpoint")
 
 
