@@ -30,14 +30,14 @@ storage::DType planning_dtype(const std::string& name) {
 }
 
 // The model's weight-holding layers in order, sized in `dtype`; a parameter tied to another
-// layer's counts there.
+// layer's counts there. An expert's layers say so: experts are units of their own.
 std::vector<model::PlanLayer> plan_layers(const model::Model& model, storage::DType dtype) {
   std::unordered_map<const model::Parameter*, const std::string*> owner;
   for (const auto& layer : model.layers())
     for (const auto& parameter : layer->parameters()) owner[&parameter] = &layer->path();
   std::vector<model::PlanLayer> layers;
   for (const auto& layer : model.layers()) {
-    model::PlanLayer planned{layer->path(), 0, {}};
+    model::PlanLayer planned{layer->path(), 0, {}, layer->routed()};
     for (const auto& parameter : layer->parameters()) {
       if (parameter.tied) {
         const std::string& leader = *owner.at(parameter.tied);

@@ -96,23 +96,31 @@ Tree build_tree(std::span<const PlanLayer> layers) {
     const std::string& path = layers[i].path;
     if (path.empty() || path.front() == '.' || path.back() == '.' || path.find("..") != std::string::npos)
       throw Error("layer " + quote(path) + " has an empty path component");
-    size_t node = 0;
-    bool in_block = false;
+    // An expert hangs beside its block (a child of the block's parent), so that the block
+    // holds what every token runs through and each expert is placed on its own, after it.
+    const std::string expert = layers[i].expert ? unit_of(path, true) : std::string();
+    size_t node = 0, block = 0;
     for (size_t start = 0;;) {
       const size_t end = path.find('.', start);
       if (tree.nodes[node].layer >= 0)
         throw Error("layer " + quote(tree.nodes[node].name) + " holds layer " + quote(path) + "; layers are leaves");
       const std::string name = path.substr(0, end);
+      const bool is_expert = name == expert && block != 0;
+      const size_t parent = is_expert ? tree.nodes[block].parent : node;
       auto [it, added] = tree.index.try_emplace(name, tree.nodes.size());
       if (added) {
         Node child;
         child.name = name;
-        child.parent = node;
+        child.parent = parent;
         tree.nodes.push_back(std::move(child));
-        tree.nodes[node].children.push_back(it->second);
+        tree.nodes[parent].children.push_back(it->second);
       }
       node = it->second;
-      if (!in_block && all_digits(std::string_view(path).substr(start, end - start))) tree.nodes[node].whole = in_block = true;
+      if (is_expert) tree.nodes[node].whole = true;
+      if (block == 0 && all_digits(std::string_view(path).substr(start, end - start))) {
+        tree.nodes[node].whole = true;
+        block = node;
+      }
       if (end == std::string::npos) break;
       start = end + 1;
     }
@@ -209,20 +217,25 @@ std::vector<DeviceBudget> parse_max_memory(std::string_view text, std::string_vi
   return ordered(budgets, where);
 }
 
-std::string unit_of(std::string_view path) {
+std::string unit_of(std::string_view path, bool expert) {
+  std::string_view unit = path;
   for (size_t start = 0; start <= path.size();) {
     const size_t end = std::min(path.find('.', start), path.size());
-    if (all_digits(path.substr(start, end - start))) return std::string(path.substr(0, end));
+    if (all_digits(path.substr(start, end - start))) {
+      unit = path.substr(0, end);
+      if (!expert) break;
+    }
     start = end + 1;
   }
-  return std::string(path);
+  return std::string(unit);
 }
 
 const std::string& DeviceMap::device_of(std::string_view layer) const {
-  const std::string unit = unit_of(layer);
+  const PlacedUnit* innermost = nullptr;
   for (const auto& placed : units)
-    if (placed.name == unit) return placed.device;
-  throw Error("no layer " + quote(layer) + " in the device map");
+    if (within(layer, placed.name) && (!innermost || placed.name.size() > innermost->name.size())) innermost = &placed;
+  if (!innermost) throw Error("no layer " + quote(layer) + " in the device map");
+  return innermost->device;
 }
 
 DeviceMap plan_device_map(std::span<const PlanLayer> layers, std::span<const DeviceBudget> max_memory, std::string_view option) {
@@ -318,7 +331,7 @@ DeviceMap plan_device_map(std::span<const PlanLayer> layers, std::span<const Dev
   DeviceMap map;
   std::unordered_map<std::string, size_t> unit_index;
   for (size_t i = 0; i < layers.size(); ++i) {
-    std::string unit = unit_of(path(i));
+    std::string unit = unit_of(path(i), layers[i].expert);
     size_t n = tree.layer_nodes[i];
     while (tree.nodes[n].device < 0 && n != 0) n = tree.nodes[n].parent;
     const std::string& device = devices.at(static_cast<size_t>(tree.nodes[n].device)).name;

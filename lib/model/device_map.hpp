@@ -18,6 +18,10 @@ struct PlanLayer {
   std::string path;               // "model.layers.3.mlp.up_proj"
   uint64_t bytes = 0;             // its parameters in the planning dtype, less those tied to another layer's
   std::vector<std::string> tied;  // the layers whose parameters it shares (lm_head: model.embed_tokens)
+  // A projection of one expert of a mixture (model::Layer::routed): the expert, up to its index
+  // ("model.layers.3.mlp.experts.5"), is a unit of its own, placed after its block, whose unit
+  // then holds only what every token runs through (attention, norms, router, shared experts).
+  bool expert = false;
 };
 
 // How many bytes of weights a device may hold. Devices are "cuda:N", "cpu" and "disk".
@@ -34,8 +38,9 @@ std::vector<DeviceBudget> parse_max_memory(std::string_view text, std::string_vi
 
 // The unit a layer belongs to, which a device map never divides: the path up to and including
 // its first all-digit component ("model.layers.3": a decoder or encoder block), else the layer
-// itself ("model.embed_tokens", "lm_head").
-std::string unit_of(std::string_view path);
+// itself ("model.embed_tokens", "lm_head"); for an expert's layer, up to its last all-digit
+// component ("model.layers.3.mlp.experts.5").
+std::string unit_of(std::string_view path, bool expert = false);
 
 struct PlacedUnit {
   std::string name;  // a block ("model.layers.3") or a layer's path
@@ -57,7 +62,7 @@ struct DeviceMap {
   std::vector<DeviceUse> devices;  // those of max_memory in planning order, then disk when it was not given
   uint64_t reserved = 0;           // the largest of devices[].reserved
 
-  // The device of the unit holding this layer (unit_of); throws Error for an unknown layer.
+  // The device of the innermost unit holding this layer; throws Error for an unknown layer.
   const std::string& device_of(std::string_view layer) const;
 };
 
@@ -65,6 +70,7 @@ struct DeviceMap {
 // accelerate's infer_auto_device_map does with the blocks as no_split_module_classes: a
 // module that does not fit whole is divided into its children, down to units; the first GPU and
 // cpu keep room for the largest unit not yet placed; layers tied together go to one device.
+// Experts (PlanLayer::expert) are units of their own, after their block's.
 // Disk has no limit unless max_memory gives one. Throws Error starting with `option` for unknown
 // or repeated devices, a missing budget and no device at all, and when a limited disk runs out;
 // and for layer lists that are not a tree (repeated paths, a layer inside another, ties to

@@ -219,3 +219,63 @@ TEST_CASE("a limited disk that runs out says what did not fit") {
                     "(51 B of 100 B used) nor on the devices before it; give more room, or leave disk out for no limit on it");
   CHECK(plan_device_map(layers, budgets("cpu=250,disk=151")).units.back().device == "disk");
 }
+
+namespace {
+
+// A mixture of experts: each block holds attention and a router every token runs through, then
+// two experts of 20 bytes.
+std::vector<PlanLayer> moe_model(bool experts_as_units) {
+  std::vector<PlanLayer> layers{{"model.embed", 10, {}}};
+  for (const char* block : {"model.layers.0", "model.layers.1"}) {
+    layers.push_back({std::string(block) + ".attn", 28, {}});
+    layers.push_back({std::string(block) + ".moe.gate", 2, {}});
+    for (const char* expert : {".moe.experts.0.w", ".moe.experts.1.w"})
+      layers.push_back({std::string(block) + expert, 20, {}, experts_as_units});
+  }
+  layers.push_back({"model.norm", 1, {}});
+  layers.push_back({"lm_head", 10, {}});
+  return layers;
+}
+
+}  // namespace
+
+TEST_CASE("experts are units of their own, after their block's") {
+  const auto layers = moe_model(true);
+  const DeviceMap whole = plan_device_map(layers, budgets("cuda:0=1GiB"));
+  std::vector<std::string> names;
+  for (const auto& unit : whole.units) names.push_back(unit.name);
+  CHECK(names == std::vector<std::string>{"model.embed", "model.layers.0", "model.layers.0.moe.experts.0",
+                                          "model.layers.0.moe.experts.1", "model.layers.1", "model.layers.1.moe.experts.0",
+                                          "model.layers.1.moe.experts.1", "model.norm", "lm_head"});
+  CHECK(whole.units[1].bytes == 30);  // attention and router: what every token runs through
+  CHECK(whole.units[2].bytes == 20);
+  CHECK(use(whole, "cuda:0").bytes == 161);
+
+  // cuda:0 keeps 30 bytes free (a block's shared part, now the largest unit) and has 70 for
+  // units: the embeddings, block 0 and its first expert. Whole blocks of 70 bytes would put
+  // everything but the embeddings on cpu.
+  const DeviceMap split = plan_device_map(layers, budgets("cuda:0=100,cpu=1GiB"));
+  const auto placed = devices(split);
+  CHECK(placed.at("model.embed") == "cuda:0");
+  CHECK(placed.at("model.layers.0") == "cuda:0");
+  CHECK(placed.at("model.layers.0.moe.experts.0") == "cuda:0");
+  CHECK(placed.at("model.layers.0.moe.experts.1") == "cpu");
+  CHECK(placed.at("model.layers.1") == "cpu");
+  CHECK(use(split, "cuda:0").reserved == 30);
+  CHECK(split.device_of("model.layers.0.moe.experts.1.w") == "cpu");
+  CHECK(split.device_of("model.layers.0.moe.gate") == "cuda:0");
+  CHECK(split.device_of("model.layers.0.moe.experts.0.w") == "cuda:0");
+
+  const DeviceMap blocks = plan_device_map(moe_model(false), budgets("cuda:0=100,cpu=1GiB"));
+  REQUIRE(blocks.units.size() == 5);
+  CHECK(blocks.units[1].name == "model.layers.0");
+  CHECK(blocks.units[1].bytes == 70);
+  CHECK(devices(blocks).at("model.layers.0") == "cpu");
+  CHECK(blocks.device_of("model.layers.0.moe.experts.1.w") == "cpu");
+}
+
+TEST_CASE("an expert's unit is its path up to its last index") {
+  CHECK(unit_of("model.layers.3.block_sparse_moe.experts.5.w1", true) == "model.layers.3.block_sparse_moe.experts.5");
+  CHECK(unit_of("model.layers.3.block_sparse_moe.experts.5.w1") == "model.layers.3");
+  CHECK(unit_of("lm_head", true) == "lm_head");
+}

@@ -192,7 +192,9 @@ def test_every_family_lists_its_units_in_transformers_module_order(tmp_path):
         expected = list(dict.fromkeys(expected))
         # A checkpoint without the wrapper's prefix (CLIPTextModel's) is planned under it.
         prefix = got[0][:-len(expected[0])] if got[0].endswith("." + expected[0]) else ""
-        got = [name.removeprefix(prefix) for name in got]
+        # An expert is a unit of vramd's own (transformers holds a mixture's experts as one
+        # module): it follows its block, so each block's units come in the block's place.
+        got = list(dict.fromkeys(unit_of(name.removeprefix(prefix)) for name in got))
         if [u for u in expected if u not in borrowed or u in got] != got:
             differ[case] = (got, expected)
     assert not differ, "\n".join(f"{case}: vramd {got}, transformers {want}" for case, (got, want) in differ.items())
@@ -285,3 +287,38 @@ def test_a_full_disk_is_refused_with_what_does_not_fit(config_for):
                              "--max-memory", "cpu=300KiB,disk=300KiB"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.startswith("vramctl plan: --max-memory: the model does not fit: "), result.stderr
+
+
+def test_a_mixtures_experts_are_units_of_their_own_after_their_block(tmp_path):
+    # accelerate keeps a Mixtral block whole (its no_split class); vramd's plan holds in the block
+    # only what every token runs through, and places each expert on its own after it, so that a
+    # GPU can hold the shared parts of more blocks and the experts that fit.
+    folder = hf_models.make("mixtral", "float32", tmp_path) / "model"
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
+    config = tmp_path / "mixtral.toml"
+    config.write_text(f'checkpoint = "{folder}"\n')
+    model = witness(folder)
+    experts = model.config.num_local_experts
+    units = vramctl_plan(config, {"cuda:0": "1TiB"}, daemon_config=tmp_path / "vramd.toml")["units"]
+    names = [unit["name"] for unit in units]
+    blocks = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    assert names == ["model.embed_tokens"] + [
+        name for block in blocks
+        for name in [block] + [f"{block}.block_sparse_moe.experts.{e}" for e in range(experts)]] + ["model.norm", "lm_head"]
+    size = {unit["name"]: unit["bytes"] for unit in units}
+    assert sum(size.values()) == sum(p.numel() * 4 for p in model.parameters())
+    expert = 3 * model.config.hidden_size * model.config.intermediate_size * 4  # w1, w2, w3 in float32
+    assert all(size[f"{block}.block_sparse_moe.experts.{e}"] == expert for block in blocks for e in range(experts))
+    # cuda:0 keeps room for the largest unit (the embeddings) and holds the embeddings, block 0's
+    # shared part and two of its experts; the rest goes to cpu.
+    budget = 2 * size["model.embed_tokens"] + size["model.layers.0"] + 2 * expert
+    plan = vramctl_plan(config, {"cuda:0": budget, "cpu": "1GiB"}, daemon_config=tmp_path / "vramd.toml")
+    devices = {unit["name"]: unit["device"] for unit in plan["units"]}
+    on_gpu = [name for name in names if devices[name] == "cuda:0"]
+    assert on_gpu == ["model.embed_tokens", "model.layers.0", "model.layers.0.block_sparse_moe.experts.0",
+                      "model.layers.0.block_sparse_moe.experts.1"]
+    result = subprocess.run([VRAMCTL, "plan", str(config), "--daemon-config", str(tmp_path / "vramd.toml"),
+                             "--max-memory", f"cuda:0={budget},cpu=1GiB"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "  model.layers.0.block_sparse_moe.experts.0-1 -> cuda:0" in result.stdout
+    assert f"  model.layers.0.block_sparse_moe.experts.2-{experts - 1} -> cpu   " in result.stdout
