@@ -47,6 +47,8 @@ constexpr ArchitectureKey kArchitectureKeys[] = {
     {"qwen3moe", "expert_count", "num_experts"},
     {"qwen3moe", "expert_used_count", "num_experts_per_tok"},
     {"qwen3moe", "expert_feed_forward_length", "moe_intermediate_size"},
+    {"olmoe", "expert_count", "num_experts"},  // its experts' size is feed_forward_length, as in config.json
+    {"olmoe", "expert_used_count", "num_experts_per_tok"},
 };
 // Read to check, not copied: they must agree with the rest.
 constexpr const char* kChecked[] = {"attention.value_length", "rope.dimension_count"};
@@ -54,7 +56,7 @@ constexpr const char* kChecked[] = {"attention.value_length", "rope.dimension_co
 constexpr std::pair<const char*, const char*> kArchitectures[] = {
     {"llama", "llama"}, {"qwen2", "qwen2"}, {"qwen3", "qwen3"}, {"phi3", "phi3"}, {"gemma2", "gemma2"},
     {"gemma3", "gemma3_text"},  // a GGUF file of Gemma 3 holds its text model alone
-    {"qwen2moe", "qwen2_moe"}, {"qwen3moe", "qwen3_moe"},
+    {"qwen2moe", "qwen2_moe"}, {"qwen3moe", "qwen3_moe"}, {"olmoe", "olmoe"},
 };
 
 }  // namespace
@@ -71,7 +73,7 @@ std::string gguf_config_json(const storage::DiskMap& map) {
                                   [&](const auto& entry) { return architecture == entry.first; });
   if (runs == std::end(kArchitectures))
     refuse("GGUF architecture " + quote(architecture) + " is not run from GGUF yet (llama and Mixtral, qwen2, qwen3, "
-           "phi3, gemma2, gemma3, qwen2moe, qwen3moe are)");
+           "phi3, gemma2, gemma3, qwen2moe, qwen3moe, olmoe are)");
 
   Json config = {{"model_type", runs->second}};
   Json checked = Json::object();
@@ -108,7 +110,7 @@ std::string gguf_config_json(const storage::DiskMap& map) {
   config["tie_word_embeddings"] = map.find("output.weight") == nullptr;
   // llama.cpp's Mixtral is a llama file with experts, its routing renormalised (the family's
   // own); Qwen3-MoE's llama.cpp renormalises too, which its config.json says with
-  // norm_topk_prob; Qwen2-MoE's does not, as its config's default.
+  // norm_topk_prob; Qwen2-MoE's and OLMoE's do not, as their configs' default.
   if (architecture == "llama" && config.contains("num_local_experts")) config["model_type"] = "mixtral";
   if (architecture == "qwen3moe") config["norm_topk_prob"] = true;
   return config.dump();

@@ -1,11 +1,12 @@
 -- llama.cpp's GGUF tensor names -> Hugging Face's, for the families vramd runs from GGUF
 -- (llama, qwen2, qwen3, phi3, gemma2, gemma3, and the mixtures of experts mixtral, qwen2_moe,
--- qwen3_moe). The hyperparameters come from the file's metadata
+-- qwen3_moe, olmoe). The hyperparameters come from the file's metadata
 -- (model/gguf_config.cpp).
 --
 -- llama.cpp's converter reorders the rows of each head of LLaMA's q and k from Hugging Face's
 -- rotary layout (dimension i rotates with i + d/2) to Meta's (pairs 2i, 2i+1 rotate together);
--- this undoes it, as transformers does when it reads GGUF. The others' are stored as they are.
+-- this undoes it, as transformers does when it reads GGUF. The others' are stored as they are
+-- (llama.cpp computes them with the rotary layout Hugging Face's has: NEOX).
 -- Phi-3 keeps its fused projections fused: attn_qkv, and ffn_up holding gate then up. Gemma's
 -- norms scale by 1 + w, and llama.cpp stores 1 + w: one is taken off again, as transformers does.
 

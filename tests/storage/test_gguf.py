@@ -245,7 +245,7 @@ def llama_gguf(path, model, quantize_to=None, extra=None, experts_to=None):
     rng = np.random.default_rng(3)
     c = model.config
     arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-            "qwen3_moe": "qwen3moe"}.get(c.model_type, c.model_type)
+            "qwen3_moe": "qwen3moe"}.get(c.model_type, c.model_type)  # olmoe is olmoe
     gemma = arch in ("gemma2", "gemma3")
     writer = gguf.GGUFWriter(path, arch)
     for key, value in [("context_length", c.max_position_embeddings), ("embedding_length", c.hidden_size),
@@ -262,7 +262,7 @@ def llama_gguf(path, model, quantize_to=None, extra=None, experts_to=None):
     if experts:
         writer.add_uint32(f"{arch}.expert_count", experts)
         writer.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
-        if arch != "llama":
+        if arch not in ("llama", "olmoe"):  # theirs is feed_forward_length
             writer.add_uint32(f"{arch}.expert_feed_forward_length", c.moe_intermediate_size)
         if arch == "qwen2moe":
             writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", c.shared_expert_intermediate_size)
@@ -385,8 +385,8 @@ def tiny_llama():
 
 
 def tiny_moe(family):
-    """A Mixtral, a Qwen2-MoE (with its shared expert) or a Qwen3-MoE of 4 experts, 2 per token,
-    whose experts' rows are one K-type block (256) long."""
+    """A Mixtral, a Qwen2-MoE (with its shared expert), a Qwen3-MoE or an OLMoE of 4 experts, 2
+    per token, whose experts' rows are one K-type block (256) long."""
     import torch
     import transformers
     torch.manual_seed(0)
@@ -398,12 +398,19 @@ def tiny_moe(family):
         config = transformers.Qwen2MoeConfig(**shape, num_experts=4, moe_intermediate_size=256,
                                              shared_expert_intermediate_size=256)
         return transformers.Qwen2MoeForCausalLM(config).eval()
+    if family == "olmoe":  # q and k normed over whole projections: norms that are not ones, so that a lost one shows
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**shape, num_experts=4)).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        return model
     config = transformers.Qwen3MoeConfig(**shape, num_experts=4, moe_intermediate_size=256, head_dim=64,
                                          norm_topk_prob=True)
     return transformers.Qwen3MoeForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_a_gguf_mixture_of_experts_equals_its_values_from_safetensors(tmp_path, family, qtype):
     # llama.cpp's 3-D ffn_*_exps, its router and shared expert names and its expert counts:
