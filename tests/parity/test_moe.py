@@ -1,7 +1,7 @@
 """Mixtures of experts under [vram].limit: each expert's projections are layers of their own,
 brought in only when a batch is routed to them, and kept resident as often as they are routed.
 Through vramctl run on real checkpoints saved by transformers; the routing is read back from the
-model's own router_logits output."""
+model's own router_logits output. A resident mixture is leased and updated as any model is."""
 import json
 import os
 import re
@@ -135,6 +135,32 @@ def test_the_daemon_reports_expert_hits_and_misses_and_keeps_its_experts_across_
         assert f'vramd_expert_misses_total{{model="moe"}} {experts["misses"]}' in metrics
         assert f'vramd_expert_bytes_streamed_total{{model="moe"}} {experts["bytes_streamed"]}' in metrics
     finally:
+        assert daemon.stop() == 0
+
+
+def test_a_leased_mixture_hands_over_every_expert_and_follows_an_update(mixtral, tmp_path):
+    # Resident, a mixture is leased as any model is: every expert's weights, zero-copy, under the
+    # checkpoint's names. An update of one routed expert reaches a following lease, leaves its
+    # layer's routing as it was and changes the logits.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+    import vramd
+    daemon = Daemon(tmp_path)
+    (daemon.models / "moe.toml").write_text(f'checkpoint = "{mixtral / "model"}"\n')
+    weights = load_file(mixtral / "model" / "model.safetensors")
+    short = load_file(mixtral / "short.safetensors")
+    with daemon.start(), vramd.connect(daemon.sock) as client:
+        before = client.forward("moe", short)
+        expert = min(e for layer, e in routed(before["router_logits"]) if layer == 0)
+        name = f"model.layers.0.block_sparse_moe.experts.{expert}.w2.weight"
+        lease = client.lease("moe", follow=True)
+        with lease:
+            assert lease.state_dict.keys() == weights.keys()
+            assert all(torch.equal(lease.state_dict[key], weights[key]) for key in weights)
+            client.update("moe", {name: weights[name] * 2})
+            assert torch.equal(lease.wait_update(timeout=60)[name], weights[name] * 2)
+        after = client.forward("moe", short)
+        assert torch.equal(after["router_logits"][0], before["router_logits"][0])  # layer 0 routes as before
+        assert not torch.equal(after["logits"], before["logits"])
         assert daemon.stop() == 0
 
 
