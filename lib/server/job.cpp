@@ -77,6 +77,7 @@ void act(Job& job, Outcome& outcome) {
     case Job::Kind::Update:
       try {
         outcome.updated = runtime.update(job.input, job.path, job.memfd, job.reserve);
+        outcome.replaced = runtime.take_replaced(outcome.replaced_bytes);
       } catch (const BadInput& error) {
         outcome.status = 400;
         outcome.error = error.what();

@@ -70,6 +70,10 @@ struct Outcome {
   // Update: the room its new values need beside the old ones, more than was reserved; nothing
   // changed, and the registry runs it again once that room is reserved.
   std::map<std::string, uint64_t> needs_room;
+  // Update: the values it replaced (Runtime::take_replaced), for the registry to free off this
+  // model's queue, and their bytes by device, which the budget counts until they are freed.
+  std::shared_ptr<void> replaced;
+  std::map<std::string, uint64_t> replaced_bytes;
   uint64_t version = 0;                         // of the weights after the job (0: not loaded)
   double seconds = 0, load_seconds = 0;
   Moved moved;

@@ -279,6 +279,9 @@ Holder Registry::holder_on(const Entry& e, const std::string& device) const {
 bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
   const auto budget = config_.budgets.find(device);
   if (budget == config_.budgets.end()) return true;  // no budget: the device's own size is the limit
+  // Values being freed still hold their pages: wait for them rather than evict for them.
+  if (const uint64_t freeing = on(releasing_, device); freeing && used(device) + freeing + need > budget->second)
+    return false;
   std::vector<Holder> holders;
   for (const auto& [name, e] : entries_) holders.push_back(holder_on(*e, device));
   const RoomPlan plan = plan_room({entry.name, device, need, budget->second}, holders);
@@ -422,7 +425,24 @@ void Registry::start_job(Entry& entry, Job job) {
       return !cancel->load();
     };
     auto outcome = std::make_shared<Outcome>(run_job(*shared_job, std::move(runtime), config, progress));
-    mailbox_.post([this, e, shared_job, outcome] { finish_job(*e, std::move(*shared_job), *outcome); });
+    mailbox_.post([this, e, shared_job, outcome] {
+      release(std::move(outcome->replaced), outcome->replaced_bytes);
+      finish_job(*e, std::move(*shared_job), *outcome);
+    });
+  });
+}
+
+void Registry::release(std::shared_ptr<void> values, const DeviceBytes& bytes) {
+  if (!values) return;
+  for (const auto& [device, n] : bytes) releasing_[device] += n;
+  releaser_.run([this, values = std::move(values), bytes]() mutable {
+    values.reset();  // here, before the loop hears of it
+    mailbox_.post([this, bytes] {
+      for (const auto& [device, n] : bytes)
+        if ((releasing_[device] -= n) == 0) releasing_.erase(device);
+      for (auto& [name, other] : entries_)
+        if (other->waiting_for_room && !other->busy) pump(*other);
+    });
   });
 }
 

@@ -137,9 +137,13 @@ class Registry {
   void start_job(Entry& entry, Job job);
   void finish_job(Entry& entry, Job job, const Outcome& outcome);
   void answer(Job& job, int status, const nlohmann::json& body);
+  // Frees values an update replaced on releaser_, off the loop and the model's queue (a 300 MiB
+  // memfd takes tens of milliseconds to give back), counting their bytes in releasing_ until then.
+  void release(std::shared_ptr<void> values, const DeviceBytes& bytes);
 
-  // Room on `device` for `bytes` more: true when it fits; false while evictions run (the entry
-  // is pumped again when they end); throws Error with the numbers when it cannot fit.
+  // Room on `device` for `bytes` more: true when it fits; false while evictions run or replaced
+  // values are freed there, when they are needed for it (the entry is pumped again when they
+  // end); throws Error with the numbers when it cannot fit.
   bool make_room(Entry& entry, const std::string& device, uint64_t bytes);
   // Room for what the entry will hold on each device (`expected`), less what it counts there
   // now, and for `extra` (a lease's room for its client), reserved for its next job: true once
@@ -171,6 +175,8 @@ class Registry {
   config::DaemonConfig config_;
   Mailbox mailbox_;
   Worker validator_;
+  Worker releaser_;
+  DeviceBytes releasing_;  // bytes of values on releaser_, not yet freed, by device
   uv_fs_event_t* watcher_ = nullptr;
   uv_timer_t* debounce_ = nullptr;
   std::map<std::string, std::unique_ptr<Entry>> entries_;  // by name

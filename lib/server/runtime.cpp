@@ -218,6 +218,10 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
   return {report.tensors, report.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
 }
 
+std::shared_ptr<void> Runtime::take_replaced(std::map<std::string, uint64_t>& bytes) {
+  return impl_->loaded.weights->take_replaced(bytes);
+}
+
 uint64_t Runtime::version() const { return impl_->version; }
 
 Moved Runtime::offload() {

@@ -95,6 +95,9 @@ class Runtime {
   // each case with nothing changed.
   Updated update(std::string_view safetensors, const std::string& path = {}, const std::string& memfd = {},
                  const std::map<std::string, uint64_t>& room = {});
+  // The values updates replaced (weights::Weights::take_replaced): freed when the pointer is
+  // dropped, which may be on another thread while the model goes on; null when there are none.
+  std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>& bytes);
   // 1 once loaded, one more for each update: the forward that answers and the lease that
   // hands over weights say which version they used.
   uint64_t version() const;

@@ -171,7 +171,7 @@ void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
                                   [](const auto& v) { return adoptable(v.first->value, v.second); })) {
     if (update.check) update.check();
     for (const auto& [parameter, value] : values) {
-      parameter->value = value;
+      replaced_.push_back(std::exchange(parameter->value, value));
       updated_.insert(parameter);
     }
     return;
@@ -198,11 +198,20 @@ void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
   if (update.check) update.check();
   for (size_t i = 0; i < values.size(); ++i) {
     at::Tensor& now = values[i].first->value;
-    if (fresh[i].defined()) now = std::move(fresh[i]);
+    if (fresh[i].defined()) replaced_.push_back(std::exchange(now, std::move(fresh[i])));
     else now.copy_(values[i].second);
     updated_.insert(values[i].first);
   }
   if (!values.empty()) synchronise(values.front().first->value.device());
+}
+
+std::shared_ptr<void> ResidentWeights::take_replaced(std::map<std::string, uint64_t>& bytes) {
+  if (replaced_.empty()) return {};
+  // At most what dropping them frees: each value whose storage nothing else in the daemon
+  // holds (a view of a mapping or a region counts, though the pages may stay with the others).
+  for (const auto& value : replaced_)
+    if (value.storage().use_count() == 1) bytes[value.device().str()] += value.nbytes();
+  return std::make_shared<std::vector<at::Tensor>>(std::exchange(replaced_, {}));
 }
 
 void ResidentWeights::check_leasable(const std::string& model, const std::string& device) const {

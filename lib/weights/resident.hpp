@@ -33,6 +33,7 @@ class ResidentWeights final : public Weights {
   std::map<std::string, uint64_t> bytes_by_device() const override;
   void check_leasable(const std::string& model, const std::string& device) const override;
   void update(const std::string& model, const WeightUpdate& update) override;
+  std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>& bytes) override;
 
  private:
   uint64_t read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options, size_t* zero_copy);
@@ -45,6 +46,7 @@ class ResidentWeights final : public Weights {
   bool zero_copy_;
   // Parameters an update gave values no checkpoint holds: asleep on disk, they stay on the host.
   std::set<const model::Parameter*> updated_;
+  std::vector<at::Tensor> replaced_;  // the values before an update, until take_replaced
 };
 
 }  // namespace vramd::weights
