@@ -13,7 +13,7 @@ and the ways to get new weights into a model the daemon serves:
     update from a memfd        Client.update(name, dict): the tensors written once into a sealed
                                memfd that the daemon maps; and the daemon's own part of it
                                (`updated.seconds`: checking the memfd, whose pages the weights
-                               then keep as their values, and freeing the version before)
+                               then keep as their values; the version before is freed after)
     update from a body         Client.update(name, dict, via="body"): the tensors in the request
     unload + load + forward    what a user does without updates: the new checkpoint's config loaded
 
