@@ -105,7 +105,7 @@ class Weights : public model::LayerWeights {
   // New values for some of the weights, as one step (the model's jobs do not overlap it).
   // Throws NotUpdatable naming `model` and what to change.
   virtual void update(const std::string& model, const WeightUpdate& update) = 0;
-  // The values updates replaced and nothing else holds, which the weights no longer use: owned
+  // The values updates replaced, which the weights no longer use and hold until this is called: owned
   // by the pointer returned (freed with it, wherever the caller chooses), their bytes by device
   // added to `bytes`; null when there are none.
   virtual std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>&) { return {}; }
