@@ -440,8 +440,7 @@ void Registry::release(std::shared_ptr<void> values, const DeviceBytes& bytes) {
     mailbox_.post([this, bytes] {
       for (const auto& [device, n] : bytes)
         if ((releasing_[device] -= n) == 0) releasing_.erase(device);
-      for (auto& [name, other] : entries_)
-        if (other->waiting_for_room && !other->busy) pump(*other);
+      pump_waiting_for_room();
     });
   });
 }
@@ -570,6 +569,10 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     touch(entry);
     pump(entry);
   }
+  pump_waiting_for_room();
+}
+
+void Registry::pump_waiting_for_room() {
   for (auto& [name, other] : entries_)
     if (other->waiting_for_room && !other->busy) pump(*other);
 }

@@ -134,6 +134,7 @@ class Registry {
   void drop_entry(Entry& entry);
 
   void pump(Entry& entry);
+  void pump_waiting_for_room();  // after room was given back: a job ended, or values were freed
   void start_job(Entry& entry, Job job);
   void finish_job(Entry& entry, Job job, const Outcome& outcome);
   void answer(Job& job, int status, const nlohmann::json& body);
