@@ -22,13 +22,24 @@ reads memory, the disk read for a cold path). Last, the time from the request to
 forward's answer on the new weights: update (from a path, and from a memfd) + forward against
 unload + load + forward.
 
-    .venv/bin/python bench/update.py [--workdir /tmp/vramd-bench-update] [--layers 8] [--repeat 3]
+With --device cuda:N the model is computed there and its weights rest there, and the bounds of
+what reaches the GPU are measured too:
 
-The model: a LLaMA of hidden size 1024 and LAYERS layers in bfloat16 (334 MiB at 8 layers),
-random weights, served on the CPU; its update, the same shapes with other values. Every figure
-is the median of REPEAT runs. See docs/benchmarks.md.
+    pinned copy      the model's bytes from pinned host memory to the device (non_blocking): the
+                     bus's speed, the issue's bound (an update from memfds: at least 85% of it)
+    pageable copy    the same out of a memfd mapped just before, as plain (pageable) memory
+    registered copy  the same out of a memfd mapped just before and registered with the driver
+                     (cudaHostRegister) for the copy: what pinning a client's pages costs
+
+    .venv/bin/python bench/update.py [--device cpu|cuda:0] [--workdir /tmp/vramd-bench-update] [--layers 8]
+                                     [--repeat 3] [--json FILE]
+
+The model: a LLaMA of hidden size 1024 and LAYERS layers in bfloat16 (297 MiB at 8 layers),
+random weights; its update, the same shapes with other values. Every figure is the median of
+REPEAT runs. See docs/benchmarks.md.
 """
 import argparse
+import json
 import mmap
 import os
 import statistics
@@ -85,26 +96,21 @@ def disk_read(path):
             pass
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/vramd-bench-update"))
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
-    work = args.workdir
-    old = checkpoint(work / f"old-{args.layers}", args.layers, 0)
-    new = checkpoint(work / f"new-{args.layers}", args.layers, 1)
-    model_bytes = old.stat().st_size
-    new_tensors = load_file(new)
-    inputs = {"input_ids": torch.arange(16).view(1, 16)}
+def memfd_of(nbytes):
+    """A memfd of `nbytes` bytes, every page written (as a client's update is)."""
+    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    with mmap.mmap(fd, nbytes) as filled:
+        torch.frombuffer(filled, dtype=torch.uint8).fill_(1)
+    return fd
 
+
+def host_bounds(model_bytes, repeat):
+    """memcpy, and the same copy out of a memfd mapped just before."""
     source = torch.empty(model_bytes, dtype=torch.uint8).fill_(1)
     target = torch.empty_like(source).fill_(0)
-    memcpy = median_seconds(args.repeat, lambda: None, lambda: target.copy_(source))
-    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
-    os.ftruncate(fd, model_bytes)
-    with mmap.mmap(fd, model_bytes) as filled:
-        torch.frombuffer(filled, dtype=torch.uint8).fill_(1)
+    memcpy = median_seconds(repeat, lambda: None, lambda: target.copy_(source))
+    fd = memfd_of(model_bytes)
 
     def copy_mapped():
         with mmap.mmap(fd, model_bytes) as mapped:
@@ -112,16 +118,77 @@ def main():
             target.copy_(view)
             del view
 
-    mapped = median_seconds(args.repeat, lambda: None, copy_mapped)
+    mapped = median_seconds(repeat, lambda: None, copy_mapped)
     os.close(fd)
-    del source, target
+    return memcpy, mapped
+
+
+def device_bounds(model_bytes, repeat, device):
+    """The model's bytes onto `device`: from pinned memory, and out of a freshly mapped memfd as
+    pageable memory and registered with the driver for the copy."""
+    target = torch.empty(model_bytes, dtype=torch.uint8, device=device)
+    pinned = torch.empty(model_bytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+
+    def copy(source):
+        target.copy_(source, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    figures = {"pinned": median_seconds(repeat, lambda: None, lambda: copy(pinned))}
+    del pinned
+    fd = memfd_of(model_bytes)
+
+    def from_memfd(register):
+        with mmap.mmap(fd, model_bytes) as mapped:
+            view = torch.frombuffer(mapped, dtype=torch.uint8)
+            if register:
+                cudart = torch.cuda.cudart()
+                status = cudart.cudaHostRegister(view.data_ptr(), model_bytes, 0)
+                if int(status) != 0:
+                    raise RuntimeError(f"cudaHostRegister: {status}")
+                try:
+                    copy(view)
+                finally:
+                    cudart.cudaHostUnregister(view.data_ptr())
+            else:
+                copy(view)
+            del view
+
+    figures["pageable"] = median_seconds(repeat, lambda: None, lambda: from_memfd(False))
+    try:
+        figures["registered"] = median_seconds(repeat, lambda: None, lambda: from_memfd(True))
+    except (RuntimeError, AttributeError) as e:  # said, not fatal: a bound the others do not need
+        figures["registered_error"] = str(e)
+    os.close(fd)
+    return figures
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/vramd-bench-update"))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    work, device = args.workdir, args.device
+    gpu = device.startswith("cuda")
+    old = checkpoint(work / f"old-{args.layers}", args.layers, 0)
+    new = checkpoint(work / f"new-{args.layers}", args.layers, 1)
+    model_bytes = old.stat().st_size
+    new_tensors = load_file(new)
+    inputs = {"input_ids": torch.arange(16).view(1, 16)}
+
+    memcpy, mapped = host_bounds(model_bytes, args.repeat)
+    bounds = device_bounds(model_bytes, args.repeat, device) if gpu else {}
     disk = median_seconds(args.repeat, lambda: None, lambda: disk_read(new))
 
     models = work / "models"
     models.mkdir(exist_ok=True)
-    (models / "m.toml").write_text(f'checkpoint = "{old}"\n')
-    (models / "m-new.toml").write_text(f'checkpoint = "{new}"\n')
-    with serving(work, 'cpu = "16GiB"', VRAMD) as client:
+    table = f'[vram]\ncomputation = {{ device = "{device}" }}\n' if gpu else ""
+    (models / "m.toml").write_text(f'checkpoint = "{old}"\n{table}')
+    (models / "m-new.toml").write_text(f'checkpoint = "{new}"\n{table}')
+    budgets = 'cpu = "16GiB"' + (f'\n"{device}" = "{8 * model_bytes}"' if gpu else "")
+    with serving(work, budgets, VRAMD) as client:
         client.load("m")
         client.forward("m", inputs)
 
@@ -168,21 +235,45 @@ def main():
     def rate(seconds):
         return model_bytes / seconds / GB
 
-    print(f"model: LLaMA, {args.layers} layers, bfloat16, {model_bytes / 2**20:.0f} MiB, on the CPU; "
-          f"median of {args.repeat}")
-    print(f"memcpy:                      {memcpy:7.3f} s  {rate(memcpy):6.2f} GB/s")
-    print(f"copy out of a mapped memfd:  {mapped:7.3f} s  {rate(mapped):6.2f} GB/s")
-    print(f"disk read (cold):            {disk:7.3f} s  {rate(disk):6.2f} GB/s")
-    print(f"update from a path, cold:    {cold:7.3f} s  {rate(cold):6.2f} GB/s  {disk / cold:.2f} of the disk read")
-    print(f"update from a path, warm:    {warm:7.3f} s  {rate(warm):6.2f} GB/s  {memcpy / warm:.2f} of memcpy")
-    print(f"update from a memfd:         {memfd:7.3f} s  {rate(memfd):6.2f} GB/s  {memcpy / memfd:.2f} of memcpy")
-    print(f"  of which the daemon's:     {memfd_daemon:7.3f} s  {rate(memfd_daemon):6.2f} GB/s  "
-          f"{memcpy / memfd_daemon:.2f} of memcpy, {mapped / memfd_daemon:.2f} of the copy out of a mapped memfd")
-    print(f"update from a body:          {body:7.3f} s  {rate(body):6.2f} GB/s  {memcpy / body:.2f} of memcpy")
-    print(f"request to first forward on new weights: update from a path + forward {to_first:.3f} s, "
-          f"from a memfd + forward {to_first_memfd:.3f} s, unload + load + forward {to_first_reload:.3f} s "
-          f"({to_first_reload / to_first:.2f}x, {to_first_reload / to_first_memfd:.2f}x)")
-    print("the updated model's logits equal a fresh load of the new checkpoint")
+    where = f"on {device}" + (f" ({torch.cuda.get_device_name(device)})" if gpu else "")
+    lines = [f"model: LLaMA, {args.layers} layers, bfloat16, {model_bytes / 2**20:.0f} MiB, {where}; "
+             f"median of {args.repeat}",
+             f"memcpy:                      {memcpy:7.3f} s  {rate(memcpy):6.2f} GB/s",
+             f"copy out of a mapped memfd:  {mapped:7.3f} s  {rate(mapped):6.2f} GB/s"]
+    if gpu:
+        pinned = bounds["pinned"]
+        lines += [f"pinned copy to {device}:     {pinned:7.3f} s  {rate(pinned):6.2f} GB/s",
+                  f"pageable copy out of a mapped memfd to {device}: {bounds['pageable']:7.3f} s  "
+                  f"{rate(bounds['pageable']):6.2f} GB/s  {pinned / bounds['pageable']:.2f} of the pinned copy"]
+        if "registered" in bounds:
+            lines.append(f"registered copy out of a mapped memfd to {device} (cudaHostRegister + copy): "
+                         f"{bounds['registered']:7.3f} s  {rate(bounds['registered']):6.2f} GB/s  "
+                         f"{pinned / bounds['registered']:.2f} of the pinned copy")
+        else:
+            lines.append(f"registered copy: not measured ({bounds['registered_error']})")
+    # What an update from memory is held against: the bus on a GPU, memcpy on the CPU.
+    bound, bound_name = (bounds["pinned"], "the pinned copy") if gpu else (memcpy, "memcpy")
+    lines += [f"disk read (cold):            {disk:7.3f} s  {rate(disk):6.2f} GB/s",
+              f"update from a path, cold:    {cold:7.3f} s  {rate(cold):6.2f} GB/s  {disk / cold:.2f} of the disk read",
+              f"update from a path, warm:    {warm:7.3f} s  {rate(warm):6.2f} GB/s  {bound / warm:.2f} of {bound_name}",
+              f"update from a memfd:         {memfd:7.3f} s  {rate(memfd):6.2f} GB/s  {bound / memfd:.2f} of {bound_name}",
+              f"  of which the daemon's:     {memfd_daemon:7.3f} s  {rate(memfd_daemon):6.2f} GB/s  "
+              f"{bound / memfd_daemon:.2f} of {bound_name}"
+              + ("" if gpu else f", {mapped / memfd_daemon:.2f} of the copy out of a mapped memfd"),
+              f"update from a body:          {body:7.3f} s  {rate(body):6.2f} GB/s  {bound / body:.2f} of {bound_name}",
+              f"request to first forward on new weights: update from a path + forward {to_first:.3f} s, "
+              f"from a memfd + forward {to_first_memfd:.3f} s, unload + load + forward {to_first_reload:.3f} s "
+              f"({to_first_reload / to_first:.2f}x, {to_first_reload / to_first_memfd:.2f}x)",
+              "the updated model's logits equal a fresh load of the new checkpoint"]
+    print("\n".join(lines))
+    if args.json:
+        seconds = {"memcpy": memcpy, "mapped_memfd": mapped, "disk": disk, "path_cold": cold, "path_warm": warm,
+                   "memfd": memfd, "memfd_daemon": memfd_daemon, "body": body, "to_first_path": to_first,
+                   "to_first_memfd": to_first_memfd, "to_first_reload": to_first_reload,
+                   **{f"{name}_copy": value for name, value in bounds.items() if name != "registered_error"}}
+        args.json.write_text(json.dumps({"device": device, "model_bytes": model_bytes, "layers": args.layers,
+                                         "seconds": seconds, "daemon_of_bound": bound / memfd_daemon,
+                                         "bound": bound_name, "summary": lines}, indent=1))
 
 
 if __name__ == "__main__":
