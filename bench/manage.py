@@ -13,11 +13,13 @@ For each: the median forward (of those after the first), the peak memory (on a G
 allocator's peak over the forwards; on the CPU the anonymous memory the process grew by, with
 glibc's mmap threshold fixed so that freed blocks go back), the time from the process's start to
 its first output (and from the end of the imports of torch and diffusers, which every contender
-pays alike), and the host memory of three such processes at once (the sum of their PSS).
+pays alike; and where it went: the CUDA context, the module made ready, the first forward), and
+the host memory of three such processes at once (the sum of their PSS).
 On the CPU accelerate's and DiffSynth's offloads have nowhere to move weights to: their figures
 are their whole-model runs, vramd's the managed one.
 
     .venv/bin/python bench/manage.py [--device cuda:0] [--workdir /tmp/vramd-bench] [--forwards 5]
+                                     [--contenders vramd,accelerate,diffsynth] [--processes 3] [--json FILE]
 
 See docs/benchmarks.md.
 """
@@ -66,11 +68,13 @@ def contender(kind, folder, device, forwards, limit, hold):
     """Runs in its own process: set up, first output, timed forwards."""
     import torch
     import diffusers
+    diffusers.UNet2DConditionModel  # noqa: B018 - diffusers imports its classes on first use: part of the imports
     imported = time.perf_counter()
     gpu = device.startswith("cuda")
     dtype = torch.bfloat16 if gpu else torch.float32
     if gpu:
         torch.zeros(1, device=device)  # the CUDA context, before what is measured
+    context = time.perf_counter()
     anonymous, _ = memory()
     sample, states = inputs(device, dtype)
     if kind == "vramd":
@@ -108,6 +112,7 @@ def contender(kind, folder, device, forwards, limit, hold):
                 for module in model.modules():
                     if isinstance(module, layers.AutoTorchModule):
                         module.onload()
+    ready = time.perf_counter()
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -125,6 +130,10 @@ def contender(kind, folder, device, forwards, limit, hold):
     grown, pss = memory()
     figures = {"forward_median_seconds": statistics.median(times[1:] or times), "first_output_seconds": first_output,
                "after_imports_seconds": after_imports,
+               # where the time after the imports went: the CUDA context, building and filling the
+               # module (vramd: on the meta device, then manage(); the peers: on the CPU, loading
+               # and offloading), the first forward
+               "phases": {"context": context - imported, "ready": ready - context, "first_forward": times[0]},
                "peak": torch.cuda.max_memory_allocated(device) if gpu else grown - anonymous, "pss": pss}
     if kind == "vramd":
         figures["managed"] = managed.stats()
@@ -148,9 +157,9 @@ def one(args, kind):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def three(args, kind):
-    """The sum of three holding processes' PSS."""
-    processes = [run(args, kind, hold=True) for _ in range(3)]
+def held_together(args, kind):
+    """The sum of PROCESSES holding processes' PSS."""
+    processes = [run(args, kind, hold=True) for _ in range(args.processes)]
     try:
         return sum(json.loads(p.stdout.readline())["pss"] for p in processes)
     finally:
@@ -163,6 +172,9 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workdir", default="/tmp/vramd-bench")
     parser.add_argument("--forwards", type=int, default=5)
+    parser.add_argument("--contenders", default="vramd,accelerate,diffsynth",
+                        help="which to run, comma-separated (default: all three)")
+    parser.add_argument("--processes", type=int, default=3, help="processes holding the model at once for the PSS")
     parser.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
@@ -206,10 +218,10 @@ def main():
                 except (vramd.DaemonUnreachable, vramd.DaemonError):
                     assert time.monotonic() < deadline and daemon.poll() is None, "vramd did not start"
                     time.sleep(0.2)
-            for kind in ("vramd", "accelerate", "diffsynth"):
+            for kind in args.contenders.split(","):
                 try:
                     results[kind] = one(args, kind)
-                    results[kind]["pss_three"] = three(args, kind)
+                    results[kind]["pss_processes"] = held_together(args, kind)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is said, the others go on
                     results[kind] = {"error": str(e)}
         finally:
@@ -225,7 +237,9 @@ def main():
             continue
         print(f"  {kind:11s} forward {r['forward_median_seconds']:.3f} s, peak {r['peak'] / mib:7.1f} MiB, first output "
               f"{r['first_output_seconds']:.2f} s from the process's start ({r['after_imports_seconds']:.2f} s after "
-              f"torch and diffusers are imported), three processes' PSS {r['pss_three'] / mib:.1f} MiB")
+              f"torch and diffusers are imported: context {r['phases']['context']:.2f} s, module ready "
+              f"{r['phases']['ready']:.2f} s, first forward {r['phases']['first_forward']:.2f} s), "
+              f"{args.processes} processes' PSS {r['pss_processes'] / mib:.1f} MiB")
     v = results.get("vramd", {})
     for kind in ("accelerate", "diffsynth"):
         r = results.get(kind, {})
@@ -233,14 +247,15 @@ def main():
             continue
         print(f"vramd against {kind}: forward {r['forward_median_seconds'] / v['forward_median_seconds']:.2f}x faster, "
               f"peak {v['peak'] / r['peak']:.2f}x, first output {r['first_output_seconds'] / v['first_output_seconds']:.1f}x "
-              f"sooner ({r['after_imports_seconds'] / v['after_imports_seconds']:.1f}x after the imports), three processes' "
-              f"PSS {v['pss_three'] / r['pss_three']:.2f}x")
+              f"sooner ({r['after_imports_seconds'] / v['after_imports_seconds']:.1f}x after the imports), {args.processes} processes' "
+              f"PSS {v['pss_processes'] / r['pss_processes']:.2f}x")
     if "managed" in v:
         m = v["managed"]
         print(f"vramd's manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
               f"{m['prefetch_hits']} prefetched in time")
     if args.json:
         Path(args.json).write_text(json.dumps({"size_bytes": size * 2, "limit": args.limit, "device": args.device,
+                                               "processes": args.processes,
                                                "results": results}, indent=1))
 
 
