@@ -79,7 +79,16 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     moe = json.loads((out / "moe.json").read_text())  # bench/moe.py, a small model on the CPU
     assert moe["device"] == "cpu" and moe["vramd"]["moved"] > 0 and moe["accelerate"]["moved"] > 0, moe
     assert any(line.startswith("- forward: vramd ") and "accelerate" in line for line in report.splitlines()), report
-    for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log"):
+    update = json.loads((out / "update.json").read_text())  # bench/update.py, one layer on the CPU
+    assert update["device"] == "cpu" and update["bound"] == "memcpy" and update["seconds"]["memfd_daemon"] > 0, update
+    assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
+    manage = json.loads((out / "manage.json").read_text())  # bench/manage.py, vramd alone on the CPU
+    vramd_manage = manage["results"]["vramd"]
+    assert 0 < vramd_manage["managed"]["peak"] <= manage["limit"], manage
+    assert set(vramd_manage["phases"]) == {"context", "ready", "first_forward"}, manage
+    assert any(line.startswith("- vramd's manager: peak ") for line in report.splitlines()), report
+    for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
+                "update.log", "manage.log"):
         assert (out / log).exists(), log
     assert not list(temporary.glob("vramd-*")), list(temporary.iterdir())  # the daemon's socket folder, say
 
