@@ -291,7 +291,7 @@ UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config
 }  // namespace
 
 UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> bytes,
-                               const std::string& where, const std::map<std::string, uint64_t>& room,
+                               const std::string& where, const UpdateSpace& space,
                                std::function<void()> before_write, std::shared_ptr<void> shared) {
   storage::SafetensorsHeader header;
   try {
@@ -313,7 +313,8 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
   weights::WeightUpdate update;
   update.in_place = true;  // bytes that cannot change while they are read
   update.adopt = shared != nullptr;
-  update.room = room;
+  update.room = space.room;
+  update.shared_in_place = space.shared_in_place;
   update.check = std::move(before_write);
   return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only), std::move(update));
 }
@@ -365,7 +366,7 @@ std::string checkpoint_as_safetensors(const LoadedModel& loaded, const config::M
 }
 
 UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path,
-                                    const std::map<std::string, uint64_t>& room) {
+                                    const UpdateSpace& space) {
   const auto [where, map, plan] = open_update(loaded, config, path);
   std::vector<Incoming> incoming;
   for (const auto& [target, expr] : plan.tensors)
@@ -375,7 +376,8 @@ UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConf
   // The file may be cut short while it is read: the new values go beside the old, and are taken
   // only once every read is whole.
   weights::WeightUpdate update;
-  update.room = room;
+  update.room = space.room;
+  update.shared_in_place = space.shared_in_place;
   update.check = [&map, &where] {
     try {
       map.check_mappings();

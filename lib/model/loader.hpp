@@ -80,6 +80,14 @@ struct UpdateReport {
   uint64_t bytes = 0;  // of those values, as the model holds them
 };
 
+// Where an update's new values may go (weights::WeightUpdate): `room`, bytes by device reserved
+// for values written beside the old ones; `shared_in_place`, whether weights in a lease's GPU
+// memory take them where they are (no lease that keeps its values holds it).
+struct UpdateSpace {
+  std::map<std::string, uint64_t> room;
+  bool shared_in_place = false;
+};
+
 // New values for some of a loaded, awake model's weights, checked whole (every name a
 // parameter's, every shape its shape, every dtype floating, none twice) before any weight
 // changes, then swapped in as one step (weights::Weights::update). Tied parameters take their
@@ -94,14 +102,13 @@ struct UpdateReport {
 // `shared`, where given, owns the bytes, which are sealed shared memory: weights may keep views
 // of them as their values (weights::WeightUpdate::adopt), and keep `shared` alive while they do.
 UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& config, std::span<const std::byte> safetensors,
-                               const std::string& where, const std::map<std::string, uint64_t>& room,
+                               const std::string& where, const UpdateSpace& space,
                                std::function<void()> before_write = {}, std::shared_ptr<void> shared = {});
 // `path`: a checkpoint read as the config's is (its readers, prefix and converter), holding
 // some or all of the tensors that checkpoint holds.
-// Both take `room`, bytes by device reserved for values written beside the old ones
-// (weights::WeightUpdate), and throw weights::UpdateNeedsRoom when that is not enough.
+// Both take `space` (above), and throw weights::UpdateNeedsRoom when its room is not enough.
 UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConfig& config, const std::string& path,
-                                    const std::map<std::string, uint64_t>& room);
+                                    const UpdateSpace& space);
 // The checkpoint at `path`, read as update_from_checkpoint reads it, as the bytes of one
 // safetensors file of its converted tensors (for update_from_bytes): what rank 0 of a
 // partitioned model hands the other ranks. Throws BadUpdate naming the file.

@@ -214,8 +214,8 @@ class Daemon {
     job.input = std::move(request.body);
   }
 
-  // POST .../lease: an optional JSON object {"device": "cpu", "wait": true, "reserve": {"device":
-  // "cuda:0", "bytes": N}}; GET: the manifest alone.
+  // POST .../lease: an optional JSON object {"device": "cpu", "wait": true, "follow": false,
+  // "in_place": false, "reserve": {"device": "cuda:0", "bytes": N}}; GET: the manifest alone.
   static void read_lease_request(const Request& request, Job& job) {
     job.hold = request.method == "POST";
     if (auto it = request.query.find("device"); it != request.query.end()) job.device = it->second;
@@ -226,13 +226,22 @@ class Daemon {
       if (key == "device" && value.is_string()) job.device = value.get<std::string>();
       else if (key == "wait" && value.is_boolean()) job.wait = value.get<bool>();
       else if (key == "follow" && value.is_boolean()) job.follow = value.get<bool>();
-      else if (key == "device" || key == "wait" || key == "follow")
+      else if (key == "in_place" && value.is_boolean()) job.in_place = value.get<bool>();
+      else if (key == "device" || key == "wait" || key == "follow" || key == "in_place")
         throw Error("lease: " + key + " must be a " + (key == "device" ? "string" : "boolean"));
       else if (key == "reserve") read_reservation(value, job);
-      else throw Error("lease: unknown key " + quote(key) + " (device, wait, follow, reserve)");
+      else throw Error("lease: unknown key " + quote(key) + " (device, wait, follow, in_place, reserve)");
     }
-    if (!job.hold && job.follow)
-      throw Error("lease: follow sends each new version on the lease's connection, and GET holds none: POST it");
+    if (!job.hold && (job.follow || job.in_place))
+      throw Error(std::string("lease: ") + (job.in_place ? "in_place" : "follow") +
+                  " sends each new version on the lease's connection, and GET holds none: POST it");
+    if (job.in_place && !job.device.starts_with("cuda:"))
+      throw Error("lease: in_place writes updates into the GPU memory a lease shares, and " + quote(job.device) +
+                  " is not a GPU (host memory is sealed, never written under a client): lease on cuda:N, or follow "
+                  "updates with follow");
+    if (job.in_place && body.contains("follow") && !job.follow)
+      throw Error("lease: in_place follows updates: leave out follow=false");
+    job.follow = job.follow || job.in_place;
     if (!job.hold && !job.reserve.empty())
       throw Error("lease: reserve holds room for as long as a lease is held, and GET holds none: POST it");
   }

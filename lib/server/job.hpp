@@ -29,6 +29,10 @@ struct Job {
   bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
   bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
   bool follow = false;                 // lease: send the manifest of each new version after an update
+  // Lease (on a GPU, following): updates write into the memory it shares, at the same addresses.
+  // Update: the weights in a lease's GPU memory take their values there, as every lease held
+  // takes updates so (or none is held).
+  bool in_place = false;
   std::optional<uint64_t> refresh;     // lease: the daemon's own, for following lease `refresh`
   std::string device = "cpu";          // lease: where the client wants the weights
   // Lease: what its client will use on a device, in that budget. Update: the room its new values

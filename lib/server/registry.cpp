@@ -239,6 +239,22 @@ DeviceBytes reservations(const Entry& e) {
   return reserved;
 }
 
+// A lease that takes updates in place and one that keeps its values cannot share a model's GPU
+// memory: what the lease `job` asks for would clash with, said, or nothing.
+std::optional<std::string> in_place_clash(const Entry& entry, const Job& job) {
+  if (!job.hold || job.refresh) return std::nullopt;
+  for (const auto& [id, lease] : entry.leases) {
+    if (lease.in_place == job.in_place) continue;
+    const std::string held = "lease " + std::to_string(id) + " (pid " + std::to_string(lease.pid) + ")";
+    if (job.in_place)
+      return "model " + quote(entry.name) + " is leased by " + held + ", which keeps its values across updates; with " +
+             "in_place updates are written into the memory a lease shares: lease without in_place, or once it ends";
+    return "model " + quote(entry.name) + " is leased in place by " + held + ": updates are written into the memory " +
+           "it shares, which a lease that keeps its values cannot share: lease with in_place, or once it ends";
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 DeviceBytes Registry::charged(const Entry& e) const {
@@ -356,9 +372,11 @@ void Registry::pump(Entry& entry) {
           continue;
         }
         break;
+      case Job::Kind::Lease:
+        if (const auto clash = in_place_clash(entry, job)) { done_now(409, {{"error", *clash}}); continue; }
+        break;
       case Job::Kind::Forward:
       case Job::Kind::Replace:
-      case Job::Kind::Lease:
         break;
     }
     if (!entry.config) { done_now(409, {{"error", "model " + quote(entry.name) + " has no valid config"}}); continue; }
@@ -408,6 +426,8 @@ void Registry::start_job(Entry& entry, Job job) {
         cancel_unwatched_load(*e);
       });
   }
+  if (job.kind == Job::Kind::Update)  // no lease keeps its values in the model's GPU memory: written there
+    job.in_place = std::all_of(entry.leases.begin(), entry.leases.end(), [](const auto& l) { return l.second.in_place; });
   std::shared_ptr<Runtime> runtime = entry.runtime;
   if (job.kind == Job::Kind::Unload || job.kind == Job::Kind::Replace) entry.runtime.reset();  // freed on the worker
   auto shared_job = std::make_shared<Job>(std::move(job));
@@ -625,7 +645,8 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   const auto& request = job.exchange->request();
   entry.leases[id] = {.id = id, .pid = request.peer_pid, .uid = request.peer_uid, .device = job.device,
                       .since = std::chrono::system_clock::now(), .reserved = job.reserve, .peak = std::nullopt, .said = {},
-                      .follow = job.follow, .channel = nullptr, .sent = manifest.version, .taken = manifest.version};
+                      .follow = job.follow, .in_place = job.in_place, .channel = nullptr, .sent = manifest.version,
+                      .taken = manifest.version};
   std::vector<int> fds;
   for (const auto& region : manifest.regions) fds.push_back(region.fd.get());
   const std::string bytes = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: vramd-lease/1\r\nConnection: Upgrade\r\n\r\n" +
@@ -646,11 +667,25 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
 }
 
 void Registry::refresh_followers(Entry& entry) {
-  for (const auto& [id, lease] : entry.leases) refresh(entry, lease);
+  for (auto& [id, lease] : entry.leases) refresh(entry, lease);
 }
 
-void Registry::refresh(Entry& entry, const Lease& lease) {
+void Registry::refresh(Entry& entry, Lease& lease) {
   if (!lease.follow || lease.taken < lease.sent || entry.version <= lease.sent) return;
+  if (lease.in_place) {
+    // The update wrote where the lease reads, and its writes were done on the device before it
+    // answered: the version's number is all there is to send.
+    const std::string what = "lease " + std::to_string(lease.id) + " of " + entry.name;
+    const json line = {{"model", entry.name}, {"lease", lease.id}, {"version", entry.version}, {"in_place", true}};
+    if (!lease.channel || !lease.channel->send(json_line(line), {})) {
+      log::warn(what + ": its client has not taken what was sent before, or is gone; it no longer follows");
+      lease.follow = false;
+      return;
+    }
+    lease.sent = entry.version;
+    log::info(what + ": version " + std::to_string(lease.sent) + " written in place");
+    return;
+  }
   Job job(Job::Kind::Lease);
   job.device = lease.device;
   job.refresh = lease.id;

@@ -55,6 +55,9 @@ struct Lease {
   // Follows its model's updates: the manifest of each new version is sent on `channel`, once
   // the client has said it took the one sent before ({"taken": VERSION}).
   bool follow = false;
+  // Follows them in place (on a GPU): updates write into the memory it shares, and it is sent
+  // only a line saying the new version, {"model", "lease", "version", "in_place": true}.
+  bool in_place = false;
   std::shared_ptr<Channel> channel;
   uint64_t sent = 0, taken = 0;  // versions
 };
@@ -162,7 +165,7 @@ class Registry {
   // job of the daemon's own each, run in the entry's queue).
   void refresh_followers(Entry& entry);
   // That job for one lease, if it follows, has taken the version sent before and is behind.
-  void refresh(Entry& entry, const Lease& lease);
+  void refresh(Entry& entry, Lease& lease);
   void send_refresh(Entry& entry, const Job& job, const Outcome& outcome);
   void end_lease(const std::string& name, uint64_t id);
   // A lease's client speaks: {"peak": N} lines, the most it has used of its reservation. False

@@ -180,8 +180,9 @@ std::shared_ptr<weights::SharedRegion> adopt_sealed(const std::string& path, con
 }  // namespace
 
 Runtime::Updated Runtime::update(std::string_view safetensors, const std::string& path, const std::string& memfd,
-                                 const std::map<std::string, uint64_t>& room) {
+                                 const std::map<std::string, uint64_t>& room, bool shared_in_place) {
   const auto start = std::chrono::steady_clock::now();
+  const model::UpdateSpace space{room, shared_in_place};
   if (impl_->offloaded) onload();
   model::UpdateReport report;
   try {
@@ -189,7 +190,7 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
     const auto from_bytes = [&](const std::byte* data, size_t size, const std::string& what,
                                 std::shared_ptr<void> shared = {}) {
       const std::function<void()> tell = [&] { impl_->tell("update", {reinterpret_cast<const char*>(data), size}); };
-      return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, room,
+      return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, space,
                                       impl_->group ? tell : std::function<void()>(), std::move(shared));
     };
     if (!memfd.empty()) {
@@ -202,7 +203,7 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
       const std::string read = model::checkpoint_as_safetensors(impl_->loaded, impl_->config, path);
       report = from_bytes(reinterpret_cast<const std::byte*>(read.data()), read.size(), "the update " + quote(path));
     } else if (!path.empty()) {
-      report = model::update_from_checkpoint(impl_->loaded, impl_->config, path, room);
+      report = model::update_from_checkpoint(impl_->loaded, impl_->config, path, space);
     } else {
       report = from_bytes(reinterpret_cast<const std::byte*>(safetensors.data()), safetensors.size(),
                           "the update's safetensors body");

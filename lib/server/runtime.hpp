@@ -89,12 +89,14 @@ class Runtime {
   // `path`, read as the config's (model::update_from_checkpoint); or a `memfd`
   // (/proc/PID/fd/N of the client's) holding such a safetensors file, sealed against writes and
   // shrinking, read where it lies. `room`: bytes by device reserved for new values that cannot
-  // be written where the old ones are (weights::WeightUpdate). Wakes an offloaded model. The
+  // be written where the old ones are (weights::WeightUpdate); `shared_in_place`: weights in a
+  // lease's GPU memory take their values where they are, as no lease that keeps its values holds
+  // it (weights::WeightUpdate::shared_in_place). Wakes an offloaded model. The
   // version goes up by one. Throws BadInput naming the tensor or file at fault, Conflict where
   // the weights cannot take an update, and NeedsRoom where they need more room than `room`, in
   // each case with nothing changed.
   Updated update(std::string_view safetensors, const std::string& path = {}, const std::string& memfd = {},
-                 const std::map<std::string, uint64_t>& room = {});
+                 const std::map<std::string, uint64_t>& room = {}, bool shared_in_place = false);
   // The values updates replaced (weights::Weights::take_replaced): freed when the pointer is
   // dropped, which may be on another thread while the model goes on; null when there are none.
   std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>& bytes);

@@ -156,6 +156,12 @@ bool own_alone(const at::Tensor& value) {
          value.is_contiguous();
 }
 
+// A value in GPU memory that a lease shares (a cuda::VmmRegion, made from_blob without an
+// allocator): WeightUpdate::shared_in_place writes it where it is.
+bool in_gpu_region(const at::Tensor& value) {
+  return !value.is_cpu() && value.storage().allocator() == nullptr && value.is_contiguous();
+}
+
 // A value that a weight may keep as it is (WeightUpdate::adopt): a view of shared memory (from_blob,
 // without an allocator), laid out as the weight is held and where it is held.
 bool adoptable(const at::Tensor& now, const at::Tensor& value) {
@@ -177,13 +183,17 @@ void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
     return;
   }
   // Each where its parameter's value is now (an offloaded model is woken first): fresh memory
-  // for all first, then the swap.
+  // for all first, then the swap. A value written in place whose bytes may change while read is
+  // copied into host memory first, and written only once `check` has passed.
   std::vector<bool> beside(values.size());
+  std::vector<at::Tensor> sources(values.size());
   std::map<std::string, uint64_t> room;
   for (size_t i = 0; i < values.size(); ++i) {
     const at::Tensor& now = values[i].first->value;
-    beside[i] = !(update.in_place && own_alone(now));
+    const bool in_region = update.shared_in_place && in_gpu_region(now);
+    beside[i] = !(in_region || (update.in_place && own_alone(now)));
     if (beside[i]) room[now.device().str()] += now.nbytes();
+    sources[i] = beside[i] || update.in_place ? values[i].second : values[i].second.clone();
   }
   for (const auto& [device, bytes] : room) {
     const auto held = update.room.find(device);
@@ -193,13 +203,13 @@ void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
   for (size_t i = 0; i < values.size(); ++i) {
     const at::Tensor& now = values[i].first->value;
     if (beside[i])
-      fresh[i] = values[i].second.to(now.device(), now.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+      fresh[i] = sources[i].to(now.device(), now.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
   }
   if (update.check) update.check();
   for (size_t i = 0; i < values.size(); ++i) {
     at::Tensor& now = values[i].first->value;
     if (fresh[i].defined()) replaced_.push_back(std::exchange(now, std::move(fresh[i])));
-    else now.copy_(values[i].second);
+    else now.copy_(sources[i]);
     updated_.insert(values[i].first);
   }
   if (!values.empty()) synchronise(values.front().first->value.device());

@@ -63,6 +63,12 @@ struct WeightUpdate {
   // view as its value, without a copy. ResidentWeights does so when every value allows it, and
   // otherwise copies them all: a memfd stays whole while any of its values is held.
   bool adopt = false;
+  // No lease that keeps its values holds the model's GPU memory (every lease of it takes updates
+  // in place, or none is held): weights in a lease's GPU regions (cuda::VmmRegion) take their
+  // values where they are, so the regions keep their addresses and no fresh memory is needed on
+  // the device. Values that may change while read (a checkpoint's mapping) are first copied
+  // into host memory and checked.
+  bool shared_in_place = false;
   // Bytes by device ("cpu", "cuda:0") the budget holds for fresh memory. Where the values need
   // more, the update throws UpdateNeedsRoom saying how much, before it allocates any.
   std::map<std::string, uint64_t> room;

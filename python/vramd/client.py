@@ -166,16 +166,18 @@ class Client:
         return self._documented(response.body, _check_update, f"POST {target}")
 
     def lease(self, name: str, device: str = "cpu", wait: bool = True,
-              reserve: tuple[str, int] | None = None, follow: bool = False) -> Lease:
+              reserve: tuple[str, int] | None = None, follow: bool = False, in_place: bool = False) -> Lease:
         """Leases model `name`'s weights on `device` as read-only, zero-copy tensors, on a
         connection of its own; see Lease. `wait`: wait for the model to load rather than refuse.
         `reserve`: (device, bytes) this process will use there, held in the daemon's budget for
         that device (which makes room as for its own models, or refuses with 507) until the lease
         ends. `follow`: the daemon sends each new version of the weights after an update, which
-        Lease.wait_update() takes."""
+        Lease.wait_update() takes. `in_place` (on cuda:N): updates write into the memory this
+        lease maps, at the same addresses, and Lease.wait_update() says when; refused (409) while
+        a lease that keeps its values is held, and the other way round."""
         sock = open_socket(self.socket_path, self.timeout)
         return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}", reserve=reserve,
-                             follow=follow)
+                             follow=follow, in_place=in_place)
 
     def lease_plan(self, name: str) -> dict:
         """What a lease of model `name` would hand over, without holding it: the manifest's `plan`

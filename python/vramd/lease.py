@@ -46,15 +46,25 @@ class Lease:
     version only once the one before has been taken, the newest at that time: a client slower
     than the updates skips versions rather than queueing them.
 
+    A lease of GPU memory taken with `in_place=True` follows updates in place: each update writes
+    its values into the memory this lease maps, so `state_dict` keeps its tensors and their
+    addresses and its values change at the update (the rollout case of reinforcement learning).
+    The daemon's writes are complete on the device before the update's answer and before the
+    line saying the new version, which wait_update() waits for; kernels of this process that
+    read the weights while an update writes them may see a mix of versions, so pause them
+    (between rollouts) until wait_update() returns.
+
     Used as a context manager, `with client.lease("minilm") as state_dict:` closes at the end."""
 
     def __init__(self, sock: socket.socket, manifest: dict, state_dict: dict[str, torch.Tensor], regions: list,
-                 reader: Reader | None = None, fds: list[int] | None = None, where: str = "vramd"):
+                 reader: Reader | None = None, fds: list[int] | None = None, where: str = "vramd",
+                 in_place: bool = False):
         self._sock = sock
         self._regions = [region for region in regions if region is not None]
         self._reader, self._fds, self._where = reader, fds, where
         self.manifest = manifest
         self.state_dict = state_dict
+        self.in_place = in_place
 
     @property
     def version(self) -> int:
@@ -64,7 +74,9 @@ class Lease:
     def wait_update(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Waits for the daemon to send a new version's manifest (a lease taken with follow=True),
         maps it and makes `state_dict` its tensors; returns it. The tensors of the version
-        before stay readable for as long as something holds them. Raises TimeoutError after
+        before stay readable for as long as something holds them. For a lease taken with
+        in_place=True, waits for the line saying that an update has written its values into
+        `state_dict`'s memory, and returns the same `state_dict`. Raises TimeoutError after
         `timeout` seconds, DaemonError when the lease has ended."""
         if self._sock is None or self._reader is None:
             raise ValueError("the lease is closed" if self._sock is None else "this lease does not follow updates")
@@ -72,7 +84,11 @@ class Lease:
         previous = self._sock.gettimeout()
         self._sock.settimeout(timeout)
         try:
-            self.manifest, self.state_dict, mappings = _receive_manifest(self._reader, self._fds)
+            if self.in_place:
+                self.manifest = {**self.manifest, "version": _receive_in_place(self._reader, self._fds, self.version)}
+                mappings = None
+            else:
+                self.manifest, self.state_dict, mappings = _receive_manifest(self._reader, self._fds)
         except TimeoutError:
             raise
         except BaseException as e:
@@ -83,7 +99,8 @@ class Lease:
         finally:
             if self._sock is not None:
                 self._sock.settimeout(previous)
-        self._regions = [region for region in mappings if region is not None]
+        if mappings is not None:
+            self._regions = [region for region in mappings if region is not None]
         # Taken: the daemon sends the next version only now, so that none pile up unread.
         self._sock.sendall(json.dumps({"taken": self.version}).encode() + b"\n")
         return self.state_dict
@@ -116,7 +133,8 @@ class Lease:
 
 
 def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: bool = True,
-                  where: str = "vramd", reserve: tuple[str, int] | None = None, follow: bool = False) -> Lease:
+                  where: str = "vramd", reserve: tuple[str, int] | None = None, follow: bool = False,
+                  in_place: bool = False) -> Lease:
     """Asks for a lease of model `name` on `sock`, a fresh connection to a trusted server, which
     the Lease then owns (closed here on any error). `where` names the server in messages."""
     target = f"/v1/models/{quote(name, safe='')}/lease"
@@ -128,6 +146,8 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
             body["reserve"] = {"device": reserve[0], "bytes": int(reserve[1])}
         if follow:
             body["follow"] = True
+        if in_place:
+            body["in_place"] = True
         send_request(sock, "POST", target, json.dumps(body).encode(), "application/json")
         reader = Reader(sock, fds)  # every read from here on keeps the descriptors passed beside the bytes
         response = read_head(reader)
@@ -146,8 +166,8 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
         if failure is e:
             raise
         raise failure from None
-    if follow:
-        return Lease(sock, manifest, state_dict, mappings, reader, fds, where)
+    if follow or in_place:
+        return Lease(sock, manifest, state_dict, mappings, reader, fds, where, in_place)
     return Lease(sock, manifest, state_dict, mappings)
 
 
@@ -170,6 +190,29 @@ def _receive_manifest(reader: Reader, fds: list[int]) -> tuple[dict, dict[str, t
         return manifest, {t["name"]: _view(t, mappings, manifest["device"]) for t in tensors}, mappings
     finally:
         for fd in fds:  # a mapping outlives its descriptor
+            os.close(fd)
+        fds.clear()
+
+
+def _receive_in_place(reader: Reader, fds: list[int], version: int) -> int:
+    """The next line of a lease that follows updates in place: the new version, after `version`,
+    whose values the daemon has written into the lease's memory."""
+    try:
+        line = reader.until(b"\n", 4096)
+        try:
+            said = json.loads(line)
+        except ValueError as e:
+            raise ProtocolError(f"sent a line that is not JSON to a lease that follows updates in place: {e}") from None
+        if not isinstance(said, dict) or said.get("in_place") is not True:
+            raise _shape.NotAsDocumented("sent a lease that follows updates in place a line without \"in_place\": true")
+        if fds:
+            raise ProtocolError(f"sent {len(fds)} file descriptors with an update written in place")
+        new = _shape.natural(said, "version", "sent an in-place update whose ")
+        if new <= version:
+            raise ProtocolError(f"sent version {new} in place after version {version}")
+        return new
+    finally:
+        for fd in fds:
             os.close(fd)
         fds.clear()
 

@@ -182,8 +182,17 @@ def test_a_following_lease_gets_each_new_version_on_its_connection(served):
         plain = client.lease("m")
         with plain, pytest.raises(ValueError, match="does not follow"):
             plain.wait_update()
+        # In place is for GPU memory, which is not sealed: host memory never changes under a lease.
+        with pytest.raises(vramd.DaemonError, match="in_place writes updates into the GPU memory a lease shares, "
+                                                    "and 'cpu' is not a GPU") as refused:
+            client.lease("m", in_place=True)
+        assert refused.value.status == 400
     for method, body, why in [("POST", b'{"follow": "yes"}', "follow must be a boolean"),
-                              ("GET", b'{"follow": true}', "GET holds none: POST it")]:
+                              ("GET", b'{"follow": true}', "GET holds none: POST it"),
+                              ("POST", b'{"in_place": 1}', "in_place must be a boolean"),
+                              ("GET", b'{"in_place": true, "device": "cuda:0"}', "in_place sends each new version"),
+                              ("POST", b'{"in_place": true, "device": "cuda:0", "follow": false}',
+                               "in_place follows updates: leave out follow=false")]:
         status, answer = request(sock, method, "/v1/models/m/lease", body)
         assert status == 400 and why in json.loads(answer)["error"], answer
         assert equal(client.forward("m", served["inputs"]), served["before"])

@@ -1,8 +1,8 @@
 """Updates of weights on a GPU through the real daemon and the Python package: a resident model on
 cuda:0 and one streamed through cuda:0 under a limit from host copies each equal a fresh load of
 the updated checkpoint after an update from a memfd and from a path; a lease of GPU memory taken
-before an update keeps its values, and a following one gets the new version. Skips without a
-GPU; scripts/gpu-check runs it where there is one."""
+before an update keeps its values, and a following one gets the new version; one that follows in
+place keeps its addresses and sees each update's values there. Skips without a GPU; scripts/gpu-check runs it where there is one."""
 import sys
 from pathlib import Path
 
@@ -69,3 +69,34 @@ def test_a_gpu_lease_keeps_its_values_and_a_following_one_gets_the_update(served
             assert all(torch.equal(new[name].cpu(), served["changed"][name]) for name in served["changed"])
             assert all(torch.equal(kept.state_dict[name], before[name]) for name in before)
         client.update("gpu", served["state"])
+
+
+def test_an_in_place_gpu_lease_keeps_its_addresses_and_sees_each_update(served):
+    with vramd.connect(served["daemon"].sock) as client:
+        client.update("gpu", served["state"])
+        want = client.forward("gpu-fresh", served["inputs"])
+        lease = client.lease("gpu", device="cuda:0", in_place=True)
+        with lease:
+            tensors, version = lease.state_dict, lease.version
+            addresses = {name: t.data_ptr() for name, t in tensors.items()}
+            assert all(torch.equal(tensors[name].cpu(), served["state"][name]) for name in served["changed"])
+            # A lease that keeps its values cannot share memory that updates write into.
+            with pytest.raises(vramd.DaemonError, match="is leased in place by lease") as refused:
+                client.lease("gpu", device="cuda:0")
+            assert refused.value.status == 409
+            used = client.status()["devices"]["cuda:0"]["used"]
+            client.update("gpu", served["changed"])  # from a memfd
+            assert client.status()["devices"]["cuda:0"]["used"] == used  # written where the lease reads: no room beside
+            assert lease.wait_update(timeout=60) is tensors
+            assert lease.version == version + 1
+            assert {name: t.data_ptr() for name, t in tensors.items()} == addresses
+            assert all(torch.equal(tensors[name].cpu(), served["changed"][name]) for name in served["changed"])
+            assert equal(client.forward("gpu", served["inputs"]), want)
+            client.update("gpu", served["original"])  # a path: read into host memory and checked, then written
+            lease.wait_update(timeout=60)
+            assert lease.version == version + 2
+            assert all(torch.equal(tensors[name].cpu(), served["state"][name]) for name in served["state"])
+        with client.lease("gpu", device="cuda:0"), pytest.raises(vramd.DaemonError, match="keeps its values") as refused:
+            client.lease("gpu", device="cuda:0", in_place=True)
+        assert refused.value.status == 409
+        client.unload("gpu-fresh")
