@@ -4,6 +4,9 @@ fresh process:
 
     vramd        vramd.manage: the daemon holds the weights once (architecture "weights" with a
                  [vram] table); the process builds the module on the meta device and leases them
+    vramd-lean   the same under a limit of twice the largest unit's bytes: about what the peers
+                 hold at once (one module's weights), where vramd otherwise fills its limit with
+                 units that stay (one process; its host memory is vramd's)
     accelerate   accelerate.cpu_offload: the process loads the checkpoint into host memory, and
                  every module's weights move to DEVICE for each call (diffusers' sequential offload)
     diffsynth    DiffSynth-Studio's enable_vram_management: every Linear, Conv2d, GroupNorm and
@@ -64,7 +67,7 @@ def inputs(device, dtype):
     return sample, states
 
 
-def contender(kind, folder, device, forwards, limit, hold):
+def contender(kind, folder, device, forwards, limit, hold, lean_limit):
     """Runs in its own process: set up, first output, timed forwards."""
     import torch
     import diffusers
@@ -77,11 +80,12 @@ def contender(kind, folder, device, forwards, limit, hold):
     context = time.perf_counter()
     anonymous, _ = memory()
     sample, states = inputs(device, dtype)
-    if kind == "vramd":
+    if kind.startswith("vramd"):
         import vramd
         with torch.device("meta"):  # no buffers made in __init__: nothing to keep real
             model = diffusers.UNet2DConditionModel(**CONFIG).eval()
-        managed = vramd.manage(model, "unet", device=device, dtype=dtype)
+        managed = vramd.manage(model, "unet", device=device, dtype=dtype,
+                               limit=lean_limit if kind == "vramd-lean" else None)
     else:
         from safetensors.torch import load_file
         model = diffusers.UNet2DConditionModel(**CONFIG).eval()
@@ -135,7 +139,7 @@ def contender(kind, folder, device, forwards, limit, hold):
                # and offloading), the first forward
                "phases": {"context": context - imported, "ready": ready - context, "first_forward": times[0]},
                "peak": torch.cuda.max_memory_allocated(device) if gpu else grown - anonymous, "pss": pss}
-    if kind == "vramd":
+    if kind.startswith("vramd"):
         figures["managed"] = managed.stats()
     print(json.dumps(figures), flush=True)
     if hold:
@@ -144,7 +148,8 @@ def contender(kind, folder, device, forwards, limit, hold):
 
 def run(args, kind, hold=False):
     command = [sys.executable, __file__, "--workdir", args.workdir, "--device", args.device, "--forwards",
-               str(args.forwards), "--limit", str(args.limit), "--contender", kind] + (["--hold"] if hold else [])
+               str(args.forwards), "--limit", str(args.limit), "--lean-limit", str(args.lean_limit), "--contender",
+               kind] + (["--hold"] if hold else [])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -172,17 +177,18 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workdir", default="/tmp/vramd-bench")
     parser.add_argument("--forwards", type=int, default=5)
-    parser.add_argument("--contenders", default="vramd,accelerate,diffsynth",
-                        help="which to run, comma-separated (default: all three)")
+    parser.add_argument("--contenders", default="vramd,vramd-lean,accelerate,diffsynth",
+                        help="which to run, comma-separated (default: all)")
     parser.add_argument("--processes", type=int, default=3, help="processes holding the model at once for the PSS")
     parser.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--lean-limit", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     folder = Path(args.workdir) / "unet"
     if args.contender:
-        contender(args.contender, folder, args.device, args.forwards, args.limit, args.hold)
+        contender(args.contender, folder, args.device, args.forwards, args.limit, args.hold, args.lean_limit)
         return
 
     import torch
@@ -190,9 +196,13 @@ def main():
     if not (folder / "diffusion_pytorch_model.safetensors").exists():
         torch.manual_seed(0)
         diffusers.UNet2DConditionModel(**CONFIG).save_pretrained(folder, safe_serialization=True)
-    size = sum(p.numel() for p in diffusers.UNet2DConditionModel(**CONFIG).parameters())
-    computed = size * (2 if args.device.startswith("cuda") else 4)
-    args.limit = computed // 4
+    with torch.device("meta"):
+        unet = diffusers.UNet2DConditionModel(**CONFIG)
+    size = sum(p.numel() for p in unet.parameters())
+    element = 2 if args.device.startswith("cuda") else 4
+    args.limit = size * element // 4
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in unet.modules()) * element
+    args.lean_limit = 2 * largest
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -221,7 +231,8 @@ def main():
             for kind in args.contenders.split(","):
                 try:
                     results[kind] = one(args, kind)
-                    results[kind]["pss_processes"] = held_together(args, kind)
+                    if kind != "vramd-lean":  # its host memory is vramd's
+                        results[kind]["pss_processes"] = held_together(args, kind)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is said, the others go on
                     results[kind] = {"error": str(e)}
         finally:
@@ -230,7 +241,8 @@ def main():
 
     mib = 1 << 20
     print(f"UNet2DConditionModel, {size * 2 / mib:.1f} MiB at rest in bfloat16, computed in {compute} on {args.device} "
-          f"under a limit of {args.limit / mib:.1f} MiB (a quarter), {args.forwards} forwards, {os.cpu_count()} cores")
+          f"under a limit of {args.limit / mib:.1f} MiB (a quarter; vramd-lean {args.lean_limit / mib:.1f} MiB, twice the "
+          f"largest unit), {args.forwards} forwards, {os.cpu_count()} cores")
     for kind, r in results.items():
         if "error" in r:
             print(f"  {kind:11s} failed: {r['error']}")
@@ -238,23 +250,30 @@ def main():
         print(f"  {kind:11s} forward {r['forward_median_seconds']:.3f} s, peak {r['peak'] / mib:7.1f} MiB, first output "
               f"{r['first_output_seconds']:.2f} s from the process's start ({r['after_imports_seconds']:.2f} s after "
               f"torch and diffusers are imported: context {r['phases']['context']:.2f} s, module ready "
-              f"{r['phases']['ready']:.2f} s, first forward {r['phases']['first_forward']:.2f} s), "
-              f"{args.processes} processes' PSS {r['pss_processes'] / mib:.1f} MiB")
-    v = results.get("vramd", {})
+              f"{r['phases']['ready']:.2f} s, first forward {r['phases']['first_forward']:.2f} s)"
+              + (f", {args.processes} processes' PSS {r['pss_processes'] / mib:.1f} MiB" if "pss_processes" in r else ""))
+    v, lean = results.get("vramd", {}), results.get("vramd-lean", {})
     for kind in ("accelerate", "diffsynth"):
         r = results.get(kind, {})
-        if "error" in v or "error" in r or not r:
+        if "error" in r or not r:
             continue
-        print(f"vramd against {kind}: forward {r['forward_median_seconds'] / v['forward_median_seconds']:.2f}x faster, "
-              f"peak {v['peak'] / r['peak']:.2f}x, first output {r['first_output_seconds'] / v['first_output_seconds']:.1f}x "
-              f"sooner ({r['after_imports_seconds'] / v['after_imports_seconds']:.1f}x after the imports), {args.processes} processes' "
-              f"PSS {v['pss_processes'] / r['pss_processes']:.2f}x")
-    if "managed" in v:
-        m = v["managed"]
-        print(f"vramd's manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
-              f"{m['prefetch_hits']} prefetched in time")
+        if v and "error" not in v:
+            print(f"vramd against {kind}: forward {r['forward_median_seconds'] / v['forward_median_seconds']:.2f}x faster, "
+                  f"peak {v['peak'] / r['peak']:.2f}x, first output "
+                  f"{r['first_output_seconds'] / v['first_output_seconds']:.1f}x sooner "
+                  f"({r['after_imports_seconds'] / v['after_imports_seconds']:.1f}x after the imports), "
+                  f"{args.processes} processes' PSS {v['pss_processes'] / r['pss_processes']:.2f}x")
+        if lean and "error" not in lean:
+            print(f"vramd-lean against {kind}: forward {r['forward_median_seconds'] / lean['forward_median_seconds']:.2f}x "
+                  f"faster, peak {lean['peak'] / r['peak']:.2f}x")
+    for kind, r in ((kind, results.get(kind, {})) for kind in ("vramd", "vramd-lean")):
+        if "managed" in r:
+            m = r["managed"]
+            print(f"{kind}'s manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
+                  f"{m['prefetch_hits']} prefetched in time")
     if args.json:
-        Path(args.json).write_text(json.dumps({"size_bytes": size * 2, "limit": args.limit, "device": args.device,
+        Path(args.json).write_text(json.dumps({"size_bytes": size * 2, "limit": args.limit, "lean_limit": args.lean_limit,
+                                               "device": args.device,
                                                "processes": args.processes,
                                                "results": results}, indent=1))
 
