@@ -21,7 +21,7 @@ the host memory of three such processes at once (the sum of their PSS).
 On the CPU accelerate's and DiffSynth's offloads have nowhere to move weights to: their figures
 are their whole-model runs, vramd's the managed one.
 
-    .venv/bin/python bench/manage.py [--device cuda:0] [--workdir /tmp/vramd-bench] [--forwards 5]
+    .venv/bin/python bench/manage.py [--device cuda:0] [--unet small|sd15] [--workdir /tmp/vramd-bench] [--forwards 5]
                                      [--contenders vramd,accelerate,diffsynth] [--processes 3] [--json FILE]
 
 See docs/benchmarks.md.
@@ -42,10 +42,18 @@ sys.path.insert(0, str(ROOT / "python"))
 
 VRAMD = ROOT / "build" / "bin" / "vramd"
 STARTED = time.perf_counter()  # the process's start, as near as Python sees it
-CONFIG = dict(sample_size=32, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(128, 256, 512),
-              down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-              up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=256,
-              attention_head_dim=8, norm_num_groups=32)
+# --unet: the small UNet (136 MiB in bfloat16), or Stable Diffusion 1.5's shape (1.6 GiB), where
+# reading and casting the weights is what a new process pays.
+UNETS = {
+    "small": dict(sample_size=32, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(128, 256, 512),
+                  down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=256,
+                  attention_head_dim=8, norm_num_groups=32),
+    "sd15": dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=768,
+                 attention_head_dim=8, norm_num_groups=32),
+}
 
 
 def memory():
@@ -59,15 +67,15 @@ def memory():
     return fields["Anonymous:"], fields["Pss:"]
 
 
-def inputs(device, dtype):
+def inputs(device, dtype, config):
     import torch
     g = torch.Generator().manual_seed(0)
     sample = torch.randn(1, 4, 32, 32, generator=g).to(device, dtype)
-    states = torch.randn(1, 8, 256, generator=g).to(device, dtype)
+    states = torch.randn(1, 8, config["cross_attention_dim"], generator=g).to(device, dtype)
     return sample, states
 
 
-def contender(kind, folder, device, forwards, limit, hold, lean_limit):
+def contender(kind, folder, config, device, forwards, limit, hold, lean_limit):
     """Runs in its own process: set up, first output, timed forwards."""
     import torch
     import diffusers
@@ -79,16 +87,16 @@ def contender(kind, folder, device, forwards, limit, hold, lean_limit):
         torch.zeros(1, device=device)  # the CUDA context, before what is measured
     context = time.perf_counter()
     anonymous, _ = memory()
-    sample, states = inputs(device, dtype)
+    sample, states = inputs(device, dtype, config)
     if kind.startswith("vramd"):
         import vramd
         with torch.device("meta"):  # no buffers made in __init__: nothing to keep real
-            model = diffusers.UNet2DConditionModel(**CONFIG).eval()
+            model = diffusers.UNet2DConditionModel(**config).eval()
         managed = vramd.manage(model, "unet", device=device, dtype=dtype,
                                limit=lean_limit if kind == "vramd-lean" else None)
     else:
         from safetensors.torch import load_file
-        model = diffusers.UNet2DConditionModel(**CONFIG).eval()
+        model = diffusers.UNet2DConditionModel(**config).eval()
         model.load_state_dict(load_file(str(folder / "diffusion_pytorch_model.safetensors")))
         model.to(torch.bfloat16)  # at rest in host memory in bfloat16, as vramd's
         if kind == "accelerate":
@@ -147,7 +155,7 @@ def contender(kind, folder, device, forwards, limit, hold, lean_limit):
 
 
 def run(args, kind, hold=False):
-    command = [sys.executable, __file__, "--workdir", args.workdir, "--device", args.device, "--forwards",
+    command = [sys.executable, __file__, "--workdir", args.workdir, "--unet", args.unet, "--device", args.device, "--forwards",
                str(args.forwards), "--limit", str(args.limit), "--lean-limit", str(args.lean_limit), "--contender",
                kind] + (["--hold"] if hold else [])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -177,6 +185,7 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workdir", default="/tmp/vramd-bench")
     parser.add_argument("--forwards", type=int, default=5)
+    parser.add_argument("--unet", choices=sorted(UNETS), default="small", help="the model's shape (default: small)")
     parser.add_argument("--contenders", default="vramd,vramd-lean,accelerate,diffsynth",
                         help="which to run, comma-separated (default: all)")
     parser.add_argument("--processes", type=int, default=3, help="processes holding the model at once for the PSS")
@@ -186,18 +195,19 @@ def main():
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    folder = Path(args.workdir) / "unet"
+    folder = Path(args.workdir) / ("unet" if args.unet == "small" else f"unet-{args.unet}")
+    config = UNETS[args.unet]
     if args.contender:
-        contender(args.contender, folder, args.device, args.forwards, args.limit, args.hold, args.lean_limit)
+        contender(args.contender, folder, config, args.device, args.forwards, args.limit, args.hold, args.lean_limit)
         return
 
     import torch
     import diffusers
     if not (folder / "diffusion_pytorch_model.safetensors").exists():
         torch.manual_seed(0)
-        diffusers.UNet2DConditionModel(**CONFIG).save_pretrained(folder, safe_serialization=True)
+        diffusers.UNet2DConditionModel(**config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     with torch.device("meta"):
-        unet = diffusers.UNet2DConditionModel(**CONFIG)
+        unet = diffusers.UNet2DConditionModel(**config)
     size = sum(p.numel() for p in unet.parameters())
     element = 2 if args.device.startswith("cuda") else 4
     args.limit = size * element // 4
@@ -240,7 +250,7 @@ def main():
             daemon.wait(60)
 
     mib = 1 << 20
-    print(f"UNet2DConditionModel, {size * 2 / mib:.1f} MiB at rest in bfloat16, computed in {compute} on {args.device} "
+    print(f"UNet2DConditionModel ({args.unet}), {size * 2 / mib:.1f} MiB at rest in bfloat16, computed in {compute} on {args.device} "
           f"under a limit of {args.limit / mib:.1f} MiB (a quarter; vramd-lean {args.lean_limit / mib:.1f} MiB, twice the "
           f"largest unit), {args.forwards} forwards, {os.cpu_count()} cores")
     for kind, r in results.items():
