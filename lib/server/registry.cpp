@@ -675,16 +675,8 @@ void Registry::refresh(Entry& entry, Lease& lease) {
   if (lease.in_place) {
     // The update wrote where the lease reads, and its writes were done on the device before it
     // answered: the version's number is all there is to send.
-    const std::string what = "lease " + std::to_string(lease.id) + " of " + entry.name;
     const json line = {{"model", entry.name}, {"lease", lease.id}, {"version", entry.version}, {"in_place", true}};
-    if (!lease.channel || !lease.channel->send(json_line(line), {})) {
-      log::warn(what + ": its client has not taken what was sent before, or is gone; it no longer follows");
-      lease.follow = false;
-      return;
-    }
-    lease.sent = entry.version;
-    log::info(what + ": version " + std::to_string(lease.sent) + " written in place");
-    return;
+    return send_version(entry, lease, entry.version, json_line(line), {});
   }
   Job job(Job::Kind::Lease);
   job.device = lease.device;
@@ -711,13 +703,20 @@ void Registry::send_refresh(Entry& entry, const Job& job, const Outcome& outcome
   }
   std::vector<int> fds;
   for (const auto& region : outcome.manifest->regions) fds.push_back(region.fd.get());
-  if (!lease.channel || !lease.channel->send(json_line(manifest_json(*outcome.manifest, entry.name, lease.id)), fds)) {
+  send_version(entry, lease, outcome.manifest->version, json_line(manifest_json(*outcome.manifest, entry.name, lease.id)),
+               fds);
+}
+
+void Registry::send_version(const Entry& entry, Lease& lease, uint64_t version, const std::string& line,
+                            const std::vector<int>& fds) {
+  const std::string what = "lease " + std::to_string(lease.id) + " of " + entry.name;
+  if (!lease.channel || !lease.channel->send(line, fds)) {
     log::warn(what + ": its client has not taken what was sent before, or is gone; it no longer follows");
     lease.follow = false;
     return;
   }
-  lease.sent = outcome.manifest->version;
-  log::info(what + ": version " + std::to_string(lease.sent) + " sent");
+  lease.sent = version;
+  log::info(what + ": version " + std::to_string(version) + " sent" + (lease.in_place ? " (written in place)" : ""));
 }
 
 bool Registry::hear(const std::string& name, uint64_t id, std::string_view data) {

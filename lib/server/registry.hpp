@@ -167,6 +167,10 @@ class Registry {
   // That job for one lease, if it follows, has taken the version sent before and is behind.
   void refresh(Entry& entry, Lease& lease);
   void send_refresh(Entry& entry, const Job& job, const Outcome& outcome);
+  // `line` (and `fds`) to a following lease as its `version`; a client that has not taken the
+  // version before, or is gone, follows no more.
+  void send_version(const Entry& entry, Lease& lease, uint64_t version, const std::string& line,
+                    const std::vector<int>& fds);
   void end_lease(const std::string& name, uint64_t id);
   // A lease's client speaks: {"peak": N} lines, the most it has used of its reservation. False
   // (the lease ends, with a warning) for anything else.
