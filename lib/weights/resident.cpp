@@ -156,17 +156,17 @@ bool own_alone(const at::Tensor& value) {
          value.is_contiguous();
 }
 
-// A value in GPU memory that a lease shares (a cuda::VmmRegion, made from_blob without an
-// allocator): WeightUpdate::shared_in_place writes it where it is.
-bool in_gpu_region(const at::Tensor& value) {
-  return !value.is_cpu() && value.storage().allocator() == nullptr && value.is_contiguous();
-}
+// A contiguous view of shared memory: made from_blob, without an allocator (a region, a memfd).
+bool shared_view(const at::Tensor& value) { return value.is_contiguous() && value.storage().allocator() == nullptr; }
 
-// A value that a weight may keep as it is (WeightUpdate::adopt): a view of shared memory (from_blob,
-// without an allocator), laid out as the weight is held and where it is held.
+// A value in GPU memory that a lease shares (a cuda::VmmRegion): WeightUpdate::shared_in_place
+// writes it where it is.
+bool in_gpu_region(const at::Tensor& value) { return !value.is_cpu() && shared_view(value); }
+
+// A value that a weight may keep as it is (WeightUpdate::adopt): a view of shared memory laid
+// out as the weight is held and where it is held.
 bool adoptable(const at::Tensor& now, const at::Tensor& value) {
-  return value.device() == now.device() && value.scalar_type() == now.scalar_type() && value.is_contiguous() &&
-         value.storage().allocator() == nullptr;
+  return value.device() == now.device() && value.scalar_type() == now.scalar_type() && shared_view(value);
 }
 
 }  // namespace
