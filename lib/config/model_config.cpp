@@ -160,8 +160,8 @@ std::string dtype_str(const Dtype& dtype) { return dtype ? std::string(storage::
 
 bool rests_for_clients(const ModelConfig& config) {
   const VramConfig& vram = config.vram;
-  return config.architecture == "weights" &&
-         (vram.limit || vram.preparing.dtype != vram.computation.dtype || vram.onload.dtype != vram.computation.dtype);
+  return config.architecture == "weights" && (vram.limit || vram.preparing.dtype != vram.computation.dtype ||
+                                              vram.onload.dtype != vram.computation.dtype || vram.onload.packed == true);
 }
 
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon) {
@@ -231,10 +231,12 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   config.keep_prefix = root.boolean("keep_prefix").value_or(false);
   config.strict = root.boolean("strict").value_or(true);
 
-  // A GGUF file's names are llama.cpp's: the shipped gguf.lua makes them Hugging Face's.
+  // A GGUF file's names are llama.cpp's: the shipped gguf.lua makes them Hugging Face's, for a
+  // family vramd runs. A "weights" model takes the file's own (a diffusion model's GGUF keeps
+  // the module's names).
   const bool gguf = config.checkpoint.size() == 1 && config.checkpoint[0].ends_with(".gguf");
   auto converter = root.string("converter");
-  if (!converter && gguf) converter = "gguf.lua";
+  if (!converter && gguf && config.architecture != "weights") converter = "gguf.lua";
   if (converter && !converter->empty()) {  // "": the checkpoint's own names, a GGUF file's too
     const auto found = find_script(*converter, folder, daemon.converters);
     if (!found) {

@@ -77,9 +77,10 @@ struct ModelConfig {
   std::string arch_json;  // the [arch] overrides as a JSON object ("{}" when none)
 };
 
-// A model of architecture "weights" with a [vram] table that streams (a limit, or a state in a
-// dtype other than the computation's): the daemon computes nothing with it, so its weights rest
-// in host memory, in the onload state's dtype, for the clients that lease and manage it
+// A model of architecture "weights" with a [vram] table that streams (a limit, a state in a
+// dtype other than the computation's, or GGUF blocks kept packed): the daemon computes nothing
+// with it, so its weights rest in host memory, in the onload state's dtype (GGUF blocks packed
+// where it keeps them so), for the clients that lease and manage it
 // (python/vramd/manage.py), each streaming them through its own device under the limit.
 bool rests_for_clients(const ModelConfig& config);
 

@@ -116,7 +116,9 @@ Hyperparams Hyperparams::for_checkpoint(const std::string& folder, const std::st
 Hyperparams Hyperparams::for_model(const config::ModelConfig& config, const storage::DiskMap& map) {
   const auto& first = map.files()[0];
   const fs::path folder = fs::path(first.path).parent_path();
-  if (first.format == storage::FileFormat::Gguf)
+  // A "weights" model of a GGUF file's own names needs none of its metadata (and its
+  // general.architecture may be any model's).
+  if (first.format == storage::FileFormat::Gguf && (config.architecture != "weights" || !config.converter.empty()))
     return for_checkpoint(folder.string(), config.arch_json, config.path, gguf_config_json(map),
                           "the GGUF metadata of " + first.path);
   // Meta's own folders have params.json where Hugging Face's have config.json.

@@ -51,9 +51,11 @@ json manifest_json(const weights::Manifest& manifest, const std::string& model, 
     regions.push_back({{"kind", region.kind}, {"size", region.size}});
     if (!region.path.empty()) regions.back()["path"] = region.path;
   }
-  for (const auto& t : manifest.tensors)
+  for (const auto& t : manifest.tensors) {
     tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"strides", t.strides},
                        {"region", t.region ? json(*t.region) : json(nullptr)}, {"offset", t.offset}});
+    if (!t.packed.empty()) tensors.back()["packed"] = {{"type", t.packed}, {"shape", t.unpacked_shape}};
+  }
   json out = {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
               {"bytes", manifest.bytes}, {"version", manifest.version}, {"regions", regions}, {"tensors", tensors}};
   if (const auto& plan = manifest.plan) {

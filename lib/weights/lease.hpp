@@ -43,13 +43,17 @@ struct LeaseTensor {
   std::vector<int64_t> shape, strides;  // strides in elements
   std::optional<size_t> region;  // none for a tensor with no elements
   uint64_t offset = 0;           // bytes into the region
+  // A weight held as GGUF blocks (a model that rests for its clients packed): their type ("Q4_K")
+  // and the values' shape. `dtype` is then uint8 and `shape` the blocks' bytes' (packed_shape).
+  std::string packed;
+  std::vector<int64_t> unpacked_shape;
 };
 
 // A unit of residency for a client's manager: one weight-holding module and its tensors.
 struct ManagedUnit {
   std::string name;                  // the module: "down_blocks.0.resnets.1.conv1"
   std::vector<std::string> tensors;  // its tensors' names, as in the manifest
-  uint64_t resting = 0;              // bytes as leased (the onload dtype)
+  uint64_t resting = 0;              // bytes as leased (the onload dtype, or packed GGUF blocks)
   uint64_t computed = 0;             // bytes in the computation dtype
 };
 

@@ -51,12 +51,21 @@ std::pair<std::vector<model::Parameter*>, uint64_t> unplaced(const model::Loaded
 // once in manifest.bytes).
 template <typename Place>
 void describe(const model::LoadedModel& loaded, const std::string& name, Manifest& manifest, const Place& place) {
+  std::map<const model::Parameter*, storage::DType> blocks;  // of the weights held packed
+  if (loaded.source)
+    for (const auto& a : loaded.source->assignments)
+      if (a.block) blocks.emplace(a.parameter, *a.block);
   for (const auto* p : loaded.model->parameters()) {
     const at::Tensor& value = value_of(*p);
     if (!value.defined() || value.is_meta()) continue;  // missing from the checkpoint (strict = false)
     LeaseTensor tensor{p->name, convert::dtype_torch_name(storage::dtype_of(value.scalar_type())),
                        std::vector<int64_t>(value.sizes().begin(), value.sizes().end()),
-                       std::vector<int64_t>(value.strides().begin(), value.strides().end()), std::nullopt, 0};
+                       std::vector<int64_t>(value.strides().begin(), value.strides().end()), std::nullopt, 0, {}, {}};
+    const auto block = blocks.find(p->tied ? p->tied : p);
+    if (value.scalar_type() == kPacked && block != blocks.end()) {
+      tensor.packed = storage::dtype_name(block->second);
+      tensor.unpacked_shape = p->shape;
+    }
     if (!p->tied) manifest.bytes += value.nbytes();
     if (value.numel() > 0) {
       const std::optional<Placement> placement = place(value);

@@ -26,8 +26,10 @@ ResidentWeights::ResidentWeights(model::Model& model, std::shared_ptr<Source> so
       awake_(config::rests_for_clients(config)
                  ? config::DeviceState{config::Device::named("cpu"), states_.onload.dtype.value_or(storage::dtype_of(model.dtype()))}
                  : config::DeviceState{states_.computation.device, storage::dtype_of(model.dtype())}),
-      zero_copy_(options.zero_copy) {
-  read_all(torch_device(awake_.device), storage::scalar_type(*awake_.dtype), &options, &zero_copy);
+      zero_copy_(options.zero_copy),
+      packed_awake_(config::rests_for_clients(config) && packed_state(states_.onload, config)),
+      packed_offload_(config::rests_for_clients(config) && packed_state(states_.offload, config)) {
+  read_all(torch_device(awake_.device), storage::scalar_type(*awake_.dtype), packed_awake_, &options, &zero_copy);
   for (const auto& layer : model.layers()) layer->set_manager(this);
 }
 
@@ -39,17 +41,17 @@ std::vector<at::Tensor> ResidentWeights::acquire(const model::Layer& layer) { re
 
 void ResidentWeights::release(const model::Layer&) {}
 
-// Every assigned weight, in checkpoint order, straight into `device` and `dtype`. Returns the
-// bytes read. On a GPU, weights are read in groups (Source::read_into): those the checkpoint
-// holds as they are computed through pinned staging buffers with many reads in flight
-// (storage::DeviceStaging), the rest through host memory; progress is told as each group is on
-// the device.
-uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options,
-                                   size_t* zero_copy) {
+// Every assigned weight, in checkpoint order, straight into `device` and `dtype` (GGUF blocks
+// kept as their packed bytes where `packed`). Returns the bytes read. On a GPU, weights are read
+// in groups (Source::read_into): those the checkpoint holds as they are computed through pinned
+// staging buffers with many reads in flight (storage::DeviceStaging), the rest through host
+// memory; progress is told as each group is on the device.
+uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, bool packed,
+                                   const model::LoadOptions* options, size_t* zero_copy) {
   constexpr uint64_t kGroupBytes = 512u << 20;
   model::Progress progress;
   progress.tensors_total = source_->assignments.size();
-  for (const auto& a : source_->assignments) progress.bytes_total += a.parameter->elements() * c10::elementSize(dtype);
+  for (const auto& a : source_->assignments) progress.bytes_total += held_bytes(a, held_dtype(a, dtype, packed));
   const bool views = zero_copy_ && device.is_cpu() && !source_->direct;  // views are read through the page cache
   const auto& map = source_->map;
   auto done = [&](const Assignment& a) {
@@ -76,14 +78,15 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
     for (const Assignment* a : std::exchange(group, {})) done(*a);
   };
   for (const auto& a : source_->assignments) {
+    const c10::ScalarType held = held_dtype(a, dtype, packed);
     if (staging) {
-      a.parameter->value = at::empty(a.parameter->shape, at::TensorOptions().device(device).dtype(dtype));
+      a.parameter->value = at::empty(held_shape(a, held), at::TensorOptions().device(device).dtype(held));
       group.push_back(&a);
       outs.push_back(a.parameter->value);
       if ((group_bytes += a.parameter->value.nbytes()) >= kGroupBytes) read_group();
       continue;
     }
-    const at::Tensor value = source_->read(a, device, dtype, views);
+    const at::Tensor value = source_->read(a, device, held, views);
     if (zero_copy && views && a.expr->op == convert::Expr::Op::Source &&
         value.const_data_ptr() == map.bytes(map.at(a.expr->source, a.expr->shard)).first.data())
       ++*zero_copy;
@@ -94,11 +97,15 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, co
   return progress.bytes_done;
 }
 
-// Every weight to `state`; "auto" keeps each weight's dtype. Returns the bytes moved or read.
-uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
+// Every weight to `state` (GGUF blocks kept packed where `packed`); "auto" keeps each weight's
+// dtype, and unpacks packed bytes into the awake one. Returns the bytes moved or read.
+uint64_t ResidentWeights::move_to(const config::DeviceState& state, bool packed) {
   const auto& assignments = source_->assignments;
   const bool released = std::any_of(assignments.begin(), assignments.end(),
                                     [](const Assignment& a) { return a.parameter->value.is_meta(); });
+  const auto unpacked = [&](const at::Tensor& value) {
+    return value.scalar_type() == kPacked ? storage::scalar_type(*awake_.dtype) : value.scalar_type();
+  };
   uint64_t bytes = 0;
   if (state.device.is_disk()) {
     for (const auto& a : assignments) {
@@ -107,7 +114,7 @@ uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
       bytes += value.nbytes();
       value = updated_.count(a.parameter)
                   ? value.to(c10::kCPU)  // in no checkpoint: kept on the host
-                  : at::empty(a.parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(value.scalar_type()));
+                  : at::empty(a.parameter->shape, at::TensorOptions().device(c10::kMeta).dtype(unpacked(value)));
     }
     return bytes;
   }
@@ -117,23 +124,24 @@ uint64_t ResidentWeights::move_to(const config::DeviceState& state) {
     for (const auto& a : assignments)
       if (updated_.count(a.parameter)) kept.emplace_back(a.parameter, a.parameter->value);
     const auto dtype = state_dtype(state.dtype, assignments.front().parameter->value.scalar_type());
-    bytes = read_all(device, dtype, nullptr, nullptr);
+    bytes = read_all(device, dtype, packed, nullptr, nullptr);
     for (auto& [parameter, value] : kept) parameter->value = value.to(device, dtype);
     return bytes;
   }
   for (const auto& a : assignments) {
     at::Tensor& value = a.parameter->value;
-    const auto dtype = state_dtype(state.dtype, value.scalar_type());
-    if (value.device() == device && value.scalar_type() == dtype) continue;
-    value = value.to(device, dtype);
+    // An updated weight is in no checkpoint, which packed bytes would be read from again.
+    const auto held = held_dtype(a, state_dtype(state.dtype, unpacked(value)), packed && !updated_.count(a.parameter));
+    if (value.device() == device && value.scalar_type() == held) continue;
+    value = source_->convert(a, value, device, held);
     bytes += value.nbytes();
   }
   return bytes;
 }
 
-uint64_t ResidentWeights::sleep() { return move_to(states_.offload); }
+uint64_t ResidentWeights::sleep() { return move_to(states_.offload, packed_offload_); }
 
-uint64_t ResidentWeights::wake() { return move_to(awake_); }
+uint64_t ResidentWeights::wake() { return move_to(awake_, packed_awake_); }
 
 std::optional<model::VramStats> ResidentWeights::stats() const { return std::nullopt; }
 
@@ -171,8 +179,10 @@ bool adoptable(const at::Tensor& now, const at::Tensor& value) {
 
 }  // namespace
 
-void ResidentWeights::update(const std::string&, const WeightUpdate& update) {
+void ResidentWeights::update(const std::string& model, const WeightUpdate& update) {
   const auto& values = update.values;
+  for (const auto& [parameter, value] : values)
+    if (parameter->value.scalar_type() == kPacked) throw packed_not_updatable(model, parameter->name);
   if (update.adopt && std::all_of(values.begin(), values.end(),
                                   [](const auto& v) { return adoptable(v.first->value, v.second); })) {
     if (update.check) update.check();

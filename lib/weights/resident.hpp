@@ -2,7 +2,8 @@
 // awake, each op using its layer's own values. On the CPU, weights whose checkpoint bytes
 // already have the right dtype and alignment are views of the file's mapping, not copies. A model
 // that rests for its clients (config::rests_for_clients) holds them in its onload state's dtype
-// on the host instead, for the leases its clients manage.
+// on the host instead (GGUF blocks packed, as the state's `packed` says), for the leases its
+// clients manage.
 #pragma once
 
 #include <cstddef>
@@ -36,14 +37,18 @@ class ResidentWeights final : public Weights {
   std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>& bytes) override;
 
  private:
-  uint64_t read_all(c10::Device device, c10::ScalarType dtype, const model::LoadOptions* options, size_t* zero_copy);
-  uint64_t move_to(const config::DeviceState& state);
+  uint64_t read_all(c10::Device device, c10::ScalarType dtype, bool packed, const model::LoadOptions* options,
+                    size_t* zero_copy);
+  uint64_t move_to(const config::DeviceState& state, bool packed);
 
   model::Model& model_;
   std::shared_ptr<Source> source_;
   config::VramConfig states_;
   config::DeviceState awake_;  // where the weights are while the model is awake
   bool zero_copy_;
+  // GGUF blocks held as their packed bytes awake and asleep: only by a model that rests for its
+  // clients, who unpack them (a model the daemon computes streams packed weights instead).
+  bool packed_awake_, packed_offload_;
   // Parameters an update gave values no checkpoint holds: asleep on disk, they stay on the host.
   std::set<const model::Parameter*> updated_;
   std::vector<at::Tensor> replaced_;  // the values before an update, until take_replaced

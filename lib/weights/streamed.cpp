@@ -733,9 +733,7 @@ void StreamedWeights::update(const std::string& model, const WeightUpdate& updat
       const bool packed = slot->host       ? false
                           : slot->resident ? slot->forms[i] == kPacked
                                            : held_dtype(*slot->parts[i], onload_dtype, onload_packed_) == kPacked;
-      if (packed)
-        throw NotUpdatable("model " + quote(model) + " holds " + quote(parameter->name) + " as packed GGUF blocks, " +
-                           "which take no update of plain values: keep them unpacked (packed = false) to update it");
+      if (packed) throw packed_not_updatable(model, parameter->name);
     }
   std::vector<at::Tensor> values;
   for (const auto& [parameter, value] : update.values)

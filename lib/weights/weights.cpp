@@ -56,7 +56,7 @@ namespace {
 
 // A model that rests for its clients (managed_plan): each client computes one unit whole at a
 // time, so the limit must hold the largest in the computation dtype.
-model::VramStats plan_for_clients(const model::Model& model, const config::ModelConfig& config) {
+model::VramStats plan_for_clients(const model::Model& model, const Source& source, const config::ModelConfig& config) {
   const ManagedPlan plan = managed_plan(model, config);
   model::VramStats stats;
   stats.limit = plan.limit.value_or(0);
@@ -70,8 +70,10 @@ model::VramStats plan_for_clients(const model::Model& model, const config::Model
     fail(config.path, "vram.limit = " + format_bytes(stats.limit) + " cannot hold the largest unit (" +
                           format_bytes(largest) + " in " + plan.dtype +
                           "), which each client that manages the model computes whole; raise it to at least that");
+  const bool packed = packed_state(config.vram.onload, config) &&
+                      std::any_of(source.assignments.begin(), source.assignments.end(), [](const Assignment& a) { return a.block; });
   stats.plan = "rests in host memory in " + storage::torch_name(state_dtype(config.vram.onload.dtype, model.dtype())) +
-               " for the clients that manage it: " + counted(stats.slots, "unit") + ", the largest " +
+               (packed ? " and packed GGUF blocks" : "") + " for the clients that manage it: " + counted(stats.slots, "unit") + ", the largest " +
                format_bytes(largest) + " in " + plan.dtype + " on " + plan.device +
                (stats.limit ? "; limit " + format_bytes(stats.limit) : "");
   return stats;
@@ -79,11 +81,16 @@ model::VramStats plan_for_clients(const model::Model& model, const config::Model
 
 }  // namespace
 
+NotUpdatable packed_not_updatable(const std::string& model, const std::string& weight) {
+  return NotUpdatable("model " + quote(model) + " holds " + quote(weight) + " as packed GGUF blocks, which take no " +
+                      "update of plain values: keep them unpacked (packed = false) to update it");
+}
+
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config) {
   if (config.partition.world_size > 1) return std::nullopt;
-  if (config::rests_for_clients(config)) return plan_for_clients(model, config);
   check_packed(source, config);
+  if (config::rests_for_clients(config)) return plan_for_clients(model, source, config);
   if (!streams(model, config)) return std::nullopt;
   return StreamedWeights::plan(model, source, config);
 }

@@ -90,6 +90,9 @@ class NotUpdatable : public Error {
   using Error::Error;
 };
 
+// The refusal of an update to a weight held as packed GGUF blocks, whose values are not plain.
+NotUpdatable packed_not_updatable(const std::string& model, const std::string& weight);
+
 class Weights : public model::LayerWeights {
  public:
   // Sleep: every weight to the config's offload state (released when it is disk); the

@@ -9,11 +9,12 @@
 
 See python/README.md and docs/api.md."""
 from ._errors import DaemonError, DaemonUnreachable
+from ._gguf import Packed, unpack
 from ._socket import default_socket_path, socket_path
 from .client import Client, connect
 from .lease import Lease
 from .manage import Managed, ManageError, manage
 
 __version__ = "0.1.0"
-__all__ = ["Client", "DaemonError", "DaemonUnreachable", "Lease", "ManageError", "Managed", "connect",
-           "default_socket_path", "manage", "socket_path"]
+__all__ = ["Client", "DaemonError", "DaemonUnreachable", "Lease", "ManageError", "Managed", "Packed", "connect",
+           "default_socket_path", "manage", "socket_path", "unpack"]

@@ -20,6 +20,7 @@ import torch
 
 from . import _shape
 from ._errors import ProtocolError
+from ._gguf import Packed, packed_shape
 from ._http import Reader, as_daemon_error, read_body, read_head, refusal, send_request
 from ._safetensors import TORCH_DTYPES
 
@@ -65,6 +66,14 @@ class Lease:
         self.manifest = manifest
         self.state_dict = state_dict
         self.in_place = in_place
+
+    @property
+    def packed(self) -> dict[str, Packed]:
+        """The tensors held as GGUF blocks (a model that rests packed for the clients that manage
+        it): name -> Packed(type, shape). Their `state_dict` tensors are the blocks' bytes, uint8;
+        vramd.unpack(tensor, *lease.packed[name], dtype, device) gives the values."""
+        return {t["name"]: Packed(t["packed"]["type"], tuple(t["packed"]["shape"]))
+                for t in self.manifest["tensors"] if "packed" in t}
 
     @property
     def version(self) -> int:
@@ -261,7 +270,23 @@ def _check_manifest(manifest) -> tuple[list[dict], list[dict], int | None]:
         elif _shape.natural(t, "region", at) >= len(regions):
             raise _shape.NotAsDocumented(f"{at}region {t['region']} is not one of the {len(regions)} regions")
         _shape.natural(t, "offset", at)
+        if "packed" in t:
+            _check_packed(t, at)
     return regions, tensors, ordinal
+
+
+def _check_packed(tensor: dict, at: str) -> None:
+    """Raises unless a tensor held as GGUF blocks is the uint8 bytes of its type's blocks of its values' shape."""
+    packed = tensor["packed"]
+    kind = _shape.field(packed, "type", str, f"{at}packed ")
+    shape = _shape.naturals(packed, "shape", f"{at}packed ")
+    try:
+        expected = list(packed_shape(kind, shape))
+    except ValueError as e:
+        raise _shape.NotAsDocumented(f"{at}packed: {e}") from None
+    if tensor["dtype"] != "uint8" or tensor["shape"] != expected:
+        raise _shape.NotAsDocumented(f"{at}{kind} blocks of {shape} are {tensor['dtype']} {tensor['shape']}, "
+                                     f"not uint8 {expected}")
 
 
 def _describe(region: dict, index: int) -> str:

@@ -7,9 +7,10 @@
     print(managed.stats())
 
 The module is filled from a lease of model NAME (served as `architecture = "weights"`; with a
-[vram] table its weights rest in host memory in their onload dtype, float8 included). Its units
-of residency are the smallest modules that hold parameters directly (or the modules given as
-`units`). A hook before each unit brings its weights to the computation device in the
+[vram] table its weights rest in host memory in their onload dtype, float8 included, and a GGUF
+checkpoint's quantized blocks packed, unpacked on the computation device as each unit comes).
+Its units of residency are the smallest modules that hold parameters directly (or the modules
+given as `units`). A hook before each unit brings its weights to the computation device in the
 computation dtype (the cast runs there, as the daemon's preparing does); the units that fit stay
 there, the others are dropped to make room, the most recently used first (the right choice for a
 model that runs its units in the same order every call), so that the bytes of computation copies
@@ -22,6 +23,7 @@ The lease reserves `limit` on the device from the daemon's budget for it, beside
 for as long as the lease is open (a dead process's ends with its connection)."""
 from __future__ import annotations
 
+import math
 import re
 import threading
 import warnings
@@ -31,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ._gguf import Packed, unpack
 from .client import Client, connect
 from .lease import Lease
 
@@ -55,25 +58,29 @@ def parse_size(size: int | str) -> int:
 class _Slot:
     """One tensor the manager fills: a parameter (one object, whichever modules hold it) or a buffer."""
 
-    def __init__(self, name: str, rest: torch.Tensor, param: bool, places: list, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, name: str, rest: torch.Tensor, packed: Packed | None, param: bool, places: list,
+                 dtype: torch.dtype, device: torch.device):
         self.name = name
         self.rest = rest            # the leased tensor, read-only, as the daemon holds it
+        self.packed = packed        # its GGUF blocks' type and the values' shape, where it rests packed
         self.param = param          # a parameter, else a buffer
         self.places = places        # (module, attribute) wherever the module registers it
-        self.dtype = dtype if rest.is_floating_point() else rest.dtype
+        self.dtype = dtype if rest.is_floating_point() or packed else rest.dtype
         self.device = device
+        shape = packed.shape if packed else rest.shape
         # A view of the leased memory where it can compute as it is: no copy, no bytes.
-        self.in_place = device.type == "cpu" and rest.dtype == self.dtype
-        self.bytes = 0 if self.in_place else rest.numel() * self.dtype.itemsize
-        self.placeholder = torch.empty(rest.shape, dtype=self.dtype, device="meta")  # loud if used unmanaged
+        self.in_place = device.type == "cpu" and rest.dtype == self.dtype and not packed
+        self.bytes = 0 if self.in_place else math.prod(shape) * self.dtype.itemsize
+        self.placeholder = torch.empty(shape, dtype=self.dtype, device="meta")  # loud if used unmanaged
         self.users = 0              # ready units that hold it
 
     def copy(self) -> torch.Tensor:
-        """The tensor in its computation state: moved, then cast on the device."""
+        """The tensor in its computation state: moved, then cast (or unpacked) on the device."""
         if self.in_place:
             return self.rest
         moved = self.rest.to(self.device, non_blocking=True)
+        if self.packed:
+            return unpack(moved, self.packed.type, self.packed.shape, self.dtype)
         return moved if moved.dtype == self.dtype else moved.to(self.dtype)
 
     def put(self, value: torch.Tensor) -> None:
@@ -133,7 +140,7 @@ class Managed:
     # What is managed.
 
     def _plan(self, names: list[str] | None, strict: bool) -> list[_Unit]:
-        leased = self.lease.state_dict
+        leased, packs = self.lease.state_dict, self.lease.packed
         every = dict(self.module.named_modules(remove_duplicate=False))
         # Each parameter and buffer object once, with every name it has and every place it is registered.
         aliases: dict[int, list[str]] = {}
@@ -158,11 +165,12 @@ class Managed:
                     for module, attribute in places:
                         module._buffers[attribute] = tensor.to(self.device)
                 continue
-            rest = leased[name]
-            if tuple(rest.shape) != tuple(tensor.shape):
-                mismatched.append(f"{name!r} is {list(rest.shape)} leased, {list(tensor.shape)} in the module")
+            rest, packed = leased[name], packs.get(name)
+            shape = packed.shape if packed else tuple(rest.shape)
+            if shape != tuple(tensor.shape):
+                mismatched.append(f"{name!r} is {list(shape)} leased, {list(tensor.shape)} in the module")
                 continue
-            slots[key] = _Slot(name, rest, is_param, places, self.dtype, self.device)
+            slots[key] = _Slot(name, rest, packed, is_param, places, self.dtype, self.device)
         unexpected = sorted(set(leased) - {n for key in slots for n in aliases[key]})
         problems = []
         if mismatched:

@@ -1,8 +1,9 @@
 """vramd.manage: any nn.Module built on the meta device, filled from a lease of a model served as
 `architecture = "weights"` whose weights rest in host memory in a dtype of their own (bfloat16,
-float8), each unit's weights brought to the computation device right before it runs under a
+float8, a GGUF file's blocks packed), each unit's weights brought to the computation device right before it runs under a
 limit below the model's size. Witness: the same module loaded whole with the same dtypes (the
-weights rounded through the resting dtype, computed in float32), bit for bit. Also the limit
+weights rounded through the resting dtype, or unpacked by the `gguf` package, computed in
+float32), bit for bit. Also the limit
 counted by the manager, prefetching, errors that name what does not fit, and the room a lease
 holds in the daemon's budget for its client (freed when the client dies)."""
 import json
@@ -14,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save, save_file
@@ -84,6 +86,53 @@ def served(folder, rest, limit):
             f'[vram]\nonload = {{ device = "cpu", dtype = "{rest}" }}\nlimit = {limit}\n')
 
 
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# The float16 scale fields of the K types, which the gguf package cannot quantize into: random
+# blocks with these set to small scales hold finite values.
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def gguf_blocks(kind, values, rng):
+    """`values` (float32 [rows, columns]) as the bytes of GGUF type `kind`: quantized by the gguf
+    package where it can, else random blocks with small scales."""
+    import gguf
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind not in K_SCALES:
+        return gguf.quants.quantize(values, qtype)
+    elements, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (values.size // elements, size), dtype=np.uint8)
+    for offset in K_SCALES[kind]:
+        blocks[:, offset:offset + 2] = rng.uniform(0.001, 0.01, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(values.shape[0], -1)
+
+
+def write_gguf(toy, path):
+    """The toy's weights as a GGUF file, its matrices in each block type in turn and the rest in
+    float32; returns the state dict a whole module loads: the blocks' values as the gguf package
+    unpacks them."""
+    import gguf
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(path, "toy")
+    values, kinds = {}, {}
+    for name, tensor in toy.state_dict().items():
+        if name == "head.weight":
+            continue
+        array = tensor.numpy()
+        if array.ndim == 2:
+            kinds[name] = kind = GGUF_TYPES[len(kinds) % len(GGUF_TYPES)]
+            blocks = gguf_blocks(kind, array, rng)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+            array = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
+        else:
+            writer.add_tensor(name, array)
+        values[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values, kinds
+
+
 def diffusers_cases():
     diffusers = pytest.importorskip("diffusers")
     return {
@@ -124,6 +173,16 @@ def daemon(tmp_path_factory):
         (d.models / f"toy-{rest}.toml").write_text(served(folder / "toy.safetensors", rest, weights_bytes(toy) // 3))
         references[f"toy-{rest}"] = Toy().eval()
         references[f"toy-{rest}"].load_state_dict({k: v.to(REST[rest]).float() for k, v in toy.state_dict().items()})
+    # A GGUF file of the toy's own names, at rest packed (packed is "auto": the limit) or unpacked.
+    big = Toy(d=256).eval()
+    values, kinds = write_gguf(big, folder / "toy.gguf")
+    for name, packed in (("toy-gguf", ""), ("toy-gguf-unpacked", "packed = false, ")):
+        (d.models / f"{name}.toml").write_text(
+            f'checkpoint = "{folder / "toy.gguf"}"\narchitecture = "weights"\ndtype = "float32"\n'
+            f'[vram]\nonload = {{ device = "cpu", {packed}dtype = "float32" }}\noffload = {{ device = "disk" }}\n'
+            f'limit = {weights_bytes(big) // 3}\n')
+    references["toy-gguf"] = Toy(d=256).eval()
+    references["toy-gguf"].load_state_dict(values, strict=False)
     makers = {**diffusers_cases(), "opt": transformers_case()}
     for name, make in makers.items():
         torch.manual_seed(1)
@@ -133,7 +192,8 @@ def daemon(tmp_path_factory):
         (d.models / f"{name}.toml").write_text(served(folder / name, "bfloat16", limit))
         references[name] = rounded(model, torch.bfloat16)
     with d.start():
-        yield {"daemon": d, "sock": d.sock, "folder": folder, "references": references, "makers": makers}
+        yield {"daemon": d, "sock": d.sock, "folder": folder, "references": references, "makers": makers,
+               "gguf": kinds, "gguf_values": values}
 
 
 def empty(make):
@@ -176,6 +236,91 @@ def test_a_module_of_ones_own_equals_the_whole_module_and_keeps_its_limit(daemon
     # Closed: the hooks are gone, the weights are meta again, the room is given back.
     assert all(p.is_meta for p in model.parameters())
     wait_for(lambda: get_json(daemon["sock"], f"/v1/models/toy-{rest}")["leases"] == [], what="the lease to end")
+
+
+@pytest.mark.parametrize("name", ["toy-gguf", "toy-gguf-unpacked"])
+def test_a_gguf_model_rests_packed_and_its_managed_module_equals_the_unpacked_one(daemon, name):
+    """Under a limit a GGUF model's blocks rest packed ("auto"), as the file holds them, and each
+    unit's are unpacked on the computation device as it comes; with packed = false they rest
+    unpacked. Either way the module equals the whole one whose weights the gguf package
+    unpacked, bit for bit, before and after the model has slept on disk and been woken."""
+    import gguf
+    sock, kinds, values = daemon["sock"], daemon["gguf"], daemon["gguf_values"]
+    reference = daemon["references"]["toy-gguf"]
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4))
+    packed = name == "toy-gguf"
+    with vramd.connect(sock) as client:
+        for when in ("awake", "woken"):
+            with torch.device("meta"):
+                model = Toy(d=256).eval()
+            with vramd.manage(model, name, client=client) as managed:
+                with torch.no_grad():
+                    for _ in range(2):
+                        assert torch.equal(model(ids), reference(ids)), when
+                stats = managed.stats()
+                if packed:
+                    assert 0 < stats["peak"] <= stats["limit"], stats
+                    assert stats["loads"] > stats["units"], stats
+                else:  # float32 at rest, computed in float32 on the CPU: views of the lease, no copies
+                    assert stats["peak"] == 0 and stats["bytes_moved"] == 0, stats
+                lease = managed.lease
+                if packed:
+                    assert {n: p.type for n, p in lease.packed.items()} == kinds
+                    for n, p in lease.packed.items():
+                        assert lease.state_dict[n].dtype == torch.uint8 and p.shape == tuple(values[n].shape)
+                        assert torch.equal(vramd.unpack(lease.state_dict[n], *p), values[n]), n
+                    # At rest once: views of the checkpoint's page cache, nothing copied.
+                    assert [(r["kind"], r.get("path")) for r in lease.manifest["regions"]] == \
+                        [("file", str(daemon["folder"] / "toy.gguf"))]
+                else:
+                    assert lease.packed == {}
+                    assert all(t.dtype == torch.float32 for t in lease.state_dict.values())
+                units = {u["name"]: u for u in lease.manifest["plan"]["units"]}
+                assert units["blocks.0.up"]["computed"] == (512 * 256 + 512) * 4
+                elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kinds["blocks.0.up.weight"]]]
+                assert units["blocks.0.up"]["resting"] == (512 * 256 // elements * size if packed else 512 * 256 * 4) + 512 * 4
+                held, unpacked = get_json(sock, f"/v1/models/{name}")["devices"]["cpu"], sum(v.nbytes for v in values.values())
+                assert held == lease.manifest["bytes"]
+                assert held < unpacked // 3 if packed else held == unpacked
+            wait_for(lambda: get_json(sock, f"/v1/models/{name}")["leases"] == [], what="the lease to end")
+            assert client.offload(name)["moved"]["bytes"] == held  # released to disk; the next lease wakes it
+
+
+def test_a_gguf_model_kept_packed_without_a_limit_rests_for_its_clients_too(daemon, tmp_path):
+    """packed = true is a [vram] table that streams, as a limit is: the plan says so."""
+    checkpoint = daemon["folder"] / "toy.gguf"
+    for packed, plan in (("packed = true", "plan: rests in host memory in float32 and packed GGUF blocks for the "
+                                           "clients that manage it: 17 units, the largest 514.00 KiB in float32 on cpu\n"),
+                         ("packed = false", None)):  # nothing streams: a model leased whole, no plan
+        config = tmp_path / "toy.toml"
+        config.write_text(f'checkpoint = "{checkpoint}"\narchitecture = "weights"\ndtype = "float32"\n'
+                          f'[vram]\nonload = {{ device = "cpu", {packed} }}\n')
+        checked = subprocess.run([os.environ["VRAMCTL"], "check", "--daemon-config", daemon["daemon"].config, config],
+                                 capture_output=True, text=True, timeout=60)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert plan in checked.stdout if plan else "plan:" not in checked.stdout, checked.stdout
+
+
+def test_an_update_of_a_weight_resting_packed_is_refused_naming_it(daemon):
+    sock, kinds = daemon["sock"], daemon["gguf"]
+    weight = next(iter(kinds))
+    shape = tuple(daemon["gguf_values"][weight].shape)
+    with vramd.connect(sock) as client:
+        client.load("toy-gguf")
+        with pytest.raises(vramd.DaemonError, match=rf"model 'toy-gguf' holds '{weight}' as packed GGUF blocks, which "
+                                                    r"take no update of plain values: keep them unpacked \(packed = "
+                                                    r"false\) to update it") as refused:
+            client.update("toy-gguf", {weight: torch.zeros(shape)})
+        assert refused.value.status == 409
+        # Nothing changed: a lease holds the file's blocks.
+        with client.lease("toy-gguf") as state_dict:
+            assert torch.equal(vramd.unpack(state_dict[weight], kinds[weight], shape), daemon["gguf_values"][weight])
+        # The weights that rest unpacked (a norm, F32 in the file) take updates as ever.
+        norm = daemon["gguf_values"]["blocks.0.norm.weight"]
+        client.update("toy-gguf", {"blocks.0.norm.weight": norm * 2})
+        with client.lease("toy-gguf") as state_dict:
+            assert torch.equal(state_dict["blocks.0.norm.weight"], norm * 2)
+        client.update("toy-gguf", {"blocks.0.norm.weight": norm})  # as the other tests expect it
 
 
 @pytest.mark.parametrize("name", ["unet", "sd3", "vae", "opt"])
@@ -295,15 +440,16 @@ def test_the_example_manages_a_diffusers_and_a_transformers_model_as_it_says(dae
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: managed modules on a GPU not run")
-@pytest.mark.parametrize("rest", list(REST))
+@pytest.mark.parametrize("rest", [*REST, "gguf"])
 def test_a_module_managed_on_cuda_equals_the_whole_module_there_within_its_limit(daemon, rest):
     import copy
     device = torch.device("cuda:0")
+    d = 256 if rest == "gguf" else 32  # GGUF's K types are blocks of 256
     with torch.device("meta"):
-        model = Toy().eval()
+        model = Toy(d=d).eval()
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4)).to(device)
     with torch.no_grad(), vramd.connect(daemon["sock"]) as client:
-        Toy().to(device)(ids)  # the ops' first run (cuBLAS's workspace: 32 MiB on an H200) before counting
+        Toy(d=d).to(device)(ids)  # the ops' first run (cuBLAS's workspace: 32 MiB on an H200) before counting
         with vramd.manage(model, f"toy-{rest}", client=client, device=device) as managed:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated(device)
@@ -319,7 +465,7 @@ def test_a_module_managed_on_cuda_equals_the_whole_module_there_within_its_limit
             assert torch.equal(out, reference(ids))
     assert 0 < stats["peak"] <= stats["limit"] and stats["prefetch_hits"] > 0, stats
     # The device's growth: the copies (within the limit) and the activations, nothing more.
-    assert grown <= stats["limit"] + largest_unit(Toy()) + (4 << 20), (grown, stats)
+    assert grown <= stats["limit"] + largest_unit(Toy(d=d)) + (4 << 20), (grown, stats)
 
 
 def big_toy():
