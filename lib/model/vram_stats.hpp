@@ -15,7 +15,8 @@ struct VramStats {
   uint64_t resident = 0;         // kept prepared on the computation device
   uint64_t streaming = 0;        // room kept for streaming and computation copies
   size_t slots = 0, resident_slots = 0;
-  uint64_t onload = 0;           // streamed slots' bytes resting on the onload device (in its dtype)
+  uint64_t onload = 0;           // streamed slots' bytes resting on the onload device (in its dtype);
+                                 // a model that rests for its clients: all of its bytes at rest
   size_t disk_slots = 0;         // streamed slots re-read from the checkpoint
   uint64_t disk = 0;             // their bytes, prepared
   uint64_t packed = 0;           // of total, GGUF blocks held packed (unpacked before each op)

@@ -22,8 +22,8 @@ uint64_t bytes_in(const model::DryRun& dry, const config::Dtype& dtype) {
 DeviceBytes computation_charges(const config::ModelConfig& config, const model::DryRun& dry) {
   DeviceBytes out;
   const config::VramConfig& vram = config.vram;
-  if (config::rests_for_clients(config)) {  // whole, in host memory, in the onload dtype
-    add(out, config::Device::named("cpu"), bytes_in(dry, vram.onload.dtype));
+  if (config::rests_for_clients(config)) {  // whole, in host memory, in the onload dtype (GGUF blocks packed)
+    add(out, config::Device::named("cpu"), dry.weights ? dry.weights->onload : bytes_in(dry, vram.onload.dtype));
     return out;
   }
   if (!dry.weights) {

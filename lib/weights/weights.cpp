@@ -70,11 +70,18 @@ model::VramStats plan_for_clients(const model::Model& model, const Source& sourc
     fail(config.path, "vram.limit = " + format_bytes(stats.limit) + " cannot hold the largest unit (" +
                           format_bytes(largest) + " in " + plan.dtype +
                           "), which each client that manages the model computes whole; raise it to at least that");
-  const bool packed = packed_state(config.vram.onload, config) &&
-                      std::any_of(source.assignments.begin(), source.assignments.end(), [](const Assignment& a) { return a.block; });
-  stats.plan = "rests in host memory in " + storage::torch_name(state_dtype(config.vram.onload.dtype, model.dtype())) +
-               (packed ? " and packed GGUF blocks" : "") + " for the clients that manage it: " + counted(stats.slots, "unit") + ", the largest " +
-               format_bytes(largest) + " in " + plan.dtype + " on " + plan.device +
+  // What rests in host memory: the onload dtype, GGUF blocks packed where that state keeps them.
+  const c10::ScalarType dtype = state_dtype(config.vram.onload.dtype, model.dtype());
+  const bool packed = packed_state(config.vram.onload, config);
+  bool any_packed = false;
+  for (const auto& a : source.assignments) {
+    const c10::ScalarType held = held_dtype(a, dtype, packed);
+    stats.onload += held_bytes(a, held);
+    any_packed = any_packed || held == kPacked;
+  }
+  stats.plan = "rests in host memory in " + storage::torch_name(dtype) + (any_packed ? " and packed GGUF blocks" : "") +
+               " (" + format_bytes(stats.onload) + ") for the clients that manage it: " + counted(stats.slots, "unit") +
+               ", the largest " + format_bytes(largest) + " in " + plan.dtype + " on " + plan.device +
                (stats.limit ? "; limit " + format_bytes(stats.limit) : "");
   return stats;
 }

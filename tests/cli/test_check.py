@@ -149,7 +149,7 @@ def test_check_plans_a_model_resting_for_its_clients_and_refuses_a_limit_below_i
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stdout == (
         f"ok    {models / 'fits.toml'}: model 'fits', 3 tensors, 1.27 KiB (weights, float32)\n"
-        "      plan: rests in host memory in bfloat16 for the clients that manage it: 1 unit, the largest 1.27 KiB in "
+        "      plan: rests in host memory in bfloat16 (648 B) for the clients that manage it: 1 unit, the largest 1.27 KiB in "
         "float32 on cpu; limit 2.00 KiB\n"
         f"FAIL  {models / 'tight.toml'}\n"
         f"      {models / 'tight.toml'}: vram.limit = 1.00 KiB cannot hold the largest unit (1.27 KiB in float32), which "

@@ -286,11 +286,29 @@ def test_a_gguf_model_rests_packed_and_its_managed_module_equals_the_unpacked_on
             assert client.offload(name)["moved"]["bytes"] == held  # released to disk; the next lease wakes it
 
 
+def test_a_gguf_model_resting_packed_is_counted_packed_and_fits_a_budget_its_values_would_not(daemon, tmp_path):
+    """Its budget holds the packed bytes (0.85 MiB here) and a client's limit (1 MiB), not its
+    values in float32 (5.08 MiB)."""
+    small = Daemon(tmp_path / "small", budgets='cpu = "3MiB"')
+    (small.models / "toy.toml").write_text(
+        f'checkpoint = "{daemon["folder"] / "toy.gguf"}"\narchitecture = "weights"\ndtype = "float32"\n'
+        '[vram]\nonload = { device = "cpu", dtype = "float32" }\nlimit = "1MiB"\n')
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4))
+    with small.start(), vramd.connect(small.sock) as client:
+        with torch.device("meta"):
+            model = Toy(d=256).eval()
+        with vramd.manage(model, "toy", client=client) as managed, torch.no_grad():
+            assert torch.equal(model(ids), daemon["references"]["toy-gguf"](ids))
+            used = get_json(small.sock, "/v1/status")["devices"]["cpu"]
+            assert used["models"]["toy"] == managed.lease.manifest["bytes"] + (1 << 20) <= used["budget"], used
+
+
 def test_a_gguf_model_kept_packed_without_a_limit_rests_for_its_clients_too(daemon, tmp_path):
     """packed = true is a [vram] table that streams, as a limit is: the plan says so."""
     checkpoint = daemon["folder"] / "toy.gguf"
-    for packed, plan in (("packed = true", "plan: rests in host memory in float32 and packed GGUF blocks for the "
-                                           "clients that manage it: 17 units, the largest 514.00 KiB in float32 on cpu\n"),
+    for packed, plan in (("packed = true", "plan: rests in host memory in float32 and packed GGUF blocks (868.03 KiB) "
+                                           "for the clients that manage it: 17 units, the largest 514.00 KiB in float32 "
+                                           "on cpu\n"),
                          ("packed = false", None)):  # nothing streams: a model leased whole, no plan
         config = tmp_path / "toy.toml"
         config.write_text(f'checkpoint = "{checkpoint}"\narchitecture = "weights"\ndtype = "float32"\n'
