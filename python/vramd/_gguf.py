@@ -22,9 +22,10 @@ def _half(b: torch.Tensor, offset: int) -> torch.Tensor:
     return b[:, offset:offset + 2].contiguous().view(torch.float16).float()
 
 
-def _constant(like: torch.Tensor, values, shape) -> torch.Tensor:
-    """Small constants (shifts) on the blocks' device, shaped to broadcast."""
-    return torch.tensor(list(values), dtype=torch.uint8, device=like.device).view(shape)
+def _shifts(like: torch.Tensor, step: int, count: int, shape) -> torch.Tensor:
+    """Shifts 0, step, 2 step ... made on the blocks' device (an op on its stream, no copy from
+    the host), shaped to broadcast."""
+    return torch.arange(0, step * count, step, dtype=torch.uint8, device=like.device).view(shape)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -35,13 +36,13 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """Q5's fifth bits: bit e of the 32-bit little-endian qh is element e's, shifted to bit 4."""
     index = torch.arange(32, device=qh.device) // 8
-    return ((qh.index_select(1, index) >> _constant(qh, [e % 8 for e in range(32)], (1, 32))) & 1) << 4
+    return ((qh.index_select(1, index) >> (_shifts(qh, 1, 32, (1, 32)) % 8)) & 1) << 4
 
 
 def _crumbs(qs: torch.Tensor, halves: int) -> torch.Tensor:
     """The K types' 2-bit fields: byte l's bits 2s, 2s+1 are element 32s + l of its 32-byte half,
     giving [n, halves, 4, 32]."""
-    return (qs.reshape(qs.shape[0], halves, 1, 32) >> _constant(qs, [0, 2, 4, 6], (1, 1, 4, 1))) & 3
+    return (qs.reshape(qs.shape[0], halves, 1, 32) >> _shifts(qs, 2, 4, (1, 1, 4, 1))) & 3
 
 
 def _q4_0(b):
@@ -77,12 +78,12 @@ def _q3_k(b):  # hmask[32], qs[64], scales[12] (sixteen 6-bit), d
     n = b.shape[0]
     # Scale i: low 4 bits from byte i % 8 (shifted by 4 for i >= 8), high 2 from byte 8 + i % 4.
     packed = b[:, 96:108]
-    low = (packed[:, 0:8].reshape(n, 1, 8) >> _constant(b, [0, 4], (1, 2, 1))) & 15
-    high = (packed[:, 8:12].reshape(n, 1, 4) >> _constant(b, [0, 2, 4, 6], (1, 4, 1))) & 3
+    low = (packed[:, 0:8].reshape(n, 1, 8) >> _shifts(b, 4, 2, (1, 2, 1))) & 15
+    high = (packed[:, 8:12].reshape(n, 1, 4) >> _shifts(b, 2, 4, (1, 4, 1))) & 3
     scales = (low.reshape(n, 16) | (high.reshape(n, 16) << 4)).float() - 32
     dl = _half(b, 108) * scales
     # The high bit of element 32s + l of half h is bit 4h + s of hmask[l]; without it, minus 4.
-    high_bit = (b[:, 0:32].reshape(n, 1, 1, 32) >> _constant(b, range(8), (1, 2, 4, 1))) & 1
+    high_bit = (b[:, 0:32].reshape(n, 1, 1, 32) >> _shifts(b, 1, 8, (1, 2, 4, 1))) & 1
     q = (_crumbs(b[:, 32:96], 2) | (high_bit << 2)).reshape(n, 16, 16)
     return (dl.view(n, 16, 1) * (q.float() - 4)).reshape(n, 256)
 
@@ -97,10 +98,10 @@ def _q45_k(b, fifth: bool):
     dl, ml = _half(b, 0) * scale.float(), _half(b, 2) * least.float()
     # Element 64c + 32k + l: nibble k of qs[32c + l]; its fifth bit is bit 2c + k of qh[l].
     start = 48 if fifth else 16
-    q = (b[:, start:start + 128].reshape(n, 4, 1, 32) >> _constant(b, [0, 4], (1, 1, 2, 1))) & 15
+    q = (b[:, start:start + 128].reshape(n, 4, 1, 32) >> _shifts(b, 4, 2, (1, 1, 2, 1))) & 15
     if fifth:
         qh = b[:, 16:48].reshape(n, 1, 1, 32)
-        q = q | (((qh >> _constant(b, range(8), (1, 4, 2, 1))) & 1) << 4)
+        q = q | (((qh >> _shifts(b, 1, 8, (1, 4, 2, 1))) & 1) << 4)
     return (dl.view(n, 8, 1) * q.reshape(n, 8, 32).float() - ml.view(n, 8, 1)).reshape(n, 256)
 
 

@@ -286,6 +286,25 @@ def test_a_gguf_model_rests_packed_and_its_managed_module_equals_the_unpacked_on
             assert client.offload(name)["moved"]["bytes"] == held  # released to disk; the next lease wakes it
 
 
+def test_unpack_equals_the_gguf_package_on_random_blocks_of_every_type():
+    """Every bit of every field, scales of any value (NaN and infinity too): the same float32 bits."""
+    import gguf
+    rng = np.random.default_rng(6)
+    for kind in GGUF_TYPES:
+        qtype = gguf.GGMLQuantizationType[kind]
+        elements, size = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (3, 1024 // elements * size), dtype=np.uint8)
+        with np.errstate(all="ignore"):
+            want = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+        got = vramd.unpack(torch.from_numpy(blocks), kind, (3, 1024))
+        assert torch.equal(got.isnan(), want.isnan()), kind
+        assert torch.equal(got[~got.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32)), kind
+    with pytest.raises(ValueError, match=r"'Q1_0' is not a GGUF type vramd unpacks"):
+        vramd.unpack(torch.zeros(2, 18, dtype=torch.uint8), "Q1_0", (2, 32))
+    with pytest.raises(ValueError, match=r"Q4_0 blocks of shape \[2, 17\] in torch.uint8 do not unpack into \[2, 32\]"):
+        vramd.unpack(torch.zeros(2, 17, dtype=torch.uint8), "Q4_0", (2, 32))
+
+
 def test_a_gguf_model_resting_packed_is_counted_packed_and_fits_a_budget_its_values_would_not(daemon, tmp_path):
     """Its budget holds the packed bytes (0.85 MiB here) and a client's limit (1 MiB), not its
     values in float32 (5.08 MiB)."""
