@@ -71,6 +71,7 @@ class _Slot:
         # A view of the leased memory where it can compute as it is: no copy, no bytes.
         self.in_place = device.type == "cpu" and rest.dtype == self.dtype and not packed
         self.bytes = 0 if self.in_place else math.prod(shape) * self.dtype.itemsize
+        self.read = 0 if self.in_place else rest.nbytes  # what a copy reads from the lease (packed: the blocks)
         self.placeholder = torch.empty(shape, dtype=self.dtype, device="meta")  # loud if used unmanaged
         self.users = 0              # ready units that hold it
 
@@ -119,8 +120,8 @@ class Managed:
         self._tick = 0
         self._held = 0
         self._told = 0  # the peak the daemon last heard
-        self._figures = {"peak": 0, "bytes_moved": 0, "loads": 0, "prefetched": 0, "prefetch_hits": 0,
-                         "waited_seconds": 0.0}
+        self._figures = {"peak": 0, "bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
+                         "prefetch_hits": 0, "waited_seconds": 0.0}
         self._next: dict[_Unit, _Unit] = {}
         self._previous: _Unit | None = None
         self._units = self._plan(units, strict)
@@ -257,6 +258,7 @@ class Managed:
                 slot.put(value)
                 self._held += slot.bytes
                 self._figures["bytes_moved"] += slot.bytes
+                self._figures["bytes_read"] += slot.read
             slot.users += 1
         unit.ready = True
         self._figures["loads"] += 1
@@ -332,7 +334,9 @@ class Managed:
     # The user's side.
 
     def stats(self) -> dict:
-        """Bytes held now and at most on the device, bytes moved, loads, prefetches and their hits."""
+        """Bytes held now and at most on the device, bytes moved (the copies, in the computation
+        dtype) and read (from the lease: its dtype, or GGUF blocks packed), loads, prefetches and
+        their hits."""
         with self._lock:
             return {**self._figures, "held": self._held, "limit": self.limit, "device": str(self.device),
                     "dtype": _name(self.dtype), "units": len(self._units),

@@ -220,6 +220,7 @@ def test_a_module_of_ones_own_equals_the_whole_module_and_keeps_its_limit(daemon
         assert 0 < stats["peak"] <= stats["limit"], stats
         assert stats["loads"] > stats["units"]  # it could not keep them all: some came in more than once
         assert stats["prefetch_hits"] > 0 and stats["prefetched"] >= stats["prefetch_hits"], stats
+        assert stats["bytes_read"] * (4 // REST[rest].itemsize) == stats["bytes_moved"], stats  # read at rest, cast
         # The room it uses is held in the daemon's budget, beside the weights at rest.
         status = get_json(daemon["sock"], "/v1/status")
         lease = next(m for m in status["models"] if m["name"] == f"toy-{rest}")
@@ -261,6 +262,7 @@ def test_a_gguf_model_rests_packed_and_its_managed_module_equals_the_unpacked_on
                 if packed:
                     assert 0 < stats["peak"] <= stats["limit"], stats
                     assert stats["loads"] > stats["units"], stats
+                    assert 0 < stats["bytes_read"] * 3 < stats["bytes_moved"], stats  # blocks read, float32 made
                 else:  # float32 at rest, computed in float32 on the CPU: views of the lease, no copies
                     assert stats["peak"] == 0 and stats["bytes_moved"] == 0, stats
                 lease = managed.lease
