@@ -7,6 +7,10 @@ fresh process:
     vramd-lean   the same under a limit of twice the largest unit's bytes: about what the peers
                  hold at once (one module's weights), where vramd otherwise fills its limit with
                  units that stay (one process; its host memory is vramd's)
+    vramd-gguf   vramd under the same limit from a GGUF file of the same weights, each 2-D one
+                 quantized (--gguf, Q8_0 by default) and resting packed: its blocks cross to
+                 DEVICE as they are and are unpacked there (its outputs are the quantized model's;
+                 one process)
     accelerate   accelerate.cpu_offload: the process loads the checkpoint into host memory, and
                  every module's weights move to DEVICE for each call (diffusers' sequential offload)
     diffsynth    DiffSynth-Studio's enable_vram_management: every Linear, Conv2d, GroupNorm and
@@ -22,7 +26,8 @@ On the CPU accelerate's and DiffSynth's offloads have nowhere to move weights to
 are their whole-model runs, vramd's the managed one.
 
     .venv/bin/python bench/manage.py [--device cuda:0] [--unet small|sd15] [--workdir /tmp/vramd-bench] [--forwards 5]
-                                     [--contenders vramd,accelerate,diffsynth] [--processes 3] [--json FILE]
+                                     [--contenders vramd,accelerate,diffsynth] [--processes 3] [--gguf Q8_0]
+                                     [--json FILE]
 
 See docs/benchmarks.md.
 """
@@ -75,6 +80,26 @@ def inputs(device, dtype, config):
     return sample, states
 
 
+def write_gguf(source, path, kind):
+    """The checkpoint `source` as a GGUF file at `path`: each 2-D weight whose rows are whole blocks
+    quantized to `kind` by the gguf package, the rest in float32, under the same names."""
+    import gguf
+    from safetensors.torch import load_file
+    qtype = gguf.GGMLQuantizationType[kind]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    writer = gguf.GGUFWriter(path, "unet")
+    for name, tensor in load_file(str(source)).items():
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[-1] % block == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def contender(kind, folder, config, device, forwards, limit, hold, lean_limit):
     """Runs in its own process: set up, first output, timed forwards."""
     import torch
@@ -92,7 +117,7 @@ def contender(kind, folder, config, device, forwards, limit, hold, lean_limit):
         import vramd
         with torch.device("meta"):  # no buffers made in __init__: nothing to keep real
             model = diffusers.UNet2DConditionModel(**config).eval()
-        managed = vramd.manage(model, "unet", device=device, dtype=dtype,
+        managed = vramd.manage(model, "unet-gguf" if kind == "vramd-gguf" else "unet", device=device, dtype=dtype,
                                limit=lean_limit if kind == "vramd-lean" else None)
     else:
         from safetensors.torch import load_file
@@ -186,7 +211,8 @@ def main():
     parser.add_argument("--workdir", default="/tmp/vramd-bench")
     parser.add_argument("--forwards", type=int, default=5)
     parser.add_argument("--unet", choices=sorted(UNETS), default="small", help="the model's shape (default: small)")
-    parser.add_argument("--contenders", default="vramd,vramd-lean,accelerate,diffsynth",
+    parser.add_argument("--gguf", default="Q8_0", help="vramd-gguf's block type: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0")
+    parser.add_argument("--contenders", default="vramd,vramd-lean,vramd-gguf,accelerate,diffsynth",
                         help="which to run, comma-separated (default: all)")
     parser.add_argument("--processes", type=int, default=3, help="processes holding the model at once for the PSS")
     parser.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
@@ -206,6 +232,10 @@ def main():
     if not (folder / "diffusion_pytorch_model.safetensors").exists():
         torch.manual_seed(0)
         diffusers.UNet2DConditionModel(**config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    contenders = args.contenders.split(",")
+    gguf_file = folder / f"unet-{args.gguf.lower()}.gguf"
+    if "vramd-gguf" in contenders and not gguf_file.exists():
+        write_gguf(folder / "diffusion_pytorch_model.safetensors", gguf_file, args.gguf)
     with torch.device("meta"):
         unet = diffusers.UNet2DConditionModel(**config)
     size = sum(p.numel() for p in unet.parameters())
@@ -218,10 +248,11 @@ def main():
         tmp = Path(tmp)
         (tmp / "models").mkdir()
         compute = "bfloat16" if args.device.startswith("cuda") else "float32"
-        (tmp / "models" / "unet.toml").write_text(
-            f'checkpoint = "{folder}"\narchitecture = "weights"\ndtype = "{compute}"\n[vram]\n'
-            f'computation = {{ device = "{args.device}" }}\nonload = {{ device = "cpu", dtype = "bfloat16" }}\n'
-            f'limit = {args.limit}\n')
+        for name, checkpoint in (("unet", folder), ("unet-gguf", gguf_file)):  # GGUF blocks packed: "auto" under a limit
+            (tmp / "models" / f"{name}.toml").write_text(
+                f'checkpoint = "{checkpoint}"\narchitecture = "weights"\ndtype = "{compute}"\n[vram]\n'
+                f'computation = {{ device = "{args.device}" }}\nonload = {{ device = "cpu", dtype = "bfloat16" }}\n'
+                f'limit = {args.limit}\n')
         sock = tmp / "vramd.sock"
         budget = f'"{args.device}" = "{max(4 * args.limit, 1 << 30)}"\n' if args.device != "cpu" else ""
         (tmp / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n[budgets]\ncpu = "16GiB"\n{budget}')
@@ -234,14 +265,16 @@ def main():
                 try:
                     with vramd.connect(sock) as client:
                         client.load("unet")
+                        if "vramd-gguf" in contenders:
+                            client.load("unet-gguf")
                     break
                 except (vramd.DaemonUnreachable, vramd.DaemonError):
                     assert time.monotonic() < deadline and daemon.poll() is None, "vramd did not start"
                     time.sleep(0.2)
-            for kind in args.contenders.split(","):
+            for kind in contenders:
                 try:
                     results[kind] = one(args, kind)
-                    if kind != "vramd-lean":  # its host memory is vramd's
+                    if kind not in ("vramd-lean", "vramd-gguf"):  # their host memory is vramd's
                         results[kind]["pss_processes"] = held_together(args, kind)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is said, the others go on
                     results[kind] = {"error": str(e)}
@@ -276,14 +309,19 @@ def main():
         if lean and "error" not in lean:
             print(f"vramd-lean against {kind}: forward {r['forward_median_seconds'] / lean['forward_median_seconds']:.2f}x "
                   f"faster, peak {lean['peak'] / r['peak']:.2f}x")
-    for kind, r in ((kind, results.get(kind, {})) for kind in ("vramd", "vramd-lean")):
+    g = results.get("vramd-gguf", {})
+    if v and g and "error" not in v and "error" not in g:
+        print(f"vramd-gguf ({args.gguf} blocks packed) against vramd (bfloat16): forward "
+              f"{v['forward_median_seconds'] / g['forward_median_seconds']:.2f}x faster, bytes read from host memory "
+              f"{g['managed']['bytes_read'] / v['managed']['bytes_read']:.2f}x, peak {g['peak'] / v['peak']:.2f}x")
+    for kind, r in ((kind, results.get(kind, {})) for kind in ("vramd", "vramd-lean", "vramd-gguf")):
         if "managed" in r:
             m = r["managed"]
             print(f"{kind}'s manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
-                  f"{m['prefetch_hits']} prefetched in time")
+                  f"{m['bytes_read'] / mib:.1f} MiB read from host memory, {m['prefetch_hits']} prefetched in time")
     if args.json:
         Path(args.json).write_text(json.dumps({"size_bytes": size * 2, "limit": args.limit, "lean_limit": args.lean_limit,
-                                               "device": args.device,
+                                               "device": args.device, "gguf": args.gguf,
                                                "processes": args.processes,
                                                "results": results}, indent=1))
 
