@@ -131,8 +131,12 @@ BLOCKS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
 }
 
-# Elements unpacked per step: the float32 temporaries of one step stay near a MiB each.
-_STEP_ELEMENTS = 1 << 18
+# Elements unpacked per step. On the CPU the float32 temporaries of one step stay near a MiB
+# each. On a GPU each op of a step is a kernel launched from Python (4 for Q8_0 to 31 for Q5_K,
+# some microseconds each), which in steps that small would take far longer than the bus takes
+# to bring the blocks: 2^22 elements a step keep a 50M-element weight to a dozen steps, for a
+# scratch near 64 MiB at most.
+_CPU_STEP_ELEMENTS, _GPU_STEP_ELEMENTS = 1 << 18, 1 << 22
 
 
 def packed_shape(kind: str, shape) -> tuple[int, ...]:
@@ -150,15 +154,15 @@ def unpack(blocks: torch.Tensor, kind: str, shape, dtype: torch.dtype = torch.fl
            device: str | torch.device | None = None) -> torch.Tensor:
     """The values of `blocks` (uint8, `kind`'s blocks of a tensor of `shape`, as a lease holds
     them: see Lease.packed) as a new tensor of `shape` in `dtype` on `device` (the blocks' own by
-    default). The blocks cross to the device as they are, a few thousand at a time, and are
-    unpacked there in float32, then rounded once into `dtype`."""
+    default). The blocks cross to the device as they are, some at a time (2^18 elements' worth on
+    the CPU, 2^22 on a GPU), and are unpacked there in float32, then rounded once into `dtype`."""
     shape = tuple(shape)
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != packed_shape(kind, shape):
         raise ValueError(f"{kind} blocks of shape {list(blocks.shape)} in {blocks.dtype} do not unpack into {list(shape)}")
     elements, size, unpack_blocks = BLOCKS[kind]
     out = torch.empty(shape, dtype=dtype, device=device if device is not None else blocks.device)
     rows, values = blocks.reshape(-1, size), out.view(-1, elements)
-    step = max(1, _STEP_ELEMENTS // elements)
+    step = max(1, (_CPU_STEP_ELEMENTS if out.device.type == "cpu" else _GPU_STEP_ELEMENTS) // elements)
     for first in range(0, rows.shape[0], step):
         some = rows[first:first + step].to(out.device, non_blocking=rows.is_pinned())
         values[first:first + step].copy_(unpack_blocks(some))
