@@ -158,7 +158,8 @@ def unpack(blocks: torch.Tensor, kind: str, shape, dtype: torch.dtype = torch.fl
     the CPU, 2^22 on a GPU), and are unpacked there in float32, then rounded once into `dtype`."""
     shape = tuple(shape)
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != packed_shape(kind, shape):
-        raise ValueError(f"{kind} blocks of shape {list(blocks.shape)} in {blocks.dtype} do not unpack into {list(shape)}")
+        raise ValueError(f"{kind} blocks of shape {list(blocks.shape)} in {blocks.dtype} do not unpack into "
+                         f"{list(shape)}")
     elements, size, unpack_blocks = BLOCKS[kind]
     out = torch.empty(shape, dtype=dtype, device=device if device is not None else blocks.device)
     rows, values = blocks.reshape(-1, size), out.view(-1, elements)

@@ -1,11 +1,11 @@
 """vramd.manage: any nn.Module built on the meta device, filled from a lease of a model served as
 `architecture = "weights"` whose weights rest in host memory in a dtype of their own (bfloat16,
-float8, a GGUF file's blocks packed), each unit's weights brought to the computation device right before it runs under a
-limit below the model's size. Witness: the same module loaded whole with the same dtypes (the
-weights rounded through the resting dtype, or unpacked by the `gguf` package, computed in
-float32), bit for bit. Also the limit
-counted by the manager, prefetching, errors that name what does not fit, and the room a lease
-holds in the daemon's budget for its client (freed when the client dies)."""
+float8, a GGUF file's blocks packed), each unit's weights brought to the computation device
+right before it runs under a limit below the model's size. Witness: the same module loaded whole
+with the same dtypes (the weights rounded through the resting dtype, or unpacked by the `gguf`
+package, computed in float32), bit for bit. Also the limit counted by the manager, prefetching,
+errors that name what does not fit, and the room a lease holds in the daemon's budget for its
+client (freed when the client dies)."""
 import json
 import os
 import signal
@@ -280,8 +280,10 @@ def test_a_gguf_model_rests_packed_and_its_managed_module_equals_the_unpacked_on
                 units = {u["name"]: u for u in lease.manifest["plan"]["units"]}
                 assert units["blocks.0.up"]["computed"] == (512 * 256 + 512) * 4
                 elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kinds["blocks.0.up.weight"]]]
-                assert units["blocks.0.up"]["resting"] == (512 * 256 // elements * size if packed else 512 * 256 * 4) + 512 * 4
-                held, unpacked = get_json(sock, f"/v1/models/{name}")["devices"]["cpu"], sum(v.nbytes for v in values.values())
+                weight = 512 * 256 // elements * size if packed else 512 * 256 * 4
+                assert units["blocks.0.up"]["resting"] == weight + 512 * 4  # and the bias, in float32
+                held = get_json(sock, f"/v1/models/{name}")["devices"]["cpu"]
+                unpacked = sum(v.nbytes for v in values.values())
                 assert held == lease.manifest["bytes"]
                 assert held < unpacked // 3 if packed else held == unpacked
             wait_for(lambda: get_json(sock, f"/v1/models/{name}")["leases"] == [], what="the lease to end")
