@@ -82,10 +82,12 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     update = json.loads((out / "update.json").read_text())  # bench/update.py, one layer on the CPU
     assert update["device"] == "cpu" and update["bound"] == "memcpy" and update["seconds"]["memfd_daemon"] > 0, update
     assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
-    manage = json.loads((out / "manage.json").read_text())  # bench/manage.py, vramd alone on the CPU
-    vramd_manage = manage["results"]["vramd"]
+    manage = json.loads((out / "manage.json").read_text())  # bench/manage.py, vramd alone on the CPU, and from GGUF
+    vramd_manage, gguf_manage = manage["results"]["vramd"], manage["results"]["vramd-gguf"]
     assert 0 < vramd_manage["managed"]["peak"] <= manage["limit"], manage
     assert set(vramd_manage["phases"]) == {"context", "ready", "first_forward"}, manage
+    # Q8_0 blocks read in place of the Linear layers' bfloat16: fewer bytes from host memory.
+    assert 0 < gguf_manage["managed"]["bytes_read"] < vramd_manage["managed"]["bytes_read"], manage
     assert any(line.startswith("- vramd's manager: peak ") for line in report.splitlines()), report
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
                 "update.log", "manage.log"):
