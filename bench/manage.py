@@ -233,9 +233,11 @@ def main():
         torch.manual_seed(0)
         diffusers.UNet2DConditionModel(**config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     contenders = args.contenders.split(",")
-    gguf_file = folder / f"unet-{args.gguf.lower()}.gguf"
-    if "vramd-gguf" in contenders and not gguf_file.exists():
-        write_gguf(folder / "diffusion_pytorch_model.safetensors", gguf_file, args.gguf)
+    served = {"unet": folder}  # the daemon's models: their checkpoints
+    if "vramd-gguf" in contenders:
+        served["unet-gguf"] = folder / f"unet-{args.gguf.lower()}.gguf"
+        if not served["unet-gguf"].exists():
+            write_gguf(folder / "diffusion_pytorch_model.safetensors", served["unet-gguf"], args.gguf)
     with torch.device("meta"):
         unet = diffusers.UNet2DConditionModel(**config)
     size = sum(p.numel() for p in unet.parameters())
@@ -248,7 +250,7 @@ def main():
         tmp = Path(tmp)
         (tmp / "models").mkdir()
         compute = "bfloat16" if args.device.startswith("cuda") else "float32"
-        for name, checkpoint in (("unet", folder), ("unet-gguf", gguf_file)):  # GGUF blocks packed: "auto" under a limit
+        for name, checkpoint in served.items():  # GGUF blocks packed: "auto" under a limit
             (tmp / "models" / f"{name}.toml").write_text(
                 f'checkpoint = "{checkpoint}"\narchitecture = "weights"\ndtype = "{compute}"\n[vram]\n'
                 f'computation = {{ device = "{args.device}" }}\nonload = {{ device = "cpu", dtype = "bfloat16" }}\n'
@@ -264,9 +266,8 @@ def main():
             while True:
                 try:
                     with vramd.connect(sock) as client:
-                        client.load("unet")
-                        if "vramd-gguf" in contenders:
-                            client.load("unet-gguf")
+                        for name in served:
+                            client.load(name)
                     break
                 except (vramd.DaemonUnreachable, vramd.DaemonError):
                     assert time.monotonic() < deadline and daemon.poll() is None, "vramd did not start"
