@@ -290,19 +290,28 @@ def test_a_gguf_model_rests_packed_and_its_managed_module_equals_the_unpacked_on
             assert client.offload(name)["moved"]["bytes"] == held
 
 
-def test_unpack_equals_the_gguf_package_on_random_blocks_of_every_type():
-    """Every bit of every field, scales of any value (NaN and infinity too): the same float32 bits."""
+def test_unpack_equals_the_gguf_package_on_random_blocks_of_every_type(monkeypatch):
+    """Every bit of every field, scales of any value (NaN and infinity too): the same float32 bits;
+    and in bfloat16 those rounded once, unpacked in steps whose last one is short."""
     import gguf
     rng = np.random.default_rng(6)
+
+    def same_bits(got, want, bits, kind):
+        assert torch.equal(got.isnan(), want.isnan()), kind
+        assert torch.equal(got[~got.isnan()].view(bits), want[~want.isnan()].view(bits)), kind
+
     for kind in GGUF_TYPES:
         qtype = gguf.GGMLQuantizationType[kind]
         elements, size = gguf.GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, (3, 1024 // elements * size), dtype=np.uint8)
         with np.errstate(all="ignore"):
             want = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
-        got = vramd.unpack(torch.from_numpy(blocks), kind, (3, 1024))
-        assert torch.equal(got.isnan(), want.isnan()), kind
-        assert torch.equal(got[~got.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32)), kind
+        same_bits(vramd.unpack(torch.from_numpy(blocks), kind, (3, 1024)), want, torch.int32, kind)
+        with monkeypatch.context() as patch:  # 1280 elements a step: 5 K blocks (of 12), 40 others (of 96)
+            patch.setattr(vramd._gguf, "_CPU_STEP_ELEMENTS", 1280)
+            for dtype in (torch.float32, torch.bfloat16):
+                got = vramd.unpack(torch.from_numpy(blocks), kind, (3, 1024), dtype)
+                same_bits(got, want.to(dtype), torch.int32 if dtype == torch.float32 else torch.int16, kind)
     with pytest.raises(ValueError, match=r"'Q1_0' is not a GGUF type vramd unpacks"):
         vramd.unpack(torch.zeros(2, 18, dtype=torch.uint8), "Q1_0", (2, 32))
     with pytest.raises(ValueError, match=r"Q4_0 blocks of shape \[2, 17\] in torch.uint8 do not unpack into \[2, 32\]"):
