@@ -82,13 +82,18 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     update = json.loads((out / "update.json").read_text())  # bench/update.py, one layer on the CPU
     assert update["device"] == "cpu" and update["bound"] == "memcpy" and update["seconds"]["memfd_daemon"] > 0, update
     assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
-    manage = json.loads((out / "manage.json").read_text())  # bench/manage.py, vramd alone on the CPU, and from GGUF
+    # bench/manage.py on the CPU: the diffusion transformer managed by vramd, from GGUF too, and
+    # diffusers' own loading of that GGUF file
+    manage = json.loads((out / "manage.json").read_text())
+    assert manage["model"] == "dit" and manage["done"], manage
     vramd_manage, gguf_manage = manage["results"]["vramd"], manage["results"]["vramd-gguf"]
     assert 0 < vramd_manage["managed"]["peak"] <= manage["limit"], manage
     assert set(vramd_manage["phases"]) == {"context", "ready", "first_forward"}, manage
     # Q8_0 blocks read in place of the Linear layers' bfloat16: fewer bytes from host memory.
     assert 0 < gguf_manage["managed"]["bytes_read"] < vramd_manage["managed"]["bytes_read"], manage
+    assert manage["results"]["diffusers-gguf"]["forward_median_seconds"] > 0, manage
     assert any(line.startswith("- vramd's manager: peak ") for line in report.splitlines()), report
+    assert any(line.startswith("- diffusers-gguf's first output against vramd-gguf's: ") for line in report.splitlines())
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
                 "update.log", "manage.log"):
         assert (out / log).exists(), log
