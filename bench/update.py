@@ -30,6 +30,9 @@ what reaches the GPU are measured too:
     pageable copy    the same out of a memfd mapped just before, as plain (pageable) memory
     registered copy  the same out of a memfd mapped just before and registered with the driver
                      (cudaHostRegister) for the copy: what pinning a client's pages costs
+    staged copy      the same out of a memfd mapped just before through 4 pinned buffers of 16 MiB:
+                     each chunk copied into a free buffer on the host (torch's copy_, on every
+                     core) while the bus takes the chunks before it
 
     .venv/bin/python bench/update.py [--device cpu|cuda:0] [--workdir /tmp/vramd-bench-update] [--layers 8]
                                      [--repeat 3] [--json FILE]
@@ -123,9 +126,12 @@ def host_bounds(model_bytes, repeat):
     return memcpy, mapped
 
 
+STAGING_BUFFERS, STAGING_BYTES = 4, 16 << 20
+
+
 def device_bounds(model_bytes, repeat, device):
     """The model's bytes onto `device`: from pinned memory, and out of a freshly mapped memfd as
-    pageable memory and registered with the driver for the copy."""
+    pageable memory, registered with the driver for the copy, and staged through pinned buffers."""
     target = torch.empty(model_bytes, dtype=torch.uint8, device=device)
     pinned = torch.empty(model_bytes, dtype=torch.uint8, pin_memory=True).fill_(1)
 
@@ -154,6 +160,23 @@ def device_bounds(model_bytes, repeat, device):
             del view
 
     figures["pageable"] = median_seconds(repeat, lambda: None, lambda: from_memfd(False))
+    buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(STAGING_BUFFERS)]
+    copied = [torch.cuda.Event() for _ in buffers]  # each buffer's last copy to the device
+
+    def staged():
+        with mmap.mmap(fd, model_bytes) as mapped:
+            view = torch.frombuffer(mapped, dtype=torch.uint8)
+            for first in range(0, model_bytes, STAGING_BYTES):
+                i, n = first // STAGING_BYTES % STAGING_BUFFERS, min(STAGING_BYTES, model_bytes - first)
+                copied[i].synchronize()  # the bus is done with this buffer (at once before its first use)
+                buffers[i][:n].copy_(view[first:first + n])
+                target[first:first + n].copy_(buffers[i][:n], non_blocking=True)
+                copied[i].record()
+            torch.cuda.synchronize(device)
+            del view
+
+    figures["staged"] = median_seconds(repeat, lambda: None, staged)
+    del buffers
     try:
         figures["registered"] = median_seconds(repeat, lambda: None, lambda: from_memfd(True))
     except (RuntimeError, AttributeError) as e:  # said, not fatal: a bound the others do not need
@@ -251,6 +274,9 @@ def main():
                          f"{pinned / bounds['registered']:.2f} of the pinned copy")
         else:
             lines.append(f"registered copy: not measured ({bounds['registered_error']})")
+        lines.append(f"staged copy out of a mapped memfd to {device} ({STAGING_BUFFERS} pinned buffers of "
+                     f"{STAGING_BYTES >> 20} MiB): {bounds['staged']:7.3f} s  {rate(bounds['staged']):6.2f} GB/s  "
+                     f"{pinned / bounds['staged']:.2f} of the pinned copy")
     # What an update from memory is held against: the bus on a GPU, memcpy on the CPU.
     bound, bound_name = (bounds["pinned"], "the pinned copy") if gpu else (memcpy, "memcpy")
     lines += [f"disk read (cold):            {disk:7.3f} s  {rate(disk):6.2f} GB/s",
