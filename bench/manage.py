@@ -19,7 +19,7 @@ under a limit of a quarter of its size, several ways, each in a fresh process:
                  one leaf module at a time on DEVICE, the next one's copy made on a side stream
     diffusers-gguf  the same from the GGUF file vramd-gguf serves (from_single_file with a
                  GGUFQuantizationConfig: blocks packed at rest, unpacked at each call): the peer of
-                 vramd-gguf, whose first output must equal it
+                 vramd-gguf
 
 For each: the median forward (of those after the first), the peak memory (on a GPU the CUDA
 allocator's peak over the forwards; on the CPU the anonymous memory the process grew by, with
@@ -32,9 +32,9 @@ witness that all computed the same module from the same values.
 On the CPU the peers' offloads have nowhere to move weights to: their figures are their
 whole-model runs, vramd's the managed one.
 
-    .venv/bin/python bench/manage.py [--device cuda:0] [--model unet|unet-sd15|dit] [--workdir /tmp/vramd-bench] [--forwards 5]
-                                     [--contenders vramd,accelerate,diffsynth,...] [--processes 3] [--gguf Q8_0]
-                                     [--json FILE]
+    .venv/bin/python bench/manage.py [--device cuda:0] [--model unet|unet-sd15|dit] [--workdir /tmp/vramd-bench]
+                                     [--forwards 5] [--contenders vramd,accelerate,diffsynth,...] [--processes 3]
+                                     [--gguf Q8_0] [--json FILE]
 
 See docs/benchmarks.md.
 """
@@ -56,7 +56,7 @@ VRAMD = ROOT / "build" / "bin" / "vramd"
 STARTED = time.perf_counter()  # the process's start, as near as Python sees it
 # --model: diffusers' class and its config. "unet" is a small UNet (136 MiB in bfloat16, most of it
 # in convolutions); "unet-sd15" Stable Diffusion 1.5's shape (1.6 GiB), where reading and casting
-# the weights is what a new process pays; "dit" a small SD3-shaped diffusion transformer (149 MiB,
+# the weights is what a new process pays; "dit" a small SD3-shaped diffusion transformer (141 MiB,
 # nearly all of it in Linear layers: the shape of today's image and video models, and the one
 # GGUF files are made for).
 MODELS = {
@@ -75,6 +75,9 @@ MODELS = {
         num_attention_heads=8, joint_attention_dim=512, caption_projection_dim=512, pooled_projection_dim=256,
         pos_embed_max_size=64)),
 }
+
+
+PEERS = ("accelerate", "diffsynth", "diffusers")  # from the bfloat16 checkpoint, as vramd and vramd-lean
 
 
 def memory():
@@ -127,7 +130,8 @@ def contender(kind, args, folder):
     """Runs in its own process: set up, first output, timed forwards."""
     import torch
     import diffusers
-    cls, config = getattr(diffusers, MODELS[args.model][0]), MODELS[args.model][1]  # imported on first use: part of the imports
+    # diffusers imports its classes on first use: part of the imports
+    cls, config = getattr(diffusers, MODELS[args.model][0]), MODELS[args.model][1]
     diffusers.utils.logging.set_verbosity_error()  # not its advice on casting with to()
     imported = time.perf_counter()
     device = args.device
@@ -333,8 +337,8 @@ def main():
                 (folder / f"output-{kind}.pt").unlink(missing_ok=True)  # never an earlier run's
                 try:
                     results[kind] = one(args, kind)
-                    if args.processes and kind in ("vramd", "accelerate", "diffsynth", "diffusers"):
-                        results[kind]["pss_processes"] = held_together(args, kind)  # the others': as their kin's
+                    if args.processes and kind in ("vramd",) + PEERS:  # vramd-lean's host memory is vramd's
+                        results[kind]["pss_processes"] = held_together(args, kind)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run is said, the others go on
                     results[kind] = {"error": str(e)}
                 save(done=False)
@@ -344,9 +348,9 @@ def main():
     save(done=True)
 
     mib = 1 << 20
-    print(f"{cls.__name__} ({args.model}), {size * 2 / mib:.1f} MiB at rest in bfloat16, computed in {compute} on {args.device} "
-          f"under a limit of {args.limit / mib:.1f} MiB (a quarter; vramd-lean {args.lean_limit / mib:.1f} MiB, twice the "
-          f"largest unit), {args.forwards} forwards, {os.cpu_count()} cores")
+    print(f"{cls.__name__} ({args.model}), {size * 2 / mib:.1f} MiB at rest in bfloat16, computed in {compute} on "
+          f"{args.device} under a limit of {args.limit / mib:.1f} MiB (a quarter; vramd-lean "
+          f"{args.lean_limit / mib:.1f} MiB, twice the largest unit), {args.forwards} forwards, {os.cpu_count()} cores")
     for kind, r in results.items():
         if "error" in r:
             print(f"  {kind:14s} failed: {r['error']}")
@@ -359,14 +363,14 @@ def main():
     ran = {kind: r for kind, r in results.items() if "error" not in r}
     # Each vramd contender against the peers holding the same values at rest: bfloat16, or the
     # GGUF file's blocks.
-    for ours, peers in (("vramd", ("accelerate", "diffsynth", "diffusers")), ("vramd-lean", ("accelerate", "diffsynth", "diffusers")),
-                        ("vramd-gguf", ("diffusers-gguf", "vramd"))):
+    for ours, peers in (("vramd", PEERS), ("vramd-lean", PEERS), ("vramd-gguf", ("diffusers-gguf", "vramd"))):
         v = ran.get(ours)
         for kind in (peer for peer in peers if v and peer in ran):
             r = ran[kind]
-            print(f"{ours} against {kind}: forward {r['forward_median_seconds'] / v['forward_median_seconds']:.2f}x faster, "
-                  f"peak {v['peak'] / r['peak']:.2f}x, first output {r['first_output_seconds'] / v['first_output_seconds']:.1f}x "
-                  f"sooner ({r['after_imports_seconds'] / v['after_imports_seconds']:.1f}x after the imports)"
+            print(f"{ours} against {kind}: forward {r['forward_median_seconds'] / v['forward_median_seconds']:.2f}x "
+                  f"faster, peak {v['peak'] / r['peak']:.2f}x, first output "
+                  f"{r['first_output_seconds'] / v['first_output_seconds']:.1f}x sooner "
+                  f"({r['after_imports_seconds'] / v['after_imports_seconds']:.1f}x after the imports)"
                   + (f", {args.processes} processes' PSS {v['pss_processes'] / r['pss_processes']:.2f}x"
                      if "pss_processes" in v and "pss_processes" in r else "")
                   + (f", bytes read from host memory {v['managed']['bytes_read'] / r['managed']['bytes_read']:.2f}x"
@@ -385,7 +389,8 @@ def main():
         ours, theirs = (torch.load(folder / f"output-{k}.pt") for k in (reference, kind))
         print(f"{kind}'s first output against {reference}'s: "
               + ("equal bit for bit" if torch.equal(ours, theirs) else
-                 f"largest difference {(ours - theirs).abs().max().item():.3g} (values up to {ours.abs().max().item():.3g})"))
+                 f"largest difference {(ours - theirs).abs().max().item():.3g} "
+                 f"(values up to {ours.abs().max().item():.3g})"))
 
 
 if __name__ == "__main__":
