@@ -178,7 +178,8 @@ def unpack(blocks: torch.Tensor, kind: str, shape, dtype: torch.dtype = torch.fl
     rows, values = blocks.reshape(-1, size), out.view(-1, elements)
     step = max(1, (_CPU_STEP_ELEMENTS if out.device.type == "cpu" else _GPU_STEP_ELEMENTS) // elements)
     # Unpacked into `out` itself in float32; in another dtype, into one step's float32 scratch first.
-    scratch = None if dtype == torch.float32 else torch.empty(min(step, rows.shape[0]), elements, device=out.device)
+    scratch = None if dtype == torch.float32 else torch.empty(min(step, rows.shape[0]), elements, dtype=torch.float32,
+                                                              device=out.device)
     for first in range(0, rows.shape[0], step):
         some = rows[first:first + step].to(out.device, non_blocking=rows.is_pinned())
         target = values[first:first + step]

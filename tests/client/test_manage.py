@@ -312,6 +312,13 @@ def test_unpack_equals_the_gguf_package_on_random_blocks_of_every_type(monkeypat
             for dtype in (torch.float32, torch.bfloat16):
                 got = vramd.unpack(torch.from_numpy(blocks), kind, (3, 1024), dtype)
                 same_bits(got, want.to(dtype), torch.int32 if dtype == torch.float32 else torch.int16, kind)
+            default = torch.get_default_dtype()
+            try:  # a process whose default dtype is bfloat16 still unpacks in float32
+                torch.set_default_dtype(torch.bfloat16)
+                same_bits(vramd.unpack(torch.from_numpy(blocks), kind, (3, 1024), torch.bfloat16),
+                          want.to(torch.bfloat16), torch.int16, kind)
+            finally:
+                torch.set_default_dtype(default)
     with pytest.raises(ValueError, match=r"'Q1_0' is not a GGUF type vramd unpacks"):
         vramd.unpack(torch.zeros(2, 18, dtype=torch.uint8), "Q1_0", (2, 32))
     with pytest.raises(ValueError, match=r"Q4_0 blocks of shape \[2, 17\] in torch.uint8 do not unpack into \[2, 32\]"):
