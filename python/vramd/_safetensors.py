@@ -29,10 +29,11 @@ TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in NAMES}
 
 
 def dumps(tensors: Mapping[str, torch.Tensor], allocate=bytearray):
-    """A safetensors file of `tensors` (any device, layout or strides; one copy each), in the
-    writable buffer `allocate(size)` gives (a bytearray, or an mmap). Larger elements come first
-    so that every tensor is aligned for its dtype, as the daemon writes them. Raises TypeError or
-    ValueError naming the tensor that cannot be written."""
+    """A safetensors file of `tensors` (any device, layout or strides), in the writable buffer
+    `allocate(size)` gives (a bytearray, or an mmap). Each tensor is copied once, from its device
+    straight into the buffer: a trainer's GPU weights need no host copy of their own beside it.
+    Larger elements come first so that every tensor is aligned for its dtype, as the daemon
+    writes them. Raises TypeError or ValueError naming the tensor that cannot be written."""
     entries = []
     for name, tensor in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
@@ -42,7 +43,9 @@ def dumps(tensors: Mapping[str, torch.Tensor], allocate=bytearray):
         if tensor.dtype not in NAMES:
             raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors name vramd reads; "
                              f"convert it to one of {', '.join(map(str, TORCH_DTYPES))}")
-        data = tensor.detach().cpu()
+        if tensor.is_meta:
+            raise ValueError(f"tensor {name!r} is on the meta device: it has no values to write")
+        data = tensor.detach()
         if data.layout != torch.strided:
             data = data.to_dense()
         entries.append((name, data))

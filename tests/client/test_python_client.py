@@ -304,6 +304,8 @@ def test_safetensors_writes_any_strides_and_skips_metadata():
         assert read[key].is_contiguous()
     read = _safetensors.loads(save({"a": base}, metadata={"format": "pt"}))
     assert list(read) == ["a"] and torch.equal(read["a"], base)
+    with pytest.raises(ValueError, match=r"tensor 'w' is on the meta device: it has no values to write"):
+        _safetensors.dumps({"w": torch.empty(2, device="meta")})
 
 
 @pytest.mark.parametrize("data, why", [

@@ -58,6 +58,22 @@ def test_gpu_weights_take_an_update_from_a_memfd_and_from_a_path(served, name):
         client.unload(f"{name}-fresh")
 
 
+def test_a_trainers_cuda_tensors_go_from_the_device_straight_into_the_update(served):
+    """The RL case: new weights on the trainer's GPU are copied once, into the memfd, with no host
+    copy beside it; the file is the one their host copies make, and the model takes them."""
+    from vramd import _safetensors
+    on_gpu = {name: value.to("cuda:0") for name, value in served["changed"].items()}
+    assert bytes(_safetensors.dumps(on_gpu)) == bytes(_safetensors.dumps(served["changed"]))
+    with vramd.connect(served["daemon"].sock) as client:
+        want = client.forward("gpu-fresh", served["inputs"])
+        before = client.forward("gpu", served["inputs"])
+        client.update("gpu", on_gpu)
+        assert equal(client.forward("gpu", served["inputs"]), want)
+        client.update("gpu", {name: value.to("cuda:0") for name, value in served["state"].items()}, via="body")
+        assert equal(client.forward("gpu", served["inputs"]), before)
+        client.unload("gpu-fresh")
+
+
 def test_a_gpu_lease_keeps_its_values_and_a_following_one_gets_the_update(served):
     with vramd.connect(served["daemon"].sock) as client:
         client.update("gpu", served["state"])
