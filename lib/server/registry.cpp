@@ -127,13 +127,18 @@ void Registry::apply(ConfigFile v) {
       if (current && v.text == current->serving_text && current->config) {
         current->text = v.text;
         current->config_error.clear();
+        current->replacement.reset();  // an edit taken back: a queued replacement keeps this version
         return;
       }
       if (current && (current->busy || current->runtime)) {
+        if (current->replacement && v.text == current->text) return;  // this edit is already queued
         log::info(name + ": " + v.file + " changed; the new version takes over once the work in flight ends");
         current->text = v.text;
         current->config_error.clear();
+        // One replacement queued at a time: it takes whichever version is newest when it runs.
+        const bool queued = current->replacement.has_value();
         current->replacement.emplace(std::move(*v.config), std::move(*v.dry));
+        if (queued) return;
         return submit(*current, Job(Job::Kind::Replace));
       }
       Entry& entry = current ? *current : add_entry(name);
@@ -375,8 +380,10 @@ void Registry::pump(Entry& entry) {
       case Job::Kind::Lease:
         if (const auto clash = in_place_clash(entry, job)) { done_now(409, {{"error", *clash}}); continue; }
         break;
-      case Job::Kind::Forward:
       case Job::Kind::Replace:
+        if (!entry.replacement) { done_now(200, entry_json(entry)); continue; }  // the edit was taken back
+        break;
+      case Job::Kind::Forward:
         break;
     }
     if (!entry.config) { done_now(409, {{"error", "model " + quote(entry.name) + " has no valid config"}}); continue; }
@@ -534,15 +541,22 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
         entry.forward_seconds += outcome.seconds;
         break;
       case Job::Kind::Replace: {
-        auto [config, dry] = std::move(*entry.replacement);
-        entry.replacement.reset();
+        // The newest version queued (pump answers a replacement whose edit was taken back
+        // without running it, but one may be taken back while it runs: then the config that
+        // served is loaded again).
         const bool was_loaded = entry.state == ModelState::Ready || entry.state == ModelState::Offloaded;
-        entry.config = std::move(config);
-        entry.dry = std::move(dry);
+        const bool replaced = entry.replacement.has_value();
+        if (replaced) {
+          auto [config, dry] = std::move(*entry.replacement);
+          entry.replacement.reset();
+          entry.config = std::move(config);
+          entry.dry = std::move(dry);
+        }
         entry.serving_text = entry.text;
         entry.keep_alive = entry.config->residency.keep_alive;
         entry.state = ModelState::Unloaded;
-        log::info("new config for " + entry.name + " in effect");
+        log::info(replaced ? "new config for " + entry.name + " in effect"
+                           : entry.name + ": its edit was taken back; the config that served is loaded again");
         if (was_loaded || entry.config->residency.preload) submit(entry, Job(Job::Kind::Load));
         break;
       }

@@ -338,6 +338,37 @@ def test_folder_is_watched_and_a_broken_edit_keeps_the_old_version(daemon, check
     assert len(json.loads(request(s, "POST", "/v1/reload")[1])["models"]) == 3
 
 
+def test_edits_a_lease_holds_back_take_effect_once_and_the_file_has_the_last_word(daemon, checkpoints):
+    """An edit of a loaded model waits for its work and leases. Every scan that sees it (each POST
+    /v1/reload, the folder's watcher) once did queue a replacement of its own: the first took the
+    new config, the next read an empty one, and the model then failed to load ("no checkpoint
+    given"). And an edit taken back before the replacement ran left the replacement to serve."""
+    s = daemon.sock
+    path = add_model(daemon, "tiny", checkpoints["gpt2"] / "model")
+    plain = path.read_text()
+    request(s, "POST", "/v1/reload")
+    inputs = load_file(checkpoints["gpt2"] / "inputs.safetensors")
+    assert forward(s, "tiny", inputs)["logits"].dtype == torch.float32
+
+    def leased(edits):
+        """Each text in turn written and reloaded twice while a lease holds the model; then the
+        lease ends and a forward (queued behind any replacement) says which config serves."""
+        with vramd.connect(s) as client:
+            with client.lease("tiny"):
+                for text in edits:
+                    path.write_text(text)
+                    for _ in range(2):
+                        assert request(s, "POST", "/v1/reload")[0] == 200
+            wait_for(lambda: not get_json(s, "/v1/models/tiny")["leases"], what="the lease to end")
+        return forward(s, "tiny", inputs)["logits"].dtype
+
+    bfloat16 = plain + 'dtype = "bfloat16"\n'
+    assert leased([bfloat16]) == torch.bfloat16
+    assert leased([plain, bfloat16]) == torch.bfloat16  # taken back: the version serving stays
+    assert leased([bfloat16, plain]) == torch.float32
+    assert model(s, "tiny")["state"] == "ready" and "config_error" not in model(s, "tiny")
+
+
 def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoints):
     d = Daemon(tmp_path, budgets='cpu = "180MiB"')  # two MiniLMs (86.6 MiB each) fit, three do not
     for name in ("a", "b", "c"):
