@@ -261,8 +261,10 @@ def main():
     parser.add_argument("--forwards", type=int, default=5)
     parser.add_argument("--model", choices=list(MODELS), default="unet", help="the module (default: unet)")
     parser.add_argument("--gguf", default="Q8_0", help="the GGUF file's block type: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0")
-    parser.add_argument("--contenders", default="vramd,vramd-lean,vramd-gguf,accelerate,diffsynth,diffusers,diffusers-gguf",
-                        help="which to run, comma-separated (default: all)")
+    # The pairs that matter most first, should a run be cut short (--json keeps those that ran):
+    # vramd and the peer likely fastest on a GPU, then both from GGUF.
+    parser.add_argument("--contenders", default="vramd,diffusers,vramd-gguf,diffusers-gguf,accelerate,diffsynth,vramd-lean",
+                        help="which to run, comma-separated, in this order (default: all)")
     parser.add_argument("--processes", type=int, default=3,
                         help="processes holding the model at once for the PSS (0: none)")
     parser.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
