@@ -173,6 +173,30 @@ def test_gpu_check_explains_a_death_only_within_its_time(tmp_path):
         assert "gpu-check: the debugger ran out of time" in (out / "catch2-backtrace.log").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: scripts/gpu-check runs for real, not this test")
+def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
+    """A whole check no longer fits a lent machine's 10 minutes a command: `--steps` splits it
+    into calls, and the report names each step left out. A name that is no step is refused
+    before anything runs."""
+    check = [ROOT / "scripts" / "gpu-check", "--no-setup", "--workdir", tmp_path / "work"]
+    refused = subprocess.run(check + ["--steps", "update,bench", tmp_path / "refused"], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "--steps names no step: bench (steps: tests,manage,update,moe,gpu)" in refused.stderr
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "figures.json").write_text("{}")  # an earlier run's, which the report must not take for this one's
+    done = subprocess.run(check + ["--steps", "update", out], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert report.startswith("# vramd GPU check: passed"), report
+    assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
+    for title in ("CUDA tests", "A managed module (bench/manage.py)", "Mixture of experts (bench/moe.py)",
+                  "Benchmarks (bench/gpu.py)"):
+        assert f"## {title}\n\n- not run (--steps update)\n" in report, report
+    assert {path.name for path in out.iterdir()} == {"environment.txt", "update.json", "update.log", "report.md"}
+
 def test_gpu_bench_keeps_the_figures_of_a_vramctl_run_that_dies_at_exit(tmp_path, monkeypatch):
     """On the first GPU machine lent, every `vramctl run` aborted at exit after writing its
     figures, and the bench kept none of them. Now such a run is still a failure, but its figures
