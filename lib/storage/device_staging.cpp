@@ -9,6 +9,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -187,19 +188,50 @@ DeviceStaging::DeviceStaging(c10::Device device, unsigned buffers, uint64_t buff
 
 DeviceStaging::~DeviceStaging() = default;
 
+at::Tensor DeviceStaging::target_bytes(const at::Tensor& out, const char* what) const {
+  if (out.device() != device_ || !out.is_contiguous())
+    throw Error(std::string("a staged ") + what + "'s target must be a contiguous tensor on " + device_.str());
+  return out.view({-1}).view(c10::kByte);
+}
+
+DeviceStaging::Pool& DeviceStaging::pool() {
+  if (!pool_) pool_ = std::make_unique<Pool>(device_, buffers_, buffer_bytes_, memory_);
+  return *pool_;
+}
+
 void DeviceStaging::read(const DiskMap& map, std::span<const Target> targets, bool direct) {
   std::vector<DiskMap::Staged> ranges;
   std::vector<at::Tensor> outs;
   for (const auto& target : targets) {
-    const at::Tensor& out = target.out;
-    if (out.device() != device_ || !out.is_contiguous())
-      throw Error("a staged read's target must be a contiguous tensor on " + device_.str());
-    ranges.push_back({target.file, target.offset, out.nbytes()});
-    outs.push_back(out.view({-1}).view(c10::kByte));
+    outs.push_back(target_bytes(target.out, "read"));
+    ranges.push_back({target.file, target.offset, target.out.nbytes()});
   }
-  if (!pool_) pool_ = std::make_unique<Pool>(device_, buffers_, buffer_bytes_, memory_);
-  pool_->begin(std::move(outs));
+  pool().begin(std::move(outs));
   map.read_staged(ranges, *pool_, {.direct = direct, .depth = buffers_});
+}
+
+void DeviceStaging::copy(std::span<const HostCopy> copies) {
+  std::vector<at::Tensor> outs;
+  for (const auto& copy : copies) {
+    outs.push_back(target_bytes(copy.out, "copy"));
+    if (copy.bytes.size() != copy.out.nbytes())
+      throw Error("a staged copy of " + format_bytes(copy.bytes.size()) + " into a tensor of " +
+                  format_bytes(copy.out.nbytes()));
+  }
+  Pool& buffers = pool();
+  buffers.begin(std::move(outs));
+  unsigned next = 0;  // the buffers in turn: the one whose copy out was queued longest ago
+  for (size_t range = 0; range < copies.size(); ++range) {
+    const auto bytes = copies[range].bytes;
+    for (uint64_t at = 0; at < bytes.size(); at += buffer_bytes_) {
+      const unsigned i = next;
+      next = (next + 1) % buffers_;
+      buffers.wait(i);
+      const auto chunk = buffers.buffer(i).first(std::min<uint64_t>(buffer_bytes_, bytes.size() - at));
+      std::memcpy(chunk.data(), bytes.data() + at, chunk.size());
+      buffers.take({range, at, chunk, i});
+    }
+  }
 }
 
 uint64_t DeviceStaging::host_bytes() const { return pool_ ? pool_->host_bytes() : 0; }

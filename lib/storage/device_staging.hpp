@@ -1,7 +1,7 @@
 // Checkpoint bytes into tensors on a device at the disk's speed: several reads in flight
 // (storage::read_staged) into pinned host buffers that are reused, and each chunk's copy to the
 // device queued as soon as the chunk lands, so that reading the next chunks overlaps copying
-// the last ones. On the CPU the buffers are plain memory and each copy is made at once (a CPU
+// the last ones. Host memory that is not pinned crosses the same way (copy()). On the CPU the buffers are plain memory and each copy is made at once (a CPU
 // tensor is better read into directly, with DiskMap::read_ranges: this serves tests there).
 //
 // The buffers are huge pages wherever the kernel has them: an O_DIRECT read into 4 KiB pages
@@ -57,6 +57,18 @@ class DeviceStaging {
   // what the targets hold is undefined. One read at a time.
   void read(const DiskMap& map, std::span<const Target> targets, bool direct);
 
+  // `bytes`, host memory of any kind (a memfd's or a checkpoint's mapping, which the device
+  // copies several times slower than pinned memory), into `out`, a contiguous tensor on the
+  // device of as many bytes.
+  struct HostCopy {
+    std::span<const std::byte> bytes;
+    at::Tensor out;
+  };
+  // Copies every one through the buffers: each chunk copied on this thread into a free buffer
+  // while the device copies the ones before out of theirs, queued and seen as read()'s are.
+  // On the CPU, each chunk is copied at once. One copy or read at a time.
+  void copy(std::span<const HostCopy> copies);
+
   uint64_t host_bytes() const;  // the pinned host memory its buffers hold (0 before the first read)
   // What that memory is: "huge pages registered with the CUDA driver", "LibTorch's pinned
   // memory", "huge pages" (on the CPU), or "none" before the first read.
@@ -64,6 +76,8 @@ class DeviceStaging {
 
  private:
   class Pool;
+  Pool& pool();  // made on first use
+  at::Tensor target_bytes(const at::Tensor& out, const char* what) const;  // out's bytes, once checked
   c10::Device device_;
   unsigned buffers_;
   uint64_t buffer_bytes_;

@@ -210,19 +210,21 @@ void ResidentWeights::update(const std::string& model, const WeightUpdate& updat
     if (held == update.room.end() || held->second < bytes) throw UpdateNeedsRoom(room);
   }
   std::vector<at::Tensor> fresh(values.size());
+  std::vector<std::pair<at::Tensor, at::Tensor>> writes;
   for (size_t i = 0; i < values.size(); ++i) {
     const at::Tensor& now = values[i].first->value;
-    if (beside[i])
-      fresh[i] = sources[i].to(now.device(), now.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+    if (beside[i]) writes.emplace_back(fresh[i] = at::empty(now.sizes(), now.options()), sources[i]);
   }
+  write_values(writes);
   if (update.check) update.check();
+  writes.clear();
   for (size_t i = 0; i < values.size(); ++i) {
     at::Tensor& now = values[i].first->value;
     if (fresh[i].defined()) replaced_.push_back(std::exchange(now, std::move(fresh[i])));
-    else now.copy_(sources[i]);
+    else writes.emplace_back(now, sources[i]);
     updated_.insert(values[i].first);
   }
-  if (!values.empty()) synchronise(values.front().first->value.device());
+  write_values(writes);
 }
 
 std::shared_ptr<void> ResidentWeights::take_replaced(std::map<std::string, uint64_t>& bytes) {

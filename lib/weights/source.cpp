@@ -130,6 +130,28 @@ void synchronise(c10::Device device) {
   if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
 }
 
+void write_values(std::span<const std::pair<at::Tensor, at::Tensor>> writes) {
+  std::vector<std::pair<c10::Device, std::vector<storage::DeviceStaging::HostCopy>>> staged;  // by device
+  std::vector<at::Tensor> hosts;  // the values cast, alive until their copies are done
+  std::vector<c10::Device> devices;
+  for (const auto& [target, value] : writes) {
+    if (std::find(devices.begin(), devices.end(), target.device()) == devices.end()) devices.push_back(target.device());
+    if (target.is_cpu() || !value.is_cpu() || !target.is_contiguous() || value.sizes() != target.sizes()) {
+      target.copy_(value);
+      continue;
+    }
+    const at::Tensor& host = hosts.emplace_back(value.to(target.scalar_type()).contiguous());
+    auto it = std::find_if(staged.begin(), staged.end(), [&](const auto& s) { return s.first == target.device(); });
+    if (it == staged.end()) it = staged.insert(staged.end(), {target.device(), {}});
+    it->second.push_back({{static_cast<const std::byte*>(host.const_data_ptr()), host.nbytes()}, target});
+  }
+  for (const auto& [device, copies] : staged) {
+    storage::DeviceStaging staging(device);  // its buffers kept for the next one (a load's, say)
+    staging.copy(copies);
+  }
+  for (const auto& device : devices) synchronise(device);
+}
+
 c10::Device torch_device(const config::Device& device) {
   if (device.is_disk()) throw Error("weights on disk are on no device");
   if (device.is_cpu()) return c10::Device(c10::kCPU);

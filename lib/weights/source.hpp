@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "config/model_config.hpp"
@@ -111,6 +112,14 @@ uint64_t direct_phase(uint64_t offset, c10::ScalarType dtype);
 // Waits for the copies queued on the calling thread's current stream of `device` (read_into's
 // through staging among them); nothing to wait for on the CPU.
 void synchronise(c10::Device device);
+
+// Writes each value into its target (target, value), a tensor of the value's shape, as copy_
+// does, and returns once every write is done. A value in host memory crosses to a contiguous
+// target on a GPU through pinned staging buffers (storage::DeviceStaging::copy), cast on the
+// CPU first where the dtypes differ: an update's values are views of a memfd's or a
+// checkpoint's mapping, which the device copies several times slower than pinned memory
+// (docs/benchmarks.md, issue #48).
+void write_values(std::span<const std::pair<at::Tensor, at::Tensor>> writes);
 
 // A device of the config as LibTorch names it; disk has no such device (an Error).
 c10::Device torch_device(const config::Device& device);

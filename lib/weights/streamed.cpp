@@ -746,13 +746,14 @@ void StreamedWeights::update(const std::string& model, const WeightUpdate& updat
     return prefetch_queue_.empty() &&
            std::none_of(slots_.begin(), slots_.end(), [](auto& s) { return s->state == Slot::State::Loading; });
   });
+  std::vector<std::pair<at::Tensor, at::Tensor>> writes;
   for (size_t v = 0; v < values.size(); ++v)
     for (auto [it, end] = homes.equal_range(update.values[v].first); it != end; ++it) {
       auto& [slot, i] = it->second;
       if (slot->resident) {
-        slot->tensors[i].copy_(values[v]);
+        writes.emplace_back(slot->tensors[i], values[v]);
       } else {
-        slot->held[i].copy_(values[v]);
+        writes.emplace_back(slot->held[i], values[v]);
         if (slot->state == Slot::State::Ready) {
           slot->tensors.clear();
           slot->state = Slot::State::Away;
@@ -761,7 +762,7 @@ void StreamedWeights::update(const std::string& model, const WeightUpdate& updat
         }
       }
     }
-  synchronise(device_);
+  write_values(writes);
 }
 
 void StreamedWeights::check_leasable(const std::string& model, const std::string&) const {

@@ -57,7 +57,42 @@ void check_reads(DeviceStaging& staging, const DiskMap& map, c10::Device device,
   }
 }
 
+// Copies host tensors of many sizes and dtypes (views of one buffer, at odd offsets) through
+// `staging` onto `device` and checks each, twice: the second copy reuses the buffers.
+void check_copies(DeviceStaging& staging, c10::Device device) {
+  at::manual_seed(5);
+  const at::Tensor host = at::randint(0, 256, {3 * 65536 + 16}, at::kByte);
+  const std::vector<std::pair<int64_t, int64_t>> spans{{1, 7}, {8, 65536}, {65544, 2 * 65536 + 5}, {3 * 65536 + 13, 1}, {0, 0}};
+  for (int round = 0; round < 2; ++round) {
+    std::vector<DeviceStaging::HostCopy> copies;
+    for (const auto& [at, n] : spans)
+      copies.push_back({{static_cast<const std::byte*>(host.const_data_ptr()) + at, static_cast<size_t>(n)},
+                        at::full({n}, 0x55, at::TensorOptions().device(device).dtype(at::kByte))});
+    staging.copy(copies);
+    if (!device.is_cpu()) c10::impl::VirtualGuardImpl(device.type()).getStream(device).synchronize();
+    for (size_t i = 0; i < spans.size(); ++i) {
+      INFO("round " << round << ", bytes " << spans[i].first << " to " << spans[i].first + spans[i].second);
+      CHECK(at::equal(copies[i].out.cpu(), host.narrow(0, spans[i].first, spans[i].second)));
+    }
+  }
+}
+
 }  // namespace
+
+TEST_CASE("DeviceStaging copies host memory through fewer buffers than chunks") {
+  DeviceStaging staging(c10::kCPU, 3, 65536);
+  check_copies(staging, c10::kCPU);
+  CHECK(staging.host_bytes() == 3 * 65536);
+  // A reading after copying, through the same buffers.
+  TempDir dir;
+  const auto map = DiskMap::open(checkpoint(dir));
+  check_reads(staging, map, c10::kCPU, false);
+  const std::vector<std::byte> bytes(16);
+  const DeviceStaging::HostCopy longer{bytes, at::empty({15}, at::kByte)};
+  CHECK_THROWS_WITH(staging.copy({&longer, 1}), "a staged copy of 16 B into a tensor of 15 B");
+  const DeviceStaging::HostCopy transposed{{bytes.data(), 15 * 4}, at::empty({5, 3}).t()};
+  CHECK_THROWS_WITH(staging.copy({&transposed, 1}), "a staged copy's target must be a contiguous tensor on cpu");
+}
 
 TEST_CASE("DeviceStaging reads tensors at any offset through fewer buffers than chunks") {
   TempDir dir;
@@ -97,7 +132,7 @@ TEST_CASE("DeviceStaging refuses a target that is not a contiguous tensor on its
                     "a staged read's target must be a contiguous tensor on cpu");
 }
 
-TEST_CASE("DeviceStaging reads onto a GPU through registered huge pages or pinned memory", "[cuda]") {
+TEST_CASE("DeviceStaging reads and copies onto a GPU through registered huge pages or pinned memory", "[cuda]") {
   if (!vramd::test::cuda_device_here()) return;
   TempDir dir;
   const auto map = DiskMap::open(checkpoint(dir));
@@ -112,6 +147,12 @@ TEST_CASE("DeviceStaging reads onto a GPU through registered huge pages or pinne
       CHECK(staging.host_memory() ==
             (memory == Memory::Registered ? "huge pages registered with the CUDA driver" : "LibTorch's pinned memory"));
     }
+  }
+  for (const auto memory : {Memory::Registered, Memory::TorchPinned}) {  // host memory copied across
+    DeviceStaging staging(cuda, 3, 65536, memory);
+    check_copies(staging, cuda);
+    const c10::InferenceMode mode;  // an update's targets may be a forward's inference tensors
+    check_copies(staging, cuda);
   }
   // The defaults, on a stream of the pool's: what the prefetch thread does.
   DeviceStaging staging(cuda);
