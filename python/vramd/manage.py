@@ -121,7 +121,7 @@ class Managed:
         self._held = 0
         self._told = 0  # the peak the daemon last heard
         self._figures = {"peak": 0, "bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
-                         "prefetch_hits": 0, "waited_seconds": 0.0}
+                         "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0}
         self._next: dict[_Unit, _Unit] = {}
         self._previous: _Unit | None = None
         self._units = self._plan(units, strict)
@@ -223,6 +223,7 @@ class Managed:
     # Hooks.
 
     def _acquire(self, unit: _Unit) -> None:
+        started = time.perf_counter()
         with self._lock:
             if self._previous is not None and self._previous is not unit:
                 self._next[self._previous] = unit  # the order the last call ran them in
@@ -237,6 +238,7 @@ class Managed:
             following = self._next.get(unit)
             if following is not None and not following.ready and following.pending is None:
                 self._prefetch(following, current=unit)
+            self._figures["hook_seconds"] += time.perf_counter() - started
 
     def _done(self, unit: _Unit) -> None:
         with self._lock:
@@ -336,7 +338,8 @@ class Managed:
     def stats(self) -> dict:
         """Bytes held now and at most on the device, bytes moved (the copies, in the computation
         dtype) and read (from the lease: its dtype, or GGUF blocks packed), loads, prefetches and
-        their hits."""
+        their hits, and the host's seconds spent waiting for prefetches and in the hooks before
+        units (the waits included: what the manager adds to a call on the host)."""
         with self._lock:
             return {**self._figures, "held": self._held, "limit": self.limit, "device": str(self.device),
                     "dtype": _name(self.dtype), "units": len(self._units),

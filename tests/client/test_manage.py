@@ -220,6 +220,7 @@ def test_a_module_of_ones_own_equals_the_whole_module_and_keeps_its_limit(daemon
         assert 0 < stats["peak"] <= stats["limit"], stats
         assert stats["loads"] > stats["units"]  # it could not keep them all: some came in more than once
         assert stats["prefetch_hits"] > 0 and stats["prefetched"] >= stats["prefetch_hits"], stats
+        assert 0 <= stats["waited_seconds"] <= stats["hook_seconds"], stats  # the waits are the hooks'
         assert stats["bytes_read"] * (4 // REST[rest].itemsize) == stats["bytes_moved"], stats  # read at rest, cast
         # The room it uses is held in the daemon's budget, beside the weights at rest.
         status = get_json(daemon["sock"], "/v1/status")
