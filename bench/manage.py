@@ -20,6 +20,8 @@ under a limit of a quarter of its size, several ways, each in a fresh process:
     diffusers-gguf  the same from the GGUF file vramd-gguf serves (from_single_file with a
                  GGUFQuantizationConfig: blocks packed at rest, unpacked at each call): the peer of
                  vramd-gguf
+    resident     no offload: the module whole on DEVICE in the computation dtype, the bound of
+                 every managed forward (the others' forwards are given against its)
 
 On a GPU an untimed process first computes one forward of the module on the device, so that
 what the first contender would read from disk alone is in the page cache for all.
@@ -150,6 +152,8 @@ def contender(kind, args, folder):
             model = cls(**config).eval()
         managed = vramd.manage(model, "model-gguf" if kind == "vramd-gguf" else "model", device=device, dtype=dtype,
                                limit=args.lean_limit if kind == "vramd-lean" else None)
+    elif kind == "resident":
+        model = cls.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device, dtype).eval()
     elif kind.startswith("diffusers"):
         # diffusers' own loading (on the meta device, then the checkpoint's values; from the GGUF
         # file its blocks stay packed and are unpacked at each call), at rest in host memory in
@@ -293,7 +297,7 @@ def main():
     parser.add_argument("--gguf", default="Q8_0", help="the GGUF file's block type: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0")
     # The pairs that matter most first, should a run be cut short (--json keeps those that ran):
     # vramd and the peer likely fastest on a GPU, then both from GGUF.
-    parser.add_argument("--contenders", default="vramd,diffusers,vramd-gguf,diffusers-gguf,accelerate,diffsynth,vramd-lean",
+    parser.add_argument("--contenders", default="vramd,diffusers,vramd-gguf,diffusers-gguf,accelerate,diffsynth,vramd-lean,resident",
                         help="which to run, comma-separated, in this order (default: all)")
     parser.add_argument("--processes", type=int, default=3,
                         help="processes holding the model at once for the PSS (0: none)")
@@ -412,11 +416,17 @@ def main():
                      if "pss_processes" in v and "pss_processes" in r else "")
                   + (f", bytes read from host memory {v['managed']['bytes_read'] / r['managed']['bytes_read']:.2f}x"
                      if "managed" in r else ""))
+    if "resident" in ran:  # the bound: what each way of offloading adds to a forward
+        bound = ran["resident"]["forward_median_seconds"]
+        print(f"forward against the module resident on {args.device} ({bound:.3f} s): " + ", ".join(
+            f"{kind} {r['forward_median_seconds'] / bound:.2f}x" for kind, r in ran.items() if kind != "resident"))
     for kind, r in ran.items():
         if "managed" in r:
             m = r["managed"]
             print(f"{kind}'s manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
-                  f"{m['bytes_read'] / mib:.1f} MiB read from host memory, {m['prefetch_hits']} prefetched in time")
+                  f"{m['bytes_read'] / mib:.1f} MiB read from host memory, {m['prefetch_hits']} prefetched in time; "
+                  f"in {args.forwards} calls, {m['hook_seconds']:.3f} s in its hooks, {m['waited_seconds']:.3f} s of "
+                  "them waiting for prefetches")
     # The outputs, a witness that each computed the same module: the peers' against vramd's from the
     # same values (from the GGUF file, vramd-gguf's).
     for kind in ran:

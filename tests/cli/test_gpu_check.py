@@ -92,7 +92,10 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     # Q8_0 blocks read in place of the Linear layers' bfloat16: fewer bytes from host memory.
     assert 0 < gguf_manage["managed"]["bytes_read"] < vramd_manage["managed"]["bytes_read"], manage
     assert manage["results"]["diffusers-gguf"]["forward_median_seconds"] > 0, manage
-    assert any(line.startswith("- vramd's manager: peak ") for line in report.splitlines()), report
+    assert any(line.startswith("- vramd's manager: peak ") and " s in its hooks, " in line for line in report.splitlines())
+    assert manage["results"]["resident"]["forward_median_seconds"] > 0, manage
+    assert any(line.startswith("- forward against the module resident on cpu (") and "vramd-gguf " in line
+               for line in report.splitlines()), report
     assert any(line.startswith("- diffusers-gguf's first output against vramd-gguf's: ") for line in report.splitlines())
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
                 "update.log", "manage.log"):
