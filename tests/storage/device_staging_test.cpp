@@ -83,6 +83,14 @@ TEST_CASE("DeviceStaging copies host memory through fewer buffers than chunks") 
   DeviceStaging staging(c10::kCPU, 3, 65536);
   check_copies(staging, c10::kCPU);
   CHECK(staging.host_bytes() == 3 * 65536);
+  {  // chunks of several MiB, each copied into its buffer on several threads
+    DeviceStaging large(c10::kCPU, 2, 4 << 20);
+    const at::Tensor host = at::randint(0, 256, {(9 << 20) + 3}, at::kByte);
+    const DeviceStaging::HostCopy whole{{static_cast<const std::byte*>(host.const_data_ptr()), host.nbytes()},
+                                        at::zeros_like(host)};
+    large.copy({&whole, 1});
+    CHECK(at::equal(whole.out, host));
+  }
   // A reading after copying, through the same buffers.
   TempDir dir;
   const auto map = DiskMap::open(checkpoint(dir));
