@@ -1,8 +1,9 @@
 // Checkpoint bytes into tensors on a device at the disk's speed: several reads in flight
 // (storage::read_staged) into pinned host buffers that are reused, and each chunk's copy to the
 // device queued as soon as the chunk lands, so that reading the next chunks overlaps copying
-// the last ones. Host memory that is not pinned crosses the same way (copy()). On the CPU the buffers are plain memory and each copy is made at once (a CPU
-// tensor is better read into directly, with DiskMap::read_ranges: this serves tests there).
+// the last ones. Host memory that is not pinned crosses the same way (copy()). On the CPU the
+// buffers are plain memory and each copy is made at once (a CPU tensor is better read into
+// directly, with DiskMap::read_ranges: this serves tests there).
 //
 // The buffers are huge pages wherever the kernel has them: an O_DIRECT read into 4 KiB pages
 // needs a segment per page, and a virtual disk (254 segments a request) can then read several

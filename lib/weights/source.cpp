@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "convert/evaluate.hpp"
 #include "storage/dequantize_ops.hpp"
@@ -131,24 +133,20 @@ void synchronise(c10::Device device) {
 }
 
 void write_values(std::span<const std::pair<at::Tensor, at::Tensor>> writes) {
-  std::vector<std::pair<c10::Device, std::vector<storage::DeviceStaging::HostCopy>>> staged;  // by device
+  std::unordered_map<c10::Device, std::vector<storage::DeviceStaging::HostCopy>> staged;
+  std::unordered_set<c10::Device> devices;
   std::vector<at::Tensor> hosts;  // the values cast, alive until their copies are done
-  std::vector<c10::Device> devices;
   for (const auto& [target, value] : writes) {
-    if (std::find(devices.begin(), devices.end(), target.device()) == devices.end()) devices.push_back(target.device());
+    devices.insert(target.device());
     if (target.is_cpu() || !value.is_cpu() || !target.is_contiguous() || value.sizes() != target.sizes()) {
       target.copy_(value);
       continue;
     }
     const at::Tensor& host = hosts.emplace_back(value.to(target.scalar_type()).contiguous());
-    auto it = std::find_if(staged.begin(), staged.end(), [&](const auto& s) { return s.first == target.device(); });
-    if (it == staged.end()) it = staged.insert(staged.end(), {target.device(), {}});
-    it->second.push_back({{static_cast<const std::byte*>(host.const_data_ptr()), host.nbytes()}, target});
+    staged[target.device()].push_back({{static_cast<const std::byte*>(host.const_data_ptr()), host.nbytes()}, target});
   }
-  for (const auto& [device, copies] : staged) {
-    storage::DeviceStaging staging(device);  // its buffers kept for the next one (a load's, say)
-    staging.copy(copies);
-  }
+  for (const auto& [device, copies] : staged)
+    storage::DeviceStaging(device).copy(copies);  // its buffers are kept for the next one (a load's, say)
   for (const auto& device : devices) synchronise(device);
 }
 
