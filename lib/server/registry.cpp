@@ -138,8 +138,8 @@ void Registry::apply(ConfigFile v) {
         // One replacement queued at a time: it takes whichever version is newest when it runs.
         const bool queued = current->replacement.has_value();
         current->replacement.emplace(std::move(*v.config), std::move(*v.dry));
-        if (queued) return;
-        return submit(*current, Job(Job::Kind::Replace));
+        if (!queued) submit(*current, Job(Job::Kind::Replace));
+        return;
       }
       Entry& entry = current ? *current : add_entry(name);
       entry.file = v.file;
