@@ -177,41 +177,60 @@ class Daemon {
       job.input = std::move(const_cast<Request&>(request).body);
     }
     if (job.kind == Job::Kind::Update) {
+      bool keep = false;
       try {
-        read_update_request(const_cast<Request&>(request), job);
+        keep = read_update_request(const_cast<Request&>(request), job);
       } catch (const Error& e) {
         return respond_error(*exchange, 400, e.what());
       }
+      // One kept memfd per model and connection: an update without keep lets it go.
+      auto& held = exchange->held("kept memfd of " + entry->name);
+      if (!keep) held.reset();
+      else if (!held) held = std::shared_ptr<KeptMemfd>(new KeptMemfd, [this](KeptMemfd* kept) {
+        dropper_.run([kept] { delete kept; });
+      });
+      job.kept = std::static_pointer_cast<KeptMemfd>(held);
     }
     registry_.submit(*entry, std::move(job));
   }
 
   // POST .../weights: the new values as a safetensors body, or a JSON object (Content-Type:
   // application/json) {"path": "/abs/ckpt"} naming a checkpoint the daemon reads, or {"fd": N}
-  // naming the client's sealed memfd, which the daemon opens as /proc/PID/fd/N.
-  static void read_update_request(Request& request, Job& job) {
+  // naming the client's sealed memfd, which the daemon opens as /proc/PID/fd/N; with
+  // "keep": true, one the daemon keeps for the connection. Returns whether it keeps it.
+  static bool read_update_request(Request& request, Job& job) {
     const std::string* type = request.header("content-type");
     if (type && type->starts_with("application/json")) {
-      const json body = json::parse(request.body, nullptr, false);
+      json body = json::parse(request.body, nullptr, false);
+      bool keep = false;
+      if (body.is_object() && body.contains("keep")) {
+        if (!body["keep"].is_boolean() || !body.contains("fd"))
+          throw Error("update: keep must be true or false, beside {\"fd\": N}: the daemon keeps a memfd its client "
+                      "writes the next updates into");
+        keep = body["keep"].get<bool>();
+        body.erase("keep");
+      }
       const bool path = body.is_object() && body.size() == 1 && body.contains("path") && body["path"].is_string();
       const bool fd = body.is_object() && body.size() == 1 && body.contains("fd") && body["fd"].is_number_unsigned();
       if (!path && !fd)
         throw Error("update: a JSON body must be {\"path\": \"/absolute/checkpoint\"} or {\"fd\": N} (a sealed memfd of "
-                    "yours); the tensors themselves go as a safetensors body (Content-Type: application/octet-stream)");
+                    "yours; \"keep\": true beside it keeps it for the next updates); the tensors themselves go as a "
+                    "safetensors body (Content-Type: application/octet-stream)");
       if (fd) {
         if (request.peer_pid < 0)
           throw Error("update: {\"fd\": N} names a descriptor of the client's process, which only the Unix socket tells");
         job.memfd = "/proc/" + std::to_string(request.peer_pid) + "/fd/" + std::to_string(body["fd"].get<uint64_t>());
-        return;
+        return keep;
       }
       job.path = body["path"].get<std::string>();
       if (!job.path.starts_with("/"))
         throw Error("update: path " + quote(job.path) + " is relative; give it whole (the daemon's folder is not yours)");
-      return;
+      return false;
     }
     if (request.body.empty())
       throw Error("update needs a request body: the new values as a safetensors file, or {\"path\": ...} as JSON");
     job.input = std::move(request.body);
+    return false;
   }
 
   // POST .../lease: an optional JSON object {"device": "cpu", "wait": true, "follow": false,
@@ -334,6 +353,10 @@ class Daemon {
   }
 
   config::DaemonConfig config_;
+  // Frees what connections keep for their clients (an update's kept memfd: unpinning and
+  // unmapping gigabytes takes a while) off the loop. Declared before server_, so it outlives
+  // every connection.
+  Worker dropper_;
   Server server_;
   Registry registry_;
   uv_signal_t sigterm_{}, sigint_{};

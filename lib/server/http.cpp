@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "server/boundary.hpp"
@@ -67,6 +68,7 @@ class Connection {
   }
 
   uv_stream_t* stream() { return &handle_.stream; }
+  std::shared_ptr<void>& held(const std::string& key) { return held_[key]; }
   bool busy() const { return exchange_ != nullptr; }
   size_t unsent() const { return uv_stream_get_write_queue_size(&handle_.stream); }
 
@@ -102,6 +104,7 @@ class Connection {
       auto exchange = std::move(exchange_);
       exchange->disconnect();
     }
+    held_.clear();
     auto& list = server_.connections_;
     list.erase(std::remove(list.begin(), list.end(), this), list.end());
     uv_close(reinterpret_cast<uv_handle_t*>(&handle_), on_closed);
@@ -322,6 +325,8 @@ class Connection {
                                    std::to_string(self->server_.limits_.request_timeout.count()) + " ms");
     if (self->held_back_) log::info("closing the connection of " + self->peer_ + ": it took none of its " +
                                     std::to_string(self->unsent()) + " bytes of answers in time");
+    else if (std::any_of(self->held_.begin(), self->held_.end(), [](const auto& slot) { return slot.second != nullptr; }))
+      return;  // idle, but holding what the daemon keeps for its client: closed by the client
     self->close();  // idle, or a client that does not read its answer
   }
 
@@ -343,6 +348,7 @@ class Connection {
   std::string peer_;
   int64_t peer_uid_ = -1, peer_pid_ = -1;
   std::string pending_;
+  std::map<std::string, std::shared_ptr<void>> held_;  // Exchange::held
   bool keep_alive_ = true, held_back_ = false, in_handler_ = false, upgraded_ = false;
   std::function<void()> on_upgrade_end_;
   std::function<bool(std::string_view)> on_upgrade_data_;
@@ -401,6 +407,11 @@ bool Channel::send(const std::string& bytes, const std::vector<int>& fds) {
 }
 
 size_t Exchange::unsent() const { return connection_ ? connection_->unsent() : 0; }
+
+std::shared_ptr<void>& Exchange::held(const std::string& key) {
+  if (!connection_) throw Error("the client is gone");
+  return connection_->held(key);
+}
 
 void Exchange::disconnect() {
   connection_ = nullptr;

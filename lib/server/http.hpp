@@ -63,6 +63,10 @@ class Exchange {
   size_t unsent() const;
   // Called once if the client disconnects before the answer is complete.
   void on_gone(std::function<void()> callback) { on_gone_ = std::move(callback); }
+  // What the daemon keeps for this connection's client (an update's memfd): the slot `key`,
+  // empty at first, emptied when the connection closes. A connection whose slots hold anything
+  // is not closed for being idle. Before the answer only: throws Error once the client is gone.
+  std::shared_ptr<void>& held(const std::string& key);
 
   // Answers by handing the connection over (a lease): writes `bytes` with `fds` attached
   // (SCM_RIGHTS; the caller keeps its own descriptors), after which the connection carries no

@@ -575,9 +575,12 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     body = entry_json(entry);
     if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
       body["moved"] = {{"bytes", outcome.moved.bytes}, {"seconds", outcome.moved.seconds}};
-    if (job.kind == Job::Kind::Update)
+    if (job.kind == Job::Kind::Update) {
       body["updated"] = {{"tensors", outcome.updated.tensors}, {"bytes", outcome.updated.bytes},
                          {"seconds", outcome.updated.seconds}};
+      if (!outcome.updated.kept.empty())
+        body["updated"]["kept"] = {{"memfd", outcome.updated.kept}, {"page_locked", outcome.updated.page_locked}};
+    }
   }
 
   if (job.refresh) send_refresh(entry, job, outcome);

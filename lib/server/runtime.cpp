@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <cstring>
@@ -18,8 +19,10 @@
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
+#include "util/cuda_vmm.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
+#include "util/log.hpp"
 #include "util/unique_fd.hpp"
 #include "weights/source.hpp"
 #include "weights/weights.hpp"
@@ -155,12 +158,26 @@ weights::Manifest Runtime::lease(const std::string& device) {
   return manifest;
 }
 
+struct KeptMemfd::State {
+  dev_t device = 0;
+  ino_t inode = 0;
+  std::shared_ptr<weights::SharedRegion> region;
+  bool taken = false;  // an update has taken values from `region` (one that needed room first ran twice)
+  // By GPU ("cuda:0"): null where the driver refused (its updates then cross through staging
+  // buffers). Declared after `region`, so unregistered before it is unmapped.
+  std::map<std::string, std::unique_ptr<cuda::HostRegistration>> page_locked;
+};
+
+KeptMemfd::KeptMemfd() : state_(std::make_unique<State>()) {}
+KeptMemfd::~KeptMemfd() = default;
+
 namespace {
 
-// The client's memfd (/proc/PID/fd/N), opened here and mapped read-only, its seals checked on
-// this descriptor: the file mapped is the file checked, and nobody can change or cut it. So the
-// weights may keep its pages as they are, and leases share it as a region of the daemon's own.
-std::shared_ptr<weights::SharedRegion> adopt_sealed(const std::string& path, const std::string& what) {
+// The client's memfd (/proc/PID/fd/N), opened here, its seals checked on this descriptor (the
+// file mapped is the file checked): against writes and shrinking, or, for a memfd the daemon
+// keeps, shrinking alone (nobody can cut it short under the mapping, but its client writes the
+// next update's values into it).
+OpenedFile open_memfd(const std::string& path, const std::string& what, bool kept) {
   OpenedFile opened;
   try {
     opened = open_regular_file(path);
@@ -169,22 +186,75 @@ std::shared_ptr<weights::SharedRegion> adopt_sealed(const std::string& path, con
   }
   UniqueFd fd(opened.fd);
   const int seals = ::fcntl(fd.get(), F_GET_SEALS);
-  constexpr int kNeeded = F_SEAL_WRITE | F_SEAL_SHRINK;
-  if (seals < 0 || (seals & kNeeded) != kNeeded)
-    throw BadInput(what + " is not sealed against writes and shrinking (fcntl F_ADD_SEALS with F_SEAL_WRITE | "
-                          "F_SEAL_SHRINK): seal it, so that it cannot change while the daemon reads it");
+  const int needed = kept ? F_SEAL_SHRINK : F_SEAL_WRITE | F_SEAL_SHRINK;
+  if (seals < 0 || (seals & needed) != needed)
+    throw BadInput(what + (kept ? " is not sealed against shrinking (fcntl F_ADD_SEALS with F_SEAL_SHRINK): seal it, "
+                                  "so that it cannot be cut short under the daemon's mapping"
+                                : " is not sealed against writes and shrinking (fcntl F_ADD_SEALS with F_SEAL_WRITE | "
+                                  "F_SEAL_SHRINK): seal it, so that it cannot change while the daemon reads it"));
   if (opened.size == 0) throw BadInput(what + " is empty");
-  return weights::SharedRegion::adopt(std::move(fd), opened.size, what);
+  fd.release();
+  return opened;
+}
+
+// A sealed memfd mapped read-only: nobody can change or cut it, so the weights may keep its
+// pages as they are, and leases share it as a region of the daemon's own.
+std::shared_ptr<weights::SharedRegion> adopt_sealed(const std::string& path, const std::string& what) {
+  const OpenedFile opened = open_memfd(path, what, false);
+  return weights::SharedRegion::adopt(UniqueFd(opened.fd), opened.size, what);
+}
+
+// The memfd `kept` holds when `path` is the same file of the same size, else `path` mapped
+// read-only in its place.
+std::shared_ptr<weights::SharedRegion> open_kept(KeptMemfd::State& kept, const std::string& path,
+                                                 const std::string& what) {
+  const OpenedFile opened = open_memfd(path, what, true);
+  UniqueFd fd(opened.fd);
+  struct stat st{};
+  if (::fstat(fd.get(), &st) != 0) throw BadInput(what + ": fstat: " + std::strerror(errno));
+  if (kept.region && st.st_dev == kept.device && st.st_ino == kept.inode && opened.size == kept.region->size())
+    return kept.region;
+  kept.page_locked.clear();
+  kept.region = weights::SharedRegion::adopt(std::move(fd), opened.size, what);
+  kept.device = st.st_dev;
+  kept.inode = st.st_ino;
+  kept.taken = false;
+  return kept.region;
+}
+
+// Page-locks the kept memfd for each GPU holding weights, once: copies from it then run at the
+// bus's speed, with no staging buffer between (weights::write_values). Returns those GPUs.
+std::vector<std::string> page_lock(KeptMemfd::State& kept, const std::map<std::string, uint64_t>& held,
+                                   const std::string& what) {
+  std::vector<std::string> locked;
+  for (const auto& [device, bytes] : held) {
+    if (!device.starts_with("cuda:")) continue;
+    auto [it, fresh] = kept.page_locked.try_emplace(device);
+    if (fresh) {
+      try {
+        it->second = std::make_unique<cuda::HostRegistration>(std::stoi(device.substr(5)),
+                                                               const_cast<std::byte*>(kept.region->data()),
+                                                               kept.region->size(), /*read_only=*/true);
+      } catch (const Error& e) {
+        log::info(what + " could not be page-locked for " + device + " (" + e.what() +
+                  "); its updates cross to the device through staging buffers");
+      }
+    }
+    if (it->second) locked.push_back(device);
+  }
+  return locked;
 }
 
 }  // namespace
 
 Runtime::Updated Runtime::update(std::string_view safetensors, const std::string& path, const std::string& memfd,
-                                 const std::map<std::string, uint64_t>& room, bool shared_in_place) {
+                                 const std::map<std::string, uint64_t>& room, bool shared_in_place,
+                                 KeptMemfd* kept) {
   const auto start = std::chrono::steady_clock::now();
   const model::UpdateSpace space{room, shared_in_place};
   if (impl_->offloaded) onload();
   model::UpdateReport report;
+  Updated updated;
   try {
     // A partitioned model's other ranks take the same bytes once rank 0 has checked them.
     const auto from_bytes = [&](const std::byte* data, size_t size, const std::string& what,
@@ -193,7 +263,15 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
       return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, space,
                                       impl_->group ? tell : std::function<void()>(), std::move(shared));
     };
-    if (!memfd.empty()) {
+    if (!memfd.empty() && kept) {
+      // Read where it lies, never kept as the weights: its client writes the next values into it.
+      const std::string what = "the update's kept memfd " + quote(memfd);
+      KeptMemfd::State& state = *kept->state_;
+      const auto region = open_kept(state, memfd, what);
+      updated.page_locked = page_lock(state, bytes_by_device(), what);
+      report = from_bytes(region->data(), region->size(), what);
+      updated.kept = std::exchange(state.taken, true) ? "reused" : "mapped";
+    } else if (!memfd.empty()) {
       const std::string what = "the update's memfd " + quote(memfd);
       const auto region = adopt_sealed(memfd, what);
       report = from_bytes(region->data(), region->size(), what, region);
@@ -216,7 +294,10 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
     throw NeedsRoom(e.room);
   }
   impl_->version++;
-  return {report.tensors, report.bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+  updated.tensors = report.tensors;
+  updated.bytes = report.bytes;
+  updated.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return updated;
 }
 
 std::shared_ptr<void> Runtime::take_replaced(std::map<std::string, uint64_t>& bytes) {

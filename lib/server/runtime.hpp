@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "config/model_config.hpp"
 #include "model/dry_run.hpp"
@@ -42,6 +43,24 @@ class NeedsRoom : public Error {
  public:
   explicit NeedsRoom(std::map<std::string, uint64_t> room) : Error("an update needs room"), room(std::move(room)) {}
   std::map<std::string, uint64_t> room;
+};
+
+// A memfd a client writes each of its updates of one model into ({"fd": N, "keep": true}),
+// kept by the daemon for that client's connection: mapped once and, for a model with weights on
+// a GPU, page-locked there once, so that each update after the first is copied to the device at
+// the bus's speed. Runtime::update fills it; one update uses it at a time.
+class KeptMemfd {
+ public:
+  KeptMemfd();
+  ~KeptMemfd();
+  KeptMemfd(const KeptMemfd&) = delete;
+  KeptMemfd& operator=(const KeptMemfd&) = delete;
+
+  struct State;  // runtime.cpp's
+
+ private:
+  friend class Runtime;
+  std::unique_ptr<State> state_;
 };
 
 struct LoadProgress {
@@ -83,12 +102,18 @@ class Runtime {
     size_t tensors = 0;
     uint64_t bytes = 0;  // of the new values, as the model holds them
     double seconds = 0;
+    // From a kept memfd: "mapped" when this update mapped it, "reused" when an earlier one did;
+    // and the GPUs it is page-locked for ("cuda:0").
+    std::string kept;
+    std::vector<std::string> page_locked;
   };
   // New values for some of the weights (POST /v1/models/NAME/weights), from one of: the bytes
   // of a safetensors file whose tensors are named as the model's parameters; a checkpoint
   // `path`, read as the config's (model::update_from_checkpoint); or a `memfd`
   // (/proc/PID/fd/N of the client's) holding such a safetensors file, sealed against writes and
-  // shrinking, read where it lies. `room`: bytes by device reserved for new values that cannot
+  // shrinking, read where it lies; with `kept`, one sealed against shrinking alone, which the
+  // client writes the next values into: mapped and page-locked once, kept in `kept` while it
+  // stays the same file, read where it lies and never kept as the weights. `room`: bytes by device reserved for new values that cannot
   // be written where the old ones are (weights::WeightUpdate); `shared_in_place`: weights in a
   // lease's GPU memory take their values where they are, as no lease that keeps its values holds
   // it (weights::WeightUpdate::shared_in_place). Wakes an offloaded model. The
@@ -96,7 +121,8 @@ class Runtime {
   // the weights cannot take an update, and NeedsRoom where they need more room than `room`, in
   // each case with nothing changed.
   Updated update(std::string_view safetensors, const std::string& path = {}, const std::string& memfd = {},
-                 const std::map<std::string, uint64_t>& room = {}, bool shared_in_place = false);
+                 const std::map<std::string, uint64_t>& room = {}, bool shared_in_place = false,
+                 KeptMemfd* kept = nullptr);
   // The values updates replaced (weights::Weights::take_replaced): freed when the pointer is
   // dropped, which may be on another thread while the model goes on; null when there are none.
   std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>& bytes);

@@ -37,7 +37,7 @@ namespace {
 std::shared_ptr<VmmRegion> VmmRegion::create(int, uint64_t) { unavailable(); }
 std::shared_ptr<VmmRegion> VmmRegion::import(int, int, uint64_t, bool) { unavailable(); }
 VmmRegion::~VmmRegion() = default;
-HostRegistration::HostRegistration(int, void*, uint64_t) { unavailable(); }
+HostRegistration::HostRegistration(int, void*, uint64_t, bool) { unavailable(); }
 HostRegistration::~HostRegistration() = default;
 
 #else
@@ -202,9 +202,11 @@ VmmRegion::~VmmRegion() {
   }
 }
 
-HostRegistration::HostRegistration(int device, void* address, uint64_t size) : device_(device), address_(address) {
+HostRegistration::HostRegistration(int device, void* address, uint64_t size, bool read_only)
+    : device_(device), address_(address) {
   PrimaryContext context(device);
-  check(context.api(), context.api().cuMemHostRegister(address, size, CU_MEMHOSTREGISTER_PORTABLE), device,
+  const unsigned flags = CU_MEMHOSTREGISTER_PORTABLE | (read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0);
+  check(context.api(), context.api().cuMemHostRegister(address, size, flags), device,
         "cuMemHostRegister of " + std::to_string(size) + " bytes");
 }
 

@@ -55,10 +55,12 @@ class VmmRegion {
 // bus's speed): [address, address + size) page-locked and registered with the CUDA driver
 // (cuMemHostRegister, portable to every context) for as long as this lives. What
 // cudaHostAlloc gives is 4 KiB pages; registering lets the caller choose the pages, huge ones
-// for O_DIRECT reads. Throws Error when the driver is missing or refuses.
+// for O_DIRECT reads. `read_only`: the pages are mapped read-only (a client's memfd), so the
+// device only reads them (CU_MEMHOSTREGISTER_READ_ONLY). Throws Error when the driver is
+// missing or refuses.
 class HostRegistration {
  public:
-  HostRegistration(int device, void* address, uint64_t size);
+  HostRegistration(int device, void* address, uint64_t size, bool read_only = false);
   ~HostRegistration();
   HostRegistration(const HostRegistration&) = delete;
   HostRegistration& operator=(const HostRegistration&) = delete;

@@ -138,8 +138,11 @@ void write_values(std::span<const std::pair<at::Tensor, at::Tensor>> writes) {
   std::vector<at::Tensor> hosts;  // the values cast, alive until their copies are done
   for (const auto& [target, value] : writes) {
     devices.insert(target.device());
-    if (target.is_cpu() || !value.is_cpu() || !target.is_contiguous() || value.sizes() != target.sizes()) {
-      target.copy_(value);
+    // Page-locked host memory (a kept memfd's) the device copies from directly, at the bus's speed.
+    const bool pinned = !target.is_cpu() && value.is_cpu() && value.scalar_type() == target.scalar_type() &&
+                        value.is_pinned();
+    if (target.is_cpu() || !value.is_cpu() || pinned || !target.is_contiguous() || value.sizes() != target.sizes()) {
+      target.copy_(value, /*non_blocking=*/pinned);  // synchronised below
       continue;
     }
     const at::Tensor& host = hosts.emplace_back(value.to(target.scalar_type()).contiguous());

@@ -118,7 +118,8 @@ void synchronise(c10::Device device);
 // target on a GPU through pinned staging buffers (storage::DeviceStaging::copy), cast on the
 // CPU first where the dtypes differ: an update's values are views of a memfd's or a
 // checkpoint's mapping, which the device copies several times slower than pinned memory
-// (docs/benchmarks.md, issue #48).
+// (docs/benchmarks.md, issue #48). A value already page-locked, in its target's dtype (a kept
+// memfd's, server::KeptMemfd), is copied by the device directly.
 void write_values(std::span<const std::pair<at::Tensor, at::Tensor>> writes);
 
 // A device of the config as LibTorch names it; disk has no such device (an Error).

@@ -35,9 +35,13 @@ class Client:
         self.timeout = timeout
         self._connection = Connection(self.socket_path, timeout)
         self._connection.open()
+        self._kept: dict[str, _KeptMemfd] = {}  # update(keep=True)'s, by model
 
     def close(self) -> None:
         self._connection.close()
+        for kept in self._kept.values():
+            kept.close()
+        self._kept.clear()
 
     def __enter__(self) -> Client:
         return self
@@ -135,7 +139,8 @@ class Client:
             raise DaemonError(f"vramd at {self.socket_path} answered with a safetensors file that is "
                               f"malformed: {e}", request=f"POST {target}") from None
 
-    def update(self, name: str, values: Mapping[str, torch.Tensor] | str | os.PathLike, via: str = "memfd") -> dict:
+    def update(self, name: str, values: Mapping[str, torch.Tensor] | str | os.PathLike, via: str = "memfd",
+               keep: bool = False) -> dict:
         """Gives loaded model `name` new values for some or all of its weights; its object, with
         `version` (one more than before) and `updated` ({"tensors", "bytes", "seconds"}).
 
@@ -146,12 +151,36 @@ class Client:
             where it lies (it opens /proc/PID/fd/N of this process, so it must run as this user or
             root), and keeps as the weights where every tensor has its weight's dtype and the
             model holds them in host memory; "body": serialised into the request.
+        keep (tensors, via "memfd"): the memfd is kept, by this client and by the daemon for as
+            long as this client's connection is open, and the next update of `name` with keep and
+            the same tensors (names, dtypes, shapes, in the same order) is written into it again.
+            The daemon maps it once and, for a model with weights on a GPU, page-locks it there
+            once, so that the updates after the first are copied to the device at the bus's speed
+            (`updated["kept"]` says {"memfd": "mapped" or "reused", "page_locked": [GPUs]}). Its
+            values are copied into the weights, never kept as them; send them in the weights'
+            dtype, or they are cast on the host first. It holds host memory of the update's size
+            until close(), or an update of `name` without keep.
         Forwards queued before it run on the old values, those after on the new; leases taken
         before keep the old values. Checked whole first: a name that is not the model's, a shape
         that differs, a file it cannot read raise DaemonError (400) and change nothing."""
         target = _model_path(name, "weights")
+        if keep and (via != "memfd" or isinstance(values, (str, os.PathLike))):
+            raise ValueError("keep=True keeps a memfd of tensors: give tensors, via='memfd'")
+        if not keep and name in self._kept:
+            self._kept.pop(name).close()  # the daemon lets its mapping go with this update
         if isinstance(values, (str, os.PathLike)):
             body = json.dumps({"path": os.path.abspath(os.fspath(values))}).encode()
+            response = self._call("POST", target, body, "application/json")
+        elif keep:
+            kept = self._kept.get(name)
+            layout = tuple((key, tensor.dtype, tuple(tensor.shape)) for key, tensor in values.items())
+            if kept is None or kept.layout != layout:
+                if kept is not None:
+                    kept.close()
+                kept = self._kept[name] = _KeptMemfd(layout)
+            kept.cuda = kept.cuda or any(tensor.is_cuda for tensor in values.values())
+            dumps(values, kept.allocate)
+            body = json.dumps({"fd": kept.fd, "keep": True}).encode()
             response = self._call("POST", target, body, "application/json")
         elif via == "memfd":
             fd = _sealed_memfd(values)
@@ -236,6 +265,44 @@ def _sealed_memfd(tensors: Mapping[str, torch.Tensor]) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+class _KeptMemfd:
+    """The memfd update(keep=True) writes each update of one model into: sealed against shrinking
+    and growing, never against writes, and mapped writable here for as long as it is kept. Where
+    the tensors are on a GPU (a trainer's), the mapping is page-locked once, so that their copies
+    into it run at the bus's speed too."""
+
+    def __init__(self, layout: tuple):
+        self.layout = layout
+        self.fd = os.memfd_create("vramd-update-kept", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.mapping: mmap.mmap | None = None
+        self.cuda = False          # its tensors come from a GPU
+        self.registered: int | None = None  # the page-locked mapping's address
+
+    def allocate(self, size: int) -> mmap.mmap:
+        if self.mapping is None:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.mapping = mmap.mmap(self.fd, size)
+        elif len(self.mapping) != size:  # the same layout is the same size
+            raise AssertionError(f"a kept memfd of {len(self.mapping)} bytes asked for {size}")
+        if self.cuda and self.registered is None:
+            address = torch.frombuffer(self.mapping, dtype=torch.uint8).data_ptr()
+            if torch.cuda.cudart().cudaHostRegister(address, size, 0) == 0:  # else copied as pageable memory
+                self.registered = address
+        return self.mapping
+
+    def close(self) -> None:
+        if self.registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = None
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _model_path(name: str, action: str | None = None, **query: str | None) -> str:

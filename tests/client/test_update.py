@@ -3,6 +3,7 @@ update from a checkpoint path and from tensors in the request equals a fresh loa
 checkpoint bit for bit; forwards running beside 50 updates each see one version whole and say
 which; a lease taken before keeps its values; bad updates are refused naming the tensor with the
 model still serving; an update past the budget is refused. One daemon serves the module."""
+import fcntl
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-from daemon_support import ROOT, Daemon, UnixConnection, request, vramctl  # noqa: E402
+from daemon_support import ROOT, Daemon, UnixConnection, request, vramctl, wait_for  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
@@ -418,3 +419,83 @@ def test_a_sealed_memfd_of_the_models_dtypes_becomes_its_weights_without_a_copy(
         assert len(memfds(daemon) - before) == 1
         assert equal(client.forward("m", served["inputs"]), served["before"])
         assert d.stop() == 0
+
+
+def test_a_kept_memfd_takes_each_update_and_is_mapped_once_for_its_connection(served):
+    sock, daemon = served["daemon"].sock, served["daemon"].process.pid
+    head = "lm_head.weight"
+    with vramd.connect(sock) as client:
+        version = client.status("m")["version"]
+        first = client.update("m", served["changed"], keep=True)
+        assert first["version"] == version + 1
+        assert first["updated"]["kept"] == {"memfd": "mapped", "page_locked": []}  # no GPU here
+        assert equal(client.forward("m", served["inputs"]), served["after"])
+        kept = memfds(daemon, "vramd-update-kept")
+        assert len(kept) == 1, kept
+        # The same tensors again: written into the same memfd, which the daemon maps already.
+        second = client.update("m", served["state"], keep=True)
+        assert second["updated"]["kept"]["memfd"] == "reused" and second["version"] == version + 2
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+        assert memfds(daemon, "vramd-update-kept") == kept
+        # Other tensors: a memfd of their own, in place of the one before.
+        third = client.update("m", {head: served["changed"][head]}, keep=True)
+        assert third["updated"]["kept"]["memfd"] == "mapped"
+        assert equal(client.forward("m", served["inputs"]), served["after_partial"])
+        assert len(memfds(daemon, "vramd-update-kept") - kept) == 1 and not memfds(daemon, "vramd-update-kept") & kept
+        # An update without keep lets it go.
+        assert "kept" not in client.update("m", served["state"])["updated"]
+        assert memfds(daemon, "vramd-update-kept") == set()
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+        with pytest.raises(ValueError, match="keep=True keeps a memfd of tensors"):
+            client.update("m", served["updated"], keep=True)
+        client.update("m", {head: served["state"][head]}, keep=True)
+        assert len(memfds(daemon, "vramd-update-kept")) == 1
+    # The connection's end lets it go too.
+    wait_for(lambda: not memfds(daemon, "vramd-update-kept"), what="the kept memfd to be unmapped")
+
+
+def test_a_kept_memfd_is_copied_from_never_kept_as_the_weights(served):
+    """Through the socket itself: the client writes new values into its memfd whenever it likes;
+    the model takes them only when an update asks, and is refused a memfd it could cut short."""
+    sock = str(served["daemon"].sock)
+    head = served["state"]["lm_head.weight"]
+    body = bytes(vramd._safetensors.dumps({"lm_head.weight": head}))
+    memfd = os.memfd_create("vramd-test-kept", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    connection = UnixConnection(sock)
+    try:
+        os.write(memfd, body)
+        os.write(unsealed, body)
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+
+        def post(payload):
+            connection.request("POST", "/v1/models/m/weights", body=json.dumps(payload),
+                               headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, answer = post({"fd": memfd, "keep": True})
+        assert status == 200 and answer["updated"]["kept"]["memfd"] == "mapped", answer
+        # New values written into it after the answer reach no forward...
+        changed = bytes(vramd._safetensors.dumps({"lm_head.weight": served["changed"]["lm_head.weight"]}))
+        os.pwrite(memfd, changed, 0)
+        with vramd.connect(sock) as client:
+            assert equal(client.forward("m", served["inputs"]), served["before"])
+            # ... until an update takes them.
+            status, answer = post({"fd": memfd, "keep": True})
+            assert status == 200 and answer["updated"]["kept"]["memfd"] == "reused", answer
+            assert equal(client.forward("m", served["inputs"]), served["after_partial"])
+            for bad, why in [({"fd": unsealed, "keep": True}, "is not sealed against shrinking (fcntl F_ADD_SEALS"),
+                             ({"fd": memfd, "keep": 1}, "keep must be true or false, beside {\"fd\": N}"),
+                             ({"path": str(served["updated"]), "keep": True}, "keep must be true or false"),
+                             ({"fd": memfd}, "is not sealed against writes and shrinking")]:
+                status, answer = post(bad)
+                assert status == 400 and why in answer["error"], answer
+            version = client.status("m")["version"]
+            client.update("m", {"lm_head.weight": head})
+            assert client.status("m")["version"] == version + 1
+            assert equal(client.forward("m", served["inputs"]), served["before"])
+    finally:
+        connection.close()
+        os.close(memfd)
+        os.close(unsealed)

@@ -2,7 +2,8 @@
 cuda:0 and one streamed through cuda:0 under a limit from host copies each equal a fresh load of
 the updated checkpoint after an update from a memfd and from a path; a lease of GPU memory taken
 before an update keeps its values, and a following one gets the new version; one that follows in
-place keeps its addresses and sees each update's values there. Skips without a GPU; scripts/gpu-check runs it where there is one."""
+place keeps its addresses and sees each update's values there; a kept memfd is page-locked once
+and takes a trainer's updates. Skips without a GPU; scripts/gpu-check runs it where there is one."""
 import sys
 from pathlib import Path
 
@@ -72,6 +73,28 @@ def test_a_trainers_cuda_tensors_go_from_the_device_straight_into_the_update(ser
         client.update("gpu", {name: value.to("cuda:0") for name, value in served["state"].items()}, via="body")
         assert equal(client.forward("gpu", served["inputs"]), before)
         client.unload("gpu-fresh")
+
+
+@pytest.mark.parametrize("name", ["gpu", "streamed"])
+def test_a_kept_memfd_page_locked_once_takes_a_trainers_updates(served, name):
+    """The RL loop: a trainer's CUDA tensors written each step into the memfd it keeps, which
+    the daemon page-locks for cuda:0 on the first update and copies from directly after."""
+    on_gpu = {key: value.to("cuda:0") for key, value in served["changed"].items()}
+    back = {key: value.to("cuda:0") for key, value in served["state"].items()}
+    with vramd.connect(served["daemon"].sock) as client:
+        want = client.forward(f"{name}-fresh", served["inputs"])
+        before = client.forward(name, served["inputs"])
+        # Page-locked for the GPU that holds weights: a streamed model's resident layers' there.
+        locked = ["cuda:0"] if client.status(name)["devices"].get("cuda:0") else []
+        assert name == "streamed" or locked
+        for step in range(3):
+            answer = client.update(name, on_gpu if step % 2 == 0 else back, keep=True)
+            assert answer["updated"]["kept"] == {"memfd": "reused" if step else "mapped", "page_locked": locked}
+            assert client._kept[name].registered is not None  # the trainer's side page-locked too
+            assert equal(client.forward(name, served["inputs"]), want if step % 2 == 0 else before)
+        client.update(name, served["original"])
+        assert equal(client.forward(name, served["inputs"]), before)
+        client.unload(f"{name}-fresh")
 
 
 def test_a_gpu_lease_keeps_its_values_and_a_following_one_gets_the_update(served):

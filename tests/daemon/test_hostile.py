@@ -11,6 +11,7 @@ import re
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 
@@ -18,8 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load, load_file, save
 
-from daemon_support import Daemon, model, raw, request, squatter, vramctl, wait_for
+from daemon_support import ROOT, Daemon, model, raw, request, squatter, vramctl, wait_for
 import hf_models
+
+sys.path.insert(0, str(ROOT / "python"))
+import vramd  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +311,28 @@ def test_half_closed_and_abandoned_connections(hostile):
         payload = save(hostile.gpt2_inputs)
         s.sendall(b"POST /v1/models/gpt2/forward HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
         s.close()
+    assert_unharmed(hostile)
+
+
+def test_a_connection_that_keeps_a_memfd_is_not_closed_for_being_idle(hostile):
+    with vramd.connect(hostile.sock) as client:
+        with client.lease("gpt2") as state_dict:
+            name, value = next(iter(state_dict.items()))
+            value = value.clone()  # gpt2's own values: its outputs stay as they are
+        assert client.update("gpt2", {name: value}, keep=True)["updated"]["kept"]["memfd"] == "mapped"
+        # A connection asked later, with nothing kept, is closed once idle_timeout (3 s) is over,
+        # after the kept connection's idle_timeout would have been.
+        idle = socket.socket(socket.AF_UNIX)
+        idle.settimeout(60)
+        idle.connect(str(hostile.sock))
+        idle.sendall(b"GET /v1/health HTTP/1.1\r\n\r\n")
+        received = b""
+        while chunk := idle.recv(65536):
+            received += chunk
+        idle.close()
+        assert received.startswith(b"HTTP/1.1 200 ")
+        # The client that keeps a memfd still has its connection: the daemon maps the memfd still.
+        assert client.update("gpt2", {name: value}, keep=True)["updated"]["kept"]["memfd"] == "reused"
     assert_unharmed(hostile)
 
 
