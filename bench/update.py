@@ -14,13 +14,17 @@ and the ways to get new weights into a model the daemon serves:
                                memfd that the daemon maps; and the daemon's own part of it
                                (`updated.seconds`: checking the memfd, whose pages the weights
                                then keep as their values; the version before is freed after)
+    update from a kept memfd   Client.update(name, dict, keep=True), after a first one: the tensors
+                               written into the memfd this client keeps, which the daemon mapped
+                               (and page-locked on a GPU) once; the daemon copies them into the
+                               weights where they are; and the daemon's own part of it
     update from a body         Client.update(name, dict, via="body"): the tensors in the request
     unload + load + forward    what a user does without updates: the new checkpoint's config loaded
 
 Each prints seconds and GB/s of the model's bytes, and the ratio to its bound (memcpy for what
 reads memory, the disk read for a cold path). Last, the time from the request to the first
-forward's answer on the new weights: update (from a path, and from a memfd) + forward against
-unload + load + forward.
+forward's answer on the new weights: update (from a path, a memfd, a kept memfd) + forward
+against unload + load + forward.
 
 With --device cuda:N the model is computed there and its weights rest there, and the bounds of
 what reaches the GPU are measured too:
@@ -230,6 +234,18 @@ def main():
         memfd = median_seconds(args.repeat, lambda: None, update_memfd)
         memfd_daemon = statistics.median(daemon_seconds)
         body = median_seconds(args.repeat, lambda: None, lambda: client.update("m", new_tensors, via="body"))
+        kept_seconds = []
+
+        def update_kept():
+            answer = client.update("m", new_tensors, keep=True)["updated"]
+            kept_seconds.append(answer["seconds"])
+            return answer["kept"]["page_locked"]
+
+        update_kept()  # maps the memfd (and page-locks it on a GPU), and makes the weights the daemon's own
+        kept_seconds.clear()
+        kept = median_seconds(args.repeat, lambda: None, update_kept)
+        kept_daemon = statistics.median(kept_seconds)
+        page_locked = update_kept()
 
         def update_forward():
             client.update("m", new)
@@ -248,6 +264,13 @@ def main():
             return client.forward("m", inputs)
 
         to_first_memfd = median_seconds(args.repeat, lambda: client.update("m", old_tensors), update_memfd_forward)
+
+        def update_kept_forward():
+            client.update("m", new_tensors, keep=True)
+            return client.forward("m", inputs)
+
+        to_first_kept = median_seconds(args.repeat, lambda: client.update("m", old_tensors, keep=True),
+                                       update_kept_forward)
         client.unload("m")
         to_first_reload = median_seconds(args.repeat, lambda: None, reload_forward)
         client.load("m")
@@ -286,19 +309,24 @@ def main():
               f"  of which the daemon's:     {memfd_daemon:7.3f} s  {rate(memfd_daemon):6.2f} GB/s  "
               f"{bound / memfd_daemon:.2f} of {bound_name}"
               + ("" if gpu else f", {mapped / memfd_daemon:.2f} of the copy out of a mapped memfd"),
+              f"update from a kept memfd:    {kept:7.3f} s  {rate(kept):6.2f} GB/s  {bound / kept:.2f} of {bound_name}",
+              f"  of which the daemon's:     {kept_daemon:7.3f} s  {rate(kept_daemon):6.2f} GB/s  "
+              f"{bound / kept_daemon:.2f} of {bound_name}; page-locked for {', '.join(page_locked) or 'no GPU'}",
               f"update from a body:          {body:7.3f} s  {rate(body):6.2f} GB/s  {bound / body:.2f} of {bound_name}",
               f"request to first forward on new weights: update from a path + forward {to_first:.3f} s, "
-              f"from a memfd + forward {to_first_memfd:.3f} s, unload + load + forward {to_first_reload:.3f} s "
-              f"({to_first_reload / to_first:.2f}x, {to_first_reload / to_first_memfd:.2f}x)",
+              f"from a memfd + forward {to_first_memfd:.3f} s, from a kept memfd + forward {to_first_kept:.3f} s, "
+              f"unload + load + forward {to_first_reload:.3f} s ({to_first_reload / to_first:.2f}x, "
+              f"{to_first_reload / to_first_memfd:.2f}x, {to_first_reload / to_first_kept:.2f}x)",
               "the updated model's logits equal a fresh load of the new checkpoint"]
     print("\n".join(lines))
     if args.json:
         seconds = {"memcpy": memcpy, "mapped_memfd": mapped, "disk": disk, "path_cold": cold, "path_warm": warm,
-                   "memfd": memfd, "memfd_daemon": memfd_daemon, "body": body, "to_first_path": to_first,
-                   "to_first_memfd": to_first_memfd, "to_first_reload": to_first_reload,
+                   "memfd": memfd, "memfd_daemon": memfd_daemon, "kept": kept, "kept_daemon": kept_daemon, "body": body, "to_first_path": to_first,
+                   "to_first_memfd": to_first_memfd, "to_first_kept": to_first_kept, "to_first_reload": to_first_reload,
                    **{f"{name}_copy": value for name, value in bounds.items() if name != "registered_error"}}
         args.json.write_text(json.dumps({"device": device, "model_bytes": model_bytes, "layers": args.layers,
                                          "seconds": seconds, "daemon_of_bound": bound / memfd_daemon,
+                                         "kept_daemon_of_bound": bound / kept_daemon,
                                          "bound": bound_name, "summary": lines}, indent=1))
 
 

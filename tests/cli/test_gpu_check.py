@@ -81,6 +81,7 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert any(line.startswith("- forward: vramd ") and "accelerate" in line for line in report.splitlines()), report
     update = json.loads((out / "update.json").read_text())  # bench/update.py, one layer on the CPU
     assert update["device"] == "cpu" and update["bound"] == "memcpy" and update["seconds"]["memfd_daemon"] > 0, update
+    assert update["seconds"]["kept_daemon"] > 0 and update["kept_daemon_of_bound"] > 0, update
     assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
     # bench/manage.py on the CPU: the diffusion transformer managed by vramd, from GGUF too, and
     # diffusers' own loading of that GGUF file
