@@ -223,14 +223,23 @@ std::shared_ptr<weights::SharedRegion> open_kept(KeptMemfd::State& kept, const s
 }
 
 // Page-locks the kept memfd for each GPU holding weights, once: copies from it then run at the
-// bus's speed, with no staging buffer between (weights::write_values). Returns those GPUs.
+// bus's speed, with no staging buffer between (weights::write_values). Returns those GPUs. Only
+// a memfd no larger than the weights and a header: page-locked memory cannot be swapped out,
+// and values in another dtype than their weights' are cast on the host, never copied from it.
 std::vector<std::string> page_lock(KeptMemfd::State& kept, const std::map<std::string, uint64_t>& held,
                                    const std::string& what) {
+  constexpr uint64_t kHeader = 1 << 20;
+  uint64_t weights = 0;
+  for (const auto& [device, bytes] : held) weights += bytes;
   std::vector<std::string> locked;
   for (const auto& [device, bytes] : held) {
     if (!device.starts_with("cuda:")) continue;
     auto [it, fresh] = kept.page_locked.try_emplace(device);
-    if (fresh) {
+    if (fresh && kept.region->size() > weights + kHeader) {
+      log::info(what + " is not page-locked for " + device + ": its " + format_bytes(kept.region->size()) +
+                " are more than the model's weights (" + format_bytes(weights) + "), so some of its values are "
+                "in other dtypes, which cross through staging buffers once cast on the host");
+    } else if (fresh) {
       try {
         it->second = std::make_unique<cuda::HostRegistration>(std::stoi(device.substr(5)),
                                                                const_cast<std::byte*>(kept.region->data()),
