@@ -92,6 +92,10 @@ def test_a_kept_memfd_page_locked_once_takes_a_trainers_updates(served, name):
             assert answer["updated"]["kept"] == {"memfd": "reused" if step else "mapped", "page_locked": locked}
             assert client._kept[name].registered is not None  # the trainer's side page-locked too
             assert equal(client.forward(name, served["inputs"]), want if step % 2 == 0 else before)
+        # Twice the weights' bytes (float64 values, cast on the host): mapped, never page-locked.
+        answer = client.update(name, {key: value.double() for key, value in on_gpu.items()}, keep=True)
+        assert answer["updated"]["kept"] == {"memfd": "mapped", "page_locked": []}
+        assert equal(client.forward(name, served["inputs"]), want)
         client.update(name, served["original"])
         assert equal(client.forward(name, served["inputs"]), before)
         client.unload(f"{name}-fresh")
