@@ -14,8 +14,10 @@ given as `units`). A hook before each unit brings its weights to the computation
 computation dtype (the cast runs there, as the daemon's preparing does); the units that fit stay
 there, the others are dropped to make room, the most recently used first (the right choice for a
 model that runs its units in the same order every call), so that the bytes of computation copies
-never pass `limit`, counted here. While one unit computes, the next one (as the last call ran
-them) is brought in: on a side CUDA stream from page-locked host memory, or by a thread on the CPU.
+never pass `limit`, counted here. On a GPU, while one unit computes, the next one (as the last call
+ran them) is brought in on a side CUDA stream from page-locked host memory. On the CPU a thread
+can do so (prefetch=True), but by default each unit is copied by its hook: a copy on a second
+thread stalls the ops' threads, and made the forward slower, not faster (docs/benchmarks.md).
 Tied parameters are one copy, shared submodules one unit, and any entry point works (a VAE's
 `decode` as well as `forward`): the hooks are on the units, not the model.
 
@@ -110,7 +112,7 @@ class Managed:
     (or the end of a `with` block) takes the hooks away and ends the lease."""
 
     def __init__(self, module: nn.Module, lease: Lease, device: torch.device, dtype: torch.dtype, limit: int | None,
-                 units: list[str] | None, strict: bool):
+                 units: list[str] | None, strict: bool, prefetch: bool):
         self.module = module
         self.lease = lease
         self.device = device
@@ -130,8 +132,10 @@ class Managed:
             unit = max(self._units, key=lambda u: u.bytes)
             raise ManageError(f"unit {unit.name!r} needs {unit.bytes} bytes in {_name(dtype)} on {device}, more than "
                               f"the limit of {limit}: raise the limit, or name smaller units")
-        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if device.type == "cpu" else None
+        self.prefetch = prefetch
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
+        on_cpu = device.type == "cpu" and prefetch
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if on_cpu else None
         self._registered = self._pin() if device.type == "cuda" else []
         self._hooks = []
         for unit in self._units:
@@ -235,7 +239,7 @@ class Managed:
                 self._make_room(unit.bytes, keep={unit})
                 self._bring(unit, {slot: slot.copy() for slot in unit.slots if slot.users == 0})
             unit.in_use += 1
-            following = self._next.get(unit)
+            following = self._next.get(unit) if self.prefetch else None
             if following is not None and not following.ready and following.pending is None:
                 self._prefetch(following, current=unit)
             self._figures["hook_seconds"] += time.perf_counter() - started
@@ -388,10 +392,11 @@ def _listed(names: list[str]) -> str:
 
 def manage(module: nn.Module, model: str, *, client: Client | None = None, device: str | torch.device | None = None,
            dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
-           strict: bool = True) -> Managed:
+           strict: bool = True, prefetch: bool | None = None) -> Managed:
     """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
     its weights: see this module's text. `device`, `dtype` and `limit` default to the model's
-    config ([vram] computation and limit), else the CPU, the leased dtype and no limit. Raises
+    config ([vram] computation and limit), else the CPU, the leased dtype and no limit. `prefetch`
+    (bring the next unit in while one computes) defaults to on a GPU only. Raises
     ManageError naming what does not fit, and vramd.DaemonError for the daemon's refusals (507
     when the limit does not fit the device's budget)."""
     own_client = client is None
@@ -413,7 +418,8 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
                 raise ManageError(f"model {model!r} rests in {len(floating)} floating dtypes and names no computation "
                                   "dtype: give dtype=")
         try:
-            return Managed(module, lease, device, dtype, limit, units, strict)
+            return Managed(module, lease, device, dtype, limit, units, strict,
+                           device.type == "cuda" if prefetch is None else prefetch)
         except BaseException:
             lease.close()
             raise
