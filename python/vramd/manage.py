@@ -74,7 +74,8 @@ class _Slot:
         self.in_place = device.type == "cpu" and rest.dtype == self.dtype and not packed
         self.bytes = 0 if self.in_place else math.prod(shape) * self.dtype.itemsize
         self.read = 0 if self.in_place else rest.nbytes  # what a copy reads from the lease (packed: the blocks)
-        self.placeholder = torch.empty(shape, dtype=self.dtype, device="meta")  # loud if used unmanaged
+        placeholder = torch.empty(shape, dtype=self.dtype, device="meta")  # loud if used unmanaged
+        self.placeholder = nn.Parameter(placeholder, requires_grad=False) if param else placeholder
         self.users = 0              # ready units that hold it
 
     def copy(self) -> torch.Tensor:
@@ -89,7 +90,7 @@ class _Slot:
     def put(self, value: torch.Tensor) -> None:
         """The value in every place the module registers it: one Parameter object for all of a
         tied parameter's places (a meta placeholder cannot take a real tensor's data in place)."""
-        if self.param:
+        if self.param and not isinstance(value, nn.Parameter):
             value = nn.Parameter(value, requires_grad=False)
         for module, attribute in self.places:
             getattr(module, "_parameters" if self.param else "_buffers")[attribute] = value
@@ -103,7 +104,6 @@ class _Unit:
         self.bytes = sum(slot.bytes for slot in slots)
         self.ready = False
         self.in_use = 0
-        self.last_used = 0
         self.pending: Future | tuple | None = None  # a prefetch under way: a Future, or (event, tensors) on a GPU
 
 
@@ -119,13 +119,14 @@ class Managed:
         self.dtype = dtype
         self.limit = limit
         self._lock = threading.RLock()
-        self._tick = 0
         self._held = 0
         self._told = 0  # the peak the daemon last heard
         self._figures = {"peak": 0, "bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
                          "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0}
         self._next: dict[_Unit, _Unit] = {}
         self._previous: _Unit | None = None
+        # Ready units no op uses, the most recently used last: what _make_room drops from.
+        self._idle: dict[_Unit, None] = {}
         self._units = self._plan(units, strict)
         largest = max((unit.bytes for unit in self._units), default=0)
         if limit is not None and largest > limit:
@@ -239,6 +240,7 @@ class Managed:
                 self._make_room(unit.bytes, keep={unit})
                 self._bring(unit, {slot: slot.copy() for slot in unit.slots if slot.users == 0})
             unit.in_use += 1
+            self._idle.pop(unit, None)
             following = self._next.get(unit) if self.prefetch else None
             if following is not None and not following.ready and following.pending is None:
                 self._prefetch(following, current=unit)
@@ -247,8 +249,9 @@ class Managed:
     def _done(self, unit: _Unit) -> None:
         with self._lock:
             unit.in_use -= 1
-            self._tick += 1
-            unit.last_used = self._tick
+            if unit.in_use == 0 and unit.ready:
+                self._idle.pop(unit, None)
+                self._idle[unit] = None
 
     # Moving weights.
 
@@ -289,6 +292,7 @@ class Managed:
                 slot.put(slot.placeholder)
                 self._held -= slot.bytes
         unit.ready = False
+        self._idle.pop(unit, None)
 
     def _make_room(self, need: int, keep: set, prefetch: bool = False) -> bool:
         """Drops ready units that no op uses (the most recently used first) until `need` more
@@ -296,14 +300,14 @@ class Managed:
         if self.limit is None:
             return True
         while self._held + need > self.limit:
-            idle = [u for u in self._units if u.ready and not u.in_use and u not in keep and u.pending is None]
-            if not idle:
+            dropped = next((u for u in reversed(self._idle) if u not in keep), None)
+            if dropped is None:
                 if prefetch:
                     return False
                 in_use = [u.name for u in self._units if u.in_use]
                 raise ManageError(f"the limit of {self.limit} bytes cannot hold {need} more beside {self._held} held by "
                                   f"units in use ({', '.join(map(repr, in_use))}): raise the limit")
-            self._drop(max(idle, key=lambda u: u.last_used))
+            self._drop(dropped)
         return True
 
     def _prefetch(self, unit: _Unit, current: _Unit) -> None:
