@@ -454,6 +454,34 @@ def test_a_kept_memfd_takes_each_update_and_is_mapped_once_for_its_connection(se
     wait_for(lambda: not memfds(daemon, "vramd-update-kept"), what="the kept memfd to be unmapped")
 
 
+KEEP_THEN_WAIT = """
+import sys, vramd
+from safetensors.torch import load_file
+client = vramd.connect(sys.argv[1])
+print(client.update("m", load_file(sys.argv[2]), keep=True)["updated"]["kept"]["memfd"], flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_trainer_killed_while_the_daemon_keeps_its_memfd_leaves_nothing_behind(served, tmp_path):
+    sock, daemon = served["daemon"].sock, served["daemon"].process.pid
+    changed = tmp_path / "changed.safetensors"
+    save_file(served["changed"], changed)
+    child = subprocess.Popen([sys.executable, "-c", KEEP_THEN_WAIT, str(sock), str(changed)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        assert len(memfds(daemon, "vramd-update-kept")) == 1
+    finally:
+        child.kill()  # SIGKILL: no close(), only the connection's end
+        child.wait(timeout=60)
+    wait_for(lambda: not memfds(daemon, "vramd-update-kept"), what="the dead client's kept memfd to be unmapped")
+    with vramd.connect(sock) as client:
+        assert equal(client.forward("m", served["inputs"]), served["after"])
+        client.update("m", served["state"])
+        assert equal(client.forward("m", served["inputs"]), served["before"])
+
+
 def test_a_kept_memfd_is_copied_from_never_kept_as_the_weights(served):
     """Through the socket itself: the client writes new values into its memfd whenever it likes;
     the model takes them only when an update asks, and is refused a memfd it could cut short."""
