@@ -219,6 +219,14 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
             << (m["busy"].get<bool>() ? "  (busy)" : "") << '\n'
             << (m.contains("weights") ? "    " + m["weights"]["plan"].get<std::string>() + "\n" : "");
         print_leases(m, out);
+        for (const auto& kept : body.value("kept_memfds", json::array()))
+          if (kept["model"] == m["name"]) {
+            std::string locked;
+            for (const auto& device : kept["page_locked"]) locked += (locked.empty() ? ", page-locked for " : ", ") +
+                                                                     device.get<std::string>();
+            out << "    updates from pid " << kept["pid"] << " through a kept memfd of "
+                << format_bytes(kept["bytes"].get<uint64_t>()) << locked << '\n';
+          }
       }
     } else {
       print_models(body["models"], out);

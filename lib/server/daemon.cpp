@@ -186,9 +186,12 @@ class Daemon {
       // One kept memfd per model and connection: an update without keep lets it go.
       auto& held = exchange->held("kept memfd of " + entry->name);
       if (!keep) held.reset();
-      else if (!held) held = std::shared_ptr<KeptMemfd>(new KeptMemfd, [this](KeptMemfd* kept) {
-        dropper_.run([kept] { delete kept; });
-      });
+      else if (!held) {
+        held = std::shared_ptr<KeptMemfd>(new KeptMemfd(entry->name, request.peer_pid),
+                                          [this](KeptMemfd* kept) { dropper_.run([kept] { delete kept; }); });
+        std::erase_if(kept_, [](const auto& weak) { return weak.expired(); });
+        kept_.push_back(std::static_pointer_cast<KeptMemfd>(held));
+      }
       job.kept = std::static_pointer_cast<KeptMemfd>(held);
     }
     registry_.submit(*entry, std::move(job));
@@ -276,6 +279,20 @@ class Daemon {
     job.reserve = {{device->str(), value["bytes"].get<uint64_t>()}};
   }
 
+  // The memfds connections keep for their clients' updates, with what each holds mapped.
+  json kept_memfds() const {
+    json list = json::array();
+    for (const auto& weak : kept_) {
+      const auto kept = weak.lock();
+      if (!kept) continue;
+      const auto held = kept->held();
+      if (held.bytes)
+        list.push_back({{"model", kept->model}, {"pid", kept->pid}, {"bytes", held.bytes},
+                        {"page_locked", held.page_locked}});
+    }
+    return list;
+  }
+
   json models() const {
     json list = json::array();
     for (const Entry* entry : registry_.entries()) list.push_back(entry_json(*entry));
@@ -290,7 +307,7 @@ class Daemon {
     return {{"version", VRAMD_VERSION}, {"pid", ::getpid()},
             {"uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},
             {"socket", config_.socket}, {"devices", registry_.devices_json()}, {"models", models},
-            {"connections", server_.connections()}};
+            {"connections", server_.connections()}, {"kept_memfds", kept_memfds()}};
   }
 
   std::string metrics() const {
@@ -349,6 +366,11 @@ class Daemon {
       for (const auto& [id, lease] : e->leases)
         if (lease.peak)
           out << "vramd_lease_peak_bytes{model=\"" << label(e->name) << "\",pid=\"" << lease.pid << "\"} " << *lease.peak << '\n';
+    out << "# HELP vramd_kept_memfd_bytes Bytes of memfds the daemon keeps mapped for clients' updates, by model and "
+           "pid.\n# TYPE vramd_kept_memfd_bytes gauge\n";
+    for (const auto& kept : kept_memfds())
+      out << "vramd_kept_memfd_bytes{model=\"" << label(kept["model"].get<std::string>()) << "\",pid=\"" << kept["pid"]
+          << "\"} " << kept["bytes"] << '\n';
     return out.str();
   }
 
@@ -357,6 +379,7 @@ class Daemon {
   // unmapping gigabytes takes a while) off the loop. Declared before server_, so it outlives
   // every connection.
   Worker dropper_;
+  std::vector<std::weak_ptr<KeptMemfd>> kept_;  // what connections keep, for status (expired ones pruned as more come)
   Server server_;
   Registry registry_;
   uv_signal_t sigterm_{}, sigint_{};

@@ -168,8 +168,14 @@ struct KeptMemfd::State {
   std::map<std::string, std::unique_ptr<cuda::HostRegistration>> page_locked;
 };
 
-KeptMemfd::KeptMemfd() : state_(std::make_unique<State>()) {}
+KeptMemfd::KeptMemfd(std::string model, int64_t pid)
+    : model(std::move(model)), pid(pid), state_(std::make_unique<State>()) {}
 KeptMemfd::~KeptMemfd() = default;
+
+KeptMemfd::Held KeptMemfd::held() const {
+  std::lock_guard lock(mutex_);
+  return held_;
+}
 
 namespace {
 
@@ -278,6 +284,10 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
       KeptMemfd::State& state = *kept->state_;
       const auto region = open_kept(state, memfd, what);
       updated.page_locked = page_lock(state, bytes_by_device(), what);
+      {
+        std::lock_guard lock(kept->mutex_);
+        kept->held_ = {region->size(), updated.page_locked};
+      }
       report = from_bytes(region->data(), region->size(), what);
       updated.kept = std::exchange(state.taken, true) ? "reused" : "mapped";
     } else if (!memfd.empty()) {

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -51,16 +52,28 @@ class NeedsRoom : public Error {
 // the bus's speed. Runtime::update fills it; one update uses it at a time.
 class KeptMemfd {
  public:
-  KeptMemfd();
+  KeptMemfd(std::string model, int64_t pid);
   ~KeptMemfd();
   KeptMemfd(const KeptMemfd&) = delete;
   KeptMemfd& operator=(const KeptMemfd&) = delete;
+
+  const std::string model;  // whose updates it holds
+  const int64_t pid;        // the client's process
+  // What it holds now, for /v1/status and /metrics (any thread): the bytes mapped (0 before an
+  // update has mapped one) and the GPUs they are page-locked for.
+  struct Held {
+    uint64_t bytes = 0;
+    std::vector<std::string> page_locked;
+  };
+  Held held() const;
 
   struct State;  // runtime.cpp's
 
  private:
   friend class Runtime;
   std::unique_ptr<State> state_;
+  mutable std::mutex mutex_;  // guards held_
+  Held held_;
 };
 
 struct LoadProgress {

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-from daemon_support import ROOT, Daemon, UnixConnection, request, vramctl, wait_for  # noqa: E402
+from daemon_support import ROOT, Daemon, UnixConnection, get_json, request, vramctl, wait_for  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
@@ -432,6 +432,12 @@ def test_a_kept_memfd_takes_each_update_and_is_mapped_once_for_its_connection(se
         assert equal(client.forward("m", served["inputs"]), served["after"])
         kept = memfds(daemon, "vramd-update-kept")
         assert len(kept) == 1, kept
+        # Shown with its client's pid in /v1/status, /metrics and vramctl status.
+        size, pid = len(vramd._safetensors.dumps(served["changed"])), os.getpid()
+        assert get_json(sock, "/v1/status")["kept_memfds"] == [{"model": "m", "pid": pid, "bytes": size,
+                                                                "page_locked": []}]
+        assert f'vramd_kept_memfd_bytes{{model="m",pid="{pid}"}} {size}\n' in request(sock, "GET", "/metrics")[1].decode()
+        assert f"updates from pid {pid} through a kept memfd of " in vramctl(sock, "status").stdout
         # The same tensors again: written into the same memfd, which the daemon maps already.
         second = client.update("m", served["state"], keep=True)
         assert second["updated"]["kept"]["memfd"] == "reused" and second["version"] == version + 2
@@ -444,6 +450,7 @@ def test_a_kept_memfd_takes_each_update_and_is_mapped_once_for_its_connection(se
         assert len(memfds(daemon, "vramd-update-kept") - kept) == 1 and not memfds(daemon, "vramd-update-kept") & kept
         # An update without keep lets it go (unmapped on a thread of the daemon's).
         assert "kept" not in client.update("m", served["state"])["updated"]
+        assert get_json(sock, "/v1/status")["kept_memfds"] == []
         wait_for(lambda: not memfds(daemon, "vramd-update-kept"), what="the kept memfd to be unmapped")
         assert equal(client.forward("m", served["inputs"]), served["before"])
         with pytest.raises(ValueError, match="keep=True keeps a memfd of tensors"):
