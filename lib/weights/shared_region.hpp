@@ -20,9 +20,10 @@ class SharedRegion {
   // `size` bytes (more than 0) of zeroed memory named `name` (seen in /proc/PID/maps as
   // "memfd:NAME"). Throws Error naming it when memory or descriptors run out.
   static std::shared_ptr<SharedRegion> create(uint64_t size, const std::string& name);
-  // Somebody else's memfd, already sealed against writes and shrinking (the caller checks),
-  // `size` bytes of it mapped read-only: a region from the start. Throws
-  // Error naming `what` when the mapping fails.
+  // Somebody else's memfd, already sealed against shrinking, and against writes too where its
+  // values must never change (the caller checks: a kept memfd's client writes the next update
+  // into it), `size` bytes of it mapped read-only: a region from the start. Throws Error naming
+  // `what` when the mapping fails.
   static std::shared_ptr<SharedRegion> adopt(UniqueFd fd, uint64_t size, const std::string& what);
   ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
