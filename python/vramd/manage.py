@@ -25,6 +25,7 @@ The lease reserves `limit` on the device from the daemon's budget for it, beside
 for as long as the lease is open (a dead process's ends with its connection)."""
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -105,6 +106,7 @@ class _Unit:
         self.ready = False
         self.in_use = 0
         self.pending: Future | tuple | None = None  # a prefetch under way: a Future, or (event, tensors) on a GPU
+        self.forward = self.own_forward = None  # the forward manage() gave the module, and the one it had
 
 
 class Managed:
@@ -138,10 +140,9 @@ class Managed:
         on_cpu = device.type == "cpu" and prefetch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if on_cpu else None
         self._registered = self._pin() if device.type == "cuda" else []
-        self._hooks = []
+        self._hooked = True
         for unit in self._units:
-            self._hooks.append(unit.module.register_forward_pre_hook(lambda m, args, unit=unit: self._acquire(unit)))
-            self._hooks.append(unit.module.register_forward_hook(lambda m, args, out, unit=unit: self._done(unit)))
+            self._hook(unit)
 
     # What is managed.
 
@@ -227,6 +228,35 @@ class Managed:
 
     # Hooks.
 
+    def _hook(self, unit: _Unit) -> None:
+        """Wraps the unit's forward, as accelerate's and diffusers' hooks do: its weights come in
+        before it runs and are let go after, even when it raises. A forward hook would not run on
+        Ctrl-C, and a unit left in use could never be dropped again. It also costs less a call."""
+        module = unit.module
+        unit.own_forward = module.__dict__.get("forward")  # an instance's own (another library's hook)
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not self._hooked:  # closed, but wrapped in turn by another library: its forward as it was
+                return inner(*args, **kwargs)
+            self._acquire(unit)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._done(unit)
+
+        unit.forward = module.forward = forward
+
+    def _unhook(self, unit: _Unit) -> None:
+        module = unit.module
+        if module.__dict__.get("forward") is not unit.forward:
+            return  # wrapped in turn by another library after manage(): ours now passes calls through
+        if unit.own_forward is None:
+            del module.forward
+        else:
+            module.forward = unit.own_forward
+
     def _acquire(self, unit: _Unit) -> None:
         started = time.perf_counter()
         with self._lock:
@@ -239,11 +269,11 @@ class Managed:
             elif not unit.ready:
                 self._make_room(unit.bytes, keep={unit})
                 self._bring(unit, {slot: slot.copy() for slot in unit.slots if slot.users == 0})
-            unit.in_use += 1
-            self._idle.pop(unit, None)
             following = self._next.get(unit) if self.prefetch else None
             if following is not None and not following.ready and following.pending is None:
                 self._prefetch(following, current=unit)
+            unit.in_use += 1  # last: a unit whose hook raised is not in use
+            self._idle.pop(unit, None)
             self._figures["hook_seconds"] += time.perf_counter() - started
 
     def _done(self, unit: _Unit) -> None:
@@ -314,16 +344,21 @@ class Managed:
         if not self._make_room(unit.bytes, keep={unit, current}, prefetch=True):
             return
         wanted = [slot for slot in unit.slots if slot.users == 0]
-        self._held += sum(slot.bytes for slot in wanted)  # counted from now, so that nothing else takes the room
+        reserved = sum(slot.bytes for slot in wanted)
+        self._held += reserved  # counted from now, so that nothing else takes the room
         self._count_peak()
-        if self._side is not None:
-            with torch.cuda.stream(self._side):
-                copies = {slot: slot.copy() for slot in wanted}
-                event = torch.cuda.Event()
-                event.record(self._side)
-            unit.pending = (event, copies)
-        else:
-            unit.pending = self._thread.submit(lambda: {slot: slot.copy() for slot in wanted})
+        try:
+            if self._side is not None:
+                with torch.cuda.stream(self._side):
+                    copies = {slot: slot.copy() for slot in wanted}
+                    event = torch.cuda.Event()
+                    event.record(self._side)
+                unit.pending = (event, copies)
+            else:
+                unit.pending = self._thread.submit(lambda: {slot: slot.copy() for slot in wanted})
+        except BaseException:  # out of memory, say: the room is not kept for a copy that never came
+            self._held -= reserved
+            raise
         self._figures["prefetched"] += 1
 
     def _finish_prefetch(self, unit: _Unit) -> None:
@@ -356,9 +391,10 @@ class Managed:
     def close(self) -> None:
         """Takes the hooks away, drops every copy and ends the lease (the module's weights are
         meta tensors again)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        if self._hooked:
+            for unit in self._units:
+                self._unhook(unit)
+            self._hooked = False
         with self._lock:
             for unit in self._units:
                 if unit.pending is not None:

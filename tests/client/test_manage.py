@@ -63,6 +63,30 @@ class Toy(nn.Module):
         return self.head(self.shared(x))
 
 
+class Refused(Exception):
+    pass
+
+
+class Faulty(nn.Linear):
+    """A Linear that raises what it is given inside its forward: an error, or Ctrl-C's KeyboardInterrupt."""
+
+    def forward(self, x, fault=None):
+        if fault is not None:
+            raise fault
+        return super().forward(x)
+
+
+class Chain(nn.Module):
+    def __init__(self, width=16, units=8):
+        super().__init__()
+        self.layers = nn.ModuleList([Faulty(width, width) for _ in range(units)])
+
+    def forward(self, x, fault_at=None, fault=None):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, fault if i == fault_at else None)
+        return x
+
+
 def rounded(model, rest):
     """`model` with every floating weight rounded through `rest` and back: what a module computing
     in float32 from weights resting in `rest` holds."""
@@ -173,6 +197,11 @@ def daemon(tmp_path_factory):
         (d.models / f"toy-{rest}.toml").write_text(served(folder / "toy.safetensors", rest, weights_bytes(toy) // 3))
         references[f"toy-{rest}"] = Toy().eval()
         references[f"toy-{rest}"].load_state_dict({k: v.to(REST[rest]).float() for k, v in toy.state_dict().items()})
+    torch.manual_seed(3)
+    chain = Chain().eval()
+    save_file(chain.state_dict(), folder / "chain.safetensors")
+    (d.models / "chain.toml").write_text(served(folder / "chain.safetensors", "bfloat16", 3 * largest_unit(chain)))
+    references["chain"] = rounded(chain, torch.bfloat16)
     # A GGUF file of the toy's own names, at rest packed (packed is "auto": the limit) or unpacked.
     big = Toy(d=256).eval()
     values, kinds = write_gguf(big, folder / "toy.gguf")
@@ -240,6 +269,29 @@ def test_a_module_of_ones_own_equals_the_whole_module_and_keeps_its_limit(daemon
     # Closed: the hooks are gone, the weights are meta again, the room is given back.
     assert all(p.is_meta for p in model.parameters())
     wait_for(lambda: get_json(daemon["sock"], f"/v1/models/toy-{rest}")["leases"] == [], what="the lease to end")
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_unit_that_raises_or_is_interrupted_lets_its_weights_go(daemon, prefetch):
+    """A unit whose forward raises (a bad input, Ctrl-C) is no longer in use: it can be dropped,
+    and the module goes on within its limit, though every unit has raised once."""
+    with torch.device("meta"):
+        model = Chain().eval()
+    reference = daemon["references"]["chain"]
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(4))
+    with vramd.connect(daemon["sock"]) as client, \
+            vramd.manage(model, "chain", client=client, prefetch=prefetch) as managed, torch.no_grad():
+        assert managed.limit == 3 * largest_unit(Chain())  # three units of eight fit
+        for unit in range(8):
+            with pytest.raises(Refused):
+                model(x, fault_at=unit, fault=Refused(unit))
+        with pytest.raises(KeyboardInterrupt):
+            model(x, fault_at=5, fault=KeyboardInterrupt())
+        assert torch.equal(model(x), reference(x))
+        stats = managed.stats()
+        assert stats["peak"] <= stats["limit"] and stats["ready_units"] <= 3, stats
+    assert all(p.is_meta for p in model.parameters())
+    assert all(layer.forward.__func__ is Faulty.forward for layer in model.layers)  # its own forward again
 
 
 @pytest.mark.parametrize("name", ["toy-gguf", "toy-gguf-unpacked"])
