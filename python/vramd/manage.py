@@ -67,7 +67,8 @@ class _Slot:
         self.rest = rest            # the leased tensor, read-only, as the daemon holds it
         self.packed = packed        # its GGUF blocks' type and the values' shape, where it rests packed
         self.param = param          # a parameter, else a buffer
-        self.places = places        # (module, attribute) wherever the module registers it
+        # (module's _parameters or _buffers, attribute) wherever the module registers it
+        self.places = [(getattr(module, "_parameters" if param else "_buffers"), attribute) for module, attribute in places]
         self.dtype = dtype if rest.is_floating_point() or packed else rest.dtype
         self.device = device
         shape = packed.shape if packed else rest.shape
@@ -91,10 +92,10 @@ class _Slot:
     def put(self, value: torch.Tensor) -> None:
         """The value in every place the module registers it: one Parameter object for all of a
         tied parameter's places (a meta placeholder cannot take a real tensor's data in place)."""
-        if self.param and not isinstance(value, nn.Parameter):
+        if self.param and type(value) is not nn.Parameter:  # not isinstance: Parameter's is slow Python
             value = nn.Parameter(value, requires_grad=False)
-        for module, attribute in self.places:
-            getattr(module, "_parameters" if self.param else "_buffers")[attribute] = value
+        for entries, attribute in self.places:
+            entries[attribute] = value
 
 
 class _Unit:
