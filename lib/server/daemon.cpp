@@ -378,7 +378,7 @@ class Daemon {
   // Frees what connections keep for their clients (an update's kept memfd: unpinning and
   // unmapping gigabytes takes a while) off the loop. Declared before server_, so it outlives
   // every connection.
-  Worker dropper_;
+  Worker dropper_{"vramd-drop-fd"};
   std::vector<std::weak_ptr<KeptMemfd>> kept_;  // what connections keep, for status (expired ones pruned as more come)
   Server server_;
   Registry registry_;

@@ -2,6 +2,8 @@
 
 #include "server/boundary.hpp"
 
+#include <pthread.h>
+
 namespace vramd::server {
 
 Mailbox::Mailbox(uv_loop_t* loop) : async_(new uv_async_t) {
@@ -36,7 +38,8 @@ void Mailbox::on_async(uv_async_t* async) {
   for (auto& item : work) guarded("work posted to the event loop", item);
 }
 
-Worker::Worker() : thread_([this] {
+Worker::Worker(const std::string& name) : thread_([this, name = name.substr(0, 15)] {
+  pthread_setname_np(pthread_self(), name.c_str());
   for (;;) {
     std::function<void()> job;
     {

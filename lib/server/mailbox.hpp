@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -33,10 +34,11 @@ class Mailbox {
   std::vector<std::function<void()>> queue_;
 };
 
-// One thread running jobs in the order given.
+// One thread running jobs in the order given, named `name` (its first 15 bytes: what top -H,
+// gdb and /proc/PID/task/TID/comm show, and what a test finds it by).
 class Worker {
  public:
-  Worker();
+  explicit Worker(const std::string& name);
   ~Worker();  // finishes the jobs given, then joins
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;

@@ -415,7 +415,7 @@ void Registry::pump(Entry& entry) {
 
 void Registry::start_job(Entry& entry, Job job) {
   entry.busy = true;
-  if (!entry.worker) entry.worker = std::make_unique<Worker>();
+  if (!entry.worker) entry.worker = std::make_unique<Worker>("vramd:" + entry.name);
   if (!entry.runtime && job.loads()) {
     entry.state = ModelState::Loading;
     entry.progress = {};

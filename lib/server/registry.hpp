@@ -182,8 +182,8 @@ class Registry {
   uv_loop_t* loop_;
   config::DaemonConfig config_;
   Mailbox mailbox_;
-  Worker validator_;
-  Worker releaser_;
+  Worker validator_{"vramd-validate"};
+  Worker releaser_{"vramd-release"};
   DeviceBytes releasing_;  // bytes of values on releaser_, not yet freed, by device
   uv_fs_event_t* watcher_ = nullptr;
   uv_timer_t* debounce_ = nullptr;
