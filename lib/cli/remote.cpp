@@ -210,13 +210,17 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
           << counted(body["connections"].get<uint64_t>(), "connection") << "\ndevices:\n";
       for (const auto& [device, info] : body["devices"].items())
         out << "  " << device << ": " << format_bytes(info["used"].get<uint64_t>()) << " of "
-            << (info["budget"].is_null() ? std::string("no budget") : format_bytes(info["budget"].get<uint64_t>())) << '\n';
+            << (info["budget"].is_null() ? std::string("no budget") : format_bytes(info["budget"].get<uint64_t>()))
+            << (info.value("releasing", uint64_t{0}) ? ", " + format_bytes(info["releasing"].get<uint64_t>()) +
+                                                          " of replaced values being freed" : "")
+            << '\n';
       out << "models:" << (body["models"].empty() ? " none\n" : "\n");
       // Each model, then what belongs to it: its plan and its leases.
       for (const auto& m : body["models"]) {
         out << "  " << std::left << std::setw(20) << m["name"].get<std::string>() << std::setw(11)
             << m["state"].get<std::string>() << std::right << devices_text(m["devices"])
-            << (m["busy"].get<bool>() ? "  (busy)" : "") << '\n'
+            << (m["busy"].get<bool>() ? "  (busy)" : "") << (m.value("waiting_for_room", false) ? "  (waiting for room)" : "")
+            << '\n'
             << (m.contains("weights") ? "    " + m["weights"]["plan"].get<std::string>() + "\n" : "");
         print_leases(m, out);
         for (const auto& kept : body.value("kept_memfds", json::array()))

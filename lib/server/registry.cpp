@@ -781,7 +781,7 @@ json Registry::devices_json() const {
       if (const uint64_t bytes = on(charged(*e), device)) models[name] = bytes;
     const auto budget = config_.budgets.find(device);
     devices[device] = {{"budget", budget == config_.budgets.end() ? json(nullptr) : json(budget->second)},
-                       {"used", used(device)}, {"models", models}};
+                       {"used", used(device)}, {"releasing", on(releasing_, device)}, {"models", models}};
   }
   return devices;
 }

@@ -94,6 +94,7 @@ json entry_json(const Entry& e) {
   json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
             {"busy", e.busy}, {"queued", e.queue.size()}};
   if (!e.reason.empty()) j["reason"] = e.reason;
+  if (e.waiting_for_room) j["waiting_for_room"] = true;
   if (!e.config_error.empty()) j["config_error"] = e.config_error;
   if (e.config && e.dry) {
     const auto& c = *e.config;
@@ -128,6 +129,7 @@ json summary_json(const Entry& e) {
             {"vram", e.config ? json({{"computation", e.config->vram.computation.device.str()},
                                       {"offload", e.config->vram.offload.device.str()}})
                               : json(nullptr)}};
+  if (e.waiting_for_room) j["waiting_for_room"] = true;
   j["leases"] = leases_json(e);
   if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
   return j;

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-from daemon_support import ROOT, Daemon, UnixConnection, get_json, request, vramctl, wait_for  # noqa: E402
+from daemon_support import ROOT, Daemon, UnixConnection, get_json, request, thread_held, vramctl, wait_for  # noqa: E402,E501
 
 sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
@@ -418,6 +418,39 @@ def test_a_sealed_memfd_of_the_models_dtypes_becomes_its_weights_without_a_copy(
         client.update("m", served["state"])
         assert len(memfds(daemon) - before) == 1
         assert equal(client.forward("m", served["inputs"]), served["before"])
+        assert d.stop() == 0
+
+
+def test_a_load_waits_for_the_values_an_update_replaced_to_be_freed(served, tmp_path):
+    # The model is 857,344 bytes, in a budget of 2 MiB: room for two copies, not three.
+    d = Daemon(tmp_path, budgets='cpu = "2MiB"')
+    for name in ("m", "n"):
+        (d.models / f"{name}.toml").write_text(f'checkpoint = "{served["original"]}"\n')
+    cpu = lambda: get_json(d.sock, "/v1/status")["devices"]["cpu"]  # noqa: E731
+    model = lambda name: get_json(d.sock, f"/v1/models/{name}")  # noqa: E731
+    loaded = []
+    with d.start(), vramd.connect(d.sock) as client:
+        client.load("m")
+        # The thread that frees what updates replaced is held still while the update runs.
+        with thread_held(d.process.pid, "vramd-release"):
+            # Its new values go beside the old, views of the checkpoint's mapping, which the
+            # budget counts until that thread has freed them after the answer.
+            client.update("m", served["changed"], via="body")
+            assert cpu()["used"] == 857344 and cpu()["releasing"] == 857344, cpu()
+            # n would fit beside m alone, not beside the values still held: its load waits for
+            # them, rather than pass the budget or unload m.
+            loading = threading.Thread(target=lambda: loaded.append(vramd.connect(d.sock).load("n")))
+            loading.start()
+            wait_for(lambda: model("n").get("waiting_for_room") or model("n")["state"] == "ready",
+                     what="n's load to wait for room, or to load")
+            assert model("n")["state"] != "ready" and model("m")["state"] == "ready", model("n")
+            printed = vramctl(d.sock, "status").stdout
+            assert "837.25 KiB of replaced values being freed" in printed and "(waiting for room)" in printed, printed
+        loading.join(timeout=60)
+        assert loaded and loaded[0]["state"] == "ready", loaded
+        assert cpu()["releasing"] == 0 and cpu()["used"] == 2 * 857344, cpu()
+        assert "waiting_for_room" not in model("n")
+        assert equal(client.forward("m", served["inputs"]), served["after"])
         assert d.stop() == 0
 
 

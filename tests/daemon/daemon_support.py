@@ -172,6 +172,30 @@ def wait_for(predicate, timeout=20, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@contextlib.contextmanager
+def thread_held(pid, name):
+    """Holds the thread of process `pid` named `name` (a daemon's Worker) still until the block
+    ends, as a debugger would (ptrace's interrupt), the rest of the process running on: an event
+    the test controls, where timing would otherwise decide whether a window is hit. Skips the
+    test where this process may not trace its child."""
+    import ctypes
+    import pytest
+    tasks = Path(f"/proc/{pid}/task")
+    tid = next((int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().strip() == name), None)
+    assert tid is not None, f"process {pid} has no thread named {name!r}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    seize, interrupt, detach, wall = 0x4206, 0x4207, 17, 0x40000000
+    if libc.ptrace(seize, tid, None, None) != 0:
+        pytest.skip(f"ptrace may not hold a thread of the daemon here: {os.strerror(ctypes.get_errno())}")
+    try:
+        assert libc.ptrace(interrupt, tid, None, None) == 0, os.strerror(ctypes.get_errno())
+        os.waitpid(tid, wall)  # stopped
+        yield tid
+    finally:
+        libc.ptrace(detach, tid, None, None)
+
+
 def vramctl(sock, *args, check=True, timeout=120):
     result = subprocess.run([VRAMCTL, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "VRAMD_SOCKET": str(sock)})
