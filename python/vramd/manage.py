@@ -19,7 +19,11 @@ ran them) is brought in on a side CUDA stream from page-locked host memory. On t
 can do so (prefetch=True), but by default each unit is copied by its hook: a copy on a second
 thread stalls the ops' threads, and made the forward slower, not faster (docs/benchmarks.md).
 Tied parameters are one copy, shared submodules one unit, and any entry point works (a VAE's
-`decode` as well as `forward`): the hooks are on the units, not the model.
+`decode` as well as `forward`): the hooks are on the units, not the model. Between its unit's
+calls a weight is a placeholder with no memory on the computation device, in the computation
+dtype: module.device and .dtype, and a diffusers pipeline's .to() and execution device, see where
+the module computes; a move or cast elsewhere, or an op on a placeholder, is a ManageError
+naming the weight.
 
 The lease reserves `limit` on the device from the daemon's budget for it, beside its own models,
 for as long as the lease is open (a dead process's ends with its connection)."""
@@ -35,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ._gguf import Packed, unpack
 from .client import Client, connect
@@ -45,7 +50,39 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 class ManageError(ValueError):
-    """The module and the leased model do not fit together, or a unit cannot fit the limit."""
+    """The module and the leased model do not fit together, a unit cannot fit the limit, or a
+    managed weight is asked for outside its unit (a move or cast of the managed module)."""
+
+
+class _Placeholder(torch.Tensor):
+    """What the module holds for a managed weight while its unit is not running: its shape, and
+    the device and dtype it computes in (what module.device and .dtype, a pipeline's .to() and
+    its execution device read), with no memory. A move or cast to where it already is keeps it;
+    any other op is a ManageError naming the weight."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, name: str, shape, dtype: torch.dtype, device: torch.device):
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        placeholder.managed_name = name
+        return placeholder
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"<vramd.manage's placeholder for {self.managed_name!r}: {list(self.shape)}, {_name(self.dtype)} "
+                f"on {self.device}>")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, _Placeholder))
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):  # nn.Parameter(), state_dict()
+            return _Placeholder(first.managed_name, first.shape, first.dtype, first.device)
+        where = f"{first.managed_name!r} is managed by vramd on {first.device} in {_name(first.dtype)}"
+        if func is torch.ops.aten._to_copy.default:
+            device, dtype = (kwargs or {}).get("device") or first.device, (kwargs or {}).get("dtype") or first.dtype
+            raise ManageError(f"{where}: it cannot be moved or cast to {device} in {_name(dtype)}. A managed module "
+                              "computes where manage() put it; close() ends the management")
+        raise ManageError(f"{where}: it has values only while its unit runs, not for {func.__name__} outside it")
 
 
 def parse_size(size: int | str) -> int:
@@ -68,7 +105,8 @@ class _Slot:
         self.packed = packed        # its GGUF blocks' type and the values' shape, where it rests packed
         self.param = param          # a parameter, else a buffer
         # (module's _parameters or _buffers, attribute) wherever the module registers it
-        self.places = [(getattr(module, "_parameters" if param else "_buffers"), attribute) for module, attribute in places]
+        kind = "_parameters" if param else "_buffers"
+        self.places = [(getattr(module, kind), attribute) for module, attribute in places]
         self.dtype = dtype if rest.is_floating_point() or packed else rest.dtype
         self.device = device
         shape = packed.shape if packed else rest.shape
@@ -76,8 +114,7 @@ class _Slot:
         self.in_place = device.type == "cpu" and rest.dtype == self.dtype and not packed
         self.bytes = 0 if self.in_place else math.prod(shape) * self.dtype.itemsize
         self.read = 0 if self.in_place else rest.nbytes  # what a copy reads from the lease (packed: the blocks)
-        placeholder = torch.empty(shape, dtype=self.dtype, device="meta")  # loud if used unmanaged
-        self.placeholder = nn.Parameter(placeholder, requires_grad=False) if param else placeholder
+        self.placeholder = self.inert(_Placeholder(name, shape, self.dtype, device))
         self.users = 0              # ready units that hold it
 
     def copy(self) -> torch.Tensor:
@@ -89,10 +126,13 @@ class _Slot:
             return unpack(moved, self.packed.type, self.packed.shape, self.dtype)
         return moved if moved.dtype == self.dtype else moved.to(self.dtype)
 
+    def inert(self, tensor: torch.Tensor) -> torch.Tensor:
+        return nn.Parameter(tensor, requires_grad=False) if self.param else tensor
+
     def put(self, value: torch.Tensor) -> None:
         """The value in every place the module registers it: one Parameter object for all of a
-        tied parameter's places (a meta placeholder cannot take a real tensor's data in place)."""
-        if self.param and type(value) is not nn.Parameter:  # not isinstance: Parameter's is slow Python
+        tied parameter's places (a placeholder cannot take a real tensor's data in place)."""
+        if self.param and type(value) is torch.Tensor:  # a copy; not isinstance: Parameter's is slow Python
             value = nn.Parameter(value, requires_grad=False)
         for entries, attribute in self.places:
             entries[attribute] = value
@@ -107,7 +147,6 @@ class _Unit:
         self.ready = False
         self.in_use = 0
         self.pending: Future | tuple | None = None  # a prefetch under way: a Future, or (event, tensors) on a GPU
-        self.forward = self.own_forward = None  # the forward manage() gave the module, and the one it had
 
 
 class Managed:
@@ -141,9 +180,8 @@ class Managed:
         on_cpu = device.type == "cpu" and prefetch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if on_cpu else None
         self._registered = self._pin() if device.type == "cuda" else []
-        self._hooked = True
-        for unit in self._units:
-            self._hook(unit)
+        self._wrapped: list[tuple] = []  # (module, method, its own before, ours)
+        self._hook()
 
     # What is managed.
 
@@ -229,14 +267,44 @@ class Managed:
 
     # Hooks.
 
-    def _hook(self, unit: _Unit) -> None:
-        """Wraps the unit's forward, as accelerate's and diffusers' hooks do: its weights come in
-        before it runs and are let go after, even when it raises. A forward hook would not run on
-        Ctrl-C, and a unit left in use could never be dropped again. It also costs less a call."""
-        module = unit.module
-        unit.own_forward = module.__dict__.get("forward")  # an instance's own (another library's hook)
-        inner = module.forward
+    def _hook(self) -> None:
+        """Wraps each unit's forward: its weights come in before it runs and are let go after, even
+        when it raises (a forward hook would not run on Ctrl-C, and a unit left in use could never
+        be dropped again; a wrapper also costs less a call). Wraps _apply (what .to(), .half() and
+        .cuda() call) of each module holding managed weights, so that a move or cast the manager
+        cannot honour is refused before anything changes."""
+        self._hooked = True
+        for unit in self._units:
+            self._wrap(unit.module, "forward", functools.partial(self._managed_forward, unit))
+        every = dict(self.module.named_modules())
+        held: dict[str, set[_Slot]] = {}  # by module name: the slots of the units under it
+        for unit in self._units:
+            parts = unit.name.split(".") if unit.name else []
+            for depth in range(len(parts) + 1):
+                held.setdefault(".".join(parts[:depth]), set()).update(unit.slots)
+        for name, slots in held.items():
+            self._wrap(every[name], "_apply", functools.partial(self._guarded_apply, slots))
 
+    def _wrap(self, module: nn.Module, method: str, make) -> None:
+        """Gives `module` a `method` of its own, make(the one it has), as accelerate's and
+        diffusers' hooks do; _unwrap() gives back what it had."""
+        own = module.__dict__.get(method)  # an instance's own (another library's hook), else the class's
+        ours = make(getattr(module, method))
+        setattr(module, method, ours)
+        self._wrapped.append((module, method, own, ours))
+
+    def _unwrap(self) -> None:
+        for module, method, own, ours in reversed(self._wrapped):
+            if module.__dict__.get(method) is not ours:
+                continue  # wrapped in turn by another library since: ours now passes calls through
+            if own is None:
+                delattr(module, method)
+            else:
+                setattr(module, method, own)
+        self._wrapped = []
+        self._hooked = False
+
+    def _managed_forward(self, unit: _Unit, inner):
         @functools.wraps(inner)
         def forward(*args, **kwargs):
             if not self._hooked:  # closed, but wrapped in turn by another library: its forward as it was
@@ -246,17 +314,15 @@ class Managed:
                 return inner(*args, **kwargs)
             finally:
                 self._done(unit)
+        return forward
 
-        unit.forward = module.forward = forward
-
-    def _unhook(self, unit: _Unit) -> None:
-        module = unit.module
-        if module.__dict__.get("forward") is not unit.forward:
-            return  # wrapped in turn by another library after manage(): ours now passes calls through
-        if unit.own_forward is None:
-            del module.forward
-        else:
-            module.forward = unit.own_forward
+    def _guarded_apply(self, slots: set[_Slot], inner):
+        def _apply(fn, *args, **kwargs):
+            if self._hooked:
+                for slot in slots:
+                    fn(slot.placeholder)  # a placeholder moved or cast where it is not: ManageError, nothing changed
+            return inner(fn, *args, **kwargs)
+        return _apply
 
     def _acquire(self, unit: _Unit) -> None:
         started = time.perf_counter()
@@ -392,10 +458,7 @@ class Managed:
     def close(self) -> None:
         """Takes the hooks away, drops every copy and ends the lease (the module's weights are
         meta tensors again)."""
-        if self._hooked:
-            for unit in self._units:
-                self._unhook(unit)
-            self._hooked = False
+        self._unwrap()
         with self._lock:
             for unit in self._units:
                 if unit.pending is not None:
@@ -403,6 +466,8 @@ class Managed:
                 if unit.ready:
                     unit.in_use = 0
                     self._drop(unit)
+            for slot in {slot for unit in self._units for slot in unit.slots}:
+                slot.put(slot.inert(torch.empty(slot.placeholder.shape, dtype=slot.dtype, device="meta")))
         if self._thread is not None:
             self._thread.shutdown()
         if self._registered:

@@ -89,9 +89,10 @@ class Chain(nn.Module):
 
 def rounded(model, rest):
     """`model` with every floating weight rounded through `rest` and back: what a module computing
-    in float32 from weights resting in `rest` holds."""
+    in float32 from weights resting in `rest` holds (buffers left out of the checkpoint, such as
+    a DiT's positions, are the module's own)."""
     with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
+        for tensor in model.state_dict(keep_vars=True).values():
             if tensor.is_floating_point():
                 tensor.copy_(tensor.to(rest).to(tensor.dtype))
     return model
@@ -168,6 +169,9 @@ def diffusers_cases():
             sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
             joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
             pos_embed_max_size=16),
+        "dit": lambda: diffusers.DiTTransformer2DModel(  # latents of "vae" below: 4 channels, 8 x 8
+            num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2, sample_size=8,
+            patch_size=2),
         "vae": lambda: diffusers.AutoencoderKL(
             in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
             up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), latent_channels=4, norm_num_groups=8,
@@ -282,6 +286,10 @@ def test_a_unit_that_raises_or_is_interrupted_lets_its_weights_go(daemon, prefet
     with vramd.connect(daemon["sock"]) as client, \
             vramd.manage(model, "chain", client=client, prefetch=prefetch) as managed, torch.no_grad():
         assert managed.limit == 3 * largest_unit(Chain())  # three units of eight fit
+        # Outside its unit's forward a weight not brought in is a placeholder: loud, and named.
+        with pytest.raises(vramd.ManageError, match=r"'layers.0.weight' is managed by vramd on cpu in float32: it has "
+                                                    r"values only while its unit runs, not for sum"):
+            model.layers[0].weight.sum()
         for unit in range(8):
             with pytest.raises(Refused):
                 model(x, fault_at=unit, fault=Refused(unit))
@@ -460,6 +468,38 @@ def test_diffusers_and_transformers_models_equal_the_whole_model(daemon, name):
             assert torch.equal(got, want), (name, (got - want).abs().max())
         stats = managed.stats()
         assert 0 < stats["peak"] <= stats["limit"], stats
+
+
+def test_a_diffusers_pipeline_on_managed_modules_equals_it_on_whole_ones(daemon):
+    """DiTPipeline with its transformer and its VAE (whose entry point is decode) each managed under
+    a limit below its size: the pipeline's .to(), device and dtype see where the modules compute,
+    and its images equal those of the same pipeline on the whole modules, bit for bit."""
+    diffusers = pytest.importorskip("diffusers")
+
+    def images(transformer, vae):
+        pipe = diffusers.DiTPipeline(transformer=transformer, vae=vae, scheduler=diffusers.DDIMScheduler())
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to("cpu")  # as users write it: a managed module stays where it computes
+        assert pipe.device == pipe._execution_device == torch.device("cpu")
+        assert transformer.dtype == torch.float32
+        with torch.no_grad():
+            return pipe(class_labels=[1, 7], num_inference_steps=2, generator=torch.Generator().manual_seed(5),
+                        output_type="np").images
+
+    whole = images(daemon["references"]["dit"], daemon["references"]["vae"])
+    transformer, vae = empty(daemon["makers"]["dit"]), empty(daemon["makers"]["vae"])
+    with vramd.connect(daemon["sock"]) as client, vramd.manage(transformer, "dit", client=client) as managed, \
+            vramd.manage(vae, "vae", client=client) as managed_vae:
+        assert np.array_equal(images(transformer, vae), whole)
+        for m in (managed, managed_vae):
+            stats = m.stats()
+            assert stats["peak"] <= stats["limit"] < stats["bytes_moved"], stats  # units came and went
+        # A move or a cast the manager cannot honour is refused, naming a weight; the module is unharmed.
+        with pytest.raises(vramd.ManageError, match=r"'[a-z_.0-9]+' is managed by vramd on cpu in float32: it cannot "
+                                                    r"be moved or cast to cpu in float16"):
+            transformer.to(torch.float16)
+        assert np.array_equal(images(transformer, vae), whole)
+    assert all(p.is_meta for p in transformer.parameters())
 
 
 def test_what_does_not_fit_is_named(daemon):
