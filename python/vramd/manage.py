@@ -181,6 +181,7 @@ class Managed:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if on_cpu else None
         self._registered = self._pin() if device.type == "cuda" else []
         self._wrapped: list[tuple] = []  # (module, method, its own before, ours)
+        self._warned_autograd = False
         self._hook()
 
     # What is managed.
@@ -309,12 +310,26 @@ class Managed:
         def forward(*args, **kwargs):
             if not self._hooked:  # closed, but wrapped in turn by another library: its forward as it was
                 return inner(*args, **kwargs)
+            if not self._warned_autograd and torch.is_grad_enabled():
+                self._warn_autograd(unit, args, kwargs)
             self._acquire(unit)
             try:
                 return inner(*args, **kwargs)
             finally:
                 self._done(unit)
         return forward
+
+    def _warn_autograd(self, unit: _Unit, args, kwargs) -> None:
+        """Once: autograd keeps what a backward needs (the weights, where an input requires grad)
+        alive until that backward, out of the manager's reach."""
+        if self.limit is None or not any(isinstance(t, torch.Tensor) and t.requires_grad
+                                         for t in tree_leaves((args, kwargs))):
+            return
+        self._warned_autograd = True
+        warnings.warn(f"vramd.manage: unit {unit.name!r} runs under autograd with an input that requires grad, so "
+                      f"autograd keeps the weights its backward needs until then, beyond the limit of {self.limit} "
+                      "bytes the manager counts: run under torch.no_grad() or torch.inference_mode() for the limit "
+                      "to hold", stacklevel=3)
 
     def _guarded_apply(self, slots: set[_Slot], inner):
         def _apply(fn, *args, **kwargs):

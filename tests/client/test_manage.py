@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -300,6 +301,26 @@ def test_a_unit_that_raises_or_is_interrupted_lets_its_weights_go(daemon, prefet
         assert stats["peak"] <= stats["limit"] and stats["ready_units"] <= 3, stats
     assert all(p.is_meta for p in model.parameters())
     assert all(layer.forward.__func__ is Faulty.forward for layer in model.layers)  # its own forward again
+
+
+def test_under_autograd_the_gradient_is_right_and_the_limit_is_said_not_to_hold(daemon):
+    with torch.device("meta"):
+        model = Chain().eval()
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(6)).requires_grad_()
+    with vramd.connect(daemon["sock"]) as client, vramd.manage(model, "chain", client=client) as managed:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                model(x)  # no graph: no warning
+        with pytest.warns(UserWarning, match=rf"unit 'layers.0' runs under autograd with an input that requires "
+                                             rf"grad, .* beyond the limit of {managed.limit} bytes"):
+            model(x).sum().backward()
+        got, x.grad = x.grad, None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(x)  # said once
+    daemon["references"]["chain"](x).sum().backward()
+    assert torch.equal(got, x.grad)
 
 
 @pytest.mark.parametrize("name", ["toy-gguf", "toy-gguf-unpacked"])
