@@ -227,7 +227,8 @@ def contender(kind, args, folder):
                 if not args.hold:  # for main() to compare the contenders' outputs
                     torch.save(output.float().cpu(), folder / f"output-{kind}.pt")
     grown, pss = memory()
-    figures = {"forward_median_seconds": statistics.median(times[1:] or times), "first_output_seconds": first_output,
+    figures = {"forward_median_seconds": statistics.median(times[1:] or times), "forward_seconds": times[1:],
+               "first_output_seconds": first_output,
                "after_imports_seconds": after_imports,
                # where the time after the imports went: the CUDA context, building and filling the
                # module (vramd: on the meta device, then manage(); the peers: loading and
@@ -396,7 +397,9 @@ def main():
         if "error" in r:
             print(f"  {kind:14s} failed: {r['error']}")
             continue
-        print(f"  {kind:14s} forward {r['forward_median_seconds']:.3f} s, peak {r['peak'] / mib:7.1f} MiB, first output "
+        spread = r["forward_seconds"] or [r["forward_median_seconds"]]
+        print(f"  {kind:14s} forward {r['forward_median_seconds']:.3f} s ({min(spread):.3f}-{max(spread):.3f}), "
+              f"peak {r['peak'] / mib:7.1f} MiB, first output "
               f"{r['first_output_seconds']:.2f} s from the process's start ({r['after_imports_seconds']:.2f} s after "
               f"torch and diffusers are imported: context {r['phases']['context']:.2f} s, module ready "
               f"{r['phases']['ready']:.2f} s, first forward {r['phases']['first_forward']:.2f} s)"

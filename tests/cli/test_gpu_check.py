@@ -90,6 +90,7 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     vramd_manage, gguf_manage = manage["results"]["vramd"], manage["results"]["vramd-gguf"]
     assert 0 < vramd_manage["managed"]["peak"] <= manage["limit"], manage
     assert set(vramd_manage["phases"]) == {"context", "ready", "first_forward"}, manage
+    assert len(vramd_manage["forward_seconds"]) == 1, manage  # --forwards 2: the first one is not timed
     # Q8_0 blocks read in place of the Linear layers' bfloat16: fewer bytes from host memory.
     assert 0 < gguf_manage["managed"]["bytes_read"] < vramd_manage["managed"]["bytes_read"], manage
     assert manage["results"]["diffusers-gguf"]["forward_median_seconds"] > 0, manage
