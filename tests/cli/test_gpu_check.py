@@ -99,8 +99,14 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert any(line.startswith("- forward against the module resident on cpu (") and "vramd-gguf " in line
                for line in report.splitlines()), report
     assert any(line.startswith("- diffusers-gguf's first output against vramd-gguf's: ") for line in report.splitlines())
+    # bench/hooks.py: each hook's cost a layer, every contender's output the resident chain's
+    hooks = json.loads((out / "hooks.json").read_text())
+    assert set(hooks["results"]) == {"resident", "vramd", "vramd-lean", "accelerate", "diffusers"}, hooks
+    assert hooks["results"]["vramd"]["managed"]["peak"] <= hooks["limit"], hooks
+    assert any(line.startswith("- vramd against diffusers' group offload: forward ") for line in report.splitlines())
+    assert sum("output equal to resident's" in line for line in report.splitlines()) == 5, report
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
-                "update.log", "manage.log"):
+                "update.log", "manage.log", "hooks.log"):
         assert (out / log).exists(), log
     assert not list(temporary.glob("vramd-*")), list(temporary.iterdir())  # the daemon's socket folder, say
 
@@ -197,7 +203,7 @@ def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
     report = (out / "report.md").read_text()
     assert report.startswith("# vramd GPU check: passed"), report
     assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
-    for title in ("CUDA tests", "A managed module (bench/manage.py)", "Mixture of experts (bench/moe.py)",
+    for title in ("CUDA tests", "A managed module (bench/manage.py, bench/hooks.py)", "Mixture of experts (bench/moe.py)",
                   "Benchmarks (bench/gpu.py)"):
         assert f"## {title}\n\n- not run (--steps update)\n" in report, report
     assert {path.name for path in out.iterdir()} == {"environment.txt", "update.json", "update.log", "report.md"}
