@@ -121,10 +121,10 @@ class _Slot:
         """The tensor in its computation state: moved, then cast (or unpacked) on the device."""
         if self.in_place:
             return self.rest
-        moved = self.rest.to(self.device, non_blocking=True)
         if self.packed:
-            return unpack(moved, self.packed.type, self.packed.shape, self.dtype)
-        return moved if moved.dtype == self.dtype else moved.to(self.dtype)
+            return unpack(self.rest.to(self.device, non_blocking=True), self.packed.type, self.packed.shape, self.dtype)
+        # One call: a copy that does not block casts on the device, as torch's copy to a GPU says
+        return self.rest.to(self.device, self.dtype, non_blocking=True)
 
     def inert(self, tensor: torch.Tensor) -> torch.Tensor:
         return nn.Parameter(tensor, requires_grad=False) if self.param else tensor
