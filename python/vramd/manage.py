@@ -35,6 +35,7 @@ import re
 import threading
 import warnings
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -47,6 +48,11 @@ from .lease import Lease
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+# Every module under an open manager: a module managed twice would have each manager's copies and
+# placeholders put in the other's place.
+_MANAGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ManageError(ValueError):
@@ -201,6 +207,10 @@ class Managed:
                     _, _, places = found.setdefault(id(tensor), (tensor, kind == "_parameters", []))
                     if (module, attribute) not in places:
                         places.append((module, attribute))
+        managed = [name or type(self.module).__name__ for name, module in every.items() if module in _MANAGED]
+        if managed:  # each manager would put its copies and placeholders in the other's place
+            raise ManageError(f"{type(self.module).__name__} is managed already: {_listed(managed)} under a "
+                              "vramd.manage that has not been closed; close() it first")
         slots: dict[int, _Slot] = {}
         missing, mismatched = [], []
         for key, (tensor, is_param, places) in found.items():
@@ -239,6 +249,9 @@ class Managed:
         for name in given:
             if name not in every:
                 raise ManageError(f"unit {name!r} is not a module of {type(self.module).__name__}")
+            if type(every[name]).forward is nn.Module.forward:  # a ModuleList, say: only its modules run
+                raise ManageError(f"unit {name!r} is a {type(every[name]).__name__}, which is never called (only the "
+                                  "modules it holds are): name those")
         by_unit: dict[str, list[_Slot]] = {}
         for module_name, module in self.module.named_modules():
             for kind in ("_parameters", "_buffers"):
@@ -275,6 +288,8 @@ class Managed:
         .cuda() call) of each module holding managed weights, so that a move or cast the manager
         cannot honour is refused before anything changes."""
         self._hooked = True
+        for module in self.module.modules():
+            _MANAGED[module] = self
         for unit in self._units:
             self._wrap(unit.module, "forward", functools.partial(self._managed_forward, unit))
         every = dict(self.module.named_modules())
@@ -304,6 +319,9 @@ class Managed:
                 setattr(module, method, own)
         self._wrapped = []
         self._hooked = False
+        for module in self.module.modules():
+            if _MANAGED.get(module) is self:
+                del _MANAGED[module]
 
     def _managed_forward(self, unit: _Unit, inner):
         @functools.wraps(inner)

@@ -544,9 +544,19 @@ def test_what_does_not_fit_is_named(daemon):
         with pytest.raises(vramd.ManageError, match=r"unit 'blocks.0.up' needs 8448 bytes in float32 on cpu, more "
                                                     r"than the limit of 1000: raise the limit, or name smaller units"):
             vramd.manage(model, "toy-bfloat16", client=client, limit=1000)
+        with pytest.raises(vramd.ManageError, match=r"unit 'blocks' is a ModuleList, which is never called \(only "
+                                                    r"the modules it holds are\): name those"):
+            vramd.manage(model, "toy-bfloat16", client=client, units=["blocks", "shared"])
         # Units given by name: each a module and everything under it.
-        with vramd.manage(model, "toy-bfloat16", client=client, units=["blocks", "shared"], limit="1MiB") as managed:
-            assert managed.stats()["units"] == 5  # embed (with the tied head), blocks, shared, head, the top module
+        blocks = [f"blocks.{i}" for i in range(4)]
+        with vramd.manage(model, "toy-bfloat16", client=client, units=blocks + ["shared"], limit="1MiB") as managed:
+            assert managed.stats()["units"] == 8  # embed (with the tied head), 4 blocks, shared, head, the top module
+            # Managed twice, its weights would be each manager's placeholders in turn.
+            for again in (model, model.blocks[1]):  # the module, or a module of it
+                with pytest.raises(vramd.ManageError, match=rf"{type(again).__name__} is managed already: "
+                                                            r"'[A-Za-z]+', '[a-z]+', .* close\(\) it first"):
+                    vramd.manage(again, "toy-bfloat16", client=client, strict=False)
+            assert torch.equal(model(torch.tensor([[1, 2]])), model(torch.tensor([[1, 2]])))  # the first goes on
         # Every refusal left the daemon serving and no lease behind.
         wait_for(lambda: get_json(sock, "/v1/models/toy-bfloat16")["leases"] == [], what="the leases to end")
 
