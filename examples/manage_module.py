@@ -50,6 +50,18 @@ def build(cls, kind, folder, empty=True):
     return model
 
 
+def whole(cls, kind, folder, managed):
+    """The whole model, each weight rounded through the dtype it rests in, computed as `managed`."""
+    reference = build(cls, kind, folder, empty=False)
+    saved = {}
+    for path in glob.glob(f"{folder}/*.safetensors"):
+        saved |= load_file(path)
+    rest = {name: t.dtype for name, t in managed.lease.state_dict.items()}
+    reference.load_state_dict({name: t.to(rest[name]).to(managed.dtype) if t.is_floating_point() else t
+                               for name, t in saved.items()}, strict=False)
+    return reference.to(managed.device, managed.dtype)
+
+
 def run(model, kind, device):
     generator = torch.Generator().manual_seed(0)
     if kind == "transformers":
@@ -78,16 +90,7 @@ def main():
     with torch.no_grad(), vramd.connect() as client, vramd.manage(model, args.model, client=client,
                                                                    device=args.device) as managed:
         got = run(model, kind, managed.device)
-        # The whole model, each weight rounded through the dtype it rests in, computed as managed.
-        reference = build(cls, kind, args.folder, empty=False)
-        saved = {}
-        for path in glob.glob(f"{args.folder}/*.safetensors"):
-            saved |= load_file(path)
-        rest = {name: t.dtype for name, t in managed.lease.state_dict.items()}
-        reference.load_state_dict({name: t.to(rest[name]).to(managed.dtype) if t.is_floating_point() else t
-                                   for name, t in saved.items()}, strict=False)
-        reference.to(managed.device, managed.dtype)
-        expected = run(reference, kind, managed.device)
+        expected = run(whole(cls, kind, args.folder, managed), kind, managed.device)
         assert torch.equal(got, expected), (got - expected).abs().max()
         stats = managed.stats()
         size = sum(t.numel() * managed.dtype.itemsize for t in managed.lease.state_dict.values())

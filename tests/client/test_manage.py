@@ -523,6 +523,16 @@ def test_a_diffusers_pipeline_on_managed_modules_equals_it_on_whole_ones(daemon)
     assert all(p.is_meta for p in transformer.parameters())
 
 
+def test_the_pipeline_example_runs_on_managed_modules_as_it_says(daemon):
+    folder = daemon["folder"]
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "manage_pipeline.py"), "dit", str(folder / "dit"),
+                             "vae", str(folder / "vae")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "VRAMD_SOCKET": str(daemon["sock"]), "PYTHONPATH": str(ROOT / "python")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dit: DiTTransformer2DModel managed on cpu" in result.stdout, result.stdout
+    assert "2 images equal to the pipeline's on the whole modules" in result.stdout, result.stdout
+
+
 def test_what_does_not_fit_is_named(daemon):
     sock = daemon["sock"]
     with vramd.connect(sock) as client:
