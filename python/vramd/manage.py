@@ -170,7 +170,7 @@ class Managed:
         self._held = 0
         self._told = 0  # the peak the daemon last heard
         self._figures = {"peak": 0, "bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
-                         "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0}
+                         "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0, "pin_seconds": 0.0}
         self._next: dict[_Unit, _Unit] = {}
         self._previous: _Unit | None = None
         # Ready units no op uses, the most recently used last: what _make_room drops from.
@@ -269,6 +269,7 @@ class Managed:
 
     def _pin(self) -> list[int]:
         """Page-locks the leased host memory once, so that copies to the GPU run at the bus's speed."""
+        started = time.perf_counter()
         registered = []
         cudart = torch.cuda.cudart()
         for region in self.lease._regions:
@@ -277,6 +278,7 @@ class Managed:
                 address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
             if cudart.cudaHostRegister(address, len(region), 0x08) == 0:  # cudaHostRegisterReadOnly
                 registered.append(address)
+        self._figures["pin_seconds"] = time.perf_counter() - started
         return registered
 
     # Hooks.
@@ -482,7 +484,8 @@ class Managed:
         """Bytes held now and at most on the device, bytes moved (the copies, in the computation
         dtype) and read (from the lease: its dtype, or GGUF blocks packed), loads, prefetches and
         their hits, and the host's seconds spent waiting for prefetches and in the hooks before
-        units (the waits included: what the manager adds to a call on the host)."""
+        units (the waits included: what the manager adds to a call on the host), and in page-locking
+        the leased memory once (on a GPU, part of manage())."""
         with self._lock:
             return {**self._figures, "held": self._held, "limit": self.limit, "device": str(self.device),
                     "dtype": _name(self.dtype), "units": len(self._units),

@@ -105,8 +105,15 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert hooks["results"]["vramd"]["managed"]["peak"] <= hooks["limit"], hooks
     assert any(line.startswith("- vramd against diffusers' group offload: forward ") for line in report.splitlines())
     assert sum("output equal to resident's" in line for line in report.splitlines()) == 5, report
+    # The sd15 step on the CPU: its wiring, on the small UNet (a new process's first output, vramd's
+    # against diffusers')
+    sd15 = json.loads((out / "sd15.json").read_text())
+    assert sd15["model"] == "unet" and sd15["done"] and set(sd15["results"]) == {"vramd", "diffusers"}, sd15
+    assert sd15["results"]["vramd"]["managed"]["pin_seconds"] == 0, sd15  # nothing page-locked on the CPU
+    assert any(line.startswith("- vramd against diffusers: forward ") and " first output " in line
+               for line in report.split("## A new process's first output")[1].splitlines()), report
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
-                "update.log", "manage.log", "hooks.log"):
+                "update.log", "manage.log", "hooks.log", "sd15.log"):
         assert (out / log).exists(), log
     assert not list(temporary.glob("vramd-*")), list(temporary.iterdir())  # the daemon's socket folder, say
 
@@ -193,7 +200,7 @@ def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
     refused = subprocess.run(check + ["--steps", "update,bench", tmp_path / "refused"], capture_output=True, text=True,
                              timeout=60)
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert "--steps names no step: bench (steps: tests,manage,update,moe,gpu)" in refused.stderr
+    assert "--steps names no step: bench (steps: tests,manage,update,sd15,moe,gpu)" in refused.stderr
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "out"
     out.mkdir()
@@ -204,6 +211,7 @@ def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
     assert report.startswith("# vramd GPU check: passed"), report
     assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
     for title in ("CUDA tests", "A managed module (bench/manage.py, bench/hooks.py)", "Mixture of experts (bench/moe.py)",
+                  "A new process's first output, Stable Diffusion 1.5's UNet (bench/manage.py)",
                   "Benchmarks (bench/gpu.py)"):
         assert f"## {title}\n\n- not run (--steps update)\n" in report, report
     assert {path.name for path in out.iterdir()} == {"environment.txt", "update.json", "update.log", "report.md"}
