@@ -10,6 +10,8 @@ chain several ways in this one process:
                  moved to DEVICE at each call
     diffusers    diffusers' group offload, leaf_level (on a GPU with use_stream: the next layer's
                  copy made on a side stream while one computes)
+    diffsynth    DiffSynth-Studio's enable_vram_management: every Linear wrapped, offload and onload
+                 in host memory in bfloat16, computed on DEVICE, under a vram_limit of a quarter
 
 For each: the median forward, and what each layer adds to the resident bound, (forward -
 resident's) / UNITS, in microseconds. A model of many small layers on a GPU is bound by this:
@@ -32,11 +34,11 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
-from vram import serving  # noqa: E402  bench/vram.py
+import vram  # noqa: E402  bench/vram.py
 import vramd  # noqa: E402
 
 VRAMD = ROOT / "build" / "bin" / "vramd"
-CONTENDERS = ("resident", "vramd", "vramd-lean", "accelerate", "diffusers")
+CONTENDERS = ("resident", "vramd", "vramd-lean", "accelerate", "diffusers", "diffsynth")
 
 
 def chain(args):
@@ -55,6 +57,20 @@ def prepared(kind, args, rest, client):
     model.load_state_dict(rest)
     if kind == "resident":
         return model.to(device, dtype), None
+    if kind == "diffsynth":  # at rest in bfloat16, cast to the computation dtype as it computes, as vramd's
+        layers = vram.import_diffsynth_vram()
+        if layers is None:
+            raise RuntimeError(vram.DIFFSYNTH_MISSING)
+        states = {"offload_dtype": torch.bfloat16, "offload_device": "cpu", "onload_dtype": torch.bfloat16,
+                  "onload_device": "cpu", "preparing_dtype": dtype, "preparing_device": device,
+                  "computation_dtype": dtype, "computation_device": device}
+        limit = None
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            limit = (total - free + args.limit) / (1 << 30)
+        model = layers.enable_vram_management(model.to(torch.bfloat16), {nn.Linear: layers.AutoWrappedLinear}, states,
+                                              vram_limit=limit)
+        return model, None
     model.to(dtype)  # in host memory, in the computation dtype: these hooks do not cast
     if kind == "accelerate":
         from accelerate import cpu_offload
@@ -106,7 +122,7 @@ def main():
             f'checkpoint = "{work / "chain.safetensors"}"\narchitecture = "weights"\n'
             f'[vram]\nonload = {{ device = "cpu", dtype = "bfloat16" }}\nlimit = {args.limit}\n')
         budget = f'"{args.device}" = "1GiB"' if args.device != "cpu" else ""
-        with serving(work, f'cpu = "4GiB"\n{budget}', VRAMD) as client:
+        with vram.serving(work, f'cpu = "4GiB"\n{budget}', VRAMD) as client:
             client.load("chain")
             for kind in args.contenders.split(","):
                 model, managed = prepared(kind, args, rest, client)
@@ -133,11 +149,11 @@ def main():
                 f", output differs from resident's by {worst:.3g}"
         if "managed" in r:
             m = r["managed"]
-            line += f" ({m['loads'] / calls:.0f} loads and {m['hook_seconds'] / calls * 1e3:.2f} ms in its hooks a forward)"
+            line += f" ({m['loads'] / calls:.0f} loads, {m['hook_seconds'] / calls * 1e3:.2f} ms in its hooks a forward)"
         print(line)
-    if "diffusers" in results and "vramd" in results:
-        ratio = results["diffusers"]["forward_seconds"] / results["vramd"]["forward_seconds"]
-        print(f"vramd against diffusers' group offload: forward {ratio:.2f}x as fast")
+    for peer in (kind for kind in ("diffusers", "diffsynth", "accelerate") if kind in results and "vramd" in results):
+        ratio = results[peer]["forward_seconds"] / results["vramd"]["forward_seconds"]
+        print(f"vramd against {peer}: forward {ratio:.2f}x as fast")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "device": args.device, "units": args.units, "width": args.width, "limit": args.limit,
