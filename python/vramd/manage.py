@@ -167,12 +167,16 @@ class Managed:
         self.dtype = dtype
         self.limit = limit
         self._lock = threading.RLock()
+        # Threads sharing the module: units in use by each, and those waiting for room one of them frees.
+        self._running: dict[int, int] = {}
+        self._waiting: set[int] = set()
+        self._freed = threading.Condition(self._lock)
         self._held = 0
         self._told = 0  # the peak the daemon last heard
         self._figures = {"peak": 0, "bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
                          "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0, "pin_seconds": 0.0}
         self._next: dict[_Unit, _Unit] = {}
-        self._previous: _Unit | None = None
+        self._thread_local = threading.local()  # .previous: the unit this thread ran last
         # Ready units no op uses, the most recently used last: what _make_room drops from.
         self._idle: dict[_Unit, None] = {}
         self._units = self._plan(units, strict)
@@ -362,28 +366,42 @@ class Managed:
     def _acquire(self, unit: _Unit) -> None:
         started = time.perf_counter()
         with self._lock:
-            if self._previous is not None and self._previous is not unit:
-                self._next[self._previous] = unit  # the order the last call ran them in
-            self._previous = unit
+            previous = getattr(self._thread_local, "previous", None)
+            if previous is not None and previous is not unit:
+                self._next[previous] = unit  # the order the last call ran them in (each thread's own)
+            self._thread_local.previous = unit
             if unit.pending is not None:
                 self._figures["prefetch_hits"] += 1
                 self._finish_prefetch(unit)
             elif not unit.ready:
-                self._make_room(unit.bytes, keep={unit})
-                self._bring(unit, {slot: slot.copy() for slot in unit.slots if slot.users == 0})
+                self._make_room(unit.bytes, keep={unit}, wait=True)
+                # A wait let other threads run: one may have brought this unit in, or begun to.
+                if unit.pending is not None:
+                    self._finish_prefetch(unit)
+                elif not unit.ready:
+                    self._bring(unit, {slot: slot.copy() for slot in unit.slots if slot.users == 0})
             following = self._next.get(unit) if self.prefetch else None
             if following is not None and not following.ready and following.pending is None:
                 self._prefetch(following, current=unit)
             unit.in_use += 1  # last: a unit whose hook raised is not in use
+            me = threading.get_ident()
+            self._running[me] = self._running.get(me, 0) + 1
             self._idle.pop(unit, None)
             self._figures["hook_seconds"] += time.perf_counter() - started
 
     def _done(self, unit: _Unit) -> None:
         with self._lock:
             unit.in_use -= 1
+            me = threading.get_ident()
+            if self._running[me] == 1:
+                del self._running[me]
+            else:
+                self._running[me] -= 1
             if unit.in_use == 0 and unit.ready:
                 self._idle.pop(unit, None)
                 self._idle[unit] = None
+                if self._waiting:
+                    self._freed.notify_all()
 
     # Moving weights.
 
@@ -426,20 +444,34 @@ class Managed:
         unit.ready = False
         self._idle.pop(unit, None)
 
-    def _make_room(self, need: int, keep: set, prefetch: bool = False) -> bool:
+    def _make_room(self, need: int, keep: set, prefetch: bool = False, wait: bool = False) -> bool:
         """Drops ready units that no op uses (the most recently used first) until `need` more
-        bytes fit the limit. False for a prefetch that would not fit; raises for a unit that must."""
+        bytes fit the limit. False for a prefetch that would not fit. With `wait` (a unit's hook,
+        before it changes anything), waits while another thread runs a unit that will free room;
+        raises when none does."""
         if self.limit is None:
             return True
+        me = threading.get_ident()
         while self._held + need > self.limit:
             dropped = next((u for u in reversed(self._idle) if u not in keep), None)
-            if dropped is None:
-                if prefetch:
-                    return False
+            if dropped is not None:
+                self._drop(dropped)
+                continue
+            if prefetch:
+                return False
+            pending = next((u for u in self._units if u.pending is not None and u not in keep), None)
+            if pending is not None:  # room kept for a unit a thread may not run soon (or ever: it raised)
+                self._cancel_prefetch(pending)
+                continue
+            if not wait or not any(thread != me and thread not in self._waiting for thread in self._running):
                 in_use = [u.name for u in self._units if u.in_use]
                 raise ManageError(f"the limit of {self.limit} bytes cannot hold {need} more beside {self._held} held by "
                                   f"units in use ({', '.join(map(repr, in_use))}): raise the limit")
-            self._drop(dropped)
+            self._waiting.add(me)
+            try:
+                self._freed.wait()
+            finally:
+                self._waiting.discard(me)
         return True
 
     def _prefetch(self, unit: _Unit, current: _Unit) -> None:
@@ -462,6 +494,16 @@ class Managed:
             self._held -= reserved
             raise
         self._figures["prefetched"] += 1
+
+    def _cancel_prefetch(self, unit: _Unit) -> None:
+        """Lets a prefetch's copies go unused. On a GPU no other stream has used them, so their
+        memory goes back to the side stream's pool, in its order."""
+        if isinstance(unit.pending, Future):
+            copies = unit.pending.result()
+        else:
+            _, copies = unit.pending
+        unit.pending = None
+        self._held -= sum(slot.bytes for slot in copies)
 
     def _finish_prefetch(self, unit: _Unit) -> None:
         started = time.perf_counter()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -301,6 +302,41 @@ def test_a_unit_that_raises_or_is_interrupted_lets_its_weights_go(daemon, prefet
         assert stats["peak"] <= stats["limit"] and stats["ready_units"] <= 3, stats
     assert all(p.is_meta for p in model.parameters())
     assert all(layer.forward.__func__ is Faulty.forward for layer in model.layers)  # its own forward again
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_threads_sharing_a_module_wait_for_room_rather_than_fail(daemon, prefetch):
+    """Four threads run one managed module under a limit of two of its units: a thread that needs
+    room while the others' units are in use waits for one to end (room kept for a prefetch is
+    given back), and every output is right."""
+    with torch.device("meta"):
+        model = Chain().eval()
+    reference = daemon["references"]["chain"]
+    inputs = [torch.randn(2, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+    with torch.no_grad():
+        wanted = [reference(x) for x in inputs]
+    failures, start = [], threading.Barrier(4)
+
+    def forwards(x, want):
+        start.wait()
+        with torch.no_grad():  # grad mode is the thread's own
+            for _ in range(100):
+                try:
+                    if not torch.equal(model(x), want):
+                        failures.append("a wrong output")
+                except Exception as e:  # noqa: BLE001 - reported below
+                    failures.append(repr(e))
+
+    with vramd.connect(daemon["sock"]) as client, \
+            vramd.manage(model, "chain", client=client, prefetch=prefetch, limit=2 * largest_unit(Chain())) as managed:
+        threads = [threading.Thread(target=forwards, args=pair) for pair in zip(inputs, wanted)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stats = managed.stats()
+    assert failures == [], failures[:3]
+    assert stats["peak"] <= stats["limit"], stats
 
 
 def test_under_autograd_the_gradient_is_right_and_the_limit_is_said_not_to_hold(daemon):
