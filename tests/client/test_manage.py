@@ -690,6 +690,13 @@ def test_a_module_managed_on_cuda_equals_the_whole_module_there_within_its_limit
             stats = managed.stats()
             leases = get_json(daemon["sock"], f"/v1/models/toy-{rest}")["leases"]
             assert [lease["reserved"] for lease in leases] == [{"cuda:0": stats["limit"]}]
+            # Where it computes, a move is nothing; to the CPU, refused before anything changes.
+            model.to("cuda")
+            assert {p.device for p in model.parameters()} == {device}
+            with pytest.raises(vramd.ManageError, match=r"is managed by vramd on cuda:0 in float32: it cannot be "
+                                                        r"moved or cast to cpu in float32"):
+                model.to("cpu")
+            assert torch.equal(model(ids), got[0])
         reference = copy.deepcopy(daemon["references"][f"toy-{rest}"]).to(device)
         for out in got:
             assert torch.equal(out, reference(ids))
