@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 def save(rank, ranks, port, model_dir, out, serialization, optimizer):
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
+    print(f"rank {rank}: in the group", file=sys.stderr, flush=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (ranks,))
     for layer in model.model.layers:
@@ -41,7 +42,9 @@ def save(rank, ranks, port, model_dir, out, serialization, optimizer):
     else:
         writer = dcp.FileSystemWriter(out)
     dcp.save(state, storage_writer=writer)
+    print(f"rank {rank}: saved", file=sys.stderr, flush=True)  # where a rank that dies did, in its stderr
     dist.destroy_process_group()
+    print(f"rank {rank}: group destroyed", file=sys.stderr, flush=True)
 
 
 def main():

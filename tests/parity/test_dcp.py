@@ -10,6 +10,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,20 @@ def saved(tmp_path_factory):
     folders = {}
     for name, (ranks, serialization, optimizer) in SAVES.items():
         folders[name] = out / name
-        saving = subprocess.run([sys.executable, HERE / "dcp_save.py", witness / "model", folders[name], str(ranks),
-                                 serialization, *(["--optimizer"] if optimizer else [])],
-                                capture_output=True, text=True, timeout=600)
-        # torch's own writer failing is no fault of vramd's, but say why: its stderr whole.
-        assert saving.returncode == 0, f"dcp_save.py {name} exited with {saving.returncode}:\n{saving.stderr[-6000:]}"
+        for attempt in (1, 2):
+            shutil.rmtree(folders[name], ignore_errors=True)
+            saving = subprocess.run([sys.executable, HERE / "dcp_save.py", witness / "model", folders[name],
+                                     str(ranks), serialization, *(["--optimizer"] if optimizer else [])],
+                                    capture_output=True, text=True, timeout=600)
+            if saving.returncode == 0:
+                break
+            # torch's own FSDP2 and DCP, with no vramd code in them, have aborted a rank by chance
+            # ("terminate called without an active exception": twice in about 25 whole suites, never
+            # in 41 runs alone or two at once): once, it is said and run again; twice, it fails,
+            # with its stderr (each rank says how far it got).
+            report = f"dcp_save.py {name} exited with {saving.returncode} (attempt {attempt}):\n{saving.stderr[-6000:]}"
+            assert attempt == 1, report
+            warnings.warn(report)
     (out / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
     single = run(config(out, "single", witness / "model"), witness / "inputs.safetensors")
     return {"out": out, "witness": witness, "folders": folders, "single": single}
