@@ -58,18 +58,8 @@ def prepared(kind, args, rest, client):
     if kind == "resident":
         return model.to(device, dtype), None
     if kind == "diffsynth":  # at rest in bfloat16, cast to the computation dtype as it computes, as vramd's
-        layers = vram.import_diffsynth_vram()
-        if layers is None:
-            raise RuntimeError(vram.DIFFSYNTH_MISSING)
-        states = {"offload_dtype": torch.bfloat16, "offload_device": "cpu", "onload_dtype": torch.bfloat16,
-                  "onload_device": "cpu", "preparing_dtype": dtype, "preparing_device": device,
-                  "computation_dtype": dtype, "computation_device": device}
-        limit = None
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            limit = (total - free + args.limit) / (1 << 30)
-        model = layers.enable_vram_management(model.to(torch.bfloat16), {nn.Linear: layers.AutoWrappedLinear}, states,
-                                              vram_limit=limit)
+        model, _ = vram.diffsynth_managed(model.to(torch.bfloat16), {nn.Linear: "AutoWrappedLinear"}, device, dtype,
+                                          args.limit)
         return model, None
     model.to(dtype)  # in host memory, in the computation dtype: these hooks do not cast
     if kind == "accelerate":

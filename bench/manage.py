@@ -180,19 +180,9 @@ def contender(kind, args, folder):
                 model.to(dtype)
         else:
             import vram  # bench/vram.py: DiffSynth's VRAM modules without the rest of the package
-            layers = vram.import_diffsynth_vram()
-            if layers is None:
-                raise RuntimeError(vram.DIFFSYNTH_MISSING)
-            states = {"offload_dtype": torch.bfloat16, "offload_device": "cpu", "onload_dtype": torch.bfloat16,
-                      "onload_device": "cpu", "preparing_dtype": dtype, "preparing_device": device,
-                      "computation_dtype": dtype, "computation_device": device}
-            vram_limit = None
-            if gpu:
-                free, total = torch.cuda.mem_get_info(device)
-                vram_limit = (total - free + args.limit) / (1 << 30)
-            module_map = {torch.nn.Linear: layers.AutoWrappedLinear, torch.nn.Conv2d: layers.AutoWrappedModule,
-                          torch.nn.GroupNorm: layers.AutoWrappedModule, torch.nn.LayerNorm: layers.AutoWrappedModule}
-            model = layers.enable_vram_management(model, module_map, states, vram_limit=vram_limit)
+            wrappers = {torch.nn.Linear: "AutoWrappedLinear", torch.nn.Conv2d: "AutoWrappedModule",
+                        torch.nn.GroupNorm: "AutoWrappedModule", torch.nn.LayerNorm: "AutoWrappedModule"}
+            model, layers = vram.diffsynth_managed(model, wrappers, device, dtype, args.limit)
             if gpu:
                 for module in model.modules():
                     if isinstance(module, layers.AutoTorchModule):

@@ -177,6 +177,27 @@ def import_diffsynth_vram():
     return importlib.import_module("diffsynth.core.vram.layers")
 
 
+def diffsynth_managed(model, wrappers, device, dtype, limit):
+    """`model`, its weights at rest in bfloat16 in host memory, under DiffSynth-Studio's
+    enable_vram_management: the modules of each class in `wrappers` wrapped by the layers' class
+    of that name (nn.Linear: "AutoWrappedLinear"), computed on `device` in `dtype`; on a GPU its
+    vram_limit lets the device hold `limit` bytes more than it does now (DiffSynth limits what is
+    in use on the whole device). Returns the model and DiffSynth's layers module."""
+    import torch
+    layers = import_diffsynth_vram()
+    if layers is None:
+        raise RuntimeError(DIFFSYNTH_MISSING)
+    states = {"offload_dtype": torch.bfloat16, "offload_device": "cpu", "onload_dtype": torch.bfloat16,
+              "onload_device": "cpu", "preparing_dtype": dtype, "preparing_device": device,
+              "computation_dtype": dtype, "computation_device": device}
+    vram_limit = None
+    if torch.device(device).type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        vram_limit = (total - free + limit) / (1 << 30)
+    module_map = {cls: getattr(layers, name) for cls, name in wrappers.items()}
+    return layers.enable_vram_management(model, module_map, states, vram_limit=vram_limit), layers
+
+
 def diffsynth_contender(folder, tokens, forwards, limit, trace=False):
     """DiffSynth-Studio's disk offload of the transformers model. Runs in its own process.
 
