@@ -359,6 +359,23 @@ def test_under_autograd_the_gradient_is_right_and_the_limit_is_said_not_to_hold(
     assert torch.equal(got, x.grad)
 
 
+def test_a_compiled_module_still_takes_each_units_weights_from_the_manager(daemon):
+    """torch.compile (inductor) of a managed module: Dynamo breaks its graphs at each unit's hook,
+    so the units run with the weights the manager brings at each call, never values captured in
+    a graph while they were there."""
+    with torch.device("meta"):
+        model = Toy().eval()
+    reference = daemon["references"]["toy-bfloat16"]
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4))
+    with vramd.connect(daemon["sock"]) as client, vramd.manage(model, "toy-bfloat16", client=client) as managed:
+        compiled = torch.compile(model)
+        with torch.no_grad():
+            for _ in range(3):
+                loads = managed.stats()["loads"]
+                assert torch.equal(compiled(ids), reference(ids))
+                assert managed.stats()["loads"] > loads  # its limit holds a third: units came in again
+        assert 0 < managed.stats()["peak"] <= managed.limit
+
 @pytest.mark.parametrize("name", ["toy-gguf", "toy-gguf-unpacked"])
 def test_a_gguf_model_rests_packed_and_its_managed_module_equals_the_unpacked_one(daemon, name):
     """Under a limit a GGUF model's blocks rest packed ("auto"), as the file holds them, and each
