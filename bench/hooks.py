@@ -6,6 +6,10 @@ chain several ways in this one process:
     resident     no offload: the chain whole on DEVICE in the computation dtype (the bound)
     vramd        vramd.manage under a limit of a quarter of the chain (the units that fit stay)
     vramd-lean   vramd.manage under a limit of two layers (every layer comes in at each call)
+    vramd-all    vramd.manage under a limit of the whole chain: after the first call every layer
+                 stays, so what it adds to resident is the hooks' bookkeeping alone, no copy
+    vramd-sync   vramd as above without prefetching: on a GPU each hook copies its layer on the
+                 computing stream (against vramd: what the side stream's event and stream switch cost)
     accelerate   accelerate.cpu_offload (diffusers' sequential offload): every layer's weights
                  moved to DEVICE at each call
     diffusers    diffusers' group offload, leaf_level (on a GPU with use_stream: the next layer's
@@ -38,7 +42,7 @@ import vram  # noqa: E402  bench/vram.py
 import vramd  # noqa: E402
 
 VRAMD = ROOT / "build" / "bin" / "vramd"
-CONTENDERS = ("resident", "vramd", "vramd-lean", "accelerate", "diffusers", "diffsynth")
+CONTENDERS = ("resident", "vramd", "vramd-lean", "vramd-all", "vramd-sync", "accelerate", "diffusers", "diffsynth")
 
 
 def chain(args):
@@ -51,8 +55,9 @@ def prepared(kind, args, rest, client):
     if kind.startswith("vramd"):
         with torch.device("meta"):
             model = chain(args)
-        limit = 2 * args.unit_bytes if kind == "vramd-lean" else args.limit
-        return model, vramd.manage(model, "chain", client=client, device=device, dtype=dtype, limit=limit)
+        limit = {"vramd-lean": 2 * args.unit_bytes, "vramd-all": args.units * args.unit_bytes}.get(kind, args.limit)
+        return model, vramd.manage(model, "chain", client=client, device=device, dtype=dtype, limit=limit,
+                                   prefetch=False if kind == "vramd-sync" else None)
     model = chain(args)
     model.load_state_dict(rest)
     if kind == "resident":

@@ -101,11 +101,12 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert any(line.startswith("- diffusers-gguf's first output against vramd-gguf's: ") for line in report.splitlines())
     # bench/hooks.py: each hook's cost a layer, every contender's output the resident chain's
     hooks = json.loads((out / "hooks.json").read_text())
-    assert set(hooks["results"]) == {"resident", "vramd", "vramd-lean", "accelerate", "diffusers", "diffsynth"}, hooks
+    assert set(hooks["results"]) == {"resident", "vramd", "vramd-lean", "vramd-all", "vramd-sync", "accelerate",
+                                     "diffusers", "diffsynth"}, hooks
     assert hooks["results"]["vramd"]["managed"]["peak"] <= hooks["limit"], hooks
     for peer in ("diffusers", "diffsynth", "accelerate"):
         assert any(line.startswith(f"- vramd against {peer}: forward ") for line in report.splitlines()), report
-    assert sum("output equal to resident's" in line for line in report.splitlines()) == 6, report
+    assert sum("output equal to resident's" in line for line in report.splitlines()) == 8, report
     # The sd15 step on the CPU: its wiring, on the small UNet (a new process's first output, vramd's
     # against diffusers')
     sd15 = json.loads((out / "sd15.json").read_text())
