@@ -419,7 +419,8 @@ def main():
             print(f"{kind}'s manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
                   f"{m['bytes_read'] / mib:.1f} MiB read from host memory, {m['prefetch_hits']} prefetched in time; "
                   f"in {args.forwards} calls, {m['hook_seconds']:.3f} s in its hooks, {m['waited_seconds']:.3f} s of "
-                  f"them waiting for prefetches; {m['pin_seconds']:.3f} s page-locking the lease when ready")
+                  f"them waiting for prefetches; {m['pin_seconds']:.3f} s page-locking {m['pinned_bytes'] / mib:.1f} MiB of the lease when "
+                  "ready")
     # The outputs, a witness that each computed the same module: the peers' against vramd's from the
     # same values (from the GGUF file, vramd-gguf's).
     for kind in ran:

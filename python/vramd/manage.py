@@ -174,7 +174,8 @@ class Managed:
         self._held = 0
         self._told = 0  # the peak the daemon last heard
         self._figures = {"peak": 0, "bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
-                         "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0, "pin_seconds": 0.0}
+                         "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0, "pin_seconds": 0.0,
+                         "pinned_bytes": 0}
         self._next: dict[_Unit, _Unit] = {}
         self._thread_local = threading.local()  # .previous: the unit this thread ran last
         # Ready units no op uses, the most recently used last: what _make_room drops from.
@@ -274,15 +275,24 @@ class Managed:
     def _pin(self) -> list[int]:
         """Page-locks the leased host memory once, so that copies to the GPU run at the bus's speed."""
         started = time.perf_counter()
-        registered = []
+        registered, failed = [], {}
         cudart = torch.cuda.cudart()
         for region in self.lease._regions:
             with warnings.catch_warnings():  # read-only on purpose
                 warnings.filterwarnings("ignore", "The given buffer is not writable")
                 address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
-            if cudart.cudaHostRegister(address, len(region), 0x08) == 0:  # cudaHostRegisterReadOnly
+            error = cudart.cudaHostRegister(address, len(region), 0x08)  # cudaHostRegisterReadOnly
+            if error == 0:
                 registered.append(address)
+                self._figures["pinned_bytes"] += len(region)
+            else:
+                why = cudart.cudaGetErrorString(error)
+                failed[why] = failed.get(why, 0) + len(region)
         self._figures["pin_seconds"] = time.perf_counter() - started
+        if failed:  # copies from pageable memory hold the host until each is staged: slower, not wrong
+            warnings.warn(f"vramd.manage: page-locking {sum(failed.values())} bytes of the lease of "
+                          f"{self.lease.manifest['model']!r} failed ({', '.join(failed)}): their copies to {self.device} "
+                          "wait for the host", stacklevel=4)
         return registered
 
     # Hooks.
@@ -527,7 +537,7 @@ class Managed:
         dtype) and read (from the lease: its dtype, or GGUF blocks packed), loads, prefetches and
         their hits, and the host's seconds spent waiting for prefetches and in the hooks before
         units (the waits included: what the manager adds to a call on the host), and in page-locking
-        the leased memory once (on a GPU, part of manage())."""
+        the leased memory once (on a GPU, part of manage()), with the bytes page-locked."""
         with self._lock:
             return {**self._figures, "held": self._held, "limit": self.limit, "device": str(self.device),
                     "dtype": _name(self.dtype), "units": len(self._units),

@@ -112,6 +112,7 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     sd15 = json.loads((out / "sd15.json").read_text())
     assert sd15["model"] == "unet" and sd15["done"] and set(sd15["results"]) == {"vramd", "diffusers"}, sd15
     assert sd15["results"]["vramd"]["managed"]["pin_seconds"] == 0, sd15  # nothing page-locked on the CPU
+    assert sd15["results"]["vramd"]["managed"]["pinned_bytes"] == 0, sd15
     assert any(line.startswith("- vramd against diffusers: forward ") and " first output " in line
                for line in report.split("## A new process's first output")[1].splitlines()), report
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",

@@ -718,6 +718,7 @@ def test_a_module_managed_on_cuda_equals_the_whole_module_there_within_its_limit
         for out in got:
             assert torch.equal(out, reference(ids))
     assert 0 < stats["peak"] <= stats["limit"] and stats["prefetch_hits"] > 0, stats
+    assert stats["pinned_bytes"] > 0, stats  # the lease page-locked, else copies wait for the host (a warning)
     # The device's growth: the copies (within the limit) and the activations, nothing more.
     assert grown <= stats["limit"] + largest_unit(Toy(d=d)) + (4 << 20), (grown, stats)
 
