@@ -78,6 +78,11 @@ class _Placeholder(torch.Tensor):
         return (f"<vramd.manage's placeholder for {self.managed_name!r}: {list(self.shape)}, {_name(self.dtype)} "
                 f"on {self.device}>")
 
+    def __reduce_ex__(self, protocol):
+        # torch.save(model.state_dict()) would otherwise write a file without a single value in it.
+        raise ManageError(f"{self.managed_name!r} is managed by vramd: its placeholder has no values to save or "
+                          "pickle (the weights are the leased model's, as its checkpoint holds them)")
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, _Placeholder))

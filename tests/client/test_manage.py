@@ -6,6 +6,7 @@ with the same dtypes (the weights rounded through the resting dtype, or unpacked
 package, computed in float32), bit for bit. Also the limit counted by the manager, prefetching,
 errors that name what does not fit, and the room a lease holds in the daemon's budget for its
 client (freed when the client dies)."""
+import io
 import json
 import os
 import signal
@@ -292,6 +293,10 @@ def test_a_unit_that_raises_or_is_interrupted_lets_its_weights_go(daemon, prefet
         with pytest.raises(vramd.ManageError, match=r"'layers.0.weight' is managed by vramd on cpu in float32: it has "
                                                     r"values only while its unit runs, not for sum"):
             model.layers[0].weight.sum()
+        # Saved, a state dict of placeholders would be a file without values: refused, named.
+        with pytest.raises(vramd.ManageError, match=r"'layers.0.weight' is managed by vramd: its placeholder has no "
+                                                    r"values to save"):
+            torch.save(model.state_dict(), io.BytesIO())
         for unit in range(8):
             with pytest.raises(Refused):
                 model(x, fault_at=unit, fault=Refused(unit))
