@@ -150,14 +150,20 @@ class _Slot:
 
 
 class _Unit:
-    def __init__(self, name: str, module: nn.Module, slots: list[_Slot]):
+    def __init__(self, name: str, module: nn.Module, paths: list[str], slots: list[_Slot]):
         self.name = name
         self.module = module
+        self.paths = paths          # wherever the module is, a module shared by several parents under each
         self.slots = slots
         self.bytes = sum(slot.bytes for slot in slots)
+        self.shares = False         # a slot of another unit's too (a tied weight, or a module under two units)
         self.ready = False
         self.in_use = 0
         self.pending: Future | tuple | None = None  # a prefetch under way: a Future, or (event, tensors) on a GPU
+
+    def missing(self) -> int:
+        """The bytes it needs brought in, not ready: a slot another ready unit holds is there."""
+        return sum(slot.bytes for slot in self.slots if slot.users == 0) if self.shares else self.bytes
 
 
 class Managed:
@@ -186,11 +192,13 @@ class Managed:
         # Ready units no op uses, the most recently used last: what _make_room drops from.
         self._idle: dict[_Unit, None] = {}
         self._units = self._plan(units, strict)
-        largest = max((unit.bytes for unit in self._units), default=0)
-        if limit is not None and largest > limit:
-            unit = max(self._units, key=lambda u: u.bytes)
-            raise ManageError(f"unit {unit.name!r} needs {unit.bytes} bytes in {_name(dtype)} on {device}, more than "
-                              f"the limit of {limit}: raise the limit, or name smaller units")
+        least, nested = self._most_held_at_once()
+        if limit is not None and least > limit:
+            where = f"in {_name(dtype)} on {device}, more than the limit of {limit}: raise the limit"
+            if len(nested) == 1:
+                raise ManageError(f"unit {nested[0].name!r} needs {least} bytes {where}, or name smaller units")
+            raise ManageError(f"units {_listed([u.name for u in nested])} run one inside another, so they need "
+                              f"{least} bytes at once {where}")
         self.prefetch = prefetch
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         on_cpu = device.type == "cpu" and prefetch
@@ -262,20 +270,54 @@ class Managed:
             if type(every[name]).forward is nn.Module.forward:  # a ModuleList, say: only its modules run
                 raise ManageError(f"unit {name!r} is a {type(every[name]).__name__}, which is never called (only the "
                                   "modules it holds are): name those")
+        def covering(path: str) -> str | None:
+            named = [n for n in given if n == "" or path == n or path.startswith(n + ".")]
+            return max(named, key=len) if named else None
+
+        paths: dict[int, list[str]] = {}  # a module shared by several parents runs under each of them
+        for path, module in every.items():
+            paths.setdefault(id(module), []).append(path)
         by_unit: dict[str, list[_Slot]] = {}
         for module_name, module in self.module.named_modules():
+            # Its weights' unit: the innermost given unit over each of its paths, where all agree; else
+            # the module itself (called from outside a given unit, its weights must come with it).
+            owners = {covering(path) for path in paths[id(module)]}
+            owner = owners.pop() if len(owners) == 1 else None
             for kind in ("_parameters", "_buffers"):
                 for tensor in getattr(module, kind).values():
                     slot = slots.get(id(tensor)) if tensor is not None else None
                     if slot is None:
                         continue
-                    covering = [n for n in given if n == "" or module_name == n or module_name.startswith(n + ".")]
-                    unit = by_unit.setdefault(max(covering, key=len) if covering else module_name, [])
+                    unit = by_unit.setdefault(owner if owner is not None else module_name, [])
                     if slot not in unit:
                         unit.append(slot)
         for slot in slots.values():
             slot.put(slot.placeholder)
-        return [_Unit(name, every[name], unit_slots) for name, unit_slots in by_unit.items()]
+        units = [_Unit(name, every[name], paths[id(every[name])], unit_slots) for name, unit_slots in by_unit.items()]
+        held_by = {}
+        for unit in units:
+            for slot in unit.slots:
+                held_by.setdefault(slot, []).append(unit)
+        for sharing in (found for found in held_by.values() if len(found) > 1):
+            for unit in sharing:
+                unit.shares = True
+        return units
+
+    def _most_held_at_once(self) -> tuple[int, list[_Unit]]:
+        """The most bytes units hold while they run one inside another (a module holding weights of
+        its own around the units under it: it is in use while they run), and those units, the
+        outermost first. A unit alone is the least of it."""
+        at = {path: unit for unit in self._units for path in unit.paths}
+        most, nested = 0, []
+        for unit in self._units:
+            for path in unit.paths:
+                parts = path.split(".") if path else []
+                around = [at[p] for p in (".".join(parts[:depth]) for depth in range(len(parts))) if p in at]
+                chain = list(dict.fromkeys(around + [unit]))
+                held = sum(slot.bytes for slot in {slot for u in chain for slot in u.slots})
+                if held > most:
+                    most, nested = held, chain
+        return most, nested
 
     def _pin(self) -> list[int]:
         """Page-locks the leased host memory once, so that copies to the GPU run at the bus's speed."""
@@ -389,7 +431,7 @@ class Managed:
                 self._figures["prefetch_hits"] += 1
                 self._finish_prefetch(unit)
             elif not unit.ready:
-                self._make_room(unit.bytes, keep={unit}, wait=True)
+                self._make_room(unit, keep={unit}, wait=True)
                 # A wait let other threads run: one may have brought this unit in, or begun to.
                 if unit.pending is not None:
                     self._finish_prefetch(unit)
@@ -459,15 +501,17 @@ class Managed:
         unit.ready = False
         self._idle.pop(unit, None)
 
-    def _make_room(self, need: int, keep: set, prefetch: bool = False, wait: bool = False) -> bool:
+    def _make_room(self, need: int | _Unit, keep: set, prefetch: bool = False, wait: bool = False) -> bool:
         """Drops ready units that no op uses (the most recently used first) until `need` more
-        bytes fit the limit. False for a prefetch that would not fit. With `wait` (a unit's hook,
-        before it changes anything), waits while another thread runs a unit that will free room;
-        raises when none does."""
+        bytes fit the limit: a number, or what a unit misses, counted again as units go (one
+        dropped may have held a weight the unit shares). False for a prefetch that would not fit.
+        With `wait` (a unit's hook, before it changes anything), waits while another thread runs a
+        unit that will free room; raises when none does."""
         if self.limit is None:
             return True
         me = threading.get_ident()
-        while self._held + need > self.limit:
+        coming = need if isinstance(need, _Unit) else None
+        while self._held + (more := coming.missing() if coming else need) > self.limit:
             dropped = next((u for u in reversed(self._idle) if u not in keep), None)
             if dropped is not None:
                 self._drop(dropped)
@@ -480,7 +524,7 @@ class Managed:
                 continue
             if not wait or not any(thread != me and thread not in self._waiting for thread in self._running):
                 in_use = [u.name for u in self._units if u.in_use]
-                raise ManageError(f"the limit of {self.limit} bytes cannot hold {need} more beside {self._held} held by "
+                raise ManageError(f"the limit of {self.limit} bytes cannot hold {more} more beside {self._held} held by "
                                   f"units in use ({', '.join(map(repr, in_use))}): raise the limit")
             self._waiting.add(me)
             try:
@@ -490,7 +534,7 @@ class Managed:
         return True
 
     def _prefetch(self, unit: _Unit, current: _Unit) -> None:
-        if not self._make_room(unit.bytes, keep={unit, current}, prefetch=True):
+        if not self._make_room(unit, keep={unit, current}, prefetch=True):
             return
         wanted = [slot for slot in unit.slots if slot.users == 0]
         reserved = sum(slot.bytes for slot in wanted)

@@ -9,6 +9,8 @@ client (freed when the client dies)."""
 import io
 import json
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -364,6 +366,87 @@ def test_under_autograd_the_gradient_is_right_and_the_limit_is_said_not_to_hold(
     assert torch.equal(got, x.grad)
 
 
+class Tree(nn.Module):
+    """A random module: Linear and LayerNorm leaves, some shared by several parents (so called from
+    inside a named unit and from outside it), inner modules holding a weight of their own around
+    the units under them, children called in any order, some more than once."""
+
+    def __init__(self, rng, pool, depth=0):
+        super().__init__()
+        self.kids = nn.ModuleList()
+        for _ in range(rng.randint(1, 3)):
+            chance = rng.random()
+            if pool and chance < 0.2:
+                kid = rng.choice(pool)
+            elif depth < 3 and chance < 0.5:
+                kid = Tree(rng, pool, depth + 1)
+            else:
+                kid = nn.Linear(8, 8, bias=rng.random() < 0.5) if rng.random() < 0.7 else nn.LayerNorm(8)
+                pool.append(kid)
+            self.kids.append(kid)
+        self.scale = nn.Parameter(torch.ones(8)) if rng.random() < 0.3 else None
+        self.order = [rng.randrange(len(self.kids)) for _ in range(rng.randint(1, 4))]
+
+    def forward(self, x):
+        for i in self.order:
+            x = torch.tanh(self.kids[i](x))
+        return x if self.scale is None else x * self.scale
+
+
+def tree(seed):
+    """Tree `seed`, some of its Linear weights tied, and the random draws that follow."""
+    rng = random.Random(seed)
+    pool = []
+    model = Tree(rng, pool).eval()
+    linears = [m for m in pool if isinstance(m, nn.Linear)]
+    for _ in range(rng.randint(0, 2)):
+        if len(linears) >= 2:
+            a, b = rng.sample(linears, 2)
+            b.weight = a.weight
+    return model, rng
+
+
+def test_random_modules_equal_the_whole_module_from_the_least_limit_up(daemon):
+    """Eighty random modules, each under the least limit the manager says it needs, a third of the
+    way from there to its size, and its size; with units named at random or not, prefetching or
+    not: each equals the whole module bit for bit, within its limit."""
+    references, told = {}, set()
+    for seed in range(80):
+        model, _ = tree(seed)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for tensor in model.parameters():
+                tensor.normal_()
+        once = {}  # a tied weight under its first name
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            once.setdefault(id(tensor), (name, tensor.detach().clone()))
+        save_file(dict(once.values()), daemon["folder"] / f"tree-{seed}.safetensors")
+        size = sum(tensor.numel() * 4 for _, tensor in once.values())
+        (daemon["daemon"].models / f"tree-{seed}.toml").write_text(
+            served(daemon["folder"] / f"tree-{seed}.safetensors", "bfloat16", size))
+        references[seed] = (rounded(model, torch.bfloat16), size)
+    with vramd.connect(daemon["sock"]) as client, torch.no_grad():
+        client.reload()
+        for seed, (reference, size) in references.items():
+            with torch.device("meta"):
+                model, rng = tree(seed)
+            names = [name for name, m in model.named_modules() if not isinstance(m, nn.ModuleList)]
+            units = rng.sample(names, rng.randint(0, min(3, len(names)))) if rng.random() < 0.5 else None
+            prefetch = rng.random() < 0.5
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
+            with pytest.raises(vramd.ManageError, match=r"needs? \d+ bytes") as refused:
+                vramd.manage(model, f"tree-{seed}", client=client, units=units, limit=1)
+            told.add("nested" if "run one inside another" in str(refused.value) else "alone")
+            least = int(re.search(r"needs? (\d+) bytes", str(refused.value)).group(1))
+            for limit in (least, (2 * least + size) // 3, size):
+                with vramd.manage(model, f"tree-{seed}", client=client, units=units, limit=limit,
+                                  prefetch=prefetch) as managed:
+                    for _ in range(3):
+                        assert torch.equal(model(x), reference(x)), (seed, units, prefetch, limit)
+                    assert managed.stats()["peak"] <= limit, (seed, units, prefetch, managed.stats())
+    assert told == {"nested", "alone"}  # both refusals were met
+
+
 def test_a_compiled_module_still_takes_each_units_weights_from_the_manager(daemon):
     """torch.compile (inductor) of a managed module: Dynamo breaks its graphs at each unit's hook,
     so the units run with the weights the manager brings at each call, never values captured in
@@ -609,9 +692,16 @@ def test_what_does_not_fit_is_named(daemon):
             vramd.manage(model, "toy-bfloat16", client=client)
         with torch.device("meta"):
             model = Toy()
-        with pytest.raises(vramd.ManageError, match=r"unit 'blocks.0.up' needs 8448 bytes in float32 on cpu, more "
-                                                    r"than the limit of 1000: raise the limit, or name smaller units"):
+        # The top module's own weights are in use around every unit under it.
+        with pytest.raises(vramd.ManageError, match=r"units '', 'blocks.0.up' run one inside another, so they need "
+                                                    r"8704 bytes at once in float32 on cpu, more than the limit of "
+                                                    r"1000: raise the limit$"):
             vramd.manage(model, "toy-bfloat16", client=client, limit=1000)
+        with torch.device("meta"):
+            chain = Chain()
+        with pytest.raises(vramd.ManageError, match=r"unit 'layers.0' needs 1088 bytes in float32 on cpu, more than "
+                                                    r"the limit of 1000: raise the limit, or name smaller units"):
+            vramd.manage(chain, "chain", client=client, limit=1000)
         with pytest.raises(vramd.ManageError, match=r"unit 'blocks' is a ModuleList, which is never called \(only "
                                                     r"the modules it holds are\): name those"):
             vramd.manage(model, "toy-bfloat16", client=client, units=["blocks", "shared"])
