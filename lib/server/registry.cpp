@@ -266,21 +266,22 @@ DeviceBytes Registry::charged(const Entry& e) const {
   return charges(e.bytes, in_computation(e) ? computation_charges(*e.config, *e.dry) : DeviceBytes{}, reservations(e));
 }
 
-uint64_t Registry::used(const std::string& device) const {
-  uint64_t total = 0;
-  for (const auto& [name, entry] : entries_) total += on(charged(*entry), device);
+DeviceBytes Registry::used() const {
+  DeviceBytes total;
+  for (const auto& [name, entry] : entries_)
+    for (const auto& [device, bytes] : charged(*entry)) total[device] += bytes;
   return total;
 }
 
-bool Registry::fits(const DeviceBytes& more) const {
+bool Registry::fits(const DeviceBytes& more, const DeviceBytes& used) const {
   for (const auto& [device, bytes] : more) {
     const auto budget = config_.budgets.find(device);
-    if (budget != config_.budgets.end() && used(device) + bytes > budget->second) return false;
+    if (budget != config_.budgets.end() && on(used, device) + bytes > budget->second) return false;
   }
   return true;
 }
 
-Holder Registry::holder_on(const Entry& e, const std::string& device) const {
+Holder Registry::holder_on(const Entry& e, const std::string& device, const DeviceBytes& used) const {
   const bool ready = e.state == ModelState::Ready;
   return {.name = e.name,
           .bytes = on(held_charges(e), device),
@@ -290,7 +291,7 @@ Holder Registry::holder_on(const Entry& e, const std::string& device) const {
           .ready = ready,
           .offload_device = e.config ? e.config->vram.offload.device.str() : "",
           // Sleeping it must fit where it sleeps (on another device than the one asked for).
-          .offload_fits = ready && e.config && e.dry && fits(offload_charges(*e.config, *e.dry)),
+          .offload_fits = ready && e.config && e.dry && fits(offload_charges(*e.config, *e.dry), used),
           .pinned = e.config && e.config->residency.pinned,
           .leased = !e.leases.empty(),
           .busy = e.busy || !e.queue.empty(),
@@ -300,11 +301,12 @@ Holder Registry::holder_on(const Entry& e, const std::string& device) const {
 bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
   const auto budget = config_.budgets.find(device);
   if (budget == config_.budgets.end()) return true;  // no budget: the device's own size is the limit
+  const DeviceBytes use = used();
   // Values being freed still hold their pages: wait for them rather than evict for them.
-  if (const uint64_t freeing = on(releasing_, device); freeing && used(device) + freeing + need > budget->second)
+  if (const uint64_t freeing = on(releasing_, device); freeing && on(use, device) + freeing + need > budget->second)
     return false;
   std::vector<Holder> holders;
-  for (const auto& [name, e] : entries_) holders.push_back(holder_on(*e, device));
+  for (const auto& [name, e] : entries_) holders.push_back(holder_on(*e, device, use));
   const RoomPlan plan = plan_room({entry.name, device, need, budget->second}, holders);
   if (!plan.error.empty()) throw Error(plan.error);
   for (const auto& eviction : plan.evictions) {
@@ -774,14 +776,22 @@ json Registry::devices_json() const {
   json devices = json::object();
   std::set<std::string> names;
   for (const auto& [device, budget] : config_.budgets) names.insert(device);
-  for (const auto& [name, e] : entries_) for (const auto& [device, bytes] : charged(*e)) names.insert(device);
+  std::map<std::string, DeviceBytes> charges;  // by model
+  DeviceBytes use;
+  for (const auto& [name, e] : entries_) {
+    charges[name] = charged(*e);
+    for (const auto& [device, bytes] : charges[name]) {
+      names.insert(device);
+      use[device] += bytes;
+    }
+  }
   for (const auto& device : names) {
     json models = json::object();  // what each model counts, which adds up to `used`
-    for (const auto& [name, e] : entries_)
-      if (const uint64_t bytes = on(charged(*e), device)) models[name] = bytes;
+    for (const auto& [name, bytes] : charges)
+      if (const uint64_t b = on(bytes, device)) models[name] = b;
     const auto budget = config_.budgets.find(device);
     devices[device] = {{"budget", budget == config_.budgets.end() ? json(nullptr) : json(budget->second)},
-                       {"used", used(device)}, {"releasing", on(releasing_, device)}, {"models", models}};
+                       {"used", on(use, device)}, {"releasing", on(releasing_, device)}, {"models", models}};
   }
   return devices;
 }

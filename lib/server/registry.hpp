@@ -155,9 +155,11 @@ class Registry {
   bool reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra = {});
   // What the entry counts against each device's budget: its charges plus its reservation.
   DeviceBytes charged(const Entry& entry) const;
-  uint64_t used(const std::string& device) const;  // the sum of every entry's charge there
-  bool fits(const DeviceBytes& more) const;        // beside what is used, within every budget
-  Holder holder_on(const Entry& entry, const std::string& device) const;  // for server/eviction.hpp
+  // The sum of every entry's charge on each device: one pass over the entries, so that a
+  // question asked of each entry (holder_on) is not one pass each.
+  DeviceBytes used() const;
+  bool fits(const DeviceBytes& more, const DeviceBytes& used) const;  // beside `used`, within every budget
+  Holder holder_on(const Entry& entry, const std::string& device, const DeviceBytes& used) const;  // server/eviction.hpp
 
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);
