@@ -36,6 +36,7 @@ import threading
 import warnings
 import time
 import weakref
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -270,6 +271,7 @@ class Managed:
             if type(every[name]).forward is nn.Module.forward:  # a ModuleList, say: only its modules run
                 raise ManageError(f"unit {name!r} is a {type(every[name]).__name__}, which is never called (only the "
                                   "modules it holds are): name those")
+
         def covering(path: str) -> str | None:
             named = [n for n in given if n == "" or path == n or path.startswith(n + ".")]
             return max(named, key=len) if named else None
@@ -294,13 +296,9 @@ class Managed:
         for slot in slots.values():
             slot.put(slot.placeholder)
         units = [_Unit(name, every[name], paths[id(every[name])], unit_slots) for name, unit_slots in by_unit.items()]
-        held_by = {}
+        held = Counter(slot for unit in units for slot in unit.slots)
         for unit in units:
-            for slot in unit.slots:
-                held_by.setdefault(slot, []).append(unit)
-        for sharing in (found for found in held_by.values() if len(found) > 1):
-            for unit in sharing:
-                unit.shares = True
+            unit.shares = any(held[slot] > 1 for slot in unit.slots)
         return units
 
     def _most_held_at_once(self) -> tuple[int, list[_Unit]]:
