@@ -416,7 +416,8 @@ def main():
     for kind, r in ran.items():
         if "managed" in r:
             m = r["managed"]
-            print(f"{kind}'s manager: peak {m['peak']} of its {m['limit']}-byte limit, {m['loads']} unit loads, "
+            print(f"{kind}'s manager: peak {m['peak']} of its {m['limit']}-byte limit (the least it runs under: "
+                  f"{m['least_limit']}), {m['loads']} unit loads, "
                   f"{m['bytes_read'] / mib:.1f} MiB read from host memory, {m['prefetch_hits']} prefetched in time; "
                   f"in {args.forwards} calls, {m['hook_seconds']:.3f} s in its hooks, {m['waited_seconds']:.3f} s of "
                   f"them waiting for prefetches; {m['pin_seconds']:.3f} s page-locking {m['pinned_bytes'] / mib:.1f} MiB of the lease when "

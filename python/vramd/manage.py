@@ -193,13 +193,13 @@ class Managed:
         # Ready units no op uses, the most recently used last: what _make_room drops from.
         self._idle: dict[_Unit, None] = {}
         self._units = self._plan(units, strict)
-        least, nested = self._most_held_at_once()
-        if limit is not None and least > limit:
+        self._least, nested = self._most_held_at_once()
+        if limit is not None and self._least > limit:
             where = f"in {_name(dtype)} on {device}, more than the limit of {limit}: raise the limit"
             if len(nested) == 1:
-                raise ManageError(f"unit {nested[0].name!r} needs {least} bytes {where}, or name smaller units")
+                raise ManageError(f"unit {nested[0].name!r} needs {self._least} bytes {where}, or name smaller units")
             raise ManageError(f"units {_listed([u.name for u in nested])} run one inside another, so they need "
-                              f"{least} bytes at once {where}")
+                              f"{self._least} bytes at once {where}")
         self.prefetch = prefetch
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         on_cpu = device.type == "cpu" and prefetch
@@ -584,9 +584,11 @@ class Managed:
         dtype) and read (from the lease: its dtype, or GGUF blocks packed), loads, prefetches and
         their hits, and the host's seconds spent waiting for prefetches and in the hooks before
         units (the waits included: what the manager adds to a call on the host), and in page-locking
-        the leased memory once (on a GPU, part of manage()), with the bytes page-locked."""
+        the leased memory once (on a GPU, part of manage()), with the bytes page-locked; and the
+        least limit the module runs under (its largest unit, or units running one inside another)."""
         with self._lock:
-            return {**self._figures, "held": self._held, "limit": self.limit, "device": str(self.device),
+            return {**self._figures, "held": self._held, "limit": self.limit, "least_limit": self._least,
+                    "device": str(self.device),
                     "dtype": _name(self.dtype), "units": len(self._units),
                     "ready_units": sum(unit.ready for unit in self._units)}
 

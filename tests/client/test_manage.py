@@ -441,6 +441,7 @@ def test_random_modules_equal_the_whole_module_from_the_least_limit_up(daemon):
             for limit in (least, (2 * least + size) // 3, size):
                 with vramd.manage(model, f"tree-{seed}", client=client, units=units, limit=limit,
                                   prefetch=prefetch) as managed:
+                    assert managed.stats()["least_limit"] == least
                     for _ in range(3):
                         assert torch.equal(model(x), reference(x)), (seed, units, prefetch, limit)
                     assert managed.stats()["peak"] <= limit, (seed, units, prefetch, managed.stats())
