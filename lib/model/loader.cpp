@@ -142,9 +142,13 @@ Prepared prepare(const config::ModelConfig& config) {
                            format_shape(parameter->shape));
       continue;
     }
-    if (!storage::is_floating(expr->dtype)) {
+    // Architecture "weights" computes nothing: its integer tensors are held as they are.
+    const bool as_is = architecture == "weights" && config.partition.world_size == 1 && weights::held_as_is(expr->dtype);
+    if (!storage::is_floating(expr->dtype) && !as_is) {
       mismatched.push_back(quote(target) + " is " + std::string(storage::dtype_name(expr->dtype)) +
-                           ", the architecture expects floating-point weights");
+                           (architecture != "weights" ? ", the architecture expects floating-point weights"
+                            : config.partition.world_size > 1 ? ", and a partitioned model holds floating-point weights only"
+                                                              : ", which architecture weights holds only as GGUF blocks"));
       continue;
     }
     uint64_t order = UINT64_MAX;
@@ -181,8 +185,9 @@ Prepared prepare(const config::ModelConfig& config) {
   report.plan_seconds = seconds_since(plan_start);
   std::sort(assignments.begin(), assignments.end(), [](auto& a, auto& b) { return a.order < b.order; });
   for (const auto& a : assignments) {
-    report.bytes += a.parameter->elements() * c10::elementSize(dtype);
-    report.largest = std::max<uint64_t>(report.largest, a.parameter->elements() * c10::elementSize(dtype));
+    const auto held = weights::held_as_is(a.expr->dtype) ? storage::scalar_type(a.expr->dtype) : dtype;
+    report.bytes += a.parameter->elements() * c10::elementSize(held);
+    report.largest = std::max<uint64_t>(report.largest, a.parameter->elements() * c10::elementSize(held));
   }
   report.tensors = assignments.size();
   return {std::move(map), architecture, std::move(model), std::move(assignments), std::move(report)};

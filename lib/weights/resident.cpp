@@ -181,8 +181,13 @@ bool adoptable(const at::Tensor& now, const at::Tensor& value) {
 
 void ResidentWeights::update(const std::string& model, const WeightUpdate& update) {
   const auto& values = update.values;
-  for (const auto& [parameter, value] : values)
+  for (const auto& [parameter, value] : values) {
     if (parameter->value.scalar_type() == kPacked) throw packed_not_updatable(model, parameter->name);
+    if (!at::isFloatingType(parameter->value.scalar_type()))  // held as it is: values would be cast into it
+      throw NotUpdatable("model " + quote(model) + " holds " + quote(parameter->name) + " as " +
+                         std::string(c10::toString(parameter->value.scalar_type())) +
+                         " values as the checkpoint has them, which take no update; only floating-point weights do");
+  }
   if (update.adopt && std::all_of(values.begin(), values.end(),
                                   [](const auto& v) { return adoptable(v.first->value, v.second); })) {
     if (update.check) update.check();

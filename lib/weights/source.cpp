@@ -49,7 +49,10 @@ void check_packed(const Source& source, const config::ModelConfig& config) {
                         "; remove packed = true");
 }
 
+bool held_as_is(storage::DType dtype) { return !storage::is_floating(dtype) && dtype != storage::DType::U8; }
+
 c10::ScalarType held_dtype(const Assignment& a, c10::ScalarType dtype, bool packed) {
+  if (held_as_is(a.expr->dtype)) return storage::scalar_type(a.expr->dtype);
   return packed && a.block ? kPacked : dtype;
 }
 

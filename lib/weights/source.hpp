@@ -38,8 +38,13 @@ struct Assignment {
 // parameters are floating-point, so uint8 means packed wherever weights are held.
 inline constexpr c10::ScalarType kPacked = c10::kByte;
 
+// Whether architecture "weights" holds a checkpoint tensor of `dtype` as it is, in every state:
+// integers and booleans (a BatchNorm's num_batches_tracked, a table of positions), which no state's
+// dtype may cast. Not uint8, which means packed blocks wherever weights are held.
+bool held_as_is(storage::DType dtype);
+
 // The dtype a weight is held in by a state of `dtype` that keeps GGUF blocks `packed`: kPacked
-// where its value can stay packed, else `dtype`.
+// where its value can stay packed, its own where it is held as it is, else `dtype`.
 c10::ScalarType held_dtype(const Assignment& assignment, c10::ScalarType dtype, bool packed);
 // Its bytes so held.
 uint64_t held_bytes(const Assignment& assignment, c10::ScalarType held);

@@ -607,6 +607,57 @@ def test_an_update_of_a_weight_resting_packed_is_refused_naming_it(daemon):
         client.update("toy-gguf", {"blocks.0.norm.weight": norm})  # as the other tests expect it
 
 
+class Normed(nn.Module):
+    """Convolutions with BatchNorm: running statistics as float buffers, num_batches_tracked as int64."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3),
+                                    nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_integer_tensors_rest_as_they_are_and_take_no_update(daemon, tmp_path):
+    """Architecture "weights" holds a checkpoint's integer tensors (BatchNorm's num_batches_tracked)
+    as the checkpoint has them, whatever the states' dtype: leased and managed as int64, and no
+    update casts values into them."""
+    torch.manual_seed(5)
+    model = Normed().eval()
+    with torch.no_grad():
+        for norm in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
+            norm.running_mean.normal_()
+            norm.running_var.uniform_(0.5, 2)
+            norm.num_batches_tracked.fill_(7)
+    save_file(model.state_dict(), tmp_path / "normed.safetensors")
+    (daemon["daemon"].models / "normed.toml").write_text(
+        served(tmp_path / "normed.safetensors", "bfloat16", 3 * largest_unit(model) // 2))
+    reference = rounded(model, torch.bfloat16)
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    with vramd.connect(daemon["sock"]) as client:
+        client.reload()
+        with client.lease("normed") as state_dict:
+            counted = state_dict["layers.1.num_batches_tracked"]
+            assert counted.dtype == torch.int64 and counted.item() == 7
+            assert state_dict["layers.1.running_var"].dtype == torch.bfloat16
+        with torch.device("meta"):
+            managed_model = Normed().eval()
+        with torch.no_grad(), vramd.manage(managed_model, "normed", client=client) as managed:
+            assert torch.equal(managed_model(x), reference(x))
+            assert torch.equal(managed_model(x), reference(x))
+            stats = managed.stats()
+            assert 0 < stats["peak"] <= managed.limit and stats["loads"] > stats["units"], stats
+        with pytest.raises(vramd.DaemonError, match=r"model 'normed' holds 'layers.1.num_batches_tracked' as Long "
+                                                    r"values as the checkpoint has them, which take no update") as refused:
+            client.update("normed", {"layers.1.num_batches_tracked": torch.tensor(9.0)})
+        assert refused.value.status == 409
+        client.update("normed", {"layers.1.running_mean": torch.zeros(8)})  # its floating weights do
+        with client.lease("normed") as state_dict:
+            assert state_dict["layers.1.num_batches_tracked"].item() == 7
+            assert not state_dict["layers.1.running_mean"].any()
+
+
 @pytest.mark.parametrize("name", ["unet", "sd3", "vae", "opt"])
 def test_diffusers_and_transformers_models_equal_the_whole_model(daemon, name):
     reference = daemon["references"][name]
