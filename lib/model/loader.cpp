@@ -185,7 +185,7 @@ Prepared prepare(const config::ModelConfig& config) {
   report.plan_seconds = seconds_since(plan_start);
   std::sort(assignments.begin(), assignments.end(), [](auto& a, auto& b) { return a.order < b.order; });
   for (const auto& a : assignments) {
-    const auto held = weights::held_as_is(a.expr->dtype) ? storage::scalar_type(a.expr->dtype) : dtype;
+    const auto held = weights::held_dtype(a, dtype, /*packed=*/false);  // an integer tensor: its own
     report.bytes += a.parameter->elements() * c10::elementSize(held);
     report.largest = std::max<uint64_t>(report.largest, a.parameter->elements() * c10::elementSize(held));
   }
