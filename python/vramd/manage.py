@@ -309,8 +309,7 @@ class Managed:
         most, nested = 0, []
         for unit in self._units:
             for path in unit.paths:
-                parts = path.split(".") if path else []
-                around = [at[p] for p in (".".join(parts[:depth]) for depth in range(len(parts))) if p in at]
+                around = [at[p] for p in _enclosing(path) if p in at]
                 chain = list(dict.fromkeys(around + [unit]))
                 held = sum(slot.bytes for slot in {slot for u in chain for slot in u.slots})
                 if held > most:
@@ -356,9 +355,8 @@ class Managed:
         every = dict(self.module.named_modules())
         held: dict[str, set[_Slot]] = {}  # by module name: the slots of the units under it
         for unit in self._units:
-            parts = unit.name.split(".") if unit.name else []
-            for depth in range(len(parts) + 1):
-                held.setdefault(".".join(parts[:depth]), set()).update(unit.slots)
+            for name in _enclosing(unit.name) + [unit.name]:
+                held.setdefault(name, set()).update(unit.slots)
         for name, slots in held.items():
             self._wrap(every[name], "_apply", functools.partial(self._guarded_apply, slots))
 
@@ -627,6 +625,12 @@ class Managed:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _enclosing(path: str) -> list[str]:
+    """The names of the modules around module `path`, the outermost first: "", "a", "a.b" for "a.b.c"."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:depth]) for depth in range(len(parts))]
 
 
 def _listed(names: list[str]) -> str:
