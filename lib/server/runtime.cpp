@@ -152,7 +152,7 @@ weights::Manifest Runtime::lease(const std::string& device) {
     throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
   if (impl_->offloaded) onload();
   auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name, *parsed);
-  if (config::rests_for_clients(impl_->config)) manifest.plan = weights::managed_plan(*impl_->loaded.model, impl_->config);
+  if (config::rests_for_clients(impl_->config)) manifest.plan = weights::managed_plan(*impl_->loaded.model, *impl_->loaded.source, impl_->config);
   manifest.version = impl_->version;
   impl_->check_mappings();
   return manifest;

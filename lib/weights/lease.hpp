@@ -24,6 +24,8 @@ class Model;
 
 namespace vramd::weights {
 
+struct Source;
+
 // The model cannot be leased as configured (the message says why and what to change): 409.
 class NotLeasable : public Error {
  public:
@@ -75,9 +77,10 @@ struct Manifest {
   uint64_t version = 0;             // of the weights handed over (server::Runtime::version)
 };
 
-// The plan of a model that rests for its clients, from its layers and config: of a loaded
-// model, or of one built without weights (resting bytes then in the model's dtype).
-ManagedPlan managed_plan(const model::Model& model, const config::ModelConfig& config);
+// The plan of a model that rests for its clients, from its layers, the source that fills them
+// (an integer tensor computes in its own dtype) and config: of a loaded model, or of one built
+// without weights (resting bytes then in the model's dtype).
+ManagedPlan managed_plan(const model::Model& model, const Source& source, const config::ModelConfig& config);
 
 // The shared memory of one loaded model, kept beside it for as long as it is loaded.
 class LeaseMemory {

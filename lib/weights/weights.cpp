@@ -57,7 +57,7 @@ namespace {
 // A model that rests for its clients (managed_plan): each client computes one unit whole at a
 // time, so the limit must hold the largest in the computation dtype.
 model::VramStats plan_for_clients(const model::Model& model, const Source& source, const config::ModelConfig& config) {
-  const ManagedPlan plan = managed_plan(model, config);
+  const ManagedPlan plan = managed_plan(model, source, config);
   model::VramStats stats;
   stats.limit = plan.limit.value_or(0);
   stats.slots = plan.units.size();

@@ -641,6 +641,10 @@ def test_integer_tensors_rest_as_they_are_and_take_no_update(daemon, tmp_path):
             counted = state_dict["layers.1.num_batches_tracked"]
             assert counted.dtype == torch.int64 and counted.item() == 7
             assert state_dict["layers.1.running_var"].dtype == torch.bfloat16
+            # The plan counts each unit as a client computes it: integers in their own dtype.
+            norm = {unit["name"]: unit for unit in client.lease_plan("normed")["units"]}["layers.1"]
+            assert norm["computed"] == sum(state_dict[name].numel() * (8 if name.endswith("tracked") else 4)
+                                           for name in norm["tensors"]), norm
         with torch.device("meta"):
             managed_model = Normed().eval()
         with torch.no_grad(), vramd.manage(managed_model, "normed", client=client) as managed:
