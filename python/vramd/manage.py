@@ -352,13 +352,14 @@ class Managed:
             _MANAGED[module] = self
         for unit in self._units:
             self._wrap(unit.module, "forward", functools.partial(self._managed_forward, unit))
-        every = dict(self.module.named_modules())
-        held: dict[str, set[_Slot]] = {}  # by module name: the slots of the units under it
+        every = dict(self.module.named_modules(remove_duplicate=False))
+        held: dict[nn.Module, set[_Slot]] = {}  # the slots of the units under each module, by any of their paths
         for unit in self._units:
-            for name in _enclosing(unit.name) + [unit.name]:
-                held.setdefault(name, set()).update(unit.slots)
-        for name, slots in held.items():
-            self._wrap(every[name], "_apply", functools.partial(self._guarded_apply, slots))
+            for path in unit.paths:
+                for name in _enclosing(path) + [path]:
+                    held.setdefault(every[name], set()).update(unit.slots)
+        for module, slots in held.items():
+            self._wrap(module, "_apply", functools.partial(self._guarded_apply, slots))
 
     def _wrap(self, module: nn.Module, method: str, make) -> None:
         """Gives `module` a `method` of its own, make(the one it has), as accelerate's and

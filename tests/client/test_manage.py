@@ -662,6 +662,30 @@ def test_integer_tensors_rest_as_they_are_and_take_no_update(daemon, tmp_path):
             assert not state_dict["layers.1.running_mean"].any()
 
 
+def test_a_move_of_a_module_around_a_shared_unit_by_any_path_is_refused_before_anything_changes(daemon, tmp_path):
+    """A Linear shared by two parents is one unit with two paths: a cast of the second parent is
+    refused before it reaches the module beside the Linear (whose buffer of its own stays float32)."""
+    torch.manual_seed(6)
+    linear = nn.Linear(8, 8)
+    save_file({f"a.0.{k}": v for k, v in linear.state_dict().items()}, tmp_path / "shared.safetensors")
+    (daemon["daemon"].models / "shared.toml").write_text(
+        served(tmp_path / "shared.safetensors", "bfloat16", largest_unit(linear)))
+    with torch.device("meta"):
+        shared = nn.Linear(8, 8)
+        model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(nn.Module(), shared)})
+    model.b[0].register_buffer("steps", torch.zeros(2))  # the user's own, not leased
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    with vramd.connect(daemon["sock"]) as client:
+        client.reload()
+        with torch.no_grad(), vramd.manage(model, "shared", client=client):
+            for parent in (model, model.a, model.b):
+                with pytest.raises(vramd.ManageError, match=r"'a.0.(weight|bias)' is managed by vramd on cpu in "
+                                                            r"float32: it cannot be moved or cast to cpu in float64"):
+                    parent.double()
+                assert model.b[0].steps.dtype == torch.float32
+            assert torch.equal(model.b[1](x), rounded(linear, torch.bfloat16)(x))
+
+
 @pytest.mark.parametrize("name", ["unet", "sd3", "vae", "opt"])
 def test_diffusers_and_transformers_models_equal_the_whole_model(daemon, name):
     reference = daemon["references"][name]
