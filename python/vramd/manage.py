@@ -200,6 +200,8 @@ class Managed:
                 raise ManageError(f"unit {nested[0].name!r} needs {self._least} bytes {where}, or name smaller units")
             raise ManageError(f"units {_listed([u.name for u in nested])} run one inside another, so they need "
                               f"{self._least} bytes at once {where}")
+        for slot in {slot for unit in self._units for slot in unit.slots}:  # refused above, the module is as it was
+            slot.put(slot.placeholder)
         self.prefetch = prefetch
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         on_cpu = device.type == "cpu" and prefetch
@@ -293,8 +295,6 @@ class Managed:
                     unit = by_unit.setdefault(owner if owner is not None else module_name, [])
                     if slot not in unit:
                         unit.append(slot)
-        for slot in slots.values():
-            slot.put(slot.placeholder)
         units = [_Unit(name, every[name], paths[id(every[name])], unit_slots) for name, unit_slots in by_unit.items()]
         held = Counter(slot for unit in units for slot in unit.slots)
         for unit in units:

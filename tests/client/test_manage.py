@@ -782,6 +782,7 @@ def test_what_does_not_fit_is_named(daemon):
         with pytest.raises(vramd.ManageError, match=r"unit 'layers.0' needs 1088 bytes in float32 on cpu, more than "
                                                     r"the limit of 1000: raise the limit, or name smaller units"):
             vramd.manage(chain, "chain", client=client, limit=1000)
+        assert all(p.is_meta for p in chain.parameters())  # refused, the module is as it was
         with pytest.raises(vramd.ManageError, match=r"unit 'blocks' is a ModuleList, which is never called \(only "
                                                     r"the modules it holds are\): name those"):
             vramd.manage(model, "toy-bfloat16", client=client, units=["blocks", "shared"])
