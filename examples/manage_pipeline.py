@@ -1,9 +1,11 @@
 """A diffusers pipeline on modules vramd manages: DiTPipeline, its transformer and its VAE each
 built on the meta device and filled from a lease of the daemon's copy, each under the limit of its
-model's config. The pipeline is used as with whole modules (its .to(), device and dtype see where
-the managed ones compute); checks its images against the same pipeline on the whole modules.
+model's config, or with --share both under the transformer's (they run one after the other: the
+VAE takes the room the transformer's units held, and the daemon holds one reservation). The
+pipeline is used as with whole modules (its .to(), device and dtype see where the managed ones
+compute); checks its images against the same pipeline on the whole modules.
 
-    python examples/manage_pipeline.py TRANSFORMER TRANSFORMER_FOLDER VAE VAE_FOLDER [--device cuda:0]
+    python examples/manage_pipeline.py TRANSFORMER TRANSFORMER_FOLDER VAE VAE_FOLDER [--device cuda:0] [--share]
 
 TRANSFORMER is a DiTTransformer2DModel and VAE an AutoencoderKL (whose latents the transformer
 makes), each a folder save_pretrained wrote, served as `architecture = "weights"` with a [vram]
@@ -35,14 +37,16 @@ def main():
     parser.add_argument("vae")
     parser.add_argument("vae_folder")
     parser.add_argument("--device", default=None, help="default: the models' [vram] computation device")
+    parser.add_argument("--share", action="store_true", help="the VAE under the transformer's limit")
     args = parser.parse_args()
     models = {args.transformer: args.transformer_folder, args.vae: args.vae_folder}
     with torch.no_grad(), vramd.connect() as client, contextlib.ExitStack() as stack:
         managed = {}
         for name, folder in models.items():
             cls, kind = model_class(folder)
+            first = managed.get(args.transformer) if args.share else None
             managed[name] = stack.enter_context(vramd.manage(build(cls, kind, folder), name, client=client,
-                                                             device=args.device))
+                                                             device=None if first else args.device, share=first))
         transformer, vae = (managed[name].module for name in (args.transformer, args.vae))
         device = managed[args.transformer].device
         got = images(transformer, vae, device)
@@ -52,8 +56,9 @@ def main():
         assert numpy.array_equal(got, expected), abs(got - expected).max()
         for name, m in managed.items():
             stats = m.stats()
+            limit = f"the limit of {stats['limit']} it shares" if args.share else f"a limit of {stats['limit']}"
             print(f"{name}: {type(m.module).__name__} managed on {m.device}, {stats['peak']} bytes at most under "
-                  f"a limit of {stats['limit']}, {stats['loads']} unit loads")
+                  f"{limit}, {stats['loads']} unit loads")
         print(f"DiTPipeline on managed modules: {len(got)} images equal to the pipeline's on the whole modules")
 
 

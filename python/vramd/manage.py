@@ -26,7 +26,8 @@ the module computes; a move or cast elsewhere, or an op on a placeholder, is a M
 naming the weight.
 
 The lease reserves `limit` on the device from the daemon's budget for it, beside its own models,
-for as long as the lease is open (a dead process's ends with its connection)."""
+for as long as the lease is open (a dead process's ends with its connection). Modules that run
+one after another can share one limit and its reservation (manage(..., share=managed))."""
 from __future__ import annotations
 
 import functools
@@ -167,39 +168,62 @@ class _Unit:
         return sum(slot.bytes for slot in self.slots if slot.users == 0) if self.shares else self.bytes
 
 
+class _Room:
+    """A limit on one device and what counts against it: the copies of the managed modules that
+    share it (manage(share=...)), the ready units no op uses, the threads running units; one lock
+    for all of them. The lease that reserved the limit is told the peak, and ends with the last
+    module."""
+
+    def __init__(self, limit: int | None, device: torch.device, lease: Lease):
+        self.limit = limit
+        self.device = device
+        self.lease = lease
+        self.lock = threading.RLock()
+        self.freed = threading.Condition(self.lock)
+        # Threads running units: units in use by each, and those waiting for room one of them frees.
+        self.running: dict[int, int] = {}
+        self.waiting: set[int] = set()
+        self.held = 0
+        self.peak = 0
+        self.told = 0  # the peak the daemon last heard
+        # Ready units no op uses, the most recently used last: what _make_room drops from.
+        self.idle: dict[_Unit, None] = {}
+        self.members: list[Managed] = []
+
+    def units(self):
+        return (unit for member in self.members for unit in member._units)
+
+
 class Managed:
     """A module whose weights vramd manages; see manage(). `stats()` gives the figures, `close()`
     (or the end of a `with` block) takes the hooks away and ends the lease."""
 
     def __init__(self, module: nn.Module, lease: Lease, device: torch.device, dtype: torch.dtype, limit: int | None,
-                 units: list[str] | None, strict: bool, prefetch: bool):
+                 units: list[str] | None, strict: bool, prefetch: bool, room: _Room | None = None):
         self.module = module
         self.lease = lease
         self.device = device
         self.dtype = dtype
-        self.limit = limit
-        self._lock = threading.RLock()
-        # Threads sharing the module: units in use by each, and those waiting for room one of them frees.
-        self._running: dict[int, int] = {}
-        self._waiting: set[int] = set()
-        self._freed = threading.Condition(self._lock)
-        self._held = 0
-        self._told = 0  # the peak the daemon last heard
-        self._figures = {"peak": 0, "bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
+        self._room = room = room or _Room(limit, device, lease)
+        limit = room.limit
+        # The room's, shared with every module sharing its limit.
+        self._lock, self._freed, self._idle = room.lock, room.freed, room.idle
+        self._running, self._waiting = room.running, room.waiting
+        self._figures = {"bytes_moved": 0, "bytes_read": 0, "loads": 0, "prefetched": 0,
                          "prefetch_hits": 0, "waited_seconds": 0.0, "hook_seconds": 0.0, "pin_seconds": 0.0,
                          "pinned_bytes": 0}
         self._next: dict[_Unit, _Unit] = {}
         self._thread_local = threading.local()  # .previous: the unit this thread ran last
-        # Ready units no op uses, the most recently used last: what _make_room drops from.
-        self._idle: dict[_Unit, None] = {}
         self._units = self._plan(units, strict)
         self._least, nested = self._most_held_at_once()
         if limit is not None and self._least > limit:
-            where = f"in {_name(dtype)} on {device}, more than the limit of {limit}: raise the limit"
+            where = f"in {_name(dtype)} on {device}, more than the limit of {limit}" + \
+                (f" it shares with {_listed([m.lease.manifest['model'] for m in room.members])}" if room.members else "")
             if len(nested) == 1:
-                raise ManageError(f"unit {nested[0].name!r} needs {self._least} bytes {where}, or name smaller units")
+                raise ManageError(f"unit {nested[0].name!r} needs {self._least} bytes {where}: raise the limit, or "
+                                  "name smaller units")
             raise ManageError(f"units {_listed([u.name for u in nested])} run one inside another, so they need "
-                              f"{self._least} bytes at once {where}")
+                              f"{self._least} bytes at once {where}: raise the limit")
         for slot in {slot for unit in self._units for slot in unit.slots}:  # refused above, the module is as it was
             slot.put(slot.placeholder)
         self.prefetch = prefetch
@@ -210,6 +234,13 @@ class Managed:
         self._wrapped: list[tuple] = []  # (module, method, its own before, ours)
         self._warned_autograd = False
         self._hook()
+        with self._lock:  # another thread may be making room from the units of the modules sharing it
+            room.members.append(self)
+
+    @property
+    def limit(self) -> int | None:
+        """The bytes its copies may hold on its device, with those of the modules sharing it."""
+        return self._room.limit
 
     # What is managed.
 
@@ -469,7 +500,7 @@ class Managed:
                     self._make_room(slot.bytes, keep={unit})
                     value = slot.copy()
                 slot.put(value)
-                self._held += slot.bytes
+                self._room.held += slot.bytes
                 self._figures["bytes_moved"] += slot.bytes
                 self._figures["bytes_read"] += slot.read
             slot.users += 1
@@ -479,13 +510,14 @@ class Managed:
 
     def _count_peak(self) -> None:
         """The peak, told to the daemon (which shows it beside the lease's reservation) as it grows."""
-        if self._held <= self._figures["peak"]:
+        room = self._room
+        if room.held <= room.peak:
             return
-        self._figures["peak"] = self._held
-        if self._held >= self._told + max(1, (self.limit or 0) // 64):  # a line per 1/64 of the limit at most
-            self._told = self._held
+        room.peak = room.held
+        if room.held >= room.told + max(1, (room.limit or 0) // 64):  # a line per 1/64 of the limit at most
+            room.told = room.held
             try:
-                self.lease._sock.sendall(b'{"peak": %d}\n' % self._held)
+                room.lease._sock.sendall(b'{"peak": %d}\n' % room.held)
             except (OSError, AttributeError):  # the lease has ended: nobody to tell
                 pass
 
@@ -494,7 +526,7 @@ class Managed:
             slot.users -= 1
             if slot.users == 0:
                 slot.put(slot.placeholder)
-                self._held -= slot.bytes
+                self._room.held -= slot.bytes
         unit.ready = False
         self._idle.pop(unit, None)
 
@@ -503,25 +535,27 @@ class Managed:
         bytes fit the limit: a number, or what a unit misses, counted again as units go (one
         dropped may have held a weight the unit shares). False for a prefetch that would not fit.
         With `wait` (a unit's hook, before it changes anything), waits while another thread runs a
-        unit that will free room; raises when none does."""
-        if self.limit is None:
+        unit that will free room; raises when none does. Units of the modules sharing the limit
+        are dropped as this one's are."""
+        room = self._room
+        if room.limit is None:
             return True
         me = threading.get_ident()
         coming = need if isinstance(need, _Unit) else None
-        while self._held + (more := coming.missing() if coming else need) > self.limit:
+        while room.held + (more := coming.missing() if coming else need) > room.limit:
             dropped = next((u for u in reversed(self._idle) if u not in keep), None)
             if dropped is not None:
                 self._drop(dropped)
                 continue
             if prefetch:
                 return False
-            pending = next((u for u in self._units if u.pending is not None and u not in keep), None)
+            pending = next((u for u in room.units() if u.pending is not None and u not in keep), None)
             if pending is not None:  # room kept for a unit a thread may not run soon (or ever: it raised)
                 self._cancel_prefetch(pending)
                 continue
             if not wait or not any(thread != me and thread not in self._waiting for thread in self._running):
-                in_use = [u.name for u in self._units if u.in_use]
-                raise ManageError(f"the limit of {self.limit} bytes cannot hold {more} more beside {self._held} held by "
+                in_use = [u.name for u in room.units() if u.in_use]
+                raise ManageError(f"the limit of {room.limit} bytes cannot hold {more} more beside {room.held} held by "
                                   f"units in use ({', '.join(map(repr, in_use))}): raise the limit")
             self._waiting.add(me)
             try:
@@ -535,7 +569,7 @@ class Managed:
             return
         wanted = [slot for slot in unit.slots if slot.users == 0]
         reserved = sum(slot.bytes for slot in wanted)
-        self._held += reserved  # counted from now, so that nothing else takes the room
+        self._room.held += reserved  # counted from now, so that nothing else takes the room
         self._count_peak()
         try:
             if self._side is not None:
@@ -547,7 +581,7 @@ class Managed:
             else:
                 unit.pending = self._thread.submit(lambda: {slot: slot.copy() for slot in wanted})
         except BaseException:  # out of memory, say: the room is not kept for a copy that never came
-            self._held -= reserved
+            self._room.held -= reserved
             raise
         self._figures["prefetched"] += 1
 
@@ -559,7 +593,7 @@ class Managed:
         else:
             _, copies = unit.pending
         unit.pending = None
-        self._held -= sum(slot.bytes for slot in copies)
+        self._room.held -= sum(slot.bytes for slot in copies)
 
     def _finish_prefetch(self, unit: _Unit) -> None:
         started = time.perf_counter()
@@ -573,7 +607,7 @@ class Managed:
                 tensor.record_stream(stream)  # made on the side stream, used and freed on this one
         self._figures["waited_seconds"] += time.perf_counter() - started
         unit.pending = None
-        self._held -= sum(slot.bytes for slot in copies)  # the room it kept; _bring counts what it puts
+        self._room.held -= sum(slot.bytes for slot in copies)  # the room it kept; _bring counts what it puts
         self._bring(unit, copies)
 
     # The user's side.
@@ -584,17 +618,22 @@ class Managed:
         their hits, and the host's seconds spent waiting for prefetches and in the hooks before
         units (the waits included: what the manager adds to a call on the host), and in page-locking
         the leased memory once (on a GPU, part of manage()), with the bytes page-locked; and the
-        least limit the module runs under (its largest unit, or units running one inside another)."""
+        least limit the module runs under (its largest unit, or units running one inside another).
+        Held, peak and limit are those of the limit, with the modules sharing it (manage(share=)),
+        the rest this module's own."""
         with self._lock:
-            return {**self._figures, "held": self._held, "limit": self.limit, "least_limit": self._least,
+            return {**self._figures, "held": self._room.held, "peak": self._room.peak, "limit": self.limit,
+                    "least_limit": self._least,
                     "device": str(self.device),
                     "dtype": _name(self.dtype), "units": len(self._units),
                     "ready_units": sum(unit.ready for unit in self._units)}
 
     def close(self) -> None:
         """Takes the hooks away, drops every copy and ends the lease (the module's weights are
-        meta tensors again)."""
+        meta tensors again). The lease that reserved a shared limit ends with the last module
+        sharing it."""
         self._unwrap()
+        room = self._room
         with self._lock:
             for unit in self._units:
                 if unit.pending is not None:
@@ -604,6 +643,11 @@ class Managed:
                     self._drop(unit)
             for slot in {slot for unit in self._units for slot in unit.slots}:
                 slot.put(slot.inert(torch.empty(slot.placeholder.shape, dtype=slot.dtype, device="meta")))
+            if self in room.members:
+                room.members.remove(self)
+            ending = [self.lease] if self.lease is not room.lease else []
+            if not room.members:
+                ending.append(room.lease)
         if self._thread is not None:
             self._thread.shutdown()
         if self._registered:
@@ -611,7 +655,8 @@ class Managed:
             for address in self._registered:
                 cudart.cudaHostUnregister(address)
             self._registered = []
-        self.lease.close()
+        for lease in ending:
+            lease.close()
 
     def __enter__(self) -> "Managed":
         return self
@@ -640,23 +685,26 @@ def _listed(names: list[str]) -> str:
 
 def manage(module: nn.Module, model: str, *, client: Client | None = None, device: str | torch.device | None = None,
            dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
-           strict: bool = True, prefetch: bool | None = None) -> Managed:
+           strict: bool = True, prefetch: bool | None = None, share: Managed | None = None) -> Managed:
     """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
     its weights: see this module's text. `device`, `dtype` and `limit` default to the model's
     config ([vram] computation and limit), else the CPU, the leased dtype and no limit. `prefetch`
-    (bring the next unit in while one computes) defaults to on a GPU only. Raises
-    ManageError naming what does not fit, and vramd.DaemonError for the daemon's refusals (507
-    when the limit does not fit the device's budget)."""
+    (bring the next unit in while one computes) defaults to on a GPU only. `share`: a module
+    managed already, whose limit (and device, and reservation) this one shares: their copies
+    count together under it, and each drops the other's idle units to make room, as a pipeline's
+    models run one after another. Raises ManageError naming what does not fit, and
+    vramd.DaemonError for the daemon's refusals (507 when the limit does not fit the device's
+    budget)."""
+    room = _shared_room(share, device, limit) if share is not None else None
     own_client = client is None
     client = client or connect()
     try:
         plan = client.lease_plan(model)
-        device = torch.device(device or plan.get("device") or "cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", 0)
-        limit = parse_size(limit) if limit is not None else plan.get("limit")
-        # The limit is held in the daemon's budget for the device while the lease lasts.
-        reserve = (str(device), limit) if limit is not None else None
+        device = room.device if room else _device(device or plan.get("device") or "cpu")
+        limit = room.limit if room else parse_size(limit) if limit is not None else plan.get("limit")
+        # The limit is held in the daemon's budget for the device while the lease lasts (a shared
+        # one by the lease of the module that set it).
+        reserve = (str(device), limit) if limit is not None and room is None else None
         lease = client.lease(model, device="cpu", reserve=reserve)
         if dtype is None:
             floating = {t.dtype for t in lease.state_dict.values() if t.is_floating_point()}
@@ -667,10 +715,32 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
                                   "dtype: give dtype=")
         try:
             return Managed(module, lease, device, dtype, limit, units, strict,
-                           device.type == "cuda" if prefetch is None else prefetch)
+                           device.type == "cuda" if prefetch is None else prefetch, room)
         except BaseException:
             lease.close()
             raise
     finally:
         if own_client:
             client.close()
+
+
+def _device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
+def _shared_room(share, device, limit) -> _Room:
+    """The limit `share` (what manage() returned) set, for another module to join."""
+    if not isinstance(share, Managed):
+        raise ManageError(f"share= takes a module managed already (what vramd.manage returned), not a "
+                          f"{type(share).__name__}")
+    room = share._room
+    if share not in room.members:
+        raise ManageError(f"share=: {share!r} has been closed, and its limit with it")
+    if limit is not None:
+        raise ManageError(f"give limit= or share=, not both: a module sharing the limit of {share!r} "
+                          "counts its copies under that limit")
+    if device is not None and _device(device) != room.device:
+        raise ManageError(f"share=: the limit of {share!r} is on {room.device}, not {_device(device)}: a shared "
+                          "limit holds the copies of modules computing on one device")
+    return room

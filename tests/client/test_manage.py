@@ -346,6 +346,77 @@ def test_threads_sharing_a_module_wait_for_room_rather_than_fail(daemon, prefetc
     assert stats["peak"] <= stats["limit"], stats
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_modules_sharing_one_limit_take_each_others_room_under_one_reservation(daemon, prefetch):
+    """A pipeline's models run one after another: managed under one limit (share=), each takes the
+    room the other's idle units hold, their copies together never pass it, and the daemon holds
+    one reservation, which lasts until the last of them is closed."""
+    with torch.device("meta"):
+        toy, chain = Toy().eval(), Chain().eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(7))
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(7))
+    references = daemon["references"]
+    with torch.no_grad():
+        wanted_toy, wanted_chain = references["toy-bfloat16"](ids), references["chain"](x)
+    # The toy needs 8704 bytes at once (its top module's 256 around its largest unit's 8448); alone,
+    # the chain would keep all of its 8704 under this limit.
+    limit = 10000
+    models = lambda: {m["name"]: m for m in get_json(daemon["sock"], "/v1/status")["models"]}  # noqa: E731
+    with vramd.connect(daemon["sock"]) as client, torch.no_grad():
+        first = vramd.manage(toy, "toy-bfloat16", client=client, limit=limit, prefetch=prefetch)
+        second = vramd.manage(chain, "chain", client=client, share=first, prefetch=prefetch)
+        assert second.limit == limit and second.device == first.device
+        for _ in range(3):
+            assert torch.equal(toy(ids), wanted_toy)
+            assert torch.equal(chain(x), wanted_chain)
+            # Beside what the toy holds, the chain cannot keep all its units as it would alone.
+            assert 0 < first.stats()["held"] <= limit and second.stats()["ready_units"] < 8
+        for stats in (first.stats(), second.stats()):
+            assert 0 < stats["peak"] <= limit and stats["held"] <= limit, stats
+        assert first.stats()["loads"] > first.stats()["units"] and second.stats()["loads"] > 0
+        # One reservation, the first module's: the second's lease reserves nothing.
+        leases = {name: get_json(daemon["sock"], f"/v1/models/{name}")["leases"] for name in ("toy-bfloat16", "chain")}
+        assert [lease["reserved"] for lease in leases["toy-bfloat16"]] == [{"cpu": limit}], leases
+        assert [lease["reserved"] for lease in leases["chain"]] == [{}], leases
+        status = get_json(daemon["sock"], "/v1/status")["devices"]["cpu"]["models"]
+        resting = models()
+        assert status["toy-bfloat16"] == resting["toy-bfloat16"]["devices"]["cpu"] + limit
+        assert status["chain"] == resting["chain"]["devices"]["cpu"]
+        # The first closed, the second runs on under the limit, still reserved for it.
+        first.close()
+        assert all(p.is_meta for p in toy.parameters())
+        assert torch.equal(chain(x), wanted_chain)
+        assert [lease["reserved"] for lease in get_json(daemon["sock"], "/v1/models/toy-bfloat16")["leases"]] == \
+            [{"cpu": limit}]
+        second.close()
+        assert all(p.is_meta for p in chain.parameters())
+        for name in ("toy-bfloat16", "chain"):
+            wait_for(lambda: get_json(daemon["sock"], f"/v1/models/{name}")["leases"] == [], what=f"{name}'s lease to end")
+
+
+def test_what_cannot_share_a_limit_is_named(daemon):
+    with torch.device("meta"):
+        toy, chain = Toy().eval(), Chain().eval()
+    with vramd.connect(daemon["sock"]) as client:
+        with vramd.manage(chain, "chain", client=client) as first:
+            with pytest.raises(vramd.ManageError, match=r"give limit= or share=, not both"):
+                vramd.manage(toy, "toy-bfloat16", client=client, share=first, limit="1MiB")
+            with pytest.raises(vramd.ManageError, match=r"share=: the limit of <vramd.Managed 'chain' on cpu in "
+                                                        r"float32, 8 units, limit 3264> is on cpu, not cuda:0"):
+                vramd.manage(toy, "toy-bfloat16", client=client, share=first, device="cuda")
+            with pytest.raises(vramd.ManageError, match=r"units '', 'blocks.0.up' run one inside another, so they need "
+                                                        r"8704 bytes at once in float32 on cpu, more than the limit of "
+                                                        r"3264 it shares with 'chain': raise the limit"):
+                vramd.manage(toy, "toy-bfloat16", client=client, share=first)
+            assert all(p.is_meta for p in toy.parameters())  # refused before anything changed
+        with pytest.raises(vramd.ManageError, match=r"share=: <vramd.Managed 'chain'.*> has been closed"):
+            vramd.manage(toy, "toy-bfloat16", client=client, share=first)
+        with pytest.raises(vramd.ManageError, match=r"share= takes a module managed already .*, not a str"):
+            vramd.manage(toy, "toy-bfloat16", client=client, share="chain")
+    for name in ("toy-bfloat16", "chain"):
+        wait_for(lambda: get_json(daemon["sock"], f"/v1/models/{name}")["leases"] == [], what=f"{name}'s lease to end")
+
+
 def test_under_autograd_the_gradient_is_right_and_the_limit_is_said_not_to_hold(daemon):
     with torch.device("meta"):
         model = Chain().eval()
@@ -744,13 +815,18 @@ def test_a_diffusers_pipeline_on_managed_modules_equals_it_on_whole_ones(daemon)
     assert all(p.is_meta for p in transformer.parameters())
 
 
-def test_the_pipeline_example_runs_on_managed_modules_as_it_says(daemon):
+@pytest.mark.parametrize("share", [False, True])
+def test_the_pipeline_example_runs_on_managed_modules_as_it_says(daemon, share):
     folder = daemon["folder"]
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "manage_pipeline.py"), "dit", str(folder / "dit"),
-                             "vae", str(folder / "vae")], capture_output=True, text=True, timeout=300,
+                             "vae", str(folder / "vae")] + ["--share"] * share, capture_output=True, text=True,
+                            timeout=300,
                             env={**os.environ, "VRAMD_SOCKET": str(daemon["sock"]), "PYTHONPATH": str(ROOT / "python")})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dit: DiTTransformer2DModel managed on cpu" in result.stdout, result.stdout
+    if share:
+        assert re.search(r"vae: AutoencoderKL managed on cpu, \d+ bytes at most under the limit of \d+ it shares",
+                         result.stdout), result.stdout
     assert "2 images equal to the pipeline's on the whole modules" in result.stdout, result.stdout
 
 
