@@ -348,9 +348,11 @@ class Managed:
         return most, nested
 
     def _pin(self) -> list[int]:
-        """Page-locks the leased host memory once, so that copies to the GPU run at the bus's speed."""
+        """Page-locks the leased host memory once (again for each version taken), so that copies to
+        the GPU run at the bus's speed."""
         started = time.perf_counter()
         registered, failed = [], {}
+        self._figures["pinned_bytes"] = 0
         cudart = torch.cuda.cudart()
         for region in self.lease._regions:
             with warnings.catch_warnings():  # read-only on purpose
@@ -363,12 +365,21 @@ class Managed:
             else:
                 why = cudart.cudaGetErrorString(error)
                 failed[why] = failed.get(why, 0) + len(region)
-        self._figures["pin_seconds"] = time.perf_counter() - started
+        self._figures["pin_seconds"] += time.perf_counter() - started
         if failed:  # copies from pageable memory hold the host until each is staged: slower, not wrong
             warnings.warn(f"vramd.manage: page-locking {sum(failed.values())} bytes of the lease of "
                           f"{self.lease.manifest['model']!r} failed ({', '.join(failed)}): their copies to {self.device} "
                           "wait for the host", stacklevel=4)
         return registered
+
+    def _unpin(self) -> None:
+        """Gives the page-locked memory back, once no copy from it is under way."""
+        if self._registered:
+            torch.cuda.synchronize(self.device)
+            cudart = torch.cuda.cudart()
+            for address in self._registered:
+                cudart.cudaHostUnregister(address)
+            self._registered = []
 
     # Hooks.
 
@@ -628,6 +639,49 @@ class Managed:
                     "dtype": _name(self.dtype), "units": len(self._units),
                     "ready_units": sum(unit.ready for unit in self._units)}
 
+    @property
+    def version(self) -> int:
+        """The version of the weights its units bring (the daemon's count of updates)."""
+        return self.lease.version
+
+    def wait_update(self, timeout: float | None = None) -> int:
+        """Waits for the daemon's next version of the model's weights (manage(..., follow=True))
+        and takes it: the units' copies of the version before are dropped, and each unit brings
+        the new values when it next runs. Call it between forwards, so that each forward runs on
+        one version (a unit another thread runs is waited for). Returns the version. Raises
+        TimeoutError after `timeout` seconds, ManageError from inside a forward or for a module
+        managed without follow=True, vramd.DaemonError when the lease has ended."""
+        me = threading.get_ident()
+        if self._running.get(me):
+            raise ManageError(f"wait_update() of {self!r} from inside its forward: call it between forwards")
+        if self.lease._reader is None:
+            raise ManageError(f"{self!r} does not follow updates: manage it with follow=True")
+        state_dict = self.lease.wait_update(timeout)
+        with self._lock:
+            self._waiting.add(me)
+            try:
+                while any(unit.in_use for unit in self._units):  # another thread's forward
+                    self._freed.wait()
+            finally:
+                self._waiting.discard(me)
+            for unit in self._units:
+                if unit.pending is not None:
+                    self._cancel_prefetch(unit)
+                if unit.ready:
+                    self._drop(unit)
+            slots = {slot for unit in self._units for slot in unit.slots}
+            changed = [f"{slot.name!r} is {list(new.shape)} {_name(new.dtype)}, {list(slot.rest.shape)} "
+                       f"{_name(slot.rest.dtype)} before" for slot in slots
+                       if ((new := state_dict[slot.name]).shape, new.dtype) != (slot.rest.shape, slot.rest.dtype)]
+            if changed:  # never from an update, which keeps shapes and dtypes
+                raise ManageError(f"version {self.version} of {self.lease.manifest['model']!r}: {', '.join(changed)}")
+            self._unpin()  # before the version before is unmapped
+            for slot in slots:
+                slot.rest = state_dict[slot.name]
+            if self.device.type == "cuda":
+                self._registered = self._pin()
+        return self.version
+
     def close(self) -> None:
         """Takes the hooks away, drops every copy and ends the lease (the module's weights are
         meta tensors again). The lease that reserved a shared limit ends with the last module
@@ -650,11 +704,7 @@ class Managed:
                 ending.append(room.lease)
         if self._thread is not None:
             self._thread.shutdown()
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for address in self._registered:
-                cudart.cudaHostUnregister(address)
-            self._registered = []
+        self._unpin()
         for lease in ending:
             lease.close()
 
@@ -685,14 +735,16 @@ def _listed(names: list[str]) -> str:
 
 def manage(module: nn.Module, model: str, *, client: Client | None = None, device: str | torch.device | None = None,
            dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
-           strict: bool = True, prefetch: bool | None = None, share: Managed | None = None) -> Managed:
+           strict: bool = True, prefetch: bool | None = None, share: Managed | None = None,
+           follow: bool = False) -> Managed:
     """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
     its weights: see this module's text. `device`, `dtype` and `limit` default to the model's
     config ([vram] computation and limit), else the CPU, the leased dtype and no limit. `prefetch`
     (bring the next unit in while one computes) defaults to on a GPU only. `share`: a module
     managed already, whose limit (and device, and reservation) this one shares: their copies
     count together under it, and each drops the other's idle units to make room, as a pipeline's
-    models run one after another. Raises ManageError naming what does not fit, and
+    models run one after another. `follow`: take each new version of the weights an update makes,
+    with Managed.wait_update() between forwards. Raises ManageError naming what does not fit, and
     vramd.DaemonError for the daemon's refusals (507 when the limit does not fit the device's
     budget)."""
     room = _shared_room(share, device, limit) if share is not None else None
@@ -705,7 +757,7 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
         # The limit is held in the daemon's budget for the device while the lease lasts (a shared
         # one by the lease of the module that set it).
         reserve = (str(device), limit) if limit is not None and room is None else None
-        lease = client.lease(model, device="cpu", reserve=reserve)
+        lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
         if dtype is None:
             floating = {t.dtype for t in lease.state_dict.values() if t.is_floating_point()}
             dtype = getattr(torch, plan["dtype"]) if plan.get("dtype") else floating.pop() if len(floating) == 1 else None

@@ -690,6 +690,60 @@ class Normed(nn.Module):
         return self.layers(x)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU here: a managed module on a GPU following updates not run")])])
+def test_a_managed_module_following_updates_takes_each_version_between_forwards(daemon, tmp_path, device):
+    """An RL loop's policy larger than its device: managed with follow=True, it computes on the
+    version it has until wait_update() takes the next one (on a GPU, the new version's host memory
+    page-locked in place of the one before); a module not following keeps the version before
+    until it is closed."""
+    name = f"policy-{device.split(':')[0]}"
+    torch.manual_seed(9)
+    toy = Toy().eval()
+    state = {k: v for k, v in toy.state_dict().items() if k != "head.weight"}
+    save_file(state, tmp_path / "policy.safetensors")
+    (daemon["daemon"].models / f"{name}.toml").write_text(
+        served(tmp_path / "policy.safetensors", "bfloat16", weights_bytes(toy) // 3))
+
+    def reference(values):
+        model = Toy().eval()
+        model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in values.items()}, strict=False)
+        return model.to(device)
+
+    changed = {"embed.weight": torch.randn(50, 32), "blocks.2.up.bias": torch.randn(64), "scale": torch.rand(32)}
+    before, after = reference(state), reference({**state, **changed})
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(9)).to(device)
+    with torch.device("meta"):
+        policy, old = Toy().eval(), Toy().eval()
+    with vramd.connect(daemon["sock"]) as client, torch.no_grad():
+        client.reload()
+        with vramd.manage(policy, name, client=client, device=device, follow=True, prefetch=True) as managed, \
+                vramd.manage(old, name, client=client, device=device) as not_following:
+            version = managed.version
+            assert torch.equal(policy(ids), before(ids))
+            with pytest.raises(TimeoutError):
+                managed.wait_update(timeout=0.2)  # nothing new yet
+            assert client.update(name, changed)["version"] == version + 1
+            assert torch.equal(policy(ids), before(ids))  # not taken yet: the version it has
+            assert managed.wait_update(timeout=60) == version + 1 == managed.version
+            for _ in range(2):
+                assert torch.equal(policy(ids), after(ids))
+                assert torch.equal(old(ids), before(ids))
+            stats = managed.stats()
+            assert 0 < stats["peak"] <= stats["limit"] and stats["units"] == 18, stats
+            assert (stats["pinned_bytes"] > 0) == (device != "cpu"), stats  # the new version's, page-locked
+            # From inside a forward (the top module's unit is in use around the blocks): refused.
+            hook = policy.blocks[1].register_forward_pre_hook(lambda *_: managed.wait_update(timeout=0.2))
+            with pytest.raises(vramd.ManageError, match=r"wait_update\(\) of <vramd.Managed 'policy-\w+' .*> from inside "
+                                                        r"its forward: call it between forwards"):
+                policy(ids)
+            hook.remove()
+            with pytest.raises(vramd.ManageError, match=r"<vramd.Managed 'policy-\w+' .*> does not follow updates: manage "
+                                                        r"it with follow=True"):
+                not_following.wait_update(timeout=0.2)
+            assert torch.equal(policy(ids), after(ids))
+
+
 def test_integer_tensors_rest_as_they_are_and_take_no_update(daemon, tmp_path):
     """Architecture "weights" holds a checkpoint's integer tensors (BatchNorm's num_batches_tracked)
     as the checkpoint has them, whatever the states' dtype: leased and managed as int64, and no
