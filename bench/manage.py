@@ -7,6 +7,9 @@ under a limit of a quarter of its size, several ways, each in a fresh process:
     vramd-lean   the same under a limit of twice the largest unit's bytes: about what the peers
                  hold at once (one module's weights), where vramd otherwise fills its limit with
                  units that stay (one process; its host memory is vramd's)
+    vramd-sync   vramd without prefetching: on a GPU each hook copies its unit on the computing
+                 stream, so against vramd it prices the side stream (its events, stream switches
+                 and record_stream) on a real model (one process)
     vramd-gguf   vramd under the same limit from a GGUF file of the same weights, each 2-D one
                  quantized (--gguf, Q8_0 by default) and resting packed: its blocks cross to
                  DEVICE as they are and are unpacked there (its outputs are the quantized model's;
@@ -151,7 +154,8 @@ def contender(kind, args, folder):
         with torch.device("meta"):  # no buffers made in __init__: nothing to keep real
             model = cls(**config).eval()
         managed = vramd.manage(model, "model-gguf" if kind == "vramd-gguf" else "model", device=device, dtype=dtype,
-                               limit=args.lean_limit if kind == "vramd-lean" else None)
+                               limit=args.lean_limit if kind == "vramd-lean" else None,
+                               prefetch=False if kind == "vramd-sync" else None)
     elif kind == "resident":
         model = cls.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device, dtype).eval()
     elif kind.startswith("diffusers"):
@@ -287,8 +291,9 @@ def main():
     parser.add_argument("--model", choices=list(MODELS), default="unet", help="the module (default: unet)")
     parser.add_argument("--gguf", default="Q8_0", help="the GGUF file's block type: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0")
     # The pairs that matter most first, should a run be cut short (--json keeps those that ran):
-    # vramd and the peer likely fastest on a GPU, then both from GGUF.
-    parser.add_argument("--contenders", default="vramd,diffusers,vramd-gguf,diffusers-gguf,accelerate,diffsynth,vramd-lean,resident",
+    # vramd and the peer likely fastest on a GPU, vramd without its side stream, then both from GGUF.
+    parser.add_argument("--contenders",
+                        default="vramd,diffusers,vramd-sync,vramd-gguf,diffusers-gguf,accelerate,diffsynth,vramd-lean,resident",
                         help="which to run, comma-separated, in this order (default: all)")
     parser.add_argument("--processes", type=int, default=3,
                         help="processes holding the model at once for the PSS (0: none)")
@@ -397,7 +402,8 @@ def main():
     ran = {kind: r for kind, r in results.items() if "error" not in r}
     # Each vramd contender against the peers holding the same values at rest: bfloat16, or the
     # GGUF file's blocks.
-    for ours, peers in (("vramd", PEERS), ("vramd-lean", PEERS), ("vramd-gguf", ("diffusers-gguf", "vramd"))):
+    for ours, peers in (("vramd", PEERS), ("vramd-sync", ("vramd",) + PEERS), ("vramd-lean", PEERS),
+                        ("vramd-gguf", ("diffusers-gguf", "vramd"))):
         v = ran.get(ours)
         for kind in (peer for peer in peers if v and peer in ran):
             r = ran[kind]
