@@ -16,9 +16,7 @@ from daemon_support import Daemon, request  # noqa: E402
 from safetensors.torch import load  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
-# float32 must agree to 1e-5 relative, bfloat16 to its own precision; both are bit-exact today
-# (same LibTorch kernels, same op order), which the margin does not rely on.
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1.6e-2}
+TOLERANCE, relative_error = hf_models.TOLERANCE, hf_models.relative_error
 
 
 def vramctl(*args):
@@ -42,10 +40,6 @@ def run(folder, tmp_path, extra=""):
     result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
     assert result.returncode == 0, result.stderr
     return load_file(output)
-
-
-def relative_error(got, expected):
-    return ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 @pytest.mark.parametrize("dtype", hf_models.DTYPES)
@@ -144,7 +138,10 @@ def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(witnesses, tmp
     output = tmp_path / "out.safetensors"
     result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
     assert result.returncode == 0, result.stderr
-    assert torch.equal(load_file(output)["logits"], load_file(folder / "expected.safetensors")["logits"])
+    # Within the parity every case keeps (bit for bit most runs, but not every one: a clean-clone
+    # run under ctest -j2 saw this differ in the fifth decimal).
+    got, expected = load_file(output)["logits"], load_file(folder / "expected.safetensors")["logits"]
+    assert relative_error(got, expected) <= TOLERANCE["float32"]
 
 
 def broken_copy(folder, tmp_path, edit):
