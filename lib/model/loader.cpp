@@ -185,9 +185,9 @@ Prepared prepare(const config::ModelConfig& config) {
   report.plan_seconds = seconds_since(plan_start);
   std::sort(assignments.begin(), assignments.end(), [](auto& a, auto& b) { return a.order < b.order; });
   for (const auto& a : assignments) {
-    const auto held = weights::held_dtype(a, dtype, /*packed=*/false);  // an integer tensor: its own
-    report.bytes += a.parameter->elements() * c10::elementSize(held);
-    report.largest = std::max<uint64_t>(report.largest, a.parameter->elements() * c10::elementSize(held));
+    const uint64_t bytes = weights::held_bytes(a, weights::held_dtype(a, dtype, /*packed=*/false));  // an integer: its own
+    report.bytes += bytes;
+    report.largest = std::max(report.largest, bytes);
   }
   report.tensors = assignments.size();
   return {std::move(map), architecture, std::move(model), std::move(assignments), std::move(report)};

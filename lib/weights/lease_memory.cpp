@@ -153,16 +153,16 @@ ManagedPlan managed_plan(const model::Model& model, const Source& source, const 
   const c10::ScalarType dtype = state_dtype(config.vram.computation.dtype, model.dtype());
   ManagedPlan plan{config.vram.computation.device.str(), convert::dtype_torch_name(storage::dtype_of(dtype)),
                    config.vram.limit, {}};
-  std::map<const model::Parameter*, c10::ScalarType> computed_in;  // the computation dtype, or an integer's own
-  for (const auto& a : source.assignments) computed_in[a.parameter] = held_dtype(a, dtype, /*packed=*/false);
+  std::map<const model::Parameter*, uint64_t> computed;  // in the computation dtype, an integer in its own
+  for (const auto& a : source.assignments) computed[a.parameter] = held_bytes(a, held_dtype(a, dtype, /*packed=*/false));
   for (const auto& layer : model.layers()) {
     ManagedUnit unit{layer->path(), {}, 0, 0};
     for (const auto& p : layer->parameters()) {
       unit.tensors.push_back(p.name);
       if (p.tied || !p.value.defined()) continue;
       unit.resting += p.value.nbytes();
-      const auto in = computed_in.find(&p);
-      unit.computed += static_cast<uint64_t>(p.elements()) * c10::elementSize(in == computed_in.end() ? dtype : in->second);
+      const auto bytes = computed.find(&p);
+      unit.computed += bytes != computed.end() ? bytes->second : static_cast<uint64_t>(p.elements()) * c10::elementSize(dtype);
     }
     plan.units.push_back(std::move(unit));
   }
