@@ -215,6 +215,7 @@ class Managed:
         self._next: dict[_Unit, _Unit] = {}
         self._thread_local = threading.local()  # .previous: the unit this thread ran last
         self._units = self._plan(units, strict)
+        self._slots = {slot for unit in self._units for slot in unit.slots}
         self._least, nested = self._most_held_at_once()
         if limit is not None and self._least > limit:
             where = f"in {_name(dtype)} on {device}, more than the limit of {limit}" + \
@@ -224,7 +225,7 @@ class Managed:
                                   "name smaller units")
             raise ManageError(f"units {_listed([u.name for u in nested])} run one inside another, so they need "
                               f"{self._least} bytes at once {where}: raise the limit")
-        for slot in {slot for unit in self._units for slot in unit.slots}:  # refused above, the module is as it was
+        for slot in self._slots:  # refused above, the module is as it was
             slot.put(slot.placeholder)
         self.prefetch = prefetch
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
@@ -669,14 +670,13 @@ class Managed:
                     self._cancel_prefetch(unit)
                 if unit.ready:
                     self._drop(unit)
-            slots = {slot for unit in self._units for slot in unit.slots}
             changed = [f"{slot.name!r} is {list(new.shape)} {_name(new.dtype)}, {list(slot.rest.shape)} "
-                       f"{_name(slot.rest.dtype)} before" for slot in slots
+                       f"{_name(slot.rest.dtype)} before" for slot in self._slots
                        if ((new := state_dict[slot.name]).shape, new.dtype) != (slot.rest.shape, slot.rest.dtype)]
             if changed:  # never from an update, which keeps shapes and dtypes
                 raise ManageError(f"version {self.version} of {self.lease.manifest['model']!r}: {', '.join(changed)}")
             self._unpin()  # before the version before is unmapped
-            for slot in slots:
+            for slot in self._slots:
                 slot.rest = state_dict[slot.name]
             if self.device.type == "cuda":
                 self._registered = self._pin()
@@ -695,7 +695,7 @@ class Managed:
                 if unit.ready:
                     unit.in_use = 0
                     self._drop(unit)
-            for slot in {slot for unit in self._units for slot in unit.slots}:
+            for slot in self._slots:
                 slot.put(slot.inert(torch.empty(slot.placeholder.shape, dtype=slot.dtype, device="meta")))
             if self in room.members:
                 room.members.remove(self)
