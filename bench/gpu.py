@@ -321,7 +321,6 @@ def cold_read_bytes_per_second(path):
 def through_daemon(workdir, folder, args):
     """Through the daemon: load on the device; a fresh process's state dict from a lease against
     one from load_file; then offload and onload, seconds per GiB each way."""
-    import vramd
     device = args.device
     folder_d = workdir / "daemon"
     (folder_d / "models").mkdir(parents=True, exist_ok=True)
@@ -334,11 +333,8 @@ def through_daemon(workdir, folder, args):
         f'offload = {{ device = "{offload}" }}\n')
     daemon = subprocess.Popen([VRAMD, "--config", folder_d / "vramd.toml"], stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(300):
-            if sock.exists():
-                break
-            time.sleep(0.1)
-        with vramd.connect(sock) as client:
+        import vram  # bench/vram.py
+        with vram.answering(daemon, sock, lambda: daemon.stderr.read()) as client:
             client.load("bench")
             figures = {"lease": contender("lease", args, folder, sock=sock),
                        "load_file": contender("load-file", args, folder)}

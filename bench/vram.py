@@ -89,6 +89,24 @@ def evict(path):
     os.close(fd)
 
 
+def answering(daemon, sock, log):
+    """A client of the daemon process `daemon` once it answers on `sock`: the socket's file
+    appears when the daemon binds it, a moment before it listens, so its health is asked until it
+    answers (SystemExit with log() if it exits, or has not answered in 60 s)."""
+    sys.path.insert(0, str(ROOT / "python"))
+    import vramd
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client = vramd.connect(sock)
+            client.health()
+            return client
+        except vramd.DaemonUnreachable:
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise SystemExit(f"vramd did not start: {log()}") from None
+            time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def serving(work, budgets, binary=ROOT / "build" / "bin" / "vramd"):
     """A vramd daemon serving the model folder WORK/models (its log WORK/vramd.log) under the
@@ -101,12 +119,7 @@ def serving(work, budgets, binary=ROOT / "build" / "bin" / "vramd"):
     with open(work / "vramd.log", "wb") as log:
         daemon = subprocess.Popen([binary, "--config", str(work / "vramd.toml")], stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 60
-            while not sock.exists():
-                if time.monotonic() > deadline or daemon.poll() is not None:
-                    raise SystemExit(f"vramd did not start: {(work / 'vramd.log').read_text()}")
-                time.sleep(0.05)
-            client = vramd.connect(sock)
+            client = answering(daemon, sock, lambda: (work / "vramd.log").read_text())
             try:
                 yield client
             finally:
