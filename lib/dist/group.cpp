@@ -117,6 +117,9 @@ Group::Group(GroupOptions options, std::string address, std::unique_ptr<Impl> im
 Group::~Group() = default;
 
 std::shared_ptr<Group> Group::join(const GroupOptions& options) {
+  // Gloo writes to its peers with writev, which raises SIGPIPE where a peer died: a rank would die
+  // of it in a gather instead of failing it, naming the rank that is gone.
+  signal(SIGPIPE, SIG_IGN);
   const std::string me = "rank " + std::to_string(options.rank) + " of " + std::to_string(options.world_size);
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   const std::string master = "MASTER_ADDR=" + options.master_addr;
