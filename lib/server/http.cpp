@@ -478,8 +478,14 @@ uv_pipe_t* Server::add_pipe_listener() {
   return pipe;
 }
 
+// The socket appears at `path` only once it listens: it is bound under a name of its own beside
+// `path`, made to listen, then linked to `path` (which fails where another daemon's socket got
+// there first) and its own name removed. A client that waits for the file never finds it refusing.
 void Server::listen_unix(const std::string& path) {
-  if (path.size() >= sizeof(sockaddr_un{}.sun_path)) fail(path, "socket path longer than " + std::to_string(sizeof(sockaddr_un{}.sun_path) - 1) + " bytes");
+  const std::string bound_at = path + "." + std::to_string(::getpid());
+  constexpr size_t kLongest = sizeof(sockaddr_un{}.sun_path) - 1;
+  if (bound_at.size() > kLongest)
+    fail(path, "socket path longer than " + std::to_string(kLongest - (bound_at.size() - path.size())) + " bytes");
   check_socket_folder(path);
   struct stat info {};
   if (::lstat(path.c_str(), &info) == 0) {
@@ -490,21 +496,31 @@ void Server::listen_unix(const std::string& path) {
     log::info("replacing the stale socket " + path + " left by a daemon that did not exit cleanly");
     ::unlink(path.c_str());
   }
+  ::unlink(bound_at.c_str());  // left by a daemon of this pid that was killed (a pid namespace's)
   uv_pipe_t* pipe = add_pipe_listener();
   const mode_t old_mask = ::umask(0177);  // no moment where others could connect
-  const int bound = uv_pipe_bind(pipe, path.c_str());
+  const int bound = uv_pipe_bind(pipe, bound_at.c_str());
   ::umask(old_mask);
   check_uv(bound, "cannot create the socket " + path);
-  socket_path_ = path;
+  const auto refuse = [&](const std::string& why) {
+    ::unlink(bound_at.c_str());
+    fail(path, why);
+  };
   mode_t mode = 0600;
   if (access_.group) {
     mode = 0660;
-    if (::chown(path.c_str(), static_cast<uid_t>(-1), *access_.group) != 0)
-      fail(path, std::string("cannot give the socket to the configured group: ") + std::strerror(errno));
+    if (::chown(bound_at.c_str(), static_cast<uid_t>(-1), *access_.group) != 0)
+      refuse(std::string("cannot give the socket to the configured group: ") + std::strerror(errno));
   }
   if (!access_.uids.empty()) mode = 0666;  // listed users get in; SO_PEERCRED checks each connection
-  ::chmod(path.c_str(), mode);
-  check_uv(uv_listen(reinterpret_cast<uv_stream_t*>(pipe), 128, on_connection), "cannot listen on " + path);
+  ::chmod(bound_at.c_str(), mode);
+  if (const int listening = uv_listen(reinterpret_cast<uv_stream_t*>(pipe), 128, on_connection); listening < 0)
+    refuse(std::string("cannot listen: ") + uv_strerror(listening));
+  if (::link(bound_at.c_str(), path.c_str()) != 0)
+    refuse(errno == EEXIST ? "another vramd is serving this socket; stop it first or choose another socket path"
+                           : std::string("cannot create the socket: ") + std::strerror(errno));
+  ::unlink(bound_at.c_str());
+  socket_path_ = path;
 }
 
 std::optional<int> activated_socket() {
