@@ -47,7 +47,17 @@ class Daemon {
 
   int run() {
     uv_loop_t* loop = uv_default_loop();
-    // First: a second daemon must not load anything.
+    // Before the socket appears: a client may stop the daemon as soon as it connects, and the
+    // stop, run once the loop runs, removes the socket.
+    for (auto* signal : {&sigterm_, &sigint_}) {
+      uv_signal_init(loop, signal);
+      signal->data = this;
+      uv_signal_start(signal, [](uv_signal_t* s, int number) {
+                        guarded("stopping", [&] { static_cast<Daemon*>(s->data)->stop(number); });
+                      },
+                      signal == &sigterm_ ? SIGTERM : SIGINT);
+    }
+    // Then: a second daemon must not load anything.
     const auto activated = activated_socket();
     if (activated) server_.listen_activated(*activated, config_.socket);
     else server_.listen_unix(config_.socket);
@@ -57,14 +67,6 @@ class Daemon {
               (config_.tcp.empty() ? "" : " and tcp " + config_.tcp) + " (pid " + std::to_string(::getpid()) + ")");
     const std::string& no_cuda = torch_cuda::missing();
     log::info(no_cuda.empty() ? "CUDA devices can be used" : "models compute on the CPU only: " + no_cuda);
-    for (auto* signal : {&sigterm_, &sigint_}) {
-      uv_signal_init(loop, signal);
-      signal->data = this;
-      uv_signal_start(signal, [](uv_signal_t* s, int number) {
-                        guarded("stopping", [&] { static_cast<Daemon*>(s->data)->stop(number); });
-                      },
-                      signal == &sigterm_ ? SIGTERM : SIGINT);
-    }
     uv_timer_init(loop, &timer_);
     timer_.data = this;
     uv_run(loop, UV_RUN_DEFAULT);

@@ -567,15 +567,17 @@ def test_kill_during_load_then_restart(tmp_path, checkpoints):
 
 
 @pytest.mark.skipif(not shutil.which("strace"), reason="needs strace (scripts/setup installs it)")
-def test_the_socket_appears_only_once_it_listens(tmp_path):
+def test_the_socket_appears_once_the_daemon_listens_and_would_stop_cleanly(tmp_path):
     # A client that connects the moment the socket's file appears is answered: the daemon binds
     # under a name of its own, listens, then links the socket to its path. (It bound at its path
-    # before, and a bench that connected at once was refused, about one start in 20.) strace
-    # shows the order every time, where a client's timing would show it by chance.
+    # before, and a bench that connected at once was refused, about one start in 20.) A client
+    # that stops it then has it remove its socket: its SIGTERM handler comes first (it came after
+    # the configs were read, and a SIGTERM before it killed the daemon, leaving a stale socket).
+    # strace shows the order every time, where a client's timing would show it by chance.
     d = Daemon(tmp_path)
     trace = tmp_path / "trace"
     d.log_file = open(d.log, "ab")
-    d.process = subprocess.Popen(["strace", "-f", "-qq", "-e", "trace=bind,listen,link,linkat,rename,renameat2",
+    d.process = subprocess.Popen(["strace", "-f", "-qq", "-e", "trace=rt_sigaction,bind,listen,link,linkat,rename,renameat2",
                                   "-o", trace, VRAMD, "--config", d.config], stdout=d.log_file, stderr=subprocess.STDOUT)
     with d:
         wait_for(d.healthy, what=f"vramd to serve under strace (log: {d.log})")
@@ -586,7 +588,8 @@ def test_the_socket_appears_only_once_it_listens(tmp_path):
     bind = next(i for i, line in enumerate(calls) if " bind(" in line and "AF_UNIX" in line)
     listen = next(i for i, line in enumerate(calls) if " listen(" in line)
     named = [i for i, line in enumerate(calls) if f'"{d.sock}"' in line]
-    assert bind < listen < named[0], "\n".join(calls)
+    handled = next(i for i, line in enumerate(calls) if "rt_sigaction(SIGTERM, {sa_handler=0x" in line)
+    assert handled < bind < listen < named[0], "\n".join(calls)
     assert f'link("{d.sock}.{daemon}", "{d.sock}") = 0' in calls[named[0]], calls[named[0]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "trace", "vramd.log", "vramd.toml"]
 
