@@ -8,8 +8,8 @@ under a limit of a quarter of its size, several ways, each in a fresh process:
                  hold at once (one module's weights), where vramd otherwise fills its limit with
                  units that stay (one process; its host memory is vramd's)
     vramd-sync   vramd without prefetching: on a GPU each hook copies its unit on the computing
-                 stream, so against vramd it prices the side stream (its events, stream switches
-                 and record_stream) on a real model (one process)
+                 stream, so against vramd it prices the side stream (its events and stream
+                 switches) on a real model (one process)
     vramd-gguf   vramd under the same limit from a GGUF file of the same weights, each 2-D one
                  quantized (--gguf, Q8_0 by default) and resting packed: its blocks cross to
                  DEVICE as they are and are unpacked there (its outputs are the quantized model's;

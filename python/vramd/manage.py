@@ -229,6 +229,7 @@ class Managed:
             slot.put(slot.placeholder)
         self.prefetch = prefetch
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
+        self._consumers: dict[torch.cuda.Stream, None] = {}  # the streams that computed with prefetched copies
         on_cpu = device.type == "cpu" and prefetch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if on_cpu else None
         self._registered = self._pin() if device.type == "cuda" else []
@@ -585,6 +586,12 @@ class Managed:
         self._count_peak()
         try:
             if self._side is not None:
+                # The copies come from the side stream's pool, where a prefetched copy goes back as soon
+                # as it is dropped (no record_stream, whose deferred frees count as allocated and cost
+                # an event each): the side stream first waits for the work queued so far on the
+                # streams that computed with such copies, which includes every kernel that read one.
+                for stream in self._consumers:
+                    self._side.wait_stream(stream)
                 with torch.cuda.stream(self._side):
                     copies = {slot: slot.copy() for slot in wanted}
                     event = torch.cuda.Event()
@@ -615,8 +622,7 @@ class Managed:
             event, copies = unit.pending
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(event)
-            for tensor in copies.values():
-                tensor.record_stream(stream)  # made on the side stream, used and freed on this one
+            self._consumers[stream] = None  # made on the side stream, used on this one: see _prefetch
         self._figures["waited_seconds"] += time.perf_counter() - started
         unit.pending = None
         self._room.held -= sum(slot.bytes for slot in copies)  # the room it kept; _bring counts what it puts

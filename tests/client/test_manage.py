@@ -1024,8 +1024,17 @@ def test_a_module_managed_on_cuda_equals_the_whole_module_there_within_its_limit
                                                         r"moved or cast to cpu in float32"):
                 model.to("cpu")
             assert torch.equal(model(ids), got[0])
+            # On a stream of the caller's, whose kernels read prefetched copies the side stream
+            # then copies into again once they are dropped: it waits for that stream too.
+            hits = managed.stats()["prefetch_hits"]
+            user = torch.cuda.Stream(device)
+            user.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(user):
+                on_user = [model(ids) for _ in range(3)]
+            user.synchronize()
+            assert managed.stats()["prefetch_hits"] > hits
         reference = copy.deepcopy(daemon["references"][f"toy-{rest}"]).to(device)
-        for out in got:
+        for out in got + on_user:
             assert torch.equal(out, reference(ids))
     assert 0 < stats["peak"] <= stats["limit"] and stats["prefetch_hits"] > 0, stats
     assert stats["pinned_bytes"] > 0, stats  # the lease page-locked, else copies wait for the host (a warning)
