@@ -79,7 +79,7 @@ def test_lifecycle_through_vramctl_matches_transformers(daemon, checkpoints, tmp
     vramctl(daemon.sock, "forward", "gpt2", "--input", case / "inputs.safetensors", "--output", out)
     got, expected = load_file(out), load_file(case / "expected.safetensors")
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+        assert hf_models.close(got[name], expected[name]), name
 
     # Sleep frees the weights (offload = disk); a forward on a sleeping model wakes it.
     slept = json.loads(vramctl(daemon.sock, "offload", "gpt2", "--json").stdout)
@@ -280,7 +280,7 @@ def test_64_concurrent_clients(daemon, checkpoints):
                 ok = status == 200 and len(json.loads(body)["models"]) == 2
             elif op == 1:
                 status, body = request(daemon.sock, "POST", "/v1/models/gpt2/forward", save(inputs))
-                ok = status == 200 and torch.allclose(load(body)["logits"], expected, rtol=1e-5, atol=1e-5)
+                ok = status == 200 and hf_models.close(load(body)["logits"], expected)
                 # a full queue is a clear refusal, not a failure
                 ok = ok or (status == 429 and b"requests waiting" in body)
             elif op == 2:
@@ -508,8 +508,8 @@ def test_a_forward_whose_client_leaves_stops_and_the_model_serves_on(tmp_path, c
         # The model serves on, and so does the other one.
         assert torch.equal(forward(d.sock, "m", MINILM_INPUT)["sentence_embedding"], expected)
         gpt2 = checkpoints["gpt2"]
-        assert torch.allclose(forward(d.sock, "gpt2", load_file(gpt2 / "inputs.safetensors"))["logits"],
-                              load_file(gpt2 / "expected.safetensors")["logits"], atol=1e-5)
+        assert hf_models.close(forward(d.sock, "gpt2", load_file(gpt2 / "inputs.safetensors"))["logits"],
+                               load_file(gpt2 / "expected.safetensors")["logits"])
         # A client that only shuts down its sending side has not gone: it is answered.
         body = save(MINILM_INPUT)
         answer = raw(d.sock, b"POST /v1/models/m/forward HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
@@ -695,7 +695,7 @@ def test_a_checkpoint_cut_short_under_a_model_fails_its_forward_alone(tmp_path, 
     inputs = load_file(checkpoints["gpt2"] / "inputs.safetensors")
     expected = load_file(checkpoints["gpt2"] / "expected.safetensors")["logits"]
     with d.start():
-        assert torch.allclose(forward(d.sock, "cut", inputs)["logits"], expected, atol=1e-5)
+        assert hf_models.close(forward(d.sock, "cut", inputs)["logits"], expected)
         with open(weights, "r+b") as f:  # in place: the daemon's descriptors see it
             f.truncate(len(whole) // 4)
         status, body = request(d.sock, "POST", "/v1/models/cut/forward", save(inputs))
@@ -709,7 +709,7 @@ def test_a_checkpoint_cut_short_under_a_model_fails_its_forward_alone(tmp_path, 
         assert forward(d.sock, "minilm", MINILM_INPUT)["sentence_embedding"].shape == (1, 384)
         with open(weights, "r+b") as f:
             f.write(whole)
-        assert torch.allclose(forward(d.sock, "cut", inputs)["logits"], expected, atol=1e-5)
+        assert hf_models.close(forward(d.sock, "cut", inputs)["logits"], expected)
         stats = model(d.sock, "cut")["stats"]
         assert (stats["forward_errors"], stats["loads"]) == (1, 2 if lost else 1)
         assert d.stop() == 0
