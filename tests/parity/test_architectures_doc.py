@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "daemon"))
 sys.path.insert(0, str(ROOT / "tests" / "parity"))
 from daemon_support import Daemon, request  # noqa: E402
-from hf_models import TOLERANCE, relative_error  # noqa: E402
+from hf_models import close  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
 
@@ -64,7 +64,7 @@ def test_the_walkthrough_family_runs_starcoder2_as_transformers_does(starcoder2,
     result = subprocess.run([VRAMCTL, "run", tmp_path / "starcoder2.toml", *common, "--input", folder / "in.safetensors",
                              "--output", tmp_path / "out.safetensors"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert relative_error(load_file(tmp_path / "out.safetensors")["logits"], expected) <= TOLERANCE["float32"]
+    assert close(load_file(tmp_path / "out.safetensors")["logits"], expected)
 
     # Without the folder the family is unknown; named by path, it needs none.
     result = subprocess.run([VRAMCTL, "run", tmp_path / "starcoder2.toml"], capture_output=True, text=True)
@@ -73,7 +73,7 @@ def test_the_walkthrough_family_runs_starcoder2_as_transformers_does(starcoder2,
     result = subprocess.run([VRAMCTL, "run", tmp_path / "by_path.toml", "--input", folder / "in.safetensors",
                              "--output", tmp_path / "out2.safetensors"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert relative_error(load_file(tmp_path / "out2.safetensors")["logits"], expected) <= TOLERANCE["float32"]
+    assert close(load_file(tmp_path / "out2.safetensors")["logits"], expected)
 
 
 def test_the_daemon_runs_a_family_from_its_architectures_folder(starcoder2, tmp_path):
@@ -87,7 +87,7 @@ def test_the_daemon_runs_a_family_from_its_architectures_folder(starcoder2, tmp_
     try:
         status, body = request(daemon.sock, "POST", "/v1/models/starcoder2/forward", (folder / "in.safetensors").read_bytes())
         assert status == 200, body
-        assert relative_error(load(body)["logits"], expected) <= TOLERANCE["float32"]
+        assert close(load(body)["logits"], expected)
     finally:
         assert daemon.stop() == 0
 
