@@ -90,9 +90,8 @@ def evict(path):
 
 
 def answering(daemon, sock, log):
-    """A client of the daemon process `daemon` once it answers on `sock`: the socket's file
-    appears when the daemon binds it, a moment before it listens, so its health is asked until it
-    answers (SystemExit with log() if it exits, or has not answered in 60 s)."""
+    """A client of the daemon process `daemon` once it answers on `sock`: its health is asked
+    until it answers (SystemExit with log() if it exits, or has not answered in 60 s)."""
     sys.path.insert(0, str(ROOT / "python"))
     import vramd
     deadline = time.monotonic() + 60
