@@ -206,6 +206,7 @@ DryModel dry_run_model(const config::ModelConfig& config) {
 DryRun dry_run(const config::ModelConfig& config) { return dry_run_model(config).dry; }
 
 LoadedModel load_model(const config::ModelConfig& config, const LoadOptions& options) {
+  settle_vector_math();
   auto [map, architecture, model, assignments, report] = prepare(config);
   auto source = weights::make_source(std::move(map), std::move(assignments), config);
   const auto load_start = Clock::now();

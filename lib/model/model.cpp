@@ -1,6 +1,21 @@
 #include "model/model.hpp"
 
+#include <ATen/ops/acos.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/asin.h>
+#include <ATen/ops/atan.h>
+#include <ATen/ops/cos.h>
+#include <ATen/ops/erf.h>
+#include <ATen/ops/erfc.h>
+#include <ATen/ops/erfinv.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/log10.h>
+#include <ATen/ops/log2.h>
+#include <ATen/ops/sin.h>
+#include <ATen/ops/sqrt.h>
+#include <ATen/ops/tan.h>
+#include <ATen/ops/trunc.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -12,10 +27,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -244,6 +261,22 @@ at::Tensor quick_gelu(const at::Tensor& x) { return x * at::sigmoid(1.702 * x); 
 at::Tensor relu(const at::Tensor& x) { return at::relu(x); }
 
 }  // namespace
+
+void settle_vector_math() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    c10::InferenceMode inference;
+    // The functions ATen hands to MKL's VML (ATen/cpu/vml.h), in both of its types, on fewer
+    // elements than a parallel loop splits: computed here, on this thread alone.
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      const at::Tensor x = at::full({16}, 0.5, at::TensorOptions().dtype(dtype));
+      using Unary = at::Tensor (*)(const at::Tensor&);
+      for (const Unary op : {at::acos, at::asin, at::atan, at::cos, at::erf, at::erfc, at::erfinv, at::exp, at::log,
+                             at::log10, at::log2, at::sin, at::sqrt, at::tan, at::tanh, at::trunc})
+        op(x);
+    }
+  });
+}
 
 Activation activation(const std::string& name, const std::string& origin) {
   if (name == "gelu") return gelu;

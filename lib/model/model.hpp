@@ -104,6 +104,13 @@ at::Tensor padding_mask(const at::Tensor& keep, c10::ScalarType dtype);
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
                      double scale);
 
+// Calls once per process, on this thread, each of LibTorch's CPU math functions that Intel MKL's
+// vector math (VML) computes, on 16 elements. Where two threads of a forward called one of them
+// for the first time at once, one thread's share of the rows sometimes came out in other bits
+// (docs/benchmarks.md, "Numerics against transformers"). load_model() calls it before any model
+// computes.
+void settle_vector_math();
+
 // Hugging Face activation names: "gelu", "gelu_new", "gelu_pytorch_tanh", "quick_gelu", "silu", "swish", "relu".
 using Activation = at::Tensor (*)(const at::Tensor&);
 Activation activation(const std::string& name, const std::string& origin);

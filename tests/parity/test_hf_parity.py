@@ -54,6 +54,32 @@ def test_outputs_match_transformers(witnesses, case, dtype, tmp_path):
         assert close(got[name], expected, dtype), name
 
 
+def test_fresh_processes_compute_the_same_bits(witnesses, tmp_path):
+    # A process's first forward gave other bits in one sequence's rows in about 1 process in 50
+    # (1 in 13 with spinning OpenMP threads): GPT-2's tanh, split between two threads whose first
+    # calls of MKL's vector tanh raced (docs/benchmarks.md). Fresh processes, two at a time, two
+    # spinning threads each: against the binary before the fix this failed 4 runs of 4.
+    folder = witnesses["gpt2", "float32"]
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{folder / "model"}"\n')
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}
+    outputs = []
+    for pair in range(50):
+        started = []
+        for i in range(2):
+            output = tmp_path / f"out{pair}-{i}.safetensors"
+            started.append(subprocess.Popen([VRAMCTL, "run", config, "--input", folder / "inputs.safetensors",
+                                             "--output", output], env=env, stderr=subprocess.PIPE, text=True))
+            outputs.append(output)
+        for process in started:
+            assert process.wait(timeout=300) == 0, process.stderr.read()
+            process.stderr.close()
+    first = load_file(outputs[0])
+    differing = [output.name for output in outputs[1:]
+                 if not all(torch.equal(tensor, first[name]) for name, tensor in load_file(output).items())]
+    assert not differing, f"{len(differing)} of {len(outputs)} processes computed other bits: {differing}"
+
+
 def test_every_family_serves_from_the_daemon_what_transformers_computes(witnesses, tmp_path):
     # One daemon, every case in both dtypes, each model loaded on its first forward.
     daemon = Daemon(tmp_path)
