@@ -164,7 +164,7 @@ def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(witnesses, tmp
     output = tmp_path / "out.safetensors"
     result = vramctl("run", config, "--input", folder / "inputs.safetensors", "--output", output)
     assert result.returncode == 0, result.stderr
-    # Within the parity every case keeps (bit for bit most runs, but not every one: hf_models.TOLERANCE).
+    # Within the parity every case keeps (hf_models.TOLERANCE).
     got, expected = load_file(output)["logits"], load_file(folder / "expected.safetensors")["logits"]
     assert close(got, expected)
 
