@@ -235,6 +235,10 @@ class Managed:
         self._registered = self._pin() if device.type == "cuda" else []
         self._wrapped: list[tuple] = []  # (module, method, its own before, ours)
         self._warned_autograd = False
+        self._version = lease.version  # the version of the values its slots bring
+        self._calls: dict[int, int] = {}  # threads inside the module's forward, and how deep
+        self._taking = 0  # wait_update()s waiting for the forwards under way: new ones wait for them
+        self._arrived: dict | None = None  # a version a wait_update() received but could not take in time
         self._hook()
         with self._lock:  # another thread may be making room from the units of the modules sharing it
             room.members.append(self)
@@ -396,6 +400,7 @@ class Managed:
             _MANAGED[module] = self
         for unit in self._units:
             self._wrap(unit.module, "forward", functools.partial(self._managed_forward, unit))
+        self._wrap(self.module, "forward", self._module_forward)
         every = dict(self.module.named_modules(remove_duplicate=False))
         held: dict[nn.Module, set[_Slot]] = {}  # the slots of the units under each module, by any of their paths
         for unit in self._units:
@@ -440,6 +445,39 @@ class Managed:
             finally:
                 self._done(unit)
         return forward
+
+    def _module_forward(self, inner):
+        """The module's own forward, counted: wait_update() takes a version between forwards."""
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not self._hooked:
+                return inner(*args, **kwargs)
+            self._begin_call()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._end_call()
+        return forward
+
+    def _begin_call(self) -> None:
+        """A forward of the module begins on this thread: where a wait_update() waits for those
+        under way, after it."""
+        with self._lock:
+            me = threading.get_ident()
+            if not self._calls.get(me):
+                while self._taking:
+                    self._freed.wait()
+            self._calls[me] = self._calls.get(me, 0) + 1
+
+    def _end_call(self) -> None:
+        with self._lock:
+            me = threading.get_ident()
+            if self._calls[me] > 1:
+                self._calls[me] -= 1
+            else:
+                del self._calls[me]
+                if self._waiting:
+                    self._freed.notify_all()
 
     def _warn_autograd(self, unit: _Unit, args, kwargs) -> None:
         """Once: autograd keeps what a backward needs (the weights, where an input requires grad)
@@ -649,28 +687,42 @@ class Managed:
     @property
     def version(self) -> int:
         """The version of the weights its units bring (the daemon's count of updates)."""
-        return self.lease.version
+        return self._version
 
     def wait_update(self, timeout: float | None = None) -> int:
         """Waits for the daemon's next version of the model's weights (manage(..., follow=True))
-        and takes it: the units' copies of the version before are dropped, and each unit brings
-        the new values when it next runs. Call it between forwards, so that each forward runs on
-        one version (a unit another thread runs is waited for). Returns the version. Raises
-        TimeoutError after `timeout` seconds, ManageError from inside a forward or for a module
-        managed without follow=True, vramd.DaemonError when the lease has ended."""
+        and takes it between forwards: once the module's forwards under way on other threads have
+        ended (those that would begin meanwhile wait for it), the units' copies of the version
+        before are dropped and each unit brings the new values when it next runs. So each forward
+        runs on one version. Returns the version. Raises TimeoutError after `timeout` seconds
+        (where the version came but the forwards under way did not end in time, the next call
+        takes it), ManageError from inside a forward or for a module managed without follow=True,
+        vramd.DaemonError when the lease has ended."""
         me = threading.get_ident()
-        if self._running.get(me):
+        if self._calls.get(me) or self._running.get(me):
             raise ManageError(f"wait_update() of {self!r} from inside its forward: call it between forwards")
         if self.lease._reader is None:
             raise ManageError(f"{self!r} does not follow updates: manage it with follow=True")
-        state_dict = self.lease.wait_update(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._arrived is None:
+            self._arrived = self.lease.wait_update(timeout)
+        state_dict = self._arrived
         with self._lock:
+            self._taking += 1
             self._waiting.add(me)
             try:
-                while any(unit.in_use for unit in self._units):  # another thread's forward
-                    self._freed.wait()
+                # Forwards of the module on other threads, and its units called outside them (a VAE's decode).
+                while self._calls or any(unit.in_use for unit in self._units):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"version {self.lease.version} of {self.lease.manifest['model']!r} came, but "
+                                           f"the forwards under way on other threads did not end within {timeout} s: "
+                                           "the next wait_update() takes it")
+                    self._freed.wait(left)
             finally:
                 self._waiting.discard(me)
+                self._taking -= 1
+                self._freed.notify_all()  # forwards waiting to begin: they do once this lock is let go
             for unit in self._units:
                 if unit.pending is not None:
                     self._cancel_prefetch(unit)
@@ -680,13 +732,16 @@ class Managed:
                        f"{_name(slot.rest.dtype)} before" for slot in self._slots
                        if ((new := state_dict[slot.name]).shape, new.dtype) != (slot.rest.shape, slot.rest.dtype)]
             if changed:  # never from an update, which keeps shapes and dtypes
-                raise ManageError(f"version {self.version} of {self.lease.manifest['model']!r}: {', '.join(changed)}")
+                raise ManageError(f"version {self.lease.version} of {self.lease.manifest['model']!r}: "
+                                  f"{', '.join(changed)}")
             self._unpin()  # before the version before is unmapped
             for slot in self._slots:
                 slot.rest = state_dict[slot.name]
             if self.device.type == "cuda":
                 self._registered = self._pin()
-        return self.version
+            self._arrived = None
+            self._version = self.lease.version
+        return self._version
 
     def close(self) -> None:
         """Takes the hooks away, drops every copy and ends the lease (the module's weights are

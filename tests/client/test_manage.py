@@ -6,6 +6,7 @@ with the same dtypes (the weights rounded through the resting dtype, or unpacked
 package, computed in float32), bit for bit. Also the limit counted by the manager, prefetching,
 errors that name what does not fit, and the room a lease holds in the daemon's budget for its
 client (freed when the client dies)."""
+import concurrent.futures
 import io
 import json
 import os
@@ -746,6 +747,64 @@ def test_a_managed_module_following_updates_takes_each_version_between_forwards(
                                                         r"it with follow=True"):
                 not_following.wait_update(timeout=0.2)
             assert torch.equal(policy(ids), after(ids))
+
+
+def test_a_version_is_taken_between_forwards_of_other_threads_never_inside_one(daemon, tmp_path):
+    """A rollout thread's forward paused between two layers of a chain (no unit in use then: the
+    chain holds no weights of its own) while an updater thread calls wait_update(): the version is
+    not taken inside that forward, which ends on the version it began with; a forward that would
+    begin while the updater waits waits for it, and runs on the new version."""
+    torch.manual_seed(13)
+    chain = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))).eval()
+    save_file(chain.state_dict(), tmp_path / "chain.safetensors")
+    (daemon["daemon"].models / "rollout.toml").write_text(served(tmp_path / "chain.safetensors", "float32",
+                                                               weights_bytes(chain) // 2))
+    changed = {"2.weight": torch.randn(16, 16), "3.bias": torch.randn(16)}
+    after = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))).eval()
+    after.load_state_dict({**chain.state_dict(), **changed})
+    x = torch.randn(3, 16)
+    with torch.device("meta"):
+        managed_chain = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))).eval()
+    paused, go = threading.Event(), threading.Event()
+
+    def pause(*_):
+        if not go.is_set():
+            paused.set()
+            go.wait(120)
+
+    with vramd.connect(daemon["sock"]) as client, torch.no_grad():
+        client.reload()
+        with vramd.manage(managed_chain, "rollout", client=client, follow=True) as managed:
+            version = managed.version
+            assert torch.equal(managed_chain(x), chain(x))
+            hook = managed_chain[2].register_forward_pre_hook(pause)
+            threads = concurrent.futures.ThreadPoolExecutor(3)
+            try:
+                rollout = threads.submit(managed_chain, x)
+                assert paused.wait(60)  # between layers 1 and 2, on the version it began with
+                assert client.update("rollout", changed)["version"] == version + 1
+                with pytest.raises(TimeoutError, match=r"version \d+ of 'rollout' came, but the forwards under way on "
+                                                       r"other threads did not end within 0.5 s"):
+                    threads.submit(managed.wait_update, 0.5).result(timeout=60)
+                assert managed.version == version
+                updater = threads.submit(managed.wait_update, 60)  # waits for the paused forward
+                wait_for(lambda: managed._taking == 1, what="the updater to wait for the forward under way")
+                later = threads.submit(managed_chain, x)  # begins once the updater has taken the version
+                go.set()
+                assert torch.equal(rollout.result(timeout=60), chain(x))  # one version throughout
+                assert updater.result(timeout=60) == version + 1 == managed.version
+                assert torch.equal(later.result(timeout=60), after(x))
+            finally:
+                go.set()  # a failure above leaves no thread paused
+                threads.shutdown()
+            hook.remove()
+            assert torch.equal(managed_chain(x), after(x))
+            # From a hook inside its forward, between units: refused, not waited for forever.
+            hook = managed_chain[1].register_forward_pre_hook(lambda *_: managed.wait_update(timeout=0.2))
+            with pytest.raises(vramd.ManageError, match=r"wait_update\(\) of <vramd.Managed 'rollout' .*> from inside its "
+                                                        r"forward"):
+                managed_chain(x)
+            hook.remove()
 
 
 def test_integer_tensors_rest_as_they_are_and_take_no_update(daemon, tmp_path):
