@@ -30,6 +30,7 @@ for as long as the lease is open (a dead process's ends with its connection). Mo
 one after another can share one limit and its reservation (manage(..., share=managed))."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import re
@@ -371,6 +372,7 @@ class Managed:
             else:
                 why = cudart.cudaGetErrorString(error)
                 failed[why] = failed.get(why, 0) + len(region)
+                _clear_cuda_error()
         self._figures["pin_seconds"] += time.perf_counter() - started
         if failed:  # copies from pageable memory hold the host until each is staged: slower, not wrong
             warnings.warn(f"vramd.manage: page-locking {sum(failed.values())} bytes of the lease of "
@@ -384,7 +386,8 @@ class Managed:
             torch.cuda.synchronize(self.device)
             cudart = torch.cuda.cudart()
             for address in self._registered:
-                cudart.cudaHostUnregister(address)
+                if cudart.cudaHostUnregister(address) != 0:
+                    _clear_cuda_error()
             self._registered = []
 
     # Hooks.
@@ -778,6 +781,22 @@ class Managed:
     def __repr__(self) -> str:
         return (f"<vramd.Managed {self.lease.manifest.get('model')!r} on {self.device} in "
                 f"{_name(self.dtype)}, {len(getattr(self, '_units', []))} units, limit {self.limit}>")
+
+
+def _clear_cuda_error() -> None:
+    """CUDA keeps a refused call's error as the thread's last one, and torch's next kernel launch
+    check (cudaGetLastError) would raise it as that kernel's own: takes it, with cudaGetLastError
+    of the CUDA runtime torch loaded (torch binds no such call)."""
+    for runtime in _cuda_runtimes():
+        runtime.cudaGetLastError()
+
+
+@functools.cache
+def _cuda_runtimes() -> list:
+    """The libcudart libraries this process has loaded (torch's; none where torch links it in)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libcudart.so" in line}
+    return [ctypes.CDLL(path) for path in sorted(paths)]
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1101,6 +1101,30 @@ def test_a_module_managed_on_cuda_equals_the_whole_module_there_within_its_limit
     assert grown <= stats["limit"] + largest_unit(Toy(d=d)) + (4 << 20), (grown, stats)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: a refused page-locking not run")
+def test_a_refused_page_locking_warns_and_leaves_the_next_kernel_its_own_error(daemon, monkeypatch):
+    """CUDA keeps a refused call's error as the thread's last one, which torch's next kernel launch
+    check would raise as that kernel's: a lease CUDA refuses to page-lock is warned of, its copies
+    wait for the host, and the forward runs."""
+    import copy
+    device = torch.device("cuda:0")
+    cudart = torch.cuda.cudart()
+    real = cudart.cudaHostRegister
+    monkeypatch.setattr(cudart, "cudaHostRegister", lambda address, size, flags: real(0, 0, flags))  # refused by CUDA
+    with torch.device("meta"):
+        model = Toy().eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad(), vramd.connect(daemon["sock"]) as client:
+        with pytest.warns(UserWarning, match=r"page-locking \d+ bytes of the lease of 'toy-bfloat16' failed \(.+\): "
+                                             r"their copies to cuda:0 wait for the host"):
+            managed = vramd.manage(model, "toy-bfloat16", client=client, device=device)
+        with managed:
+            got = model(ids)  # the first kernels after the refusal
+            assert managed.stats()["pinned_bytes"] == 0
+        assert torch.equal(got, copy.deepcopy(daemon["references"]["toy-bfloat16"]).to(device)(ids))
+
+
 def big_toy():
     return Toy(d=512, vocabulary=64, blocks=8)
 
