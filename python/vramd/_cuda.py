@@ -4,6 +4,7 @@ the device's primary context (PyTorch's). The C++ side is lib/util/cuda_vmm.cpp.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import torch
@@ -33,6 +34,22 @@ _SIGNATURES = {
     "cuMemAddressFree": [ctypes.c_ulonglong, ctypes.c_size_t],
     "cuMemRelease": [ctypes.c_ulonglong],
 }
+
+
+def clear_runtime_error() -> None:
+    """CUDA keeps a refused runtime call's error as the thread's last one, and torch's next kernel
+    launch check (cudaGetLastError) would raise it as that kernel's own: takes it, with
+    cudaGetLastError of the CUDA runtime torch loaded (torch binds no such call)."""
+    for runtime in _runtimes():
+        runtime.cudaGetLastError()
+
+
+@functools.cache
+def _runtimes() -> list:
+    """The libcudart libraries this process has loaded (torch's; none where torch links it in)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libcudart.so" in line}
+    return [ctypes.CDLL(path) for path in sorted(paths)]
 
 
 class _Location(ctypes.Structure):

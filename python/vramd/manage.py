@@ -30,7 +30,6 @@ for as long as the lease is open (a dead process's ends with its connection). Mo
 one after another can share one limit and its reservation (manage(..., share=managed))."""
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import re
@@ -45,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ._cuda import clear_runtime_error
 from ._gguf import Packed, unpack
 from .client import Client, connect
 from .lease import Lease
@@ -372,7 +372,7 @@ class Managed:
             else:
                 why = cudart.cudaGetErrorString(error)
                 failed[why] = failed.get(why, 0) + len(region)
-                _clear_cuda_error()
+                clear_runtime_error()
         self._figures["pin_seconds"] += time.perf_counter() - started
         if failed:  # copies from pageable memory hold the host until each is staged: slower, not wrong
             warnings.warn(f"vramd.manage: page-locking {sum(failed.values())} bytes of the lease of "
@@ -387,7 +387,7 @@ class Managed:
             cudart = torch.cuda.cudart()
             for address in self._registered:
                 if cudart.cudaHostUnregister(address) != 0:
-                    _clear_cuda_error()
+                    clear_runtime_error()
             self._registered = []
 
     # Hooks.
@@ -781,22 +781,6 @@ class Managed:
     def __repr__(self) -> str:
         return (f"<vramd.Managed {self.lease.manifest.get('model')!r} on {self.device} in "
                 f"{_name(self.dtype)}, {len(getattr(self, '_units', []))} units, limit {self.limit}>")
-
-
-def _clear_cuda_error() -> None:
-    """CUDA keeps a refused call's error as the thread's last one, and torch's next kernel launch
-    check (cudaGetLastError) would raise it as that kernel's own: takes it, with cudaGetLastError
-    of the CUDA runtime torch loaded (torch binds no such call)."""
-    for runtime in _cuda_runtimes():
-        runtime.cudaGetLastError()
-
-
-@functools.cache
-def _cuda_runtimes() -> list:
-    """The libcudart libraries this process has loaded (torch's; none where torch links it in)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libcudart.so" in line}
-    return [ctypes.CDLL(path) for path in sorted(paths)]
 
 
 def _name(dtype: torch.dtype) -> str:

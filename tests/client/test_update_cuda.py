@@ -3,7 +3,8 @@ cuda:0 and one streamed through cuda:0 under a limit from host copies each equal
 the updated checkpoint after an update from a memfd and from a path; a lease of GPU memory taken
 before an update keeps its values, and a following one gets the new version; one that follows in
 place keeps its addresses and sees each update's values there; a kept memfd is page-locked once
-and takes a trainer's updates. Skips without a GPU; scripts/gpu-check runs it where there is one."""
+and takes a trainer's updates, or, where CUDA will not page-lock it, takes them all the same.
+Skips without a GPU; scripts/gpu-check runs it where there is one."""
 import sys
 from pathlib import Path
 
@@ -99,6 +100,26 @@ def test_a_kept_memfd_page_locked_once_takes_a_trainers_updates(served, name):
         client.update(name, served["original"])
         assert equal(client.forward(name, served["inputs"]), before)
         client.unload(f"{name}-fresh")
+
+
+def test_a_kept_memfd_cuda_will_not_page_lock_still_takes_the_update(served, monkeypatch):
+    """CUDA keeps a refused call's error as the thread's last one, which torch's next kernel launch
+    check would raise as that kernel's: a kept memfd CUDA refuses to page-lock on the trainer's
+    side is written as pageable memory, and the trainer's kernels after it run."""
+    cudart = torch.cuda.cudart()
+    real = cudart.cudaHostRegister
+    monkeypatch.setattr(cudart, "cudaHostRegister", lambda address, size, flags: real(0, 0, flags))  # refused
+    on_gpu = {key: value.to("cuda:0") for key, value in served["changed"].items()}
+    with vramd.connect(served["daemon"].sock) as client:
+        want = client.forward("gpu-fresh", served["inputs"])
+        before = client.forward("gpu", served["inputs"])
+        client.update("gpu", on_gpu, keep=True)
+        assert client._kept["gpu"].registered is None
+        assert torch.equal(torch.ones(4, device="cuda:0") + 1, torch.full((4,), 2.0, device="cuda:0"))  # a kernel
+        assert equal(client.forward("gpu", served["inputs"]), want)
+        client.update("gpu", served["original"])
+        assert equal(client.forward("gpu", served["inputs"]), before)
+        client.unload("gpu-fresh")
 
 
 def test_a_gpu_lease_keeps_its_values_and_a_following_one_gets_the_update(served):
