@@ -36,10 +36,24 @@ _SIGNATURES = {
 }
 
 
-def clear_runtime_error() -> None:
-    """CUDA keeps a refused runtime call's error as the thread's last one, and torch's next kernel
-    launch check (cudaGetLastError) would raise it as that kernel's own: takes it, with
-    cudaGetLastError of the CUDA runtime torch loaded (torch binds no such call)."""
+def host_register(address: int, size: int, flags: int):
+    """cudaHostRegister through torch's binding; returns its error (0: page-locked). CUDA keeps a
+    refused call's error as the thread's last one, which torch's next kernel launch check
+    (cudaGetLastError) would raise as that kernel's own: a refusal's is taken here."""
+    error = torch.cuda.cudart().cudaHostRegister(address, size, flags)
+    if error != 0:
+        _clear_runtime_error()
+    return error
+
+
+def host_unregister(address: int) -> None:
+    """cudaHostUnregister, a refusal's error taken as host_register's is."""
+    if torch.cuda.cudart().cudaHostUnregister(address) != 0:
+        _clear_runtime_error()
+
+
+def _clear_runtime_error() -> None:
+    """cudaGetLastError of the CUDA runtime torch loaded (torch binds no such call)."""
     for runtime in _runtimes():
         runtime.cudaGetLastError()
 

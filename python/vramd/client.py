@@ -11,7 +11,7 @@ from urllib.parse import quote
 import torch
 
 from . import _shape
-from ._cuda import clear_runtime_error
+from ._cuda import host_register, host_unregister
 from ._errors import DaemonError
 from ._http import Connection, Response, refusal
 from ._safetensors import dumps, loads, metadata
@@ -290,16 +290,13 @@ class _KeptMemfd:
             raise AssertionError(f"a kept memfd of {len(self.mapping)} bytes asked for {size}")
         if self.cuda and self.registered is None:
             address = torch.frombuffer(self.mapping, dtype=torch.uint8).data_ptr()
-            if torch.cuda.cudart().cudaHostRegister(address, size, 0) == 0:
+            if host_register(address, size, 0) == 0:  # else copied as pageable memory
                 self.registered = address
-            else:  # copied as pageable memory, and CUDA's error not left for the next kernel
-                clear_runtime_error()
         return self.mapping
 
     def close(self) -> None:
         if self.registered is not None:
-            if torch.cuda.cudart().cudaHostUnregister(self.registered) != 0:
-                clear_runtime_error()
+            host_unregister(self.registered)
             self.registered = None
         if self.mapping is not None:
             self.mapping.close()

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ._cuda import clear_runtime_error
+from ._cuda import host_register, host_unregister
 from ._gguf import Packed, unpack
 from .client import Client, connect
 from .lease import Lease
@@ -365,14 +365,13 @@ class Managed:
             with warnings.catch_warnings():  # read-only on purpose
                 warnings.filterwarnings("ignore", "The given buffer is not writable")
                 address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
-            error = cudart.cudaHostRegister(address, len(region), 0x08)  # cudaHostRegisterReadOnly
+            error = host_register(address, len(region), 0x08)  # cudaHostRegisterReadOnly
             if error == 0:
                 registered.append(address)
                 self._figures["pinned_bytes"] += len(region)
             else:
                 why = cudart.cudaGetErrorString(error)
                 failed[why] = failed.get(why, 0) + len(region)
-                clear_runtime_error()
         self._figures["pin_seconds"] += time.perf_counter() - started
         if failed:  # copies from pageable memory hold the host until each is staged: slower, not wrong
             warnings.warn(f"vramd.manage: page-locking {sum(failed.values())} bytes of the lease of "
@@ -384,10 +383,8 @@ class Managed:
         """Gives the page-locked memory back, once no copy from it is under way."""
         if self._registered:
             torch.cuda.synchronize(self.device)
-            cudart = torch.cuda.cudart()
             for address in self._registered:
-                if cudart.cudaHostUnregister(address) != 0:
-                    clear_runtime_error()
+                host_unregister(address)
             self._registered = []
 
     # Hooks.
