@@ -200,8 +200,10 @@ class Managed:
     (or the end of a `with` block) takes the hooks away and ends the lease."""
 
     def __init__(self, module: nn.Module, lease: Lease, device: torch.device, dtype: torch.dtype, limit: int | None,
-                 units: list[str] | None, strict: bool, prefetch: bool, room: _Room | None = None):
+                 units: list[str] | None, strict: bool, prefetch: bool, room: _Room | None = None,
+                 forward_methods: list[str] = ()):
         self.module = module
+        self._forward_methods = _forward_methods(module, forward_methods)
         self.lease = lease
         self.device = device
         self.dtype = dtype
@@ -237,7 +239,7 @@ class Managed:
         self._wrapped: list[tuple] = []  # (module, method, its own before, ours)
         self._warned_autograd = False
         self._version = lease.version  # the version of the values its slots bring
-        self._calls: dict[int, int] = {}  # threads inside the module's forward, and how deep
+        self._calls: dict[int, int] = {}  # threads inside the module's forward methods, and how deep
         self._taking = 0  # wait_update()s waiting for the forwards under way: new ones wait for them
         self._arrived: dict | None = None  # a version a wait_update() received but could not take in time
         self._hook()
@@ -400,7 +402,8 @@ class Managed:
             _MANAGED[module] = self
         for unit in self._units:
             self._wrap(unit.module, "forward", functools.partial(self._managed_forward, unit))
-        self._wrap(self.module, "forward", self._module_forward)
+        for module, method in self._forward_methods:
+            self._wrap(module, method, self._module_forward)
         every = dict(self.module.named_modules(remove_duplicate=False))
         held: dict[nn.Module, set[_Slot]] = {}  # the slots of the units under each module, by any of their paths
         for unit in self._units:
@@ -447,7 +450,8 @@ class Managed:
         return forward
 
     def _module_forward(self, inner):
-        """The module's own forward, counted: wait_update() takes a version between forwards."""
+        """The module's own forward (or a method named as one), counted: wait_update() takes a
+        version between forwards."""
         @functools.wraps(inner)
         def forward(*args, **kwargs):
             if not self._hooked:
@@ -691,13 +695,13 @@ class Managed:
 
     def wait_update(self, timeout: float | None = None) -> int:
         """Waits for the daemon's next version of the model's weights (manage(..., follow=True))
-        and takes it between forwards: once the module's forwards under way on other threads have
-        ended (those that would begin meanwhile wait for it), the units' copies of the version
-        before are dropped and each unit brings the new values when it next runs. So each forward
-        runs on one version. Returns the version. Raises TimeoutError after `timeout` seconds
-        (where the version came but the forwards under way did not end in time, the next call
-        takes it), ManageError from inside a forward or for a module managed without follow=True,
-        vramd.DaemonError when the lease has ended."""
+        and takes it between forwards: once the module's forwards (and calls of its forward_methods)
+        under way on other threads have ended (those that would begin meanwhile wait for it), the
+        units' copies of the version before are dropped and each unit brings the new values when it
+        next runs. So each forward runs on one version. Returns the version. Raises TimeoutError
+        after `timeout` seconds (where the version came but the forwards under way did not end in
+        time, the next call takes it), ManageError from inside a forward or for a module managed
+        without follow=True, vramd.DaemonError when the lease has ended."""
         me = threading.get_ident()
         if self._calls.get(me) or self._running.get(me):
             raise ManageError(f"wait_update() of {self!r} from inside its forward: call it between forwards")
@@ -711,7 +715,8 @@ class Managed:
             self._taking += 1
             self._waiting.add(me)
             try:
-                # Forwards of the module on other threads, and its units called outside them (a VAE's decode).
+                # Forwards of the module on other threads, and its units called outside them (a VAE's
+                # decode not named in forward_methods).
                 while self._calls or any(unit.in_use for unit in self._units):
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -790,6 +795,25 @@ def _enclosing(path: str) -> list[str]:
     return [".".join(parts[:depth]) for depth in range(len(parts))]
 
 
+def _forward_methods(module: nn.Module, names) -> list[tuple[nn.Module, str]]:
+    """The module's forward and the methods `names` names ("decode", or "decoder.forward" for a
+    submodule's), each once, as (module, method)."""
+    if isinstance(names, str):
+        raise ManageError(f"forward_methods= takes a list of method names, not the string {names!r}")
+    found: dict[tuple[int, str], tuple[nn.Module, str]] = {}
+    for name in ["forward", *names]:
+        path, _, method = name.rpartition(".")
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            raise ManageError(f"forward_methods: {type(module).__name__} has no module {path!r} (in {name!r})") from None
+        if not callable(getattr(owner, method, None)) or method.startswith("__"):
+            raise ManageError(f"forward_methods: {type(owner).__name__} " + (f"(module {path!r}) " if path else "") +
+                              f"has no method {method!r}")
+        found.setdefault((id(owner), method), (owner, method))
+    return list(found.values())
+
+
 def _listed(names: list[str]) -> str:
     return ", ".join(map(repr, names[:8])) + (", ..." if len(names) > 8 else "")
 
@@ -797,7 +821,7 @@ def _listed(names: list[str]) -> str:
 def manage(module: nn.Module, model: str, *, client: Client | None = None, device: str | torch.device | None = None,
            dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
            strict: bool = True, prefetch: bool | None = None, share: Managed | None = None,
-           follow: bool = False) -> Managed:
+           follow: bool = False, forward_methods: list[str] = ()) -> Managed:
     """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
     its weights: see this module's text. `device`, `dtype` and `limit` default to the model's
     config ([vram] computation and limit), else the CPU, the leased dtype and no limit. `prefetch`
@@ -805,9 +829,12 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
     managed already, whose limit (and device, and reservation) this one shares: their copies
     count together under it, and each drops the other's idle units to make room, as a pipeline's
     models run one after another. `follow`: take each new version of the weights an update makes,
-    with Managed.wait_update() between forwards. Raises ManageError naming what does not fit, and
-    vramd.DaemonError for the daemon's refusals (507 when the limit does not fit the device's
-    budget)."""
+    with Managed.wait_update() between forwards. `forward_methods`: the module's methods other than
+    forward that run it as a forward does ("decode", "encode" of a VAE; "decoder.forward" for a
+    submodule's), as FSDP's register_fsdp_forward_method names them: wait_update() takes a version
+    between their calls too (any other call is waited for unit by unit only). Raises ManageError
+    naming what does not fit, and vramd.DaemonError for the daemon's refusals (507 when the limit
+    does not fit the device's budget)."""
     room = _shared_room(share, device, limit) if share is not None else None
     own_client = client is None
     client = client or connect()
@@ -828,7 +855,7 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
                                   "dtype: give dtype=")
         try:
             return Managed(module, lease, device, dtype, limit, units, strict,
-                           device.type == "cuda" if prefetch is None else prefetch, room)
+                           device.type == "cuda" if prefetch is None else prefetch, room, forward_methods)
         except BaseException:
             lease.close()
             raise

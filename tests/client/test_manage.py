@@ -749,22 +749,44 @@ def test_a_managed_module_following_updates_takes_each_version_between_forwards(
             assert torch.equal(policy(ids), after(ids))
 
 
-def test_a_version_is_taken_between_forwards_of_other_threads_never_inside_one(daemon, tmp_path):
-    """A rollout thread's forward paused between two layers of a chain (no unit in use then: the
-    chain holds no weights of its own) while an updater thread calls wait_update(): the version is
-    not taken inside that forward, which ends on the version it began with; a forward that would
-    begin while the updater waits waits for it, and runs on the new version."""
+class Coder(nn.Module):
+    """A chain holding no weights of its own (no unit in use between two of its layers), reached
+    by forward, by a method of its own (as a VAE's decode) and through its submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+
+    def forward(self, x):
+        return self.decoder(x)
+
+    def decode(self, x):
+        return self.decoder(x) * 2
+
+
+ENTRIES = {"forward": lambda coder: coder, "decode": lambda coder: coder.decode,
+           "decoder.forward": lambda coder: coder.decoder}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_version_is_taken_between_forwards_of_other_threads_never_inside_one(daemon, tmp_path, entry):
+    """A rollout thread's call paused between two layers of a chain while an updater thread calls
+    wait_update(): the version is not taken inside that call, which ends on the version it began
+    with; a call that would begin while the updater waits waits for it, and runs on the new
+    version. The call is the module's forward, or an entry point named in forward_methods (a
+    method of the module's, a submodule's forward)."""
     torch.manual_seed(13)
-    chain = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))).eval()
-    save_file(chain.state_dict(), tmp_path / "chain.safetensors")
-    (daemon["daemon"].models / "rollout.toml").write_text(served(tmp_path / "chain.safetensors", "float32",
-                                                               weights_bytes(chain) // 2))
-    changed = {"2.weight": torch.randn(16, 16), "3.bias": torch.randn(16)}
-    after = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))).eval()
-    after.load_state_dict({**chain.state_dict(), **changed})
+    coder = Coder().eval()
+    save_file(coder.state_dict(), tmp_path / "coder.safetensors")
+    (daemon["daemon"].models / "rollout.toml").write_text(served(tmp_path / "coder.safetensors", "float32",
+                                                               weights_bytes(coder) // 2))
+    changed = {"decoder.2.weight": torch.randn(16, 16), "decoder.3.bias": torch.randn(16)}
+    after = Coder().eval()
+    after.load_state_dict({**coder.state_dict(), **changed})
+    before_call, after_call = ENTRIES[entry](coder), ENTRIES[entry](after)
     x = torch.randn(3, 16)
     with torch.device("meta"):
-        managed_chain = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4))).eval()
+        managed_coder = Coder().eval()
     paused, go = threading.Event(), threading.Event()
 
     def pause(*_):
@@ -774,37 +796,48 @@ def test_a_version_is_taken_between_forwards_of_other_threads_never_inside_one(d
 
     with vramd.connect(daemon["sock"]) as client, torch.no_grad():
         client.reload()
-        with vramd.manage(managed_chain, "rollout", client=client, follow=True) as managed:
+        methods = [] if entry == "forward" else [entry]
+        with vramd.manage(managed_coder, "rollout", client=client, follow=True, forward_methods=methods) as managed:
+            call = ENTRIES[entry](managed_coder)
             version = managed.version
-            assert torch.equal(managed_chain(x), chain(x))
-            hook = managed_chain[2].register_forward_pre_hook(pause)
+            assert torch.equal(call(x), before_call(x))
+            hook = managed_coder.decoder[2].register_forward_pre_hook(pause)
             threads = concurrent.futures.ThreadPoolExecutor(3)
             try:
-                rollout = threads.submit(managed_chain, x)
+                rollout = threads.submit(call, x)
                 assert paused.wait(60)  # between layers 1 and 2, on the version it began with
                 assert client.update("rollout", changed)["version"] == version + 1
                 with pytest.raises(TimeoutError, match=r"version \d+ of 'rollout' came, but the forwards under way on "
                                                        r"other threads did not end within 0.5 s"):
                     threads.submit(managed.wait_update, 0.5).result(timeout=60)
                 assert managed.version == version
-                updater = threads.submit(managed.wait_update, 60)  # waits for the paused forward
-                wait_for(lambda: managed._taking == 1, what="the updater to wait for the forward under way")
-                later = threads.submit(managed_chain, x)  # begins once the updater has taken the version
+                updater = threads.submit(managed.wait_update, 60)  # waits for the paused call
+                wait_for(lambda: managed._taking == 1, what="the updater to wait for the call under way")
+                later = threads.submit(call, x)  # begins once the updater has taken the version
                 go.set()
-                assert torch.equal(rollout.result(timeout=60), chain(x))  # one version throughout
+                assert torch.equal(rollout.result(timeout=60), before_call(x))  # one version throughout
                 assert updater.result(timeout=60) == version + 1 == managed.version
-                assert torch.equal(later.result(timeout=60), after(x))
+                assert torch.equal(later.result(timeout=60), after_call(x))
             finally:
                 go.set()  # a failure above leaves no thread paused
                 threads.shutdown()
             hook.remove()
-            assert torch.equal(managed_chain(x), after(x))
-            # From a hook inside its forward, between units: refused, not waited for forever.
-            hook = managed_chain[1].register_forward_pre_hook(lambda *_: managed.wait_update(timeout=0.2))
+            assert torch.equal(call(x), after_call(x))
+            # From a hook inside the call, between units: refused, not waited for forever.
+            hook = managed_coder.decoder[1].register_forward_pre_hook(lambda *_: managed.wait_update(timeout=0.2))
             with pytest.raises(vramd.ManageError, match=r"wait_update\(\) of <vramd.Managed 'rollout' .*> from inside its "
                                                         r"forward"):
-                managed_chain(x)
+                call(x)
             hook.remove()
+        if entry == "decode":  # a name the module lacks: refused before the module changes
+            for methods, named in ((["encode"], r"Coder has no method 'encode'"),
+                                   (["decoder.5.forward"], r"Coder has no module 'decoder.5' \(in 'decoder.5.forward'\)"),
+                                   (["decoder.__call__"], r"Sequential \(module 'decoder'\) has no method '__call__'"),
+                                   ("decode", r"takes a list of method names, not the string 'decode'")):
+                with pytest.raises(vramd.ManageError, match=named):
+                    vramd.manage(managed_coder, "rollout", client=client, forward_methods=methods)
+                assert all(p.is_meta for p in managed_coder.parameters()) and "decode" not in vars(managed_coder)
+            leases_end(daemon, "rollout")
 
 
 def test_integer_tensors_rest_as_they_are_and_take_no_update(daemon, tmp_path):
