@@ -467,21 +467,15 @@ class Managed:
         """A forward of the module begins on this thread: where a wait_update() waits for those
         under way, after it."""
         with self._lock:
-            me = threading.get_ident()
-            if not self._calls.get(me):
+            if not self._calls.get(threading.get_ident()):
                 while self._taking:
                     self._freed.wait()
-            self._calls[me] = self._calls.get(me, 0) + 1
+            _enter(self._calls)
 
     def _end_call(self) -> None:
         with self._lock:
-            me = threading.get_ident()
-            if self._calls[me] > 1:
-                self._calls[me] -= 1
-            else:
-                del self._calls[me]
-                if self._waiting:
-                    self._freed.notify_all()
+            if _leave(self._calls) and self._waiting:
+                self._freed.notify_all()
 
     def _warn_autograd(self, unit: _Unit, args, kwargs) -> None:
         """Once: autograd keeps what a backward needs (the weights, where an input requires grad)
@@ -524,19 +518,14 @@ class Managed:
             if following is not None and not following.ready and following.pending is None:
                 self._prefetch(following, current=unit)
             unit.in_use += 1  # last: a unit whose hook raised is not in use
-            me = threading.get_ident()
-            self._running[me] = self._running.get(me, 0) + 1
+            _enter(self._running)
             self._idle.pop(unit, None)
             self._figures["hook_seconds"] += time.perf_counter() - started
 
     def _done(self, unit: _Unit) -> None:
         with self._lock:
             unit.in_use -= 1
-            me = threading.get_ident()
-            if self._running[me] == 1:
-                del self._running[me]
-            else:
-                self._running[me] -= 1
+            _leave(self._running)
             if unit.in_use == 0 and unit.ready:
                 self._idle.pop(unit, None)
                 self._idle[unit] = None
@@ -793,6 +782,22 @@ def _enclosing(path: str) -> list[str]:
     """The names of the modules around module `path`, the outermost first: "", "a", "a.b" for "a.b.c"."""
     parts = path.split(".") if path else []
     return [".".join(parts[:depth]) for depth in range(len(parts))]
+
+
+def _enter(depths: dict[int, int]) -> None:
+    """This thread one level deeper in `depths` (the threads inside something, and how deep)."""
+    me = threading.get_ident()
+    depths[me] = depths.get(me, 0) + 1
+
+
+def _leave(depths: dict[int, int]) -> bool:
+    """This thread one level out of `depths`; True where it is out altogether."""
+    me = threading.get_ident()
+    if depths[me] > 1:
+        depths[me] -= 1
+        return False
+    del depths[me]
+    return True
 
 
 def _forward_methods(module: nn.Module, names) -> list[tuple[nn.Module, str]]:
