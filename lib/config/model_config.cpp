@@ -158,6 +158,15 @@ void read_vram(TableReader& root, const DaemonConfig& daemon, const Dtype& base_
 
 std::string dtype_str(const Dtype& dtype) { return dtype ? std::string(storage::torch_dtype_name(*dtype)) : "auto"; }
 
+std::string where(const ModelConfig& config, std::string_view key) {
+  for (std::string path(key);; path.resize(path.rfind('.'))) {
+    if (const auto it = config.positions.find(path); it != config.positions.end())
+      return escape_invalid_utf8(config.path) + ":" + std::to_string(it->second.first) + ":" +
+             std::to_string(it->second.second);
+    if (path.find('.') == std::string::npos) return escape_invalid_utf8(config.path);
+  }
+}
+
 bool rests_for_clients(const ModelConfig& config) {
   const VramConfig& vram = config.vram;
   return config.architecture == "weights" && (vram.limit || vram.preparing.dtype != vram.computation.dtype ||
@@ -203,6 +212,7 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
 
   ModelConfig config;
   config.path = path;
+  note_positions(*document, "", config.positions);
   const fs::path folder = fs::absolute(path).parent_path();
   TableReader root(*document, "", problems);
 

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -75,7 +76,14 @@ struct ModelConfig {
   ResidencyConfig residency;
   PartitionConfig partition;
   std::string arch_json;  // the [arch] overrides as a JSON object ("{}" when none)
+  // Where each key stands in the file, by its dotted path ("vram.limit", "vram.onload.device"):
+  // {line, column}, for the problems found once the file is read (a plan, a budget): where().
+  std::map<std::string, std::pair<uint32_t, uint32_t>> positions;
 };
+
+// "<path>:<line>:<column>" of `key` (a dotted path) in the config's file; of the nearest table
+// above it that the file has ("vram" for "vram.limit" left out); else the file's path alone.
+std::string where(const ModelConfig& config, std::string_view key);
 
 // A model of architecture "weights" with a [vram] table that streams (a limit, a state in a
 // dtype other than the computation's, or GGUF blocks kept packed): the daemon computes nothing

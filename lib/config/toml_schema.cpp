@@ -214,6 +214,15 @@ std::optional<toml::table> parse_toml_text(std::string_view text, const std::str
   }
 }
 
+void note_positions(const toml::table& table, const std::string& prefix,
+                    std::map<std::string, std::pair<uint32_t, uint32_t>>& out) {
+  for (const auto& [key, value] : table) {
+    const std::string path = prefix + std::string(key.str());
+    out[path] = {key.source().begin.line, key.source().begin.column};
+    if (const toml::table* inner = value.as_table()) note_positions(*inner, path + ".", out);
+  }
+}
+
 std::optional<std::string> did_you_mean(std::string_view word, const std::vector<std::string_view>& candidates) {
   std::optional<std::string> best;
   size_t best_distance = std::max<size_t>(2, word.size() / 3) + 1;

@@ -8,6 +8,7 @@
 #include <toml++/toml.h>
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -76,6 +77,11 @@ class TableReader {
 // Parses a file, or reports its syntax error in `problems` and returns nullopt.
 std::optional<toml::table> parse_toml_file(const std::string& path, Problems& problems);
 std::optional<toml::table> parse_toml_text(std::string_view text, const std::string& path, Problems& problems);
+
+// {line, column} of every key in `table` and the tables within it, by its dotted path under
+// `prefix` ("vram.onload.device"), into `out`.
+void note_positions(const toml::table& table, const std::string& prefix,
+                    std::map<std::string, std::pair<uint32_t, uint32_t>>& out);
 
 // The nearest of `candidates` to `word` when it is close enough to be a likely typo.
 std::optional<std::string> did_you_mean(std::string_view word, const std::vector<std::string_view>& candidates);

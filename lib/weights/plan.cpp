@@ -34,7 +34,7 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   }
   const bool fits = stats.total <= limit && largest_copy <= limit - stats.total;
   if (!fits && limit < largest)
-    fail(config.path, "vram.limit = " + format_bytes(limit) + " cannot hold the largest layer (" +
+    fail(config::where(config, "vram.limit"), "vram.limit = " + format_bytes(limit) + " cannot hold the largest layer (" +
                           format_bytes(biggest->prepared) + " in " + prepared_dtype +
                           (biggest->copy ? " plus its " + format_bytes(biggest->copy) + " copy in " + dtype +
                                                " while it computes"
@@ -42,7 +42,7 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
                           "); raise it to at least " + (biggest->copy ? format_bytes(largest) : "that"));
   const bool onload_on_disk = vram.onload.device.is_disk();
   if (!fits && vram.onload.device == vram.computation.device && !vram.onload_limit)
-    fail(config.path, "vram.onload.device = " + vram.onload.device.str() + " is the computation device, so every weight would count against "
+    fail(config::where(config, "vram.onload.device"), "vram.onload.device = " + vram.onload.device.str() + " is the computation device, so every weight would count against "
                       "vram.limit (" + format_bytes(limit) + " < " + format_bytes(stats.total) +
                       (stats.total <= limit ? " plus a " + format_bytes(largest_copy) + " computation copy" : "") +
                       "); set onload = { device = \"disk\" } or another device" +
@@ -106,7 +106,7 @@ PartitionPlan plan_partition(const PartitionSizes& sizes, const config::ModelCon
   }
   const uint64_t limit = config.vram.limit.value_or(UINT64_MAX);
   if (plan.resting + plan.largest > limit)
-    fail(config.path, "[vram].limit " + format_bytes(limit) + " cannot hold this rank's " + format_bytes(plan.resting) +
+    fail(config::where(config, "vram.limit"), "[vram].limit " + format_bytes(limit) + " cannot hold this rank's " + format_bytes(plan.resting) +
                           " of slices and replicated parameters plus the largest layer gathered whole (" +
                           format_bytes(plan.largest) + "); raise it to at least " +
                           format_bytes(plan.resting + plan.largest) + ", or partition across more ranks");

@@ -42,7 +42,7 @@ void check_packed(const Source& source, const config::ModelConfig& config) {
     return;
   bool blocks = false;
   for (const auto& info : source.map.tensors()) blocks = blocks || storage::dtype_block(info.dtype) != 1;
-  fail(config.path, std::string("vram.") + key + ".packed = true, but no weight of " + source.map.description() +
+  fail(config::where(config, std::string("vram.") + key + ".packed"), std::string("vram.") + key + ".packed = true, but no weight of " + source.map.description() +
                         " can stay packed: " +
                         (blocks ? "the converter's expressions cut the rows of its GGUF blocks apart, or change their values"
                                 : "it holds no GGUF block-quantized tensor (Q4_0 ... Q6_K)") +

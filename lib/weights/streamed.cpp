@@ -93,7 +93,7 @@ std::vector<SlotBytes> slot_bytes(const model::Model& model, const Source& sourc
   const auto parts = layer_parts(model, source);
   const bool routed = std::any_of(model.layers().begin(), model.layers().end(), [](auto& l) { return l->routed(); });
   if (config.vram.experts_on_cpu && !routed)
-    fail(config.path, "vram.experts = \"cpu\", but " + quote(model.architecture()) + " has no experts to compute there");
+    fail(config::where(config, "vram.experts"), "vram.experts = \"cpu\", but " + quote(model.architecture()) + " has no experts to compute there");
   std::vector<SlotBytes> slots;
   for (size_t l = 0; l < model.layers().size(); ++l) {
     SlotBytes slot;

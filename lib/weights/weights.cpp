@@ -28,11 +28,11 @@ std::shared_ptr<Weights> partitioned(model::Model& model, std::shared_ptr<Source
                                      const model::LoadOptions& options) {
   const int ranks = config.partition.world_size;
   if (!options.group)
-    fail(config.path, "[partition].world_size = " + std::to_string(ranks) + " needs a group of " + std::to_string(ranks) +
+    fail(config::where(config, "partition.world_size"), "[partition].world_size = " + std::to_string(ranks) + " needs a group of " + std::to_string(ranks) +
                           " vramd processes, and this one runs alone (start them as torchrun does, with RANK, WORLD_SIZE, "
                           "MASTER_ADDR and MASTER_PORT, or try `vramctl run --ranks " + std::to_string(ranks) + "`)");
   if (options.group->size() != ranks)
-    fail(config.path, "[partition].world_size = " + std::to_string(ranks) + ", but this group has " +
+    fail(config::where(config, "partition.world_size"), "[partition].world_size = " + std::to_string(ranks) + ", but this group has " +
                           std::to_string(options.group->size()) + " ranks");
   const std::string name = options.partition_name.empty() ? "load/" + config.name : options.partition_name;
   auto communicator = std::make_shared<dist::Communicator>(options.group, name, config.partition.timeout);
@@ -67,7 +67,7 @@ model::VramStats plan_for_clients(const model::Model& model, const Source& sourc
     stats.total += unit.computed;
   }
   if (stats.limit && largest > stats.limit)
-    fail(config.path, "vram.limit = " + format_bytes(stats.limit) + " cannot hold the largest unit (" +
+    fail(config::where(config, "vram.limit"), "vram.limit = " + format_bytes(stats.limit) + " cannot hold the largest unit (" +
                           format_bytes(largest) + " in " + plan.dtype +
                           "), which each client that manages the model computes whole; raise it to at least that");
   // What rests in host memory: the onload dtype, GGUF blocks packed where that state keeps them.

@@ -152,7 +152,7 @@ def test_check_plans_a_model_resting_for_its_clients_and_refuses_a_limit_below_i
         "      plan: rests in host memory in bfloat16 (648 B) for the clients that manage it: 1 unit, the largest 1.27 KiB in "
         "float32 on cpu; limit 2.00 KiB\n"
         f"FAIL  {models / 'tight.toml'}\n"
-        f"      {models / 'tight.toml'}: vram.limit = 1.00 KiB cannot hold the largest unit (1.27 KiB in float32), which "
+        f"      {models / 'tight.toml'}:5:1: vram.limit = 1.00 KiB cannot hold the largest unit (1.27 KiB in float32), which "
         "each client that manages the model computes whole; raise it to at least that\n")
     doc = json.loads(vramctl("check", models / "fits.toml", "--json", "--daemon-config", tmp_path / "vramd.toml").stdout)
     assert doc["configs"][0]["plan"].startswith("rests in host memory in bfloat16")

@@ -198,8 +198,9 @@ def test_experts_on_the_cpu_are_planned_beside_a_gpu_model_and_refused_where_the
     assert done.returncode == 1 and "this model computes on the CPU already" in done.stdout, done.stdout
     llama = hf_models.make("llama", "float32", tmp_path)
     done = check(f'checkpoint = "{llama / "model"}"\n{cuda}')
-    assert done.returncode == 1 and "vram.experts = \"cpu\", but 'llama' has no experts to compute there" in done.stdout, \
-        done.stdout
+    # Found once the model is built, and named where the file says it (line 4, column 1).
+    assert done.returncode == 1 and f"{config}:4:1: vram.experts = \"cpu\", but 'llama' has no experts to compute there" \
+        in done.stdout, done.stdout
 
 
 @pytest.mark.cuda

@@ -104,7 +104,9 @@ def test_one_forward_reads_each_streamed_layer_once(witnesses, tmp_path):
 
 def test_the_largest_layer_must_fit(witnesses, tmp_path):
     error = run(witnesses["llama", "float32"], tmp_path, streamed('"100KiB"'), expect_ok=False)
-    assert "vram.limit = 100.00 KiB cannot hold the largest layer (250.00 KiB in float32); raise it to at least that" in error
+    # Named where the file sets it, as every problem of a config is (line 5 of run()'s config).
+    assert (f"{tmp_path / 'model.toml'}:5:1: vram.limit = 100.00 KiB cannot hold the largest layer (250.00 KiB in "
+            "float32); raise it to at least that") in error, error
 
 
 def test_onload_on_the_computation_device_is_refused_when_it_cannot_fit(witnesses, tmp_path):

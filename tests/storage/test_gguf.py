@@ -634,7 +634,7 @@ def test_packed_true_on_a_checkpoint_without_gguf_blocks_is_an_error_naming_it(t
     config.write_text('checkpoint = "f32.gguf"\n[vram]\npreparing = { packed = true }\n')
     result = vramctl("check", config, "--daemon-config", CONFIGS / "vramd.toml")
     assert result.returncode == 1
-    assert (f"{config}: vram.preparing.packed = true, but no weight of {tmp_path / 'f32.gguf'} can stay packed: it holds "
+    assert (f"{config}:3:15: vram.preparing.packed = true, but no weight of {tmp_path / 'f32.gguf'} can stay packed: it holds "
             "no GGUF block-quantized tensor (Q4_0 ... Q6_K); remove packed = true") in result.stdout, result.stdout
 
 
