@@ -18,10 +18,11 @@ const char* why_held(const Holder& h) {
 }  // namespace
 
 RoomPlan plan_room(const RoomRequest& request, const std::vector<Holder>& holders) {
-  const std::string what =
-      "model " + quote(request.model) + " needs " + format_bytes(request.bytes) + " on " + request.device;
+  const std::string what = "model " + quote(request.model) + " needs " +
+                           format_bytes_beside(request.bytes, request.budget) + " on " + request.device;
   if (request.bytes > request.budget)
-    return {{}, what + ", more than the daemon's whole budget for it (" + format_bytes(request.budget) + ")"};
+    return {{}, what + ", more than the daemon's whole budget for it (" +
+                    format_bytes_beside(request.budget, request.bytes) + ")"};
   uint64_t in_use = 0;
   for (const auto& h : holders) in_use += h.bytes + h.reserved;
   const uint64_t free = request.budget - std::min(request.budget, in_use);
@@ -55,7 +56,8 @@ RoomPlan plan_room(const RoomRequest& request, const std::vector<Holder>& holder
     in_use_by += (in_use_by.empty() ? "" : ", ") + h.name + " " + format_bytes(held) + " (" + why_held(h) + ")";
   }
   return {{},
-          what + " but only " + format_bytes(free + planned) + " of its budget of " + format_bytes(request.budget) +
+          what + " but only " + format_bytes_beside(free + planned, request.bytes) + " of its budget of " +
+              format_bytes(request.budget) +
               " can be freed; in use: " + (in_use_by.empty() ? "nothing else" : in_use_by)};
 }
 

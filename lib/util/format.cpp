@@ -22,6 +22,12 @@ std::string format_bytes(uint64_t bytes) {
   return text;
 }
 
+std::string format_bytes_beside(uint64_t bytes, uint64_t other) {
+  std::string text = format_bytes(bytes);
+  if (bytes != other && bytes >= 1024 && text == format_bytes(other)) text += " (" + std::to_string(bytes) + " bytes)";
+  return text;
+}
+
 std::string counted(uint64_t count, std::string_view noun) {
   return std::to_string(count) + " " + std::string(noun) + (count == 1 ? "" : "s");
 }

@@ -12,6 +12,10 @@ namespace vramd {
 // "1.50 GiB", "512 B": binary units, two decimals above bytes.
 std::string format_bytes(uint64_t bytes);
 
+// format_bytes(bytes), with the exact count beside it where `other`, the size it is compared with
+// in the same message, would print the same though it differs: "1.00 GiB (1074790400 bytes)".
+std::string format_bytes_beside(uint64_t bytes, uint64_t other);
+
 // "1 tensor", "2 tensors": a count and its noun, plural unless the count is 1 (nouns in -s alone).
 std::string counted(uint64_t count, std::string_view noun);
 

@@ -50,6 +50,18 @@ TEST_CASE("eviction refuses a model larger than the whole budget") {
         "model 'new' needs 101.00 MiB on cuda:0, more than the daemon's whole budget for it (100.00 MiB)");
 }
 
+TEST_CASE("eviction prints sizes it compares precisely enough to differ") {
+  // A 1025 MiB reservation against a 1024 MiB budget: "1.00 GiB" both, unless the bytes are said.
+  CHECK(plan_room(ask(1025, 1024), {}).error ==
+        "model 'new' needs 1.00 GiB (1074790400 bytes) on cuda:0, more than the daemon's whole budget for it "
+        "(1.00 GiB (1073741824 bytes))");
+  auto pinned = idle("a", 2, 1);
+  pinned.pinned = true;
+  CHECK(plan_room(ask(1025, 1026), {pinned}).error ==
+        "model 'new' needs 1.00 GiB (1074790400 bytes) on cuda:0 but only 1.00 GiB (1073741824 bytes) of its budget of "
+        "1.00 GiB can be freed; in use: a 2.00 MiB (pinned)");
+}
+
 TEST_CASE("eviction offloads models that sleep elsewhere before unloading any") {
   auto same_device = idle("a", 30, 1);  // least recently used, but its offload state is on cuda:0
   same_device.offload_device = "cuda:0";
