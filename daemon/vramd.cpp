@@ -21,6 +21,7 @@
 #include "util/log.hpp"
 #include "util/torch_cuda.hpp"
 #include "util/utf8.hpp"
+#include "weights/holdings.hpp"
 
 namespace fs = std::filesystem;
 
@@ -41,6 +42,7 @@ int check(const vramd::config::DaemonConfig& config) {
     try {
       auto model = vramd::config::load_model_config(file.string(), config);
       auto dry = vramd::model::dry_run(model);
+      vramd::weights::check_budgets(model, dry, config);
       std::cout << "valid    " << model.name << "  " << dry.architecture << ", " << dry.dtype << ", "
                 << vramd::format_bytes(dry.report.bytes) << " in " << vramd::counted(dry.report.tensors, "tensor") << "  ("
                 << vramd::escape_invalid_utf8(file.string()) << ")\n";

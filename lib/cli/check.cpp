@@ -12,6 +12,7 @@
 #include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/utf8.hpp"
+#include "weights/holdings.hpp"
 
 namespace vramd::cli {
 namespace {
@@ -40,6 +41,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       try {
         // The whole load short of reading data: converter, architecture, names, shapes, dtypes.
         auto dry = model::dry_run(model);
+        weights::check_budgets(model, dry, daemon);
         verdict.tensors = dry.report.tensors;
         verdict.bytes = dry.report.bytes;
         verdict.architecture = dry.architecture + ", " + dry.dtype;

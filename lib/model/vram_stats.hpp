@@ -11,7 +11,7 @@ namespace vramd::model {
 
 struct VramStats {
   uint64_t limit = 0;            // 0: none
-  uint64_t total = 0;            // bytes of every slot prepared, plus one computation copy
+  uint64_t total = 0;            // bytes of every slot prepared (partitioned: resting, plus the largest gather)
   uint64_t resident = 0;         // kept prepared on the computation device
   uint64_t streaming = 0;        // room kept for streaming and computation copies
   size_t slots = 0, resident_slots = 0;

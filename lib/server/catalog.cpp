@@ -7,6 +7,7 @@
 #include "util/file.hpp"
 #include "util/log.hpp"
 #include "util/utf8.hpp"
+#include "weights/holdings.hpp"
 
 namespace vramd::server {
 namespace fs = std::filesystem;
@@ -44,7 +45,9 @@ std::vector<ConfigFile> examine_folder(const config::DaemonConfig& daemon, const
     if (const auto it = known.find(file); skip_unchanged && it != known.end() && it->second == v.text) continue;
     try {
       auto config = config::load_model_config(file, v.text, daemon);
-      v.dry = model::dry_run(config);
+      auto dry = model::dry_run(config);
+      weights::check_budgets(config, dry, daemon);  // it could never load
+      v.dry = std::move(dry);
       v.config = std::move(config);
     } catch (const std::exception& e) {
       v.error = e.what();

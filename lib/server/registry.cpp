@@ -223,26 +223,28 @@ void Registry::submit(Entry& entry, Job job) {
 
 namespace {
 
-// Whether `e` holds its weights in their computation state: loaded and not asleep.
-bool in_computation(const Entry& e) { return e.runtime && e.config && e.dry && e.state != ModelState::Offloaded; }
-
-// What `e` counts against each device's budget (server/charges.hpp), without its reservation.
-DeviceBytes held_charges(const Entry& e) {
-  return charges(e.bytes, in_computation(e) ? computation_charges(*e.config, *e.dry) : DeviceBytes{}, {});
+// What `e`'s weights can hold in the state they are in (weights/holdings.hpp): awake, what its
+// plan can fill; asleep, what they hold where they sleep, which cannot grow; while an unload or a
+// new config's load frees them on the worker, what they held ("freeing"); none once unloaded.
+Holdings holdings(const Entry& e) {
+  Holdings held;
+  if (!e.runtime || e.state == ModelState::Offloaded) {
+    for (const auto& [device, bytes] : e.bytes) held[device][e.runtime ? "offload" : "freeing"] = bytes;
+    return held;
+  }
+  return e.config && e.dry ? weights::awake_holdings(*e.config, *e.dry, e.vram) : held;
 }
 
-uint64_t on(const DeviceBytes& bytes, const std::string& device) {
-  const auto it = bytes.find(device);
-  return it == bytes.end() ? 0 : it->second;
-}
-
-// What `e` holds back: room for its job, and what its leases' clients use on their devices.
-DeviceBytes reservations(const Entry& e) {
-  DeviceBytes reserved = e.reserved;
+// What `e`'s leases' clients use on their devices.
+DeviceBytes lease_room(const Entry& e) {
+  DeviceBytes reserved;
   for (const auto& [id, lease] : e.leases)
     for (const auto& [device, bytes] : lease.reserved) reserved[device] += bytes;
   return reserved;
 }
+
+// What `e` counts now, without what it holds back (its job's room, its clients' use).
+DeviceBytes held_charges(const Entry& e) { return weights::totals(charge(holdings(e), e.bytes, {}, {})); }
 
 // A lease that takes updates in place and one that keeps its values cannot share a model's GPU
 // memory: what the lease `job` asks for would clash with, said, or nothing.
@@ -262,14 +264,12 @@ std::optional<std::string> in_place_clash(const Entry& entry, const Job& job) {
 
 }  // namespace
 
-DeviceBytes Registry::charged(const Entry& e) const {
-  return charges(e.bytes, in_computation(e) ? computation_charges(*e.config, *e.dry) : DeviceBytes{}, reservations(e));
-}
+Holdings charged(const Entry& e) { return charge(holdings(e), e.bytes, e.reserved, lease_room(e)); }
 
 DeviceBytes Registry::used() const {
-  DeviceBytes total;
+  DeviceBytes total = releasing_;
   for (const auto& [name, entry] : entries_)
-    for (const auto& [device, bytes] : charged(*entry)) total[device] += bytes;
+    for (const auto& [device, bytes] : weights::totals(charged(*entry))) total[device] += bytes;
   return total;
 }
 
@@ -285,13 +285,13 @@ Holder Registry::holder_on(const Entry& e, const std::string& device, const Devi
   const bool ready = e.state == ModelState::Ready;
   return {.name = e.name,
           .bytes = on(held_charges(e), device),
-          .reserved = on(reservations(e), device),
+          .reserved = on(e.reserved, device) + on(lease_room(e), device),
           .last_used = e.last_used,
           .loaded = e.runtime && e.config,
           .ready = ready,
           .offload_device = e.config ? e.config->vram.offload.device.str() : "",
           // Sleeping it must fit where it sleeps (on another device than the one asked for).
-          .offload_fits = ready && e.config && e.dry && fits(offload_charges(*e.config, *e.dry), used),
+          .offload_fits = ready && e.config && e.dry && fits(weights::totals(weights::asleep_holdings(*e.config, *e.dry)), used),
           .pinned = e.config && e.config->residency.pinned,
           .leased = !e.leases.empty(),
           .busy = e.busy || !e.queue.empty(),
@@ -302,9 +302,8 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
   const auto budget = config_.budgets.find(device);
   if (budget == config_.budgets.end()) return true;  // no budget: the device's own size is the limit
   const DeviceBytes use = used();
-  // Values being freed still hold their pages: wait for them rather than evict for them.
-  if (const uint64_t freeing = on(releasing_, device); freeing && on(use, device) + freeing + need > budget->second)
-    return false;
+  // Values being freed still hold their pages (counted in `use`): wait for them rather than evict for them.
+  if (on(releasing_, device) && on(use, device) + need > budget->second) return false;
   std::vector<Holder> holders;
   for (const auto& [name, e] : entries_) holders.push_back(holder_on(*e, device, use));
   const RoomPlan plan = plan_room({entry.name, device, need, budget->second}, holders);
@@ -394,8 +393,9 @@ void Registry::pump(Entry& entry) {
     // the offload device. The budget counts it from now on (as reserved, then as held).
     // A lease may also hold room for what its managed client uses on its own device.
     std::optional<DeviceBytes> expected;
-    if (job.needs_weights() && !resident) expected = computation_charges(*entry.config, *entry.dry);
-    else if (job.kind == Job::Kind::Offload && entry.state == ModelState::Ready) expected = offload_charges(*entry.config, *entry.dry);
+    if (job.needs_weights() && !resident) expected = weights::totals(weights::awake_holdings(*entry.config, *entry.dry, entry.runtime ? entry.vram : std::nullopt));
+    else if (job.kind == Job::Kind::Offload && entry.state == ModelState::Ready)
+      expected = weights::totals(weights::asleep_holdings(*entry.config, *entry.dry));
     if (expected || !job.reserve.empty()) {
       try {
         if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve)) {
@@ -776,17 +776,18 @@ json Registry::devices_json() const {
   json devices = json::object();
   std::set<std::string> names;
   for (const auto& [device, budget] : config_.budgets) names.insert(device);
+  for (const auto& [device, bytes] : releasing_) names.insert(device);
   std::map<std::string, DeviceBytes> charges;  // by model
-  DeviceBytes use;
+  DeviceBytes use = releasing_;
   for (const auto& [name, e] : entries_) {
-    charges[name] = charged(*e);
+    charges[name] = weights::totals(charged(*e));
     for (const auto& [device, bytes] : charges[name]) {
       names.insert(device);
       use[device] += bytes;
     }
   }
   for (const auto& device : names) {
-    json models = json::object();  // what each model counts, which adds up to `used`
+    json models = json::object();  // what each model counts, which with `releasing` adds up to `used`
     for (const auto& [name, bytes] : charges)
       if (const uint64_t b = on(bytes, device)) models[name] = b;
     const auto budget = config_.budgets.find(device);

@@ -102,6 +102,11 @@ struct Entry {
   double forward_seconds = 0, load_seconds = 0, update_seconds = 0;
 };
 
+// What the entry counts against each device's budget, by part (server/charges.hpp): what its
+// weights can hold in their state, what they hold past that, and what it holds back for its job
+// and its leases' clients. `used` is the sum of these and of the values being freed.
+Holdings charged(const Entry& entry);
+
 class Registry {
  public:
   Registry(uv_loop_t* loop, const config::DaemonConfig& config);
@@ -153,10 +158,8 @@ class Registry {
   // now, and for `extra` (a lease's room for its client), reserved for its next job: true once
   // reserved; else as make_room.
   bool reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra = {});
-  // What the entry counts against each device's budget: its charges plus its reservation.
-  DeviceBytes charged(const Entry& entry) const;
-  // The sum of every entry's charge on each device: one pass over the entries, so that a
-  // question asked of each entry (holder_on) is not one pass each.
+  // The sum of every entry's charge on each device, and the values being freed (releasing_): one
+  // pass over the entries, so that a question asked of each entry (holder_on) is not one pass each.
   DeviceBytes used() const;
   bool fits(const DeviceBytes& more, const DeviceBytes& used) const;  // beside `used`, within every budget
   Holder holder_on(const Entry& entry, const std::string& device, const DeviceBytes& used) const;  // server/eviction.hpp

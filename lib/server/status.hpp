@@ -17,6 +17,9 @@ namespace vramd::server {
 nlohmann::json entry_json(const Entry& entry);
 // Its line in the daemon's status: state, devices, queue, placement, weights, leases.
 nlohmann::json summary_json(const Entry& entry);
+// What the model counts against each device's budget, by part (server/registry.hpp's charged):
+// {"cpu": {"bytes": N, "parts": {"limit": N, "onload": N, ...}}}.
+nlohmann::json charge_json(const Entry& entry);
 // Streamed or partitioned weights of a loaded model: the plan, bytes held, peak and streaming
 // counters (model/vram_stats.hpp); null otherwise.
 nlohmann::json weights_json(const Entry& entry);

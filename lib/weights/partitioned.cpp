@@ -204,6 +204,7 @@ PartitionedWeights::PartitionedWeights(model::Model& model, std::shared_ptr<Sour
   stats_.resident = plan.resting;
   stats_.streaming = plan.largest;
   stats_.total = plan.resting + plan.largest;
+  if (!sizes.slices_on_device && !config.vram.onload.device.is_disk()) stats_.onload = plan.slices;
   stats_.slots = uses_.size();
   count_held();
   stats_.plan = describe();
@@ -219,9 +220,14 @@ PartitionedWeights::~PartitionedWeights() {
   for (const auto& layer : model_.layers()) layer->set_manager(nullptr);
 }
 
+// What is held on the computation device (counted as the limit is kept), and the slices resting
+// anywhere else: in the onload state, or asleep in the offload state.
 std::map<std::string, uint64_t> PartitionedWeights::bytes_by_device() const {
-  if (!stats_.held) return {};
-  return {{device_.str(), stats_.held}};
+  std::map<std::string, uint64_t> bytes;
+  if (stats_.held) bytes[device_.str()] = stats_.held;
+  for (const auto& unit : units_)
+    if (unit->held.defined() && unit->held.device() != device_) bytes[unit->held.device().str()] += unit->held.nbytes();
+  return bytes;
 }
 
 // Every rank takes the same update (rank 0 hands its bytes to the others, server/runtime.cpp),

@@ -19,6 +19,7 @@
 #include "util/clock.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
+#include "weights/holdings.hpp"
 #include "weights/lease.hpp"
 #include "weights/plan.hpp"
 #include "weights/source.hpp"
@@ -32,6 +33,9 @@ using model::VramStats;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+static_assert(kHostStagingBytes == storage::DeviceStaging::kBuffers * storage::DeviceStaging::kBufferBytes,
+              "the budget charges a streamed model's staging buffers at DeviceStaging's size");
 
 std::string dtype_text(c10::ScalarType type) { return storage::torch_name(type); }
 
@@ -317,15 +321,19 @@ void StreamedWeights::note_locked(const Slot& slot, const char* kind) {
 
 // Makes room for `bytes` more on the computation device: drops spare buffers, then (for an op
 // that needs them now) prefetched slots, furthest ahead first, then waits for loads under way.
-// A prefetch (`needed` null) neither evicts nor waits.
+// A prefetch (`needed` null) neither evicts nor waits. Without a limit every slot is prepared and
+// only computation copies are claimed, one op's at a time: spares are kept within what stays
+// prepared and the room kept for those copies (what the budget charges), and nothing waits.
 bool StreamedWeights::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_t bytes, const Slot* needed) {
-  while (in_use_ + bytes > limit_) {
+  const uint64_t cap = limit_ == UINT64_MAX ? stats_.resident + stats_.streaming : limit_;
+  while (in_use_ + bytes > cap) {
     if (!spares_.empty()) {
       in_use_ -= spares_.back().nbytes();
       stats_.staging -= spares_.back().nbytes();
       spares_.pop_back();
       continue;
     }
+    if (limit_ == UINT64_MAX) break;
     if (!needed) return false;
     // Furthest ahead first; an expert expected soon last.
     Slot* victim = nullptr;
@@ -553,15 +561,15 @@ void StreamedWeights::expect(std::span<const Layer* const> layers) {
 }
 
 // After the op of a streamed expert: keeps it prepared in place of the resident expert routed to
-// least often, when it was routed to more often and is no smaller (a view of the checkpoint's
+// least often, when it was routed to more often and is of the same size (a view of the checkpoint's
 // pages copied into memory of its own, as resident weights are). The one made to stream rests
 // where the other did (in the onload state, or re-read from the checkpoint, which an updated
-// model's weights no longer are: then nothing changes). Bytes on the computation device only
-// shrink, so the limit holds.
+// model's weights no longer are: then nothing changes). Neither the bytes on the computation
+// device nor those in the onload state change, so the limit and the charge hold.
 bool StreamedWeights::promote_locked(Slot& slot) {
   Slot* coldest = nullptr;
   for (const auto& other : slots_)
-    if (other->routed && other->resident && other->bytes >= slot.bytes && (!coldest || other->uses < coldest->uses))
+    if (other->routed && other->resident && other->bytes == slot.bytes && (!coldest || other->uses < coldest->uses))
       coldest = other.get();
   if (!coldest || coldest->uses >= slot.uses || (slot.held.empty() && updated_)) return false;
   for (auto& t : slot.tensors)  // a view of the page cache is no copy of its own: made one (CPU)
@@ -705,10 +713,23 @@ std::optional<VramStats> StreamedWeights::stats() const {
   return now;
 }
 
+// Counted from the tensors themselves, apart from the plan that weights/holdings.hpp charges:
+// the bytes on the computation device (under the limit), every copy resting in the onload state
+// (or, asleep, the offload state), wherever it is, the experts computed on the CPU, and the
+// pinned buffers reads to a GPU go through.
 std::map<std::string, uint64_t> StreamedWeights::bytes_by_device() const {
-  std::lock_guard lock(mutex_);
-  if (!in_use_) return {};
-  return {{device_.str(), in_use_}};
+  std::map<std::string, uint64_t> bytes;
+  {
+    std::lock_guard lock(mutex_);
+    if (in_use_) bytes[device_.str()] += in_use_;
+    for (const auto& slot : slots_)
+      for (const auto& t : slot->held) bytes[t.device().str()] += t.nbytes();
+  }
+  if (staging_) {
+    std::lock_guard staging(staging_mutex_);
+    if (const uint64_t host = staging_->host_bytes()) bytes["cpu"] += host;
+  }
+  return bytes;
 }
 
 // Written where each weight rests, in that state's dtype: a resident slot's prepared tensors on

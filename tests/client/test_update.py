@@ -436,7 +436,7 @@ def test_a_load_waits_for_the_values_an_update_replaced_to_be_freed(served, tmp_
             # Its new values go beside the old, views of the checkpoint's mapping, which the
             # budget counts until that thread has freed them after the answer.
             client.update("m", served["changed"], via="body")
-            assert cpu()["used"] == 857344 and cpu()["releasing"] == 857344, cpu()
+            assert cpu()["used"] == 2 * 857344 and cpu()["releasing"] == 857344, cpu()
             # n would fit beside m alone, not beside the values still held: its load waits for
             # them, rather than pass the budget or unload m.
             loading = threading.Thread(target=lambda: loaded.append(vramd.connect(d.sock).load("n")))

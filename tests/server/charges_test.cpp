@@ -5,57 +5,44 @@
 using namespace vramd;
 using namespace vramd::server;
 
-namespace {
-
-constexpr uint64_t MiB = 1 << 20;
-
-// A model of 100 MiB in bfloat16 computed on cuda:0, resting on the host.
-std::pair<config::ModelConfig, model::DryRun> model_on_gpu() {
-  config::ModelConfig config;
-  config.vram.computation.device = config.vram.preparing.device = config::Device::named("cuda:0");
-  config.vram.onload.device = config.vram.offload.device = config::Device::named("cpu");
-  model::DryRun dry;
-  dry.dtype = "bfloat16";
-  dry.report.bytes = 100 * MiB;
-  return {config, dry};
-}
-
-}  // namespace
-
-TEST_CASE("a resident model is charged its weights on the computation device") {
-  const auto [config, dry] = model_on_gpu();
-  CHECK(computation_charges(config, dry) == DeviceBytes{{"cuda:0", 100 * MiB}});
-}
-
-TEST_CASE("a streamed model is charged its whole limit and its onload copies") {
-  auto [config, dry] = model_on_gpu();
-  dry.weights.emplace();
-  dry.weights->limit = 30 * MiB;
-  dry.weights->total = 101 * MiB;
-  dry.weights->onload = 80 * MiB;
-  CHECK(computation_charges(config, dry) == DeviceBytes{{"cuda:0", 30 * MiB}, {"cpu", 80 * MiB}});
-  dry.weights->total = 20 * MiB;  // a plan below its limit may still fill it (GGUF blocks unpacked)
-  CHECK(computation_charges(config, dry).at("cuda:0") == 30 * MiB);
-  dry.weights->total = 101 * MiB;
-  config.vram.onload.device = config::Device::named("disk");  // streamed from the checkpoint: nothing on the host
-  CHECK(computation_charges(config, dry) == DeviceBytes{{"cuda:0", 30 * MiB}});
-  dry.weights->limit = 0;  // a preparing dtype of its own and no limit: all of it prepared
-  CHECK(computation_charges(config, dry) == DeviceBytes{{"cuda:0", 101 * MiB}});
-}
-
-TEST_CASE("a model asleep is charged its weights in the offload dtype where they sleep") {
-  auto [config, dry] = model_on_gpu();
-  CHECK(offload_charges(config, dry) == DeviceBytes{{"cpu", 100 * MiB}});
-  config.vram.offload.dtype = storage::DType::F8_E4M3;
-  CHECK(offload_charges(config, dry) == DeviceBytes{{"cpu", 50 * MiB}});
-  config.vram.offload.dtype = storage::DType::F32;
-  CHECK(offload_charges(config, dry) == DeviceBytes{{"cpu", 200 * MiB}});
-  config.vram.offload.device = config::Device::named("disk");
-  CHECK(offload_charges(config, dry).empty());
-}
-
-TEST_CASE("a charge is what is held, at least the floor, plus what is reserved") {
-  CHECK(charges({{"cuda:0", 10}, {"cpu", 5}}, {{"cuda:0", 30}}, {{"cpu", 7}}) == DeviceBytes{{"cuda:0", 30}, {"cpu", 12}});
-  CHECK(charges({{"cuda:0", 40}}, {{"cuda:0", 30}}, {}) == DeviceBytes{{"cuda:0", 40}});  // held past the floor counts
-  CHECK(charges({{"cpu", 0}}, {}, {}).empty());
+TEST_CASE("a charge is what the weights can hold plus what is held back for the job and the leases") {
+  struct Case {
+    const char* what;
+    Holdings can_hold;
+    DeviceBytes held, job, leases;
+    Holdings charged;
+  };
+  const Case cases[] = {
+      {"nothing loaded, nothing reserved", {}, {}, {}, {}, {}},
+      {"a load under way: its room alone", {}, {}, {{"cpu", 70}}, {}, {{"cpu", {{"job", 70}}}}},
+      {"held below the plan counts the plan",
+       {{"cuda:0", {{"limit", 30}}}, {"cpu", {{"onload", 80}}}},
+       {{"cuda:0", 10}, {"cpu", 80}},
+       {},
+       {},
+       {{"cuda:0", {{"limit", 30}}}, {"cpu", {{"onload", 80}}}}},
+      {"held past the plan is counted, never hidden",
+       {{"cpu", {{"limit", 30}}}},
+       {{"cpu", 45}},
+       {},
+       {},
+       {{"cpu", {{"limit", 30}, {"unplanned", 15}}}}},
+      {"held on a device the plan does not name",
+       {{"cuda:0", {{"weights", 100}}}},
+       {{"cuda:0", 100}, {"cpu", 5}},
+       {},
+       {},
+       {{"cuda:0", {{"weights", 100}}}, {"cpu", {{"unplanned", 5}}}}},
+      {"a job's room and a client's use beside the weights",
+       {{"cpu", {{"weights", 100}}}},
+       {{"cpu", 100}},
+       {{"cpu", 7}},
+       {{"cuda:0", 64}, {"cpu", 3}},
+       {{"cpu", {{"weights", 100}, {"job", 7}, {"leases", 3}}}, {"cuda:0", {{"leases", 64}}}}},
+      {"parts of no bytes are left out", {{"cpu", {{"weights", 0}}}}, {{"cpu", 0}}, {{"cpu", 0}}, {}, {}},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    CHECK(charge(c.can_hold, c.held, c.job, c.leases) == c.charged);
+  }
 }

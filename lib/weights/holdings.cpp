@@ -1,0 +1,83 @@
+#include "weights/holdings.hpp"
+
+#include "util/error.hpp"
+#include "util/format.hpp"
+
+namespace vramd::weights {
+namespace {
+
+void add(Holdings& to, const config::Device& device, const char* part, uint64_t bytes) {
+  if (!device.is_disk() && bytes) to[device.str()][part] += bytes;
+}
+
+// The model's weights in `dtype` (the model's own where none is named), rounded up.
+uint64_t bytes_in(const model::DryRun& dry, const config::Dtype& dtype) {
+  const auto model_dtype = storage::parse_torch_dtype(dry.dtype);
+  if (!dtype || !model_dtype || !storage::dtype_bits(*model_dtype)) return dry.report.bytes;
+  const unsigned from = storage::dtype_bits(*model_dtype), to = storage::dtype_bits(*dtype);
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(dry.report.bytes) * to + from - 1) / from);
+}
+
+const config::Device kCpu = config::Device::named("cpu");
+
+}  // namespace
+
+Holdings awake_holdings(const config::ModelConfig& config, const model::DryRun& dry,
+                        const std::optional<model::VramStats>& loaded) {
+  Holdings out;
+  const config::VramConfig& vram = config.vram;
+  const std::optional<model::VramStats>& plan = loaded ? loaded : dry.weights;
+  if (config::rests_for_clients(config)) {  // whole, in host memory, in the onload dtype (GGUF blocks packed)
+    add(out, kCpu, "resting", plan ? plan->onload : bytes_in(dry, vram.onload.dtype));
+    return out;
+  }
+  if (!plan) {
+    add(out, vram.computation.device, "weights", dry.report.bytes);
+    return out;
+  }
+  // The limit, not the plan's total: the limit is what the weights promise never to pass, and a
+  // model whose packed GGUF layers are unpacked before their ops holds more than its total.
+  // Without one: what stays prepared, and the room kept for computation copies.
+  add(out, vram.computation.device, "limit", plan->limit ? plan->limit : plan->resident + plan->streaming);
+  add(out, vram.onload.device, "onload", plan->onload);
+  add(out, kCpu, "experts", plan->host_experts);
+  if (!vram.computation.device.is_cpu() && plan->slots > plan->resident_slots + plan->host_expert_slots)
+    add(out, kCpu, "host_staging", kHostStagingBytes);  // what its streamed layers are read through
+  return out;
+}
+
+Holdings asleep_holdings(const config::ModelConfig& config, const model::DryRun& dry) {
+  Holdings out;
+  add(out, config.vram.offload.device, "offload", bytes_in(dry, config.vram.offload.dtype));
+  return out;
+}
+
+std::map<std::string, uint64_t> totals(const Holdings& holdings) {
+  std::map<std::string, uint64_t> out;
+  for (const auto& [device, parts] : holdings)
+    for (const auto& [part, bytes] : parts) out[device] += bytes;
+  return out;
+}
+
+void check_budgets(const config::ModelConfig& config, const model::DryRun& dry, const config::DaemonConfig& daemon) {
+  const Holdings holdings = awake_holdings(config, dry);
+  for (const auto& [device, bytes] : totals(holdings)) {
+    const auto budget = daemon.budgets.find(device);
+    if (budget == daemon.budgets.end() || bytes <= budget->second) continue;
+    std::string parts;
+    for (const auto& [part, n] : holdings.at(device)) parts += (parts.empty() ? "" : ", ") + std::string(part) + " " + format_bytes(n);
+    // The key that decides the largest part is the one to change.
+    const char* key = holdings.at(device).contains("onload") && !holdings.at(device).contains("limit") ? "vram.onload"
+                      : config.vram.limit                                                           ? "vram.limit"
+                                                                                                    : "vram";
+    fail(config::where(config, key),
+         "model " + quote(config.name) + " holds up to " + format_bytes_beside(bytes, budget->second) + " on " + device +
+             " (" + parts + "), more than the daemon's whole budget for it (" +
+             format_bytes_beside(budget->second, bytes) + (daemon.path.empty() ? "" : ", " + daemon.path) +
+             "): it could never load; " +
+             (config.vram.limit ? "lower vram.limit, rest its layers elsewhere (onload)" : "give it a [vram] limit") +
+             " or raise the budget");
+  }
+}
+
+}  // namespace vramd::weights
