@@ -193,6 +193,8 @@ class Daemon {
                                           [this](KeptMemfd* kept) { dropper_.run([kept] { delete kept; }); });
         std::erase_if(kept_, [](const auto& weak) { return weak.expired(); });
         kept_.push_back(std::static_pointer_cast<KeptMemfd>(held));
+        std::erase_if(entry->kept, [](const auto& weak) { return weak.expired(); });
+        entry->kept.push_back(std::static_pointer_cast<KeptMemfd>(held));
       }
       job.kept = std::static_pointer_cast<KeptMemfd>(held);
     }

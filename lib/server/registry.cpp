@@ -264,7 +264,14 @@ std::optional<std::string> in_place_clash(const Entry& entry, const Job& job) {
 
 }  // namespace
 
-Holdings charged(const Entry& e) { return charge(holdings(e), e.bytes, e.reserved, lease_room(e)); }
+Holdings charged(const Entry& e) {
+  Holdings out = charge(holdings(e), e.bytes, e.reserved, lease_room(e));
+  uint64_t kept = 0;  // the memfds connections keep for the model's updates, mapped by the daemon
+  for (const auto& weak : e.kept)
+    if (const auto memfd = weak.lock()) kept += memfd->held().bytes;
+  if (kept) out["cpu"]["kept_memfds"] = kept;
+  return out;
+}
 
 DeviceBytes Registry::used() const {
   DeviceBytes total = releasing_;
@@ -486,9 +493,13 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   entry.stop_forward.reset();
   const std::string what = std::string(job.name()) + " " + entry.name;
 
-  // An update whose new values need room beside the old ones (nothing changed yet): it runs
-  // again, first in the queue, once that room is reserved (or is refused with 507 in pump).
-  if (!outcome.needs_room.empty() && job.reserve.empty()) {
+  // An update whose new values (or the memfd it would keep) need room beside the old ones, more
+  // than was reserved (nothing changed yet): it runs again, first in the queue, once that room is
+  // reserved (or is refused with 507 in pump). Each run asks for more, so this ends.
+  const auto covered = [&](const DeviceBytes& need) {
+    return std::all_of(need.begin(), need.end(), [&](const auto& n) { return n.second <= on(job.reserve, n.first); });
+  };
+  if (!outcome.needs_room.empty() && !covered(outcome.needs_room)) {
     job.reserve = outcome.needs_room;
     entry.queue.push_front(std::move(job));
     pump(entry);

@@ -97,6 +97,10 @@ struct Entry {
   // While any lease is held the model is never evicted, unloaded, offloaded or replaced.
   std::map<uint64_t, Lease> leases;
 
+  // The memfds connections keep for the model's updates (KeptMemfd): counted in its cpu charge
+  // while they are mapped. Expired ones are pruned as more come.
+  std::vector<std::weak_ptr<KeptMemfd>> kept;
+
   uint64_t version = 0;  // of the loaded weights (Runtime::version), as of the last job
   uint64_t forwards = 0, forward_errors = 0, forwards_cancelled = 0, loads = 0, updates = 0;
   double forward_seconds = 0, load_seconds = 0, update_seconds = 0;

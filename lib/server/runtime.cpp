@@ -210,22 +210,21 @@ std::shared_ptr<weights::SharedRegion> adopt_sealed(const std::string& path, con
   return weights::SharedRegion::adopt(UniqueFd(opened.fd), opened.size, what);
 }
 
-// The memfd `kept` holds when `path` is the same file of the same size, else `path` mapped
-// read-only in its place.
-std::shared_ptr<weights::SharedRegion> open_kept(KeptMemfd::State& kept, const std::string& path,
-                                                 const std::string& what) {
+// Whether `path` is the memfd `kept` holds (the same file of the same size); else a state of
+// its own for it, mapped read-only, which takes the kept one's place once an update from it is
+// taken: until then the one kept stays as it was.
+std::optional<KeptMemfd::State> open_kept(const KeptMemfd::State& kept, const std::string& path, const std::string& what) {
   const OpenedFile opened = open_memfd(path, what, true);
   UniqueFd fd(opened.fd);
   struct stat st{};
   if (::fstat(fd.get(), &st) != 0) throw BadInput(what + ": fstat: " + std::strerror(errno));
   if (kept.region && st.st_dev == kept.device && st.st_ino == kept.inode && opened.size == kept.region->size())
-    return kept.region;
-  kept.page_locked.clear();
-  kept.region = weights::SharedRegion::adopt(std::move(fd), opened.size, what);
-  kept.device = st.st_dev;
-  kept.inode = st.st_ino;
-  kept.taken = false;
-  return kept.region;
+    return std::nullopt;
+  KeptMemfd::State fresh;
+  fresh.region = weights::SharedRegion::adopt(std::move(fd), opened.size, what);
+  fresh.device = st.st_dev;
+  fresh.inode = st.st_ino;
+  return fresh;
 }
 
 // Page-locks the kept memfd for each GPU holding weights, once: copies from it then run at the
@@ -273,23 +272,43 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
   try {
     // A partitioned model's other ranks take the same bytes once rank 0 has checked them.
     const auto from_bytes = [&](const std::byte* data, size_t size, const std::string& what,
-                                std::shared_ptr<void> shared = {}) {
+                                std::shared_ptr<void> shared = {}, const model::UpdateSpace* in = nullptr) {
       const std::function<void()> tell = [&] { impl_->tell("update", {reinterpret_cast<const char*>(data), size}); };
-      return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, space,
+      return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, in ? *in : space,
                                       impl_->group ? tell : std::function<void()>(), std::move(shared));
     };
     if (!memfd.empty() && kept) {
       // Read where it lies, never kept as the weights: its client writes the next values into it.
+      // A memfd newly kept is counted in the cpu budget from then on: the update needs room for
+      // it beside its new values' (model::UpdateSpace), and asks for both before anything changes.
       const std::string what = "the update's kept memfd " + quote(memfd);
-      KeptMemfd::State& state = *kept->state_;
-      const auto region = open_kept(state, memfd, what);
+      std::optional<KeptMemfd::State> fresh = open_kept(*kept->state_, memfd, what);
+      KeptMemfd::State& state = fresh ? *fresh : *kept->state_;
+      model::UpdateSpace values_space = space;
+      if (fresh) {
+        const uint64_t size = state.region->size();
+        uint64_t& cpu = values_space.room["cpu"];
+        if (cpu < size) {
+          auto need = room;
+          need["cpu"] = size;  // the first run of the update learns its memfd's size; the next, its values' room
+          throw NeedsRoom(need);
+        }
+        cpu -= size;
+      }
       updated.page_locked = page_lock(state, bytes_by_device(), what);
+      try {
+        report = from_bytes(state.region->data(), state.region->size(), what, {}, &values_space);
+      } catch (const weights::UpdateNeedsRoom& e) {
+        auto need = e.room;
+        if (fresh) need["cpu"] += state.region->size();
+        throw NeedsRoom(need);
+      }
+      if (fresh) *kept->state_ = std::move(*fresh);  // the memfd kept before is let go (unpinned, unmapped)
       {
         std::lock_guard lock(kept->mutex_);
-        kept->held_ = {region->size(), updated.page_locked};
+        kept->held_ = {kept->state_->region->size(), updated.page_locked};
       }
-      report = from_bytes(region->data(), region->size(), what);
-      updated.kept = std::exchange(state.taken, true) ? "reused" : "mapped";
+      updated.kept = std::exchange(kept->state_->taken, true) ? "reused" : "mapped";
     } else if (!memfd.empty()) {
       const std::string what = "the update's memfd " + quote(memfd);
       const auto region = adopt_sealed(memfd, what);

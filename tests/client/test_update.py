@@ -471,6 +471,7 @@ def test_a_kept_memfd_takes_each_update_and_is_mapped_once_for_its_connection(se
                                                                 "page_locked": []}]
         assert f'vramd_kept_memfd_bytes{{model="m",pid="{pid}"}} {size}\n' in request(sock, "GET", "/metrics")[1].decode()
         assert f"updates from pid {pid} through a kept memfd of " in vramctl(sock, "status").stdout
+        assert get_json(sock, "/v1/models/m")["charge"]["cpu"]["parts"]["kept_memfds"] == size
         # The same tensors again: written into the same memfd, which the daemon maps already.
         second = client.update("m", served["state"], keep=True)
         assert second["updated"]["kept"]["memfd"] == "reused" and second["version"] == version + 2
@@ -492,6 +493,30 @@ def test_a_kept_memfd_takes_each_update_and_is_mapped_once_for_its_connection(se
         assert len(memfds(daemon, "vramd-update-kept")) == 1
     # The connection's end lets it go too.
     wait_for(lambda: not memfds(daemon, "vramd-update-kept"), what="the kept memfd to be unmapped")
+
+
+def test_a_kept_memfd_counts_in_the_budget_and_one_that_cannot_fit_is_refused(served, tmp_path):
+    # The model is 857,344 bytes; the budget leaves 600,000 beside it: room for a memfd of its
+    # lm_head (256,000 bytes) with that weight's new values, not for one of every weight.
+    head = "lm_head.weight"
+    d = Daemon(tmp_path, budgets=f"cpu = {857344 + 600000}")
+    (d.models / "m.toml").write_text(f'checkpoint = "{served["original"]}"\n')
+    cpu = lambda: get_json(d.sock, "/v1/status")["devices"]["cpu"]  # noqa: E731
+    with d.start(), vramd.connect(d.sock) as client:
+        client.load("m")
+        with pytest.raises(vramd.DaemonError, match=r"model 'm' needs .* on cpu but only .* can be freed") as refused:
+            client.update("m", served["changed"], keep=True)
+        assert refused.value.status == 507
+        assert cpu()["used"] == 857344 and equal(client.forward("m", served["inputs"]), served["before"])
+        size = len(vramd._safetensors.dumps({head: served["changed"][head]}))
+        assert client.update("m", {head: served["changed"][head]}, keep=True)["updated"]["kept"]["memfd"] == "mapped"
+        wait_for(lambda: cpu()["releasing"] == 0, what="the replaced values to be freed")
+        assert get_json(d.sock, "/v1/models/m")["charge"]["cpu"]["parts"] == {"weights": 857344, "kept_memfds": size}
+        assert cpu()["used"] == 857344 + size <= cpu()["budget"]
+        assert equal(client.forward("m", served["inputs"]), served["after_partial"])
+        assert "kept" not in client.update("m", {head: served["state"][head]})["updated"]  # lets it go
+        assert cpu()["models"] == {"m": 857344}
+        assert d.stop() == 0
 
 
 KEEP_THEN_WAIT = """
