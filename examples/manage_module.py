@@ -94,8 +94,9 @@ def main():
         assert torch.equal(got, expected), (got - expected).abs().max()
         stats = managed.stats()
         size = sum(t.numel() * managed.dtype.itemsize for t in managed.lease.state_dict.values())
-        print(f"{args.model}: {cls.__name__} managed on {managed.device}, {stats['peak']} bytes at most under a "
-              f"limit of {stats['limit']} (the model: {size}), {stats['loads']} unit loads, "
+        peak, limit, size = (vramd.format_bytes(n) for n in (stats["peak"], stats["limit"], size))
+        print(f"{args.model}: {cls.__name__} managed on {managed.device}, {peak} at most under a limit of {limit} "
+              f"(the model: {size}), {stats['loads']} unit loads, "
               f"{stats['prefetch_hits']} prefetched in time; equals the whole model")
 
 

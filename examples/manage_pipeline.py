@@ -56,9 +56,11 @@ def main():
         assert numpy.array_equal(got, expected), abs(got - expected).max()
         for name, m in managed.items():
             stats = m.stats()
-            limit = f"the limit of {stats['limit']} it shares" if args.share else f"a limit of {stats['limit']}"
-            print(f"{name}: {type(m.module).__name__} managed on {m.device}, {stats['peak']} bytes at most under "
-                  f"{limit}, {stats['loads']} unit loads")
+            limit = vramd.format_bytes(stats["limit"])
+            limit = f"the limit of {limit} it shares" if args.share else f"a limit of {limit}"
+            peak = vramd.format_bytes(stats["peak"])
+            print(f"{name}: {type(m.module).__name__} managed on {m.device}, {peak} at most under {limit}, "
+                  f"{stats['loads']} unit loads")
         print(f"DiTPipeline on managed modules: {len(got)} images equal to the pipeline's on the whole modules")
 
 

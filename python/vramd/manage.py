@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import threading
 import warnings
 import time
@@ -48,10 +47,7 @@ from ._cuda import host_register, host_unregister
 from ._gguf import Packed, unpack
 from .client import Client, connect
 from .lease import Lease
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
+from ._units import format_bytes, format_exact, parse_size
 
 # Every module under an open manager: a module managed twice would have each manager's copies and
 # placeholders put in the other's place.
@@ -97,16 +93,6 @@ class _Placeholder(torch.Tensor):
             raise ManageError(f"{where}: it cannot be moved or cast to {device} in {_name(dtype)}. A managed module "
                               "computes where manage() put it; close() ends the management")
         raise ManageError(f"{where}: it has values only while its unit runs, not for {func.__name__} outside it")
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a size as configs write it: "6GiB", "512MiB", "1.5GB", "1000"."""
-    if isinstance(size, int) and size >= 0:
-        return size
-    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
-    if not found or found.group(2).upper() not in _UNITS:
-        raise ValueError(f"{size!r} is not a size such as 6GiB, 512MiB or 1000")
-    return int(float(found.group(1)) * _UNITS[found.group(2).upper()])
 
 
 class _Slot:
@@ -221,13 +207,13 @@ class Managed:
         self._slots = {slot for unit in self._units for slot in unit.slots}
         self._least, nested = self._most_held_at_once()
         if limit is not None and self._least > limit:
-            where = f"in {_name(dtype)} on {device}, more than the limit of {limit}" + \
+            where = f"in {_name(dtype)} on {device}, more than the limit of {format_bytes(limit)}" + \
                 (f" it shares with {_listed([m.lease.manifest['model'] for m in room.members])}" if room.members else "")
             if len(nested) == 1:
-                raise ManageError(f"unit {nested[0].name!r} needs {self._least} bytes {where}: raise the limit, or "
+                raise ManageError(f"unit {nested[0].name!r} needs {format_exact(self._least)} {where}: raise the limit, or "
                                   "name smaller units")
             raise ManageError(f"units {_listed([u.name for u in nested])} run one inside another, so they need "
-                              f"{self._least} bytes at once {where}: raise the limit")
+                              f"{format_exact(self._least)} at once {where}: raise the limit")
         for slot in self._slots:  # refused above, the module is as it was
             slot.put(slot.placeholder)
         self.prefetch = prefetch
@@ -376,7 +362,7 @@ class Managed:
                 failed[why] = failed.get(why, 0) + len(region)
         self._figures["pin_seconds"] += time.perf_counter() - started
         if failed:  # copies from pageable memory hold the host until each is staged: slower, not wrong
-            warnings.warn(f"vramd.manage: page-locking {sum(failed.values())} bytes of the lease of "
+            warnings.warn(f"vramd.manage: page-locking {format_bytes(sum(failed.values()))} of the lease of "
                           f"{self.lease.manifest['model']!r} failed ({', '.join(failed)}): their copies to {self.device} "
                           "wait for the host", stacklevel=4)
         return registered
@@ -485,9 +471,9 @@ class Managed:
             return
         self._warned_autograd = True
         warnings.warn(f"vramd.manage: unit {unit.name!r} runs under autograd with an input that requires grad, so "
-                      f"autograd keeps the weights its backward needs until then, beyond the limit of {self.limit} "
-                      "bytes the manager counts: run under torch.no_grad() or torch.inference_mode() for the limit "
-                      "to hold", stacklevel=3)
+                      f"autograd keeps the weights its backward needs until then, beyond the limit of "
+                      f"{format_bytes(self.limit)} the manager counts: run under torch.no_grad() or "
+                      "torch.inference_mode() for the limit to hold", stacklevel=3)
 
     def _guarded_apply(self, slots: set[_Slot], inner):
         def _apply(fn, *args, **kwargs):
@@ -599,7 +585,8 @@ class Managed:
                 continue
             if not wait or not any(thread != me and thread not in self._waiting for thread in self._running):
                 in_use = [u.name for u in room.units() if u.in_use]
-                raise ManageError(f"the limit of {room.limit} bytes cannot hold {more} more beside {room.held} held by "
+                raise ManageError(f"the limit of {format_bytes(room.limit)} cannot hold {format_bytes(more)} more beside "
+                                  f"{format_bytes(room.held)} held by "
                                   f"units in use ({', '.join(map(repr, in_use))}): raise the limit")
             self._waiting.add(me)
             try:
@@ -771,7 +758,8 @@ class Managed:
 
     def __repr__(self) -> str:
         return (f"<vramd.Managed {self.lease.manifest.get('model')!r} on {self.device} in "
-                f"{_name(self.dtype)}, {len(getattr(self, '_units', []))} units, limit {self.limit}>")
+                f"{_name(self.dtype)}, {len(getattr(self, '_units', []))} units, limit "
+                f"{format_bytes(self.limit) if self.limit is not None else 'none'}>")
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -408,11 +408,11 @@ def test_what_cannot_share_a_limit_is_named(daemon):
             with pytest.raises(vramd.ManageError, match=r"give limit= or share=, not both"):
                 vramd.manage(toy, "toy-bfloat16", client=client, share=first, limit="1MiB")
             with pytest.raises(vramd.ManageError, match=r"share=: the limit of <vramd.Managed 'chain' on cpu in "
-                                                        r"float32, 8 units, limit 3264> is on cpu, not cuda:0"):
+                                                        r"float32, 8 units, limit 3.19 KiB> is on cpu, not cuda:0"):
                 vramd.manage(toy, "toy-bfloat16", client=client, share=first, device="cuda")
             with pytest.raises(vramd.ManageError, match=r"units '', 'blocks.0.up' run one inside another, so they need "
-                                                        r"8704 bytes at once in float32 on cpu, more than the limit of "
-                                                        r"3264 it shares with 'chain': raise the limit"):
+                                                        r"8.50 KiB \(8704 bytes\) at once in float32 on cpu, more than the "
+                                                        r"limit of 3.19 KiB it shares with 'chain': raise the limit"):
                 vramd.manage(toy, "toy-bfloat16", client=client, share=first)
             assert all(p.is_meta for p in toy.parameters())  # refused before anything changed
         with pytest.raises(vramd.ManageError, match=r"share=: <vramd.Managed 'chain'.*> has been closed"):
@@ -432,7 +432,7 @@ def test_under_autograd_the_gradient_is_right_and_the_limit_is_said_not_to_hold(
             with torch.no_grad():
                 model(x)  # no graph: no warning
         with pytest.warns(UserWarning, match=rf"unit 'layers.0' runs under autograd with an input that requires "
-                                             rf"grad, .* beyond the limit of {managed.limit} bytes"):
+                                             rf"grad, .* beyond the limit of {vramd.format_bytes(managed.limit)} "):
             model(x).sum().backward()
         got, x.grad = x.grad, None
         with warnings.catch_warnings():
@@ -510,10 +510,11 @@ def test_random_modules_equal_the_whole_module_from_the_least_limit_up(daemon):
             units = rng.sample(names, rng.randint(0, min(3, len(names)))) if rng.random() < 0.5 else None
             prefetch = rng.random() < 0.5
             x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
-            with pytest.raises(vramd.ManageError, match=r"needs? \d+ bytes") as refused:
+            with pytest.raises(vramd.ManageError, match=r"needs? (\d+ B|[0-9.]+ [KMG]iB \(\d+ bytes\))") as refused:
                 vramd.manage(model, f"tree-{seed}", client=client, units=units, limit=1)
             told.add("nested" if "run one inside another" in str(refused.value) else "alone")
-            least = int(re.search(r"needs? (\d+) bytes", str(refused.value)).group(1))
+            found = re.search(r"needs? (?:(\d+) B|[0-9.]+ [KMG]iB \((\d+) bytes\))", str(refused.value))
+            least = int(found.group(1) or found.group(2))
             for limit in (least, (2 * least + size) // 3, size):
                 with vramd.manage(model, f"tree-{seed}", client=client, units=units, limit=limit,
                                   prefetch=prefetch) as managed:
@@ -975,7 +976,8 @@ def test_the_pipeline_example_runs_on_managed_modules_as_it_says(daemon, share):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dit: DiTTransformer2DModel managed on cpu" in result.stdout, result.stdout
     if share:
-        assert re.search(r"vae: AutoencoderKL managed on cpu, \d+ bytes at most under the limit of \d+ it shares",
+        assert re.search(r"vae: AutoencoderKL managed on cpu, [0-9.]+ [KMG]iB at most under the limit of [0-9.]+ [KMG]iB "
+                         r"it shares",
                          result.stdout), result.stdout
     assert "2 images equal to the pipeline's on the whole modules" in result.stdout, result.stdout
 
@@ -1000,13 +1002,14 @@ def test_what_does_not_fit_is_named(daemon):
             model = Toy()
         # The top module's own weights are in use around every unit under it.
         with pytest.raises(vramd.ManageError, match=r"units '', 'blocks.0.up' run one inside another, so they need "
-                                                    r"8704 bytes at once in float32 on cpu, more than the limit of "
-                                                    r"1000: raise the limit$"):
+                                                    r"8.50 KiB \(8704 bytes\) at once in float32 on cpu, more than the "
+                                                    r"limit of 1000 B: raise the limit$"):
             vramd.manage(model, "toy-bfloat16", client=client, limit=1000)
         with torch.device("meta"):
             chain = Chain()
-        with pytest.raises(vramd.ManageError, match=r"unit 'layers.0' needs 1088 bytes in float32 on cpu, more than "
-                                                    r"the limit of 1000: raise the limit, or name smaller units"):
+        # Sizes as vramctl prints them, the one to meet to the byte exactly too.
+        with pytest.raises(vramd.ManageError, match=r"unit 'layers.0' needs 1.06 KiB \(1088 bytes\) in float32 on cpu, "
+                                                    r"more than the limit of 1000 B: raise the limit, or name smaller units"):
             vramd.manage(chain, "chain", client=client, limit=1000)
         assert all(p.is_meta for p in chain.parameters())  # refused, the module is as it was
         with pytest.raises(vramd.ManageError, match=r"unit 'blocks' is a ModuleList, which is never called \(only "
@@ -1149,7 +1152,7 @@ def test_a_refused_page_locking_warns_and_leaves_the_next_kernel_its_own_error(d
         model = Toy().eval()
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(4)).to(device)
     with torch.no_grad(), vramd.connect(daemon["sock"]) as client:
-        with pytest.warns(UserWarning, match=r"page-locking \d+ bytes of the lease of 'toy-bfloat16' failed \(.+\): "
+        with pytest.warns(UserWarning, match=r"page-locking [0-9.]+ [KMG]?i?B of the lease of 'toy-bfloat16' failed \(.+\): "
                                              r"their copies to cuda:0 wait for the host"):
             managed = vramd.manage(model, "toy-bfloat16", client=client, device=device)
         with managed:
