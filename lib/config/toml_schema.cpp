@@ -223,17 +223,4 @@ void note_positions(const toml::table& table, const std::string& prefix,
   }
 }
 
-std::optional<std::string> did_you_mean(std::string_view word, const std::vector<std::string_view>& candidates) {
-  std::optional<std::string> best;
-  size_t best_distance = std::max<size_t>(2, word.size() / 3) + 1;
-  for (auto candidate : candidates) {
-    size_t distance = edit_distance(word, candidate);
-    if (distance < best_distance) {
-      best_distance = distance;
-      best = std::string(candidate);
-    }
-  }
-  return best;
-}
-
 }  // namespace vramd::config

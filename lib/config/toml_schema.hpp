@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "util/format.hpp"
 #include "util/utf8.hpp"
 
 namespace vramd::config {
@@ -83,7 +84,5 @@ std::optional<toml::table> parse_toml_text(std::string_view text, const std::str
 void note_positions(const toml::table& table, const std::string& prefix,
                     std::map<std::string, std::pair<uint32_t, uint32_t>>& out);
 
-// The nearest of `candidates` to `word` when it is close enough to be a likely typo.
-std::optional<std::string> did_you_mean(std::string_view word, const std::vector<std::string_view>& candidates);
 
 }  // namespace vramd::config

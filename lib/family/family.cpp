@@ -81,7 +81,7 @@ class Parser {
     if (sw) return sw;
     std::vector<std::string> names = switch_names();
     std::vector<std::string_view> views(names.begin(), names.end());
-    const auto near = config::did_you_mean(key, views);
+    const auto near = did_you_mean(key, views);
     table.bad_value(key, "no such switch of the engine" + (near ? "; did you mean " + quote(*near) + "?" : std::string()) +
                              " (docs/architectures.md lists them)");
     return nullptr;
@@ -142,7 +142,7 @@ class Parser {
     for (const auto key : table.keys()) {
       const toml::node* node = table.node(key);
       if (std::find(slots.begin(), slots.end(), key) == slots.end()) {
-        const auto near = config::did_you_mean(key, views);
+        const auto near = did_you_mean(key, views);
         table.bad_value(key, "no such slot" + (near ? "; did you mean " + quote(*near) + "?" : std::string()) +
                                  " (docs/architectures.md lists them)");
         continue;

@@ -39,11 +39,20 @@ c10::ScalarType dominant_dtype(const convert::ConversionPlan& plan) {
   return type == c10::kFloat || type == c10::kBFloat16 || type == c10::kHalf ? type : c10::kBFloat16;
 }
 
-std::string listed(const std::vector<std::string>& names, size_t limit = 12) {
+constexpr size_t kListed = 12;  // names a message lists, before "and N more"
+
+// The first `limit` of `items`, as they are, and how many more.
+std::string joined_listed(const std::vector<std::string>& items, size_t limit = kListed) {
   std::string text;
-  for (size_t i = 0; i < names.size() && i < limit; ++i) text += (i ? ", " : "") + quote(names[i]);
-  if (names.size() > limit) text += ", and " + std::to_string(names.size() - limit) + " more";
+  for (size_t i = 0; i < items.size() && i < limit; ++i) text += (i ? ", " : "") + items[i];
+  if (items.size() > limit) text += ", and " + std::to_string(items.size() - limit) + " more";
   return text;
+}
+
+std::string listed(const std::vector<std::string>& names, size_t limit = kListed) {
+  std::vector<std::string> quoted;
+  for (const auto& name : names) quoted.push_back(quote(name));
+  return joined_listed(quoted, limit);
 }
 
 std::string joined(const std::vector<std::string>& lines) {
@@ -273,7 +282,18 @@ UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config
   }
   std::string problems;
   const auto add = [&](const std::string& text) { problems += (problems.empty() ? "" : "; ") + text; };
-  if (!unknown.empty()) add(std::to_string(unknown.size()) + " not the model's: " + listed(unknown));
+  if (!unknown.empty()) {
+    // The nearest parameter's name beside each, as a forward's misspelled input gets.
+    std::vector<std::string> names;
+    for (const auto* parameter : model.parameters()) names.push_back(parameter->name);
+    const std::vector<std::string_view> views(names.begin(), names.end());
+    std::vector<std::string> said;
+    for (size_t i = 0; i < unknown.size(); ++i) {  // the ones the message lists
+      const auto near = i < kListed ? did_you_mean(unknown[i], views) : std::nullopt;
+      said.push_back(quote(unknown[i]) + (near ? " (did you mean " + quote(*near) + "?)" : ""));
+    }
+    add(std::to_string(unknown.size()) + " not the model's: " + joined_listed(said));
+  }
   if (!mismatched.empty()) add("mismatched: " + joined(mismatched));
   if (!problems.empty())
     throw BadUpdate(where + " does not fit model " + quote(config.name) + " (" + model.architecture() + "): " + problems +

@@ -121,14 +121,11 @@ Inputs::Inputs(const storage::NamedTensors& tensors, c10::Device device, std::sp
     : tensors_(tensors), device_(device) {
   for (const auto& [name, tensor] : tensors_) {
     if (std::find(accepted.begin(), accepted.end(), name) != accepted.end()) continue;
-    std::string all, nearest;
-    size_t best = std::max<size_t>(2, name.size() / 3) + 1;  // a near miss: a typo, not another word
-    for (const auto& candidate : accepted) {
-      all += (all.empty() ? "" : ", ") + candidate;
-      if (const size_t distance = edit_distance(name, candidate); distance < best) best = distance, nearest = candidate;
-    }
+    std::string all;
+    for (const auto& candidate : accepted) all += (all.empty() ? "" : ", ") + candidate;
+    const auto nearest = did_you_mean(name, {accepted.begin(), accepted.end()});
     throw Error("input " + quote(name) + " is not one this model takes" +
-                (nearest.empty() ? std::string() : "; did you mean " + quote(nearest) + "?") + " (it takes " + all + ")");
+                (nearest ? "; did you mean " + quote(*nearest) + "?" : std::string()) + " (it takes " + all + ")");
   }
 }
 

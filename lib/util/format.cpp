@@ -71,6 +71,19 @@ size_t edit_distance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
+std::optional<std::string> did_you_mean(std::string_view word, const std::vector<std::string_view>& candidates) {
+  std::optional<std::string> best;
+  size_t best_distance = std::max<size_t>(2, word.size() / 3) + 1;
+  for (auto candidate : candidates) {
+    const size_t distance = edit_distance(word, candidate);
+    if (distance < best_distance) {
+      best_distance = distance;
+      best = std::string(candidate);
+    }
+  }
+  return best;
+}
+
 std::string quote(std::string_view text) { return "'" + escape_invalid_utf8(text) + "'"; }
 
 }  // namespace vramd

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -30,6 +31,10 @@ std::vector<std::string> split_lines(std::string_view text);
 
 // Levenshtein distance, for "did you mean" suggestions.
 size_t edit_distance(std::string_view a, std::string_view b);
+
+// The nearest of `candidates` to `word` when it is close enough to be a likely typo (an edit
+// distance under a third of its length, at least 2), for "did you mean" suggestions.
+std::optional<std::string> did_you_mean(std::string_view word, const std::vector<std::string_view>& candidates);
 
 // Quotes a key or path for a message: 'h.0.w', escaped as escape_invalid_utf8 does (always
 // valid UTF-8).

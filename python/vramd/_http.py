@@ -184,14 +184,23 @@ def as_daemon_error(error: BaseException, where: str, request: str, timeout: flo
     return error
 
 
+# The daemon's advice names its HTTP API, for curl and every client; here it is this package's.
+_OUR_WORDS = [("GET /v1/models lists them", "Client.list() lists them"),
+              ("leave out wait=false", "leave out wait=False"),
+              ("(POST /v1/models/NAME/lease; the Python package's lease())", "(Client.lease())")]
+
+
 def refusal(response: Response, request: str) -> DaemonError:
-    """The daemon's refusal as a DaemonError in its own words, or the start of the body."""
+    """The daemon's refusal as a DaemonError in its words (its advice in this package's), or the
+    start of the body."""
     try:
         message = json.loads(response.body)["error"]
         if not isinstance(message, str):
             raise TypeError
     except (ValueError, TypeError, KeyError):
         message = f"HTTP {response.status}: {bytes(response.body[:200]).decode('utf-8', 'replace')}"
+    for api, ours in _OUR_WORDS:
+        message = message.replace(api, ours)
     return DaemonError(message, response.status, request)
 
 

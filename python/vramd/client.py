@@ -1,6 +1,7 @@
 """The daemon's endpoints (docs/api.md) as methods of one client."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
@@ -182,11 +183,13 @@ class Client:
             kept.cuda = kept.cuda or any(tensor.is_cuda for tensor in values.values())
             dumps(values, kept.allocate)
             body = json.dumps({"fd": kept.fd, "keep": True}).encode()
-            response = self._call("POST", target, body, "application/json")
+            with _tensors_named_as_given(kept.fd):
+                response = self._call("POST", target, body, "application/json")
         elif via == "memfd":
             fd = _sealed_memfd(values)
             try:
-                response = self._call("POST", target, json.dumps({"fd": fd}).encode(), "application/json")
+                with _tensors_named_as_given(fd):
+                    response = self._call("POST", target, json.dumps({"fd": fd}).encode(), "application/json")
             finally:
                 os.close(fd)
         elif via == "body":
@@ -245,6 +248,21 @@ class Client:
 def connect(socket: str | os.PathLike | None = None, timeout: float | None = None) -> Client:
     """A Client connected to vramd; see Client."""
     return Client(socket, timeout)
+
+
+@contextlib.contextmanager
+def _tensors_named_as_given(fd: int):
+    """The daemon names the memfd it opened (/proc/PID/fd/N of this process); its refusal names
+    what the caller gave instead: the tensors."""
+    try:
+        yield
+    except DaemonError as error:
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        message = error.message.replace(f"the update's kept memfd '{path}'", "the update's tensors") \
+                               .replace(f"the update's memfd '{path}'", "the update's tensors")
+        if message == error.message:
+            raise
+        raise DaemonError(message, error.status, error.request) from None
 
 
 def _sealed_memfd(tensors: Mapping[str, torch.Tensor]) -> int:

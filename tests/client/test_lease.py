@@ -239,7 +239,7 @@ def test_bad_leases_get_clear_errors_and_harm_nothing(served):
         assert refused("minilm", device="cuda:x").status == 400
         assert refused("minilm", device="tpu").status == 400
         not_loaded = refused("unet", wait=False)  # not loaded yet, and not to be waited for
-        assert not_loaded.status == 409 and "leave out wait=false" in str(not_loaded)
+        assert not_loaded.status == 409 and "leave out wait=False" in str(not_loaded)  # the keyword, as Python has it
         assert model(sock, "unet")["state"] == "unloaded"
 
     for body in (b"[1]", b'{"device": 7}', b'{"colour": "red"}', b"not json"):

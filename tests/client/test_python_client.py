@@ -107,7 +107,10 @@ def test_refusals_carry_the_daemons_status_and_words(client, daemon):
     with pytest.raises(vramd.DaemonError) as refused:
         client.load("nope")
     assert refused.value.status == 404 and refused.value.request == "POST /v1/models/nope/load"
-    assert refused.value.message == vramctl_error(daemon, "load", "nope", "--no-progress")
+    # Each names the tool its user holds, where the daemon's own answer names its API.
+    assert refused.value.message == "no model named 'nope'; Client.list() lists them"
+    assert json.loads(request(daemon.sock, "POST", "/v1/models/nope/load")[1])["error"] == \
+        "no model named 'nope'; GET /v1/models lists them"
     assert str(refused.value) == f"POST /v1/models/nope/load: {refused.value.message}"
 
     with pytest.raises(vramd.DaemonError) as refused:
@@ -526,7 +529,7 @@ ERROR = b'{"error":"no model named \'m\'; GET /v1/models lists them"}'
 
 @pytest.mark.parametrize("answer, status, message", [
     (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(ERROR), ERROR),
-     404, "no model named 'm'; GET /v1/models lists them"),
+     404, "no model named 'm'; Client.list() lists them"),  # in this package's words
     (b"HTTP/1.1 507 Insufficient Storage\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(b'{"error":"no room"}'),
      507, "no room"),
     (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\noops", 500, "HTTP 500: oops"),

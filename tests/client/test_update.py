@@ -272,11 +272,12 @@ def test_vramctl_update_from_a_path_and_as_a_body(served):
         assert equal(client.forward("m", served["inputs"]), served["before"])
 
 
-def refused(client, name, values, status, via="memfd"):
+def refused(client, name, values, status, via="memfd", keep=False):
+    """The refusal's message, without the request it names."""
     with pytest.raises(vramd.DaemonError) as caught:
-        client.update(name, values, via=via)
+        client.update(name, values, via=via, keep=keep)
     assert caught.value.status == status, caught.value
-    return str(caught.value)
+    return caught.value.message
 
 
 def test_bad_updates_are_refused_naming_the_tensor_and_the_model_keeps_serving(served, tmp_path):
@@ -287,6 +288,14 @@ def test_bad_updates_are_refused_naming_the_tensor_and_the_model_keeps_serving(s
         version = client.status("m")["version"]
         message = refused(client, "m", {"lm_head.weight": head, "model.layers.9.mlp.up_proj.weight": head}, 400)
         assert "'model.layers.9.mlp.up_proj.weight'" in message and "nothing was updated" in message
+        # Named as the caller gave them (tensors, never the memfd they travelled in), a near miss
+        # with the name it likely meant, as a forward's misspelled input is.
+        message = refused(client, "m", {"model.nrom.weight": served["state"]["model.norm.weight"]}, 400)
+        assert message == ("the update's tensors does not fit model 'm' (llama): 1 not the model's: 'model.nrom.weight' "
+                           "(did you mean 'model.norm.weight'?); nothing was updated"), message
+        assert "/proc/" not in refused(client, "m", {"lm_head.weight": head[:10]}, 400)
+        kept = refused(client, "m", {"model.nrom.weight": served["state"]["model.norm.weight"]}, 400, keep=True)
+        assert kept.startswith("the update's tensors does not fit model 'm'"), kept  # the next update lets it go
         message = refused(client, "m", {"lm_head.weight": head[:10]}, 400)
         assert "'lm_head.weight' is [10, 64], the parameter is [1000, 64]" in message
         message = refused(client, "m", {"lm_head.weight": head.to(torch.int32)}, 400)
