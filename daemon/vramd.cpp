@@ -14,6 +14,7 @@
 #include "dist/launch.hpp"
 #include "model/dry_run.hpp"
 #include "server/daemon.hpp"
+#include "server/http.hpp"
 #include "server/runtime.hpp"
 #include "util/error.hpp"
 #include "util/exit.hpp"
@@ -27,8 +28,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Every model config in the folder through the whole load short of reading data.
+// The socket's folder as startup would take it, then every model config in the folder through
+// the whole load short of reading data; each model a row, its problems beneath it.
 int check(const vramd::config::DaemonConfig& config) {
+  int invalid = 0;
+  std::vector<std::vector<std::string>> rows;
+  std::vector<std::vector<std::string>> problems;
+  try {
+    vramd::server::check_socket_folder(config.socket, /*make=*/false);
+  } catch (const std::exception& error) {
+    ++invalid;
+    rows.push_back({"invalid", "socket", vramd::escape_invalid_utf8(config.socket)});
+    problems.push_back({error.what()});
+  }
   std::vector<fs::path> files;
   std::error_code ec;
   for (fs::directory_iterator it(config.models, ec), end; !ec && it != end; it.increment(ec))
@@ -37,20 +49,27 @@ int check(const vramd::config::DaemonConfig& config) {
   const std::string folder = vramd::escape_invalid_utf8(config.models);
   if (ec) std::cout << "cannot read the model folder " << folder << ": " << ec.message() << '\n';
   if (!ec && files.empty()) std::cout << "no model configs (*.toml) in " << folder << '\n';
-  int invalid = 0;
   for (const auto& file : files) {
+    const std::string path = "(" + vramd::escape_invalid_utf8(file.string()) + ")";
     try {
       auto model = vramd::config::load_model_config(file.string(), config);
       auto dry = vramd::model::dry_run(model);
       vramd::weights::check_budgets(model, dry, config);
-      std::cout << "valid    " << model.name << "  " << dry.architecture << ", " << dry.dtype << ", "
-                << vramd::format_bytes(dry.report.bytes) << " in " << vramd::counted(dry.report.tensors, "tensor") << "  ("
-                << vramd::escape_invalid_utf8(file.string()) << ")\n";
+      rows.push_back({"valid", model.name,
+                      dry.architecture + ", " + dry.dtype + ", " + vramd::format_bytes(dry.report.bytes) + " in " +
+                          vramd::counted(dry.report.tensors, "tensor"),
+                      path});
+      problems.emplace_back();
     } catch (const std::exception& error) {
       ++invalid;
-      std::cout << "invalid  " << vramd::escape_invalid_utf8(file.string()) << "\n";
-      for (const auto& line : vramd::split_lines(error.what())) std::cout << "         " << vramd::printable(line) << '\n';
+      rows.push_back({"invalid", vramd::escape_invalid_utf8(file.stem().string()), "", path});
+      problems.push_back(vramd::split_lines(error.what()));
     }
+  }
+  const auto lines = vramd::split_lines(vramd::format_table(rows));
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::cout << lines[i] << '\n';
+    for (const auto& line : problems[i]) std::cout << "         " << vramd::printable(line) << '\n';
   }
   return invalid ? 1 : 0;
 }

@@ -35,6 +35,11 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
       held = convert::evaluate(*plan.tensors[i].expr, map, storage::ReadMode::Copy);
       return std::span<const std::byte>(static_cast<const std::byte*>(held.const_data_ptr()), held.nbytes());
     });
+    uint64_t bytes = 0;
+    for (const auto& slot : slots) bytes += storage::dtype_bytes(slot.dtype, storage::element_count(slot.shape)).value_or(0);
+    // On stderr: standard output has the plan (as JSON with --json).
+    err << "wrote " << counted(slots.size(), "tensor") << ", " << format_bytes(bytes) << ", to "
+        << escape_invalid_utf8(options.output) << '\n';
   }
 
   if (options.json) {

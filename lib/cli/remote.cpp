@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
@@ -26,6 +27,19 @@ namespace {
 
 using nlohmann::json;
 
+// The daemon's advice, which names its API (for curl and every HTTP client), in vramctl's words.
+std::string for_vramctl(std::string text) {
+  static const std::pair<const char*, const char*> kWords[] = {
+      {"GET /v1/models lists them", "vramctl list lists them"},
+      {"leave out wait=false", "leave out --no-wait"},
+      {"(POST /v1/models/NAME/lease; the Python package's lease())", "(vramctl lease NAME, or the Python package's lease())"},
+      {"keep_alive=", "--keep-alive "},
+  };
+  for (const auto& [api, ours] : kWords)
+    if (const auto at = text.find(api); at != std::string::npos) text.replace(at, std::string_view(api).size(), ours);
+  return text;
+}
+
 json parse_json(const client::Response& response) {
   try {
     return json::parse(response.body);
@@ -39,6 +53,17 @@ std::string devices_text(const json& devices) {
   for (const auto& [device, bytes] : devices.items())
     if (bytes.get<uint64_t>()) text += (text.empty() ? "" : ", ") + device + " " + format_bytes(bytes.get<uint64_t>());
   return text.empty() ? "-" : text;
+}
+
+std::string version_text(const json& model) {
+  return model.contains("version") && model["version"].is_number_unsigned() ? std::to_string(model["version"].get<uint64_t>())
+                                                                             : "-";
+}
+
+// Where a model's `total` bytes are: "cpu" when all of them are on one device, else each device's share.
+std::string where_text(const json& devices, uint64_t total) {
+  if (devices.size() == 1 && devices.begin().value().get<uint64_t>() == total) return devices.begin().key();
+  return devices_text(devices);
 }
 
 // "    leased by pid 42 (uid 1000, cpu, since 2026-11-23T12:00:00Z; reserves cuda:0 6.00 GiB)" for
@@ -57,25 +82,64 @@ void print_leases(const json& model, std::ostream& out) {
   }
 }
 
-void print_models(const json& models, std::ostream& out) {
-  out << std::left << std::setw(20) << "NAME" << std::setw(11) << "STATE" << std::setw(8) << "ARCH" << std::setw(10)
-      << "DTYPE" << std::setw(12) << "SIZE" << "WHERE\n";
-  for (const auto& m : models) {
-    out << std::setw(20) << m["name"].get<std::string>() << std::setw(11) << m["state"].get<std::string>()
-        << std::setw(8) << m.value("architecture", "-") << std::setw(10) << m.value("dtype", "-") << std::setw(12)
-        << (m.contains("bytes") ? format_bytes(m["bytes"].get<uint64_t>()) : "-") << devices_text(m["devices"]) << '\n';
-    // A config's problems, one a line, quote the file: each line indented and printable.
-    const auto print_lines = [&](const std::string& head, const std::string& text) {
-      for (const auto& line : split_lines(text)) out << "    " << head << printable(line) << '\n';
-    };
-    if (m.contains("reason")) print_lines("", m["reason"].get<std::string>());
-    if (m.contains("config_error")) print_lines("edit not applied: ", m["config_error"].get<std::string>());
-    print_leases(m, out);
-  }
-  out << std::right;
+// A config's problems, one a line, quote the file: each line indented and printable.
+void print_lines(const std::string& head, const std::string& text, std::ostream& out) {
+  for (const auto& line : split_lines(text)) out << "    " << head << printable(line) << '\n';
 }
 
-// "name dtype [shape] v0 v1 ... (n values)" for each output.
+void print_models(const json& models, std::ostream& out) {
+  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "ARCH", "DTYPE", "SIZE", "VERSION", "WHERE"}};
+  for (const auto& m : models)
+    rows.push_back({m["name"].get<std::string>(), m["state"].get<std::string>(), m.value("architecture", "-"),
+                    m.value("dtype", "-"), m.contains("bytes") ? format_bytes(m["bytes"].get<uint64_t>()) : "-",
+                    version_text(m), devices_text(m["devices"])});
+  // Each model's row, then what belongs to it: why it is not loaded, an edit not applied, its leases.
+  const auto lines = split_lines(format_table(rows));
+  out << lines[0] << '\n';
+  for (size_t i = 0; i < models.size(); ++i) {
+    const json& m = models[i];
+    out << lines[i + 1] << '\n';
+    if (m.contains("reason")) print_lines("", m["reason"].get<std::string>(), out);
+    if (m.contains("config_error")) print_lines("edit not applied: ", m["config_error"].get<std::string>(), out);
+    print_leases(m, out);
+  }
+}
+
+// "cpu 1.40 MiB (limit 1.00 MiB, onload 408.00 KiB)" for each device a model's charge is on.
+std::string charge_text(const json& charge) {
+  std::string text;
+  for (const auto& [device, part] : charge.items()) {
+    std::string parts;
+    for (const auto& [name, bytes] : part["parts"].items())
+      parts += (parts.empty() ? "" : ", ") + name + (part["parts"].size() > 1 ? " " + format_bytes(bytes.get<uint64_t>()) : "");
+    text += (text.empty() ? "" : ", ") + device + " " + format_bytes(part["bytes"].get<uint64_t>()) + " (" + parts + ")";
+  }
+  return text.empty() ? "-" : text;
+}
+
+// Element `i` of a tensor's bytes `p` as a double; nullopt for a dtype it cannot say.
+std::optional<double> element(storage::DType dtype, const std::byte* p, uint64_t i) {
+  using storage::DType;
+  switch (dtype) {
+    case DType::F32: { float f; std::memcpy(&f, p + 4 * i, 4); return f; }
+    case DType::F64: { double d; std::memcpy(&d, p + 8 * i, 8); return d; }
+    case DType::F16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); return storage::half_to_float(h); }
+    case DType::BF16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); uint32_t w = uint32_t{h} << 16; float f; std::memcpy(&f, &w, 4); return f; }
+    case DType::I64: { int64_t v; std::memcpy(&v, p + 8 * i, 8); return static_cast<double>(v); }
+    case DType::I32: { int32_t v; std::memcpy(&v, p + 4 * i, 4); return v; }
+    case DType::BOOL: return static_cast<double>(static_cast<uint8_t>(p[i]));
+    default: return std::nullopt;
+  }
+}
+
+// The version of the weights a forward's outputs say they ran on (their __metadata__), or "-".
+std::string output_version(const storage::SafetensorsHeader& header) {
+  for (const auto& [key, value] : header.metadata)
+    if (key == "version") return value;
+  return "-";
+}
+
+// "name dtype [shape] v0 v1 ..." for each output (its first 8 values), then the version.
 void print_tensors(const std::string& bytes, std::ostream& out) {
   const auto* data = reinterpret_cast<const std::byte*>(bytes.data());
   const auto header = storage::parse_safetensors_file({data, bytes.size()});
@@ -83,23 +147,27 @@ void print_tensors(const std::string& bytes, std::ostream& out) {
     out << t.name << ' ' << storage::dtype_name(t.dtype) << ' ' << format_shape(t.shape);
     const std::byte* p = data + header.data_offset + t.begin;
     const uint64_t count = storage::element_count(t.shape);
-    for (uint64_t i = 0; i < std::min<uint64_t>(count, 8); ++i) {
-      double value = 0;
-      using storage::DType;
-      switch (t.dtype) {
-        case DType::F32: { float f; std::memcpy(&f, p + 4 * i, 4); value = f; break; }
-        case DType::F64: std::memcpy(&value, p + 8 * i, 8); break;
-        case DType::F16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); value = storage::half_to_float(h); break; }
-        case DType::BF16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); uint32_t w = uint32_t{h} << 16; float f; std::memcpy(&f, &w, 4); value = f; break; }
-        case DType::I64: { int64_t v; std::memcpy(&v, p + 8 * i, 8); value = static_cast<double>(v); break; }
-        case DType::I32: { int32_t v; std::memcpy(&v, p + 4 * i, 4); value = v; break; }
-        case DType::BOOL: value = static_cast<double>(static_cast<uint8_t>(p[i])); break;
-        default: i = count; continue;
-      }
-      out << ' ' << std::setprecision(6) << value;
-    }
+    for (uint64_t i = 0; i < std::min<uint64_t>(count, 8); ++i)
+      if (const auto value = element(t.dtype, p, i)) out << ' ' << std::setprecision(6) << *value;
     out << (count > 8 ? " ..." : "") << '\n';
   }
+  out << "weights version " << output_version(header) << '\n';
+}
+
+// {"version": N, "outputs": {name: {"dtype", "shape", "values": [every value, in order]}}}.
+json outputs_json(const std::string& bytes) {
+  const auto* data = reinterpret_cast<const std::byte*>(bytes.data());
+  const auto header = storage::parse_safetensors_file({data, bytes.size()});
+  json outputs = json::object();
+  for (const auto& t : header.tensors) {
+    const std::byte* p = data + header.data_offset + t.begin;
+    json values = json::array();
+    for (uint64_t i = 0, n = storage::element_count(t.shape); i < n; ++i)
+      if (const auto value = element(t.dtype, p, i)) values.push_back(*value);
+    outputs[t.name] = {{"dtype", storage::dtype_name(t.dtype)}, {"shape", t.shape}, {"values", values}};
+  }
+  const std::string version = output_version(header);
+  return {{"version", version == "-" ? json(nullptr) : json(std::stoull(version))}, {"outputs", outputs}};
 }
 
 // name=1,2,3;4,5,6 -> a [2, 3] tensor: int64 when every value is an integer, else float32.
@@ -191,7 +259,7 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
 
   const auto refused = [&](const client::Response& response) {
     if (o.json) out << response.body;
-    err << "vramctl " << command << ": " << client::error_text(response) << '\n';
+    err << "vramctl " << command << ": " << for_vramctl(client::error_text(response)) << '\n';
     return 1;
   };
 
@@ -215,13 +283,21 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
                                                           " of replaced values being freed" : "")
             << '\n';
       out << "models:" << (body["models"].empty() ? " none\n" : "\n");
-      // Each model, then what belongs to it: its plan and its leases.
-      for (const auto& m : body["models"]) {
-        out << "  " << std::left << std::setw(20) << m["name"].get<std::string>() << std::setw(11)
-            << m["state"].get<std::string>() << std::right << devices_text(m["devices"])
-            << (m["busy"].get<bool>() ? "  (busy)" : "") << (m.value("waiting_for_room", false) ? "  (waiting for room)" : "")
-            << '\n'
-            << (m.contains("weights") ? "    " + m["weights"]["plan"].get<std::string>() + "\n" : "");
+      // Each model (what it holds now, and what it counts against the budgets above, which add up
+      // to `used`), then what belongs to it: why it is not loaded, its plan, its leases.
+      std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "VERSION", "HOLDS", "CHARGED"}};
+      for (const auto& m : body["models"])
+        rows.push_back({m["name"].get<std::string>(),
+                        m["state"].get<std::string>() + (m["busy"].get<bool>() ? " (busy)" : "") +
+                            (m.value("waiting_for_room", false) ? " (waiting for room)" : ""),
+                        version_text(m), devices_text(m["devices"]), charge_text(m.value("charge", json::object()))});
+      const auto lines = split_lines(format_table(rows, 2));
+      if (!body["models"].empty()) out << lines[0] << '\n';
+      for (size_t i = 0; i < body["models"].size(); ++i) {
+        const json& m = body["models"][i];
+        out << lines[i + 1] << '\n';
+        if (m.contains("reason")) print_lines("", m["reason"].get<std::string>(), out);
+        if (m.contains("weights")) out << "    " << m["weights"]["plan"].get<std::string>() << '\n';
         print_leases(m, out);
         for (const auto& kept : body.value("kept_memfds", json::array()))
           if (kept["model"] == m["name"]) {
@@ -260,30 +336,22 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
       if (o.json) out << pending;
     }
     if (response.status != 200) {
-      err << "vramctl load: " << (last.is_object() && last.contains("error") ? last["error"].get<std::string>() : "HTTP " + std::to_string(response.status)) << '\n';
+      err << "vramctl load: " << for_vramctl(last.is_object() && last.contains("error") ? last["error"].get<std::string>() : "HTTP " + std::to_string(response.status)) << '\n';
       return 1;
     }
     if (!last.is_object() || last.value("status", "") != "ready") {
-      err << "vramctl load: " << (last.is_object() && last.contains("error") ? last["error"].get<std::string>() : "the load did not finish") << '\n';
+      err << "vramctl load: " << for_vramctl(last.is_object() && last.contains("error") ? last["error"].get<std::string>() : "the load did not finish") << '\n';
       return 1;
     }
     if (!o.json)
       out << o.model << " ready: " << last["architecture"].get<std::string>() << ", " << last["dtype"].get<std::string>()
-          << ", " << format_bytes(last["bytes"].get<uint64_t>()) << " on " << devices_text(last["devices"]) << '\n';
+          << ", " << format_bytes(last["bytes"].get<uint64_t>()) << " on " << where_text(last["devices"], last["bytes"])
+          << ", version " << version_text(last) << '\n';
     return 0;
   }
 
   if (command == "unload" || command == "offload" || command == "onload") {
     const auto response = client.request("POST", model_path + "/" + command + (o.wait ? "" : "?wait=false"));
-    if (response.status != 200 && !o.wait) {
-      // The daemon's advice names its query parameter; here it is our flag.
-      std::string text = client::error_text(response);
-      if (const auto at = text.find("leave out wait=false"); at != std::string::npos)
-        text.replace(at, std::string("leave out wait=false").size(), "leave out --no-wait");
-      if (o.json) out << response.body;
-      err << "vramctl " << command << ": " << text << '\n';
-      return 1;
-    }
     if (response.status != 200) return refused(response);
     if (o.json) return out << response.body, 0;
     const json body = parse_json(response);
@@ -291,7 +359,8 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
     if (body.contains("moved"))
       out << " (moved " << format_bytes(body["moved"]["bytes"].get<uint64_t>()) << " in " << std::fixed
           << std::setprecision(3) << body["moved"]["seconds"].get<double>() << " s)" << std::defaultfloat;
-    out << "; weights on " << devices_text(body["devices"]) << '\n';
+    if (!body["devices"].empty()) out << "; weights on " << devices_text(body["devices"]);
+    out << '\n';
     return 0;
   }
 
@@ -354,8 +423,10 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
       std::ofstream file(o.output, std::ios::binary);
       file.write(response.body.data(), static_cast<std::streamsize>(response.body.size()));
       if (!file) fail(o.output, "cannot write");
+      err << "wrote the outputs to " << o.output << '\n';
       return 0;
     }
+    if (o.json) return out << outputs_json(response.body).dump() << '\n', 0;
     print_tensors(response.body, out);
     return 0;
   }

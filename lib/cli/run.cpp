@@ -174,13 +174,13 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
       for (const auto& e : weights.take_trace()) events.push_back({e.seconds, e.held, e.layer->path(), e.kind});
       std::ofstream(options.trace) << nlohmann::json{{"model", config.name}, {"limit", v.limit}, {"peak", v.peak}, {"events", events}}.dump() << '\n';
     }
-    if (options.stats) log << "vram: " << v.plan << "; " << v.loads << " streamed loads ("
+    if (options.stats) log << "vram: " << v.plan << "; " << counted(v.loads, "streamed load") << " ("
                            << format_bytes(v.bytes_streamed) << ", " << format_bytes(v.bytes_packed) << " of it packed), "
                            << v.prefetched << " prefetched, waited " << ms(v.wait_seconds) << '\n';
     if (options.stats && v.expert_slots)
-      log << "experts: " << v.resident_expert_slots << " of " << v.expert_slots << " expert layers resident; " << v.expert_hits
-          << " hits, " << v.expert_misses << " misses (" << format_bytes(v.expert_bytes_streamed) << " brought in), "
-          << v.expert_swaps << " swaps\n";
+      log << "experts: " << v.resident_expert_slots << " of " << v.expert_slots << " expert layers resident; "
+          << counted(v.expert_hits, "hit") << ", " << v.expert_misses << (v.expert_misses == 1 ? " miss" : " misses")
+          << " (" << format_bytes(v.expert_bytes_streamed) << " brought in), " << counted(v.expert_swaps, "swap") << '\n';
   }
   const double first = seconds.front();
   std::sort(seconds.begin(), seconds.end());

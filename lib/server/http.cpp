@@ -441,29 +441,6 @@ bool socket_is_live(const std::string& path) {
   return live;
 }
 
-// The socket's folder: made (0700) when missing, and used only when it is a folder of this
-// user or of root that nobody else may write, as tmux and ssh-agent insist: in a folder others
-// can write, another user could take the socket's name first and stand in for the daemon.
-void check_socket_folder(const std::string& socket_path) {
-  std::string folder = socket_path.substr(0, socket_path.rfind('/') == std::string::npos ? 0 : socket_path.rfind('/'));
-  if (folder.empty()) folder = socket_path.starts_with('/') ? "/" : ".";
-  if (::mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST)
-    fail(folder, std::string("cannot create the socket's folder: ") + std::strerror(errno));
-  struct stat info {};
-  if (::stat(folder.c_str(), &info) != 0) fail(folder, std::string("cannot use the socket's folder: ") + std::strerror(errno));
-  if (!S_ISDIR(info.st_mode)) fail(folder, "the socket's folder is not a folder");
-  if (info.st_uid != ::geteuid() && info.st_uid != 0)
-    fail(folder, "the socket's folder belongs to uid " + std::to_string(info.st_uid) +
-                     ", not to this daemon's user (uid " + std::to_string(::geteuid()) + ") or root; choose another socket path");
-  if (info.st_mode & (S_IWGRP | S_IWOTH)) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
-    fail(folder, std::string("others may write the socket's folder (mode ") + mode +
-                     "), so they could take the socket's place; use a folder only its owner can write, such as "
-                     "the default ($XDG_RUNTIME_DIR/vramd/ or /tmp/vramd-UID/)");
-  }
-}
-
 void check_uv(int status, const std::string& what) {
   if (status < 0) throw Error(what + ": " + uv_strerror(status));
 }
@@ -481,6 +458,28 @@ uv_pipe_t* Server::add_pipe_listener() {
 // The socket appears at `path` only once it listens: it is bound under a name of its own beside
 // `path`, made to listen, then linked to `path` (which fails where another daemon's socket got
 // there first) and its own name removed. A client that waits for the file never finds it refusing.
+void check_socket_folder(const std::string& socket_path, bool make) {
+  std::string folder = socket_path.substr(0, socket_path.rfind('/') == std::string::npos ? 0 : socket_path.rfind('/'));
+  if (folder.empty()) folder = socket_path.starts_with('/') ? "/" : ".";
+  struct stat missing {};
+  if (!make && ::stat(folder.c_str(), &missing) != 0 && errno == ENOENT) return;  // made, owner-only, when the daemon starts
+  if (make && ::mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST)
+    fail(folder, std::string("cannot create the socket's folder: ") + std::strerror(errno));
+  struct stat info {};
+  if (::stat(folder.c_str(), &info) != 0) fail(folder, std::string("cannot use the socket's folder: ") + std::strerror(errno));
+  if (!S_ISDIR(info.st_mode)) fail(folder, "the socket's folder is not a folder");
+  if (info.st_uid != ::geteuid() && info.st_uid != 0)
+    fail(folder, "the socket's folder belongs to uid " + std::to_string(info.st_uid) +
+                     ", not to this daemon's user (uid " + std::to_string(::geteuid()) + ") or root; choose another socket path");
+  if (info.st_mode & (S_IWGRP | S_IWOTH)) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+    fail(folder, std::string("others may write the socket's folder (mode ") + mode +
+                     "), so they could take the socket's place; use a folder only its owner can write, such as "
+                     "the default ($XDG_RUNTIME_DIR/vramd/ or /tmp/vramd-UID/)");
+  }
+}
+
 void Server::listen_unix(const std::string& path) {
   const std::string bound_at = path + "." + std::to_string(::getpid());
   constexpr size_t kLongest = sizeof(sockaddr_un{}.sun_path) - 1;

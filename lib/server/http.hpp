@@ -91,6 +91,13 @@ class Exchange {
 
 using Handler = std::function<void(std::shared_ptr<Exchange>)>;
 
+// The socket's folder: made (0700) when missing (with `make`; without, a missing one is fine),
+// and used only when it is a folder of this user or of root that nobody else may write, as tmux
+// and ssh-agent insist: in a folder others can write, another user could take the socket's name
+// first and stand in for the daemon. Throws Error naming the folder and the fix otherwise.
+// Server::listen_unix checks it; `vramd --check` too, without making it.
+void check_socket_folder(const std::string& socket_path, bool make = true);
+
 // Who may use a Unix-socket connection: the daemon's own user, listed uids, members of a group.
 struct Access {
   uid_t owner = 0;

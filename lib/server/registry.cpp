@@ -348,6 +348,12 @@ void Registry::pump(Entry& entry) {
       entry.queue.pop_front();
       answer(finished, status, body);
     };
+    // Answered with the model as it is once the job has left the queue (not counted as queued).
+    const auto done_as_it_is = [&] {
+      Job finished = std::move(job);
+      entry.queue.pop_front();
+      answer(finished, 200, entry_json(entry));
+    };
     // Nothing takes a leased model's weights from under its clients: wait for the leases to end
     // (end_lease pumps again), or refuse at once when asked not to wait.
     if (job.takes_weights() && !entry.leases.empty()) {
@@ -360,20 +366,20 @@ void Registry::pump(Entry& entry) {
     }
     switch (job.kind) {
       case Job::Kind::Load:
-        if (resident) { done_now(200, entry_json(entry)); continue; }
+        if (resident) { done_as_it_is(); continue; }
         break;
       case Job::Kind::Onload:
         if (!entry.runtime) { done_now(409, {{"error", "model " + quote(entry.name) + " is not loaded; load it"}}); continue; }
-        if (resident) { done_now(200, entry_json(entry)); continue; }
+        if (resident) { done_as_it_is(); continue; }
         break;
       case Job::Kind::Offload:
         if (!entry.runtime) { done_now(409, {{"error", "model " + quote(entry.name) + " is not loaded"}}); continue; }
-        if (entry.state == ModelState::Offloaded) { done_now(200, entry_json(entry)); continue; }
+        if (entry.state == ModelState::Offloaded) { done_as_it_is(); continue; }
         break;
       case Job::Kind::Unload:
         if (!entry.runtime) {
           entry.state = entry.state == ModelState::Failed ? ModelState::Failed : ModelState::Unloaded;
-          done_now(200, entry_json(entry));
+          done_as_it_is();
           if (entry.removed) return drop_entry(entry);
           continue;
         }
@@ -389,7 +395,7 @@ void Registry::pump(Entry& entry) {
         if (const auto clash = in_place_clash(entry, job)) { done_now(409, {{"error", *clash}}); continue; }
         break;
       case Job::Kind::Replace:
-        if (!entry.replacement) { done_now(200, entry_json(entry)); continue; }  // the edit was taken back
+        if (!entry.replacement) { done_as_it_is(); continue; }  // the edit was taken back
         break;
       case Job::Kind::Forward:
         break;
@@ -411,6 +417,8 @@ void Registry::pump(Entry& entry) {
         }
       } catch (const Error& e) {
         entry.waiting_for_room = false;
+        // A load refused for room leaves the model unloaded: its status says why.
+        if (!entry.runtime && job.loads()) entry.reason = std::string("not loaded: ") + e.what();
         done_now(507, {{"error", e.what()}});
         continue;
       }
@@ -510,7 +518,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     entry.load_seconds = outcome.load_seconds;
     entry.state = ModelState::Ready;
     entry.reason.clear();
-    log::info("ready " + entry.name + " in " + std::to_string(outcome.load_seconds) + " s, " +
+    log::info("ready " + entry.name + " in " + format_seconds(outcome.load_seconds) + ", " +
               format_bytes(entry.dry->report.bytes));
   }
   json body;
@@ -526,7 +534,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
     entry.forwards_cancelled++;
     const bool gone = !job.exchange || job.exchange->gone();
     const std::string why = gone ? "the client went away" : "vramd is shutting down and its grace period is over";
-    log::info(what + " stopped after " + std::to_string(outcome.seconds) + " s: " + why + "; " + outcome.error);
+    log::info(what + " stopped after " + format_seconds(outcome.seconds) + ": " + why + "; " + outcome.error);
     status = 503;
     body = {{"error", "forward of " + quote(entry.name) + " stopped: " + why + " (" + outcome.error + ")"}};
   } else if (status != 200) {
@@ -580,11 +588,11 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
         entry.updates++;
         entry.update_seconds += outcome.updated.seconds;
         log::info(what + ": " + counted(outcome.updated.tensors, "tensor") + ", " + format_bytes(outcome.updated.bytes) +
-                  " in " + std::to_string(outcome.updated.seconds) + " s; version " + std::to_string(outcome.version));
+                  " in " + format_seconds(outcome.updated.seconds) + "; version " + std::to_string(outcome.version));
         break;
     }
     if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
-      log::info(what + ": " + format_bytes(outcome.moved.bytes) + " in " + std::to_string(outcome.moved.seconds) + " s");
+      log::info(what + ": " + format_bytes(outcome.moved.bytes) + " in " + format_seconds(outcome.moved.seconds));
     body = entry_json(entry);
     if (job.kind == Job::Kind::Offload || job.kind == Job::Kind::Onload)
       body["moved"] = {{"bytes", outcome.moved.bytes}, {"seconds", outcome.moved.seconds}};

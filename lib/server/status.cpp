@@ -23,11 +23,14 @@ const char* state_name(ModelState state) {
 namespace {
 
 // `packed` for the states that can hold GGUF blocks packed: true, false or "auto".
-json state_json(const config::DeviceState& state, bool packable = true) {
-  json j = {{"device", state.device.str()}, {"dtype", config::dtype_str(state.dtype)}};
+json state_json(const config::DeviceState& state, const std::string& model_dtype, bool packable = true) {
+  json j = {{"device", state.device.str()}, {"dtype", state.dtype ? config::dtype_str(state.dtype) : model_dtype}};
   if (packable) j["packed"] = state.packed ? json(*state.packed) : json("auto");
   return j;
 }
+
+// Every time the daemon shows: ISO 8601 in UTC, as 2026-12-01T20:32:17Z.
+constexpr const char* kTimeFormat = "%Y-%m-%dT%H:%M:%SZ";
 
 std::string clock_text(std::chrono::system_clock::time_point when, const char* format) {
   const std::time_t t = std::chrono::system_clock::to_time_t(when);
@@ -72,7 +75,7 @@ std::string holders(const Entry& entry) {
   std::string text;
   for (const auto& [id, lease] : entry.leases)
     text += (text.empty() ? "" : ", ") + std::string("pid ") + std::to_string(lease.pid) + " (uid " + std::to_string(lease.uid) +
-            ", " + lease.device + ", since " + clock_text(lease.since, "%H:%M:%S") + " UTC)";
+            ", " + lease.device + ", since " + clock_text(lease.since, kTimeFormat) + ")";
   return text;
 }
 
@@ -80,7 +83,7 @@ json leases_json(const Entry& e) {
   json leases = json::array();
   for (const auto& [id, lease] : e.leases)
     leases.push_back({{"id", lease.id}, {"pid", lease.pid}, {"uid", lease.uid}, {"device", lease.device},
-                      {"since", clock_text(lease.since, "%Y-%m-%dT%H:%M:%SZ")}, {"reserved", lease.reserved},
+                      {"since", clock_text(lease.since, kTimeFormat)}, {"reserved", lease.reserved},
                       {"peak", lease.peak ? json(*lease.peak) : json(nullptr)}});
   return leases;
 }
@@ -114,8 +117,10 @@ json entry_json(const Entry& e) {
     j["tensors"] = e.dry->report.tensors;
     j["checkpoint"] = e.dry->report.checkpoint;
     if (!e.dry->report.warnings.empty()) j["warnings"] = e.dry->report.warnings;
-    j["vram"] = {{"offload", state_json(c.vram.offload)}, {"onload", state_json(c.vram.onload)},
-                 {"preparing", state_json(c.vram.preparing)}, {"computation", state_json(c.vram.computation, false)},
+    // A state of dtype "auto" is in the model's dtype, which the dry run has settled.
+    const std::string& dtype = e.dry->dtype;
+    j["vram"] = {{"offload", state_json(c.vram.offload, dtype)}, {"onload", state_json(c.vram.onload, dtype)},
+                 {"preparing", state_json(c.vram.preparing, dtype)}, {"computation", state_json(c.vram.computation, dtype, false)},
                  {"limit", c.vram.limit ? json(*c.vram.limit) : json(nullptr)},
                  {"onload_limit", c.vram.onload_limit ? json(*c.vram.onload_limit) : json(nullptr)},
                  {"direct_io", c.vram.direct_io ? json(*c.vram.direct_io) : json("auto")}};
@@ -141,6 +146,8 @@ json summary_json(const Entry& e) {
                                       {"offload", e.config->vram.offload.device.str()}})
                               : json(nullptr)}};
   if (e.waiting_for_room) j["waiting_for_room"] = true;
+  if (!e.reason.empty()) j["reason"] = e.reason;
+  j["version"] = e.runtime ? json(e.version) : json(nullptr);
   j["leases"] = leases_json(e);
   if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
   return j;

@@ -25,7 +25,7 @@ nlohmann::json charge_json(const Entry& entry);
 nlohmann::json weights_json(const Entry& entry);
 // [{"id", "pid", "uid", "device", "since"}]
 nlohmann::json leases_json(const Entry& entry);
-// "pid 42 (uid 1000, cpu, since 12:00:01 UTC), ...": who holds the model's leases.
+// "pid 42 (uid 1000, cpu, since 2026-12-01T12:00:01Z), ...": who holds the model's leases.
 std::string holders(const Entry& entry);
 nlohmann::json progress_json(const LoadProgress& progress);
 // What a client maps: regions in the order their descriptors travel, and every tensor's place.

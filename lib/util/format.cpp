@@ -28,12 +28,44 @@ std::string format_bytes_beside(uint64_t bytes, uint64_t other) {
   return text;
 }
 
+std::string format_seconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3f s", seconds);
+  return text;
+}
+
 std::string counted(uint64_t count, std::string_view noun) {
   return std::to_string(count) + " " + std::string(noun) + (count == 1 ? "" : "s");
 }
 
 std::string pad(std::string text, size_t width) {
   text.resize(std::max(width, text.size()), ' ');
+  return text;
+}
+
+namespace {
+
+// The characters of valid UTF-8 text (its bytes but continuation bytes), for columns.
+size_t width_of(const std::string& text) {
+  return static_cast<size_t>(std::count_if(text.begin(), text.end(), [](char c) { return (c & 0xC0) != 0x80; }));
+}
+
+}  // namespace
+
+std::string format_table(const std::vector<std::vector<std::string>>& rows, size_t indent) {
+  std::vector<size_t> widths;
+  for (const auto& row : rows)
+    for (size_t i = 0; i < row.size(); ++i) {
+      if (widths.size() <= i) widths.push_back(0);
+      widths[i] = std::max(widths[i], width_of(row[i]));
+    }
+  std::string text;
+  for (const auto& row : rows) {
+    std::string line(indent, ' ');
+    for (size_t i = 0; i < row.size(); ++i)
+      line += i + 1 == row.size() ? row[i] : row[i] + std::string(widths[i] - width_of(row[i]) + 2, ' ');
+    text += line + '\n';
+  }
   return text;
 }
 

@@ -17,6 +17,9 @@ std::string format_bytes(uint64_t bytes);
 // in the same message, would print the same though it differs: "1.00 GiB (1074790400 bytes)".
 std::string format_bytes_beside(uint64_t bytes, uint64_t other);
 
+// "0.005 s", "12.346 s": seconds to the millisecond, as logs and messages print durations.
+std::string format_seconds(double seconds);
+
 // "1 tensor", "2 tensors": a count and its noun, plural unless the count is 1 (nouns in -s alone).
 std::string counted(uint64_t count, std::string_view noun);
 
@@ -25,6 +28,10 @@ std::string format_shape(std::span<const int64_t> shape);
 
 // `text` followed by spaces up to `width` characters (unchanged when it is already as wide), for columns.
 std::string pad(std::string text, size_t width);
+
+// Rows as columns as wide as their widest cell, two spaces apart, each line `indent` spaces in
+// and ended by a newline (the last column unpadded).
+std::string format_table(const std::vector<std::vector<std::string>>& rows, size_t indent = 0);
 
 // The lines of a multi-line message, without their newlines.
 std::vector<std::string> split_lines(std::string_view text);

@@ -34,6 +34,7 @@ def test_convert_output_writes_the_evaluated_checkpoint(tmp_path):
     config = setup(tmp_path, 'return { x = src["a.weight"]:t():cast("bfloat16") }\n')
     result = vramctl("convert", config, "--output", tmp_path / "out.safetensors")
     assert result.returncode == 0, result.stderr
+    assert result.stderr == f"wrote 1 tensor, 12 B, to {tmp_path / 'out.safetensors'}\n"  # said, beside the plan
     out = load_file(tmp_path / "out.safetensors")
     assert torch.equal(out["x"], torch.arange(6.0).reshape(2, 3).t().to(torch.bfloat16))
 

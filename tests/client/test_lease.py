@@ -3,6 +3,7 @@ what safetensors and transformers give for the same checkpoint, read-only memory
 client, unload under a lease, shared pages across processes, and each bad request. One daemon
 serves the whole module."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -167,6 +168,9 @@ def test_a_killed_client_ends_its_lease_and_unload_waits_for_leases(served):
     # Not waiting: 409 naming the holder, through the socket and through vramctl.
     status, body = request(sock, "POST", "/v1/models/nano/unload?wait=false")
     assert status == 409 and f"leased by pid {client.pid}" in json.loads(body)["error"]
+    # Since when, as the lease's `since` says it: one style of time everywhere.
+    since = leases[0]["since"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", since) and f"since {since})" in json.loads(body)["error"]
     refused = vramctl(sock, "unload", "nano", "--no-wait", check=False)
     assert refused.returncode != 0 and f"pid {client.pid}" in refused.stderr
     assert "leave out --no-wait to wait for them" in refused.stderr, refused.stderr  # the flag, not the query
@@ -281,7 +285,8 @@ def test_the_cpp_client_and_vramctl_hold_a_lease(served):
     assert [lease["pid"] for lease in model(sock, "nano")["leases"]] == [holder.pid]
     # Under its model, with the model's other lines, before the next model (here "streamed").
     status = vramctl(sock, "status").stdout.splitlines()
-    models = [i for i, line in enumerate(status) if i > status.index("models:") and not line.startswith("    ")]
+    models = [i for i, line in enumerate(status) if i > status.index("models:") + 1 and not line.startswith("    ")]
+    assert status[status.index("models:") + 1].split() == ["NAME", "STATE", "VERSION", "HOLDS", "CHARGED"], status
     nano = next(i for i in models if status[i].split()[0] == "nano")
     following = next((i for i in models if i > nano), len(status))
     assert any(f"leased by pid {holder.pid}" in line for line in status[nano + 1:following]), status

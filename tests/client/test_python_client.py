@@ -109,6 +109,7 @@ def test_refusals_carry_the_daemons_status_and_words(client, daemon):
     assert refused.value.status == 404 and refused.value.request == "POST /v1/models/nope/load"
     # Each names the tool its user holds, where the daemon's own answer names its API.
     assert refused.value.message == "no model named 'nope'; Client.list() lists them"
+    assert vramctl_error(daemon, "load", "nope", "--no-progress") == "no model named 'nope'; vramctl list lists them"
     assert json.loads(request(daemon.sock, "POST", "/v1/models/nope/load")[1])["error"] == \
         "no model named 'nope'; GET /v1/models lists them"
     assert str(refused.value) == f"POST /v1/models/nope/load: {refused.value.message}"

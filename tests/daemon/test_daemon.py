@@ -4,6 +4,7 @@ models of tests/parity) and against `vramctl run`."""
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -70,14 +71,35 @@ def test_lifecycle_through_vramctl_matches_transformers(daemon, checkpoints, tmp
     assert "gpt2" in listed and "minilm" in listed and "unloaded" in listed
 
     loaded = vramctl(daemon.sock, "load", "gpt2")
-    assert "gpt2 ready: gpt2, float32" in loaded.stdout
+    size = vramd.format_bytes(model(daemon.sock, "gpt2")["bytes"])
+    assert loaded.stdout == f"gpt2 ready: gpt2, float32, {size} on cpu, version 1\n"  # the size once
     assert "loading gpt2: 100%" in loaded.stderr  # plain progress lines when not on a terminal
+    assert re.search(r"\bready gpt2 in \d+\.\d{3} s, ", daemon.log.read_text())  # to the millisecond
     assert model(daemon.sock, "gpt2")["state"] == "ready"
+    # Loading a ready model again answers it as it is: nothing queued.
+    again = json.loads(vramctl(daemon.sock, "load", "gpt2", "--json").stdout.splitlines()[-1])
+    assert again["state"] == "ready" and again["queued"] == 0, again
+    # Each state's dtype settled: the config's "auto" is the checkpoint's float32.
+    assert {state["dtype"] for key, state in again["vram"].items() if isinstance(state, dict)} == {"float32"}, again
+    # Columns as wide as their widest cell (a 7-letter architecture among them), and the version.
+    header, *rows = vramctl(daemon.sock, "list").stdout.splitlines()
+    assert header.split() == ["NAME", "STATE", "ARCH", "DTYPE", "SIZE", "VERSION", "WHERE"]
+    gpt2 = next(row for row in rows if row.startswith("gpt2 "))
+    assert gpt2.split()[:3] == ["gpt2", "ready", "gpt2"] and gpt2.split()[6] == "1", gpt2
+    for row in rows:
+        assert row[header.index("DTYPE") - 2:header.index("DTYPE")] == "  ", (header, row)
 
     case = checkpoints["gpt2"]
     out = tmp_path / "out.safetensors"
-    vramctl(daemon.sock, "forward", "gpt2", "--input", case / "inputs.safetensors", "--output", out)
+    wrote = vramctl(daemon.sock, "forward", "gpt2", "--input", case / "inputs.safetensors", "--output", out)
+    assert wrote.stderr == f"wrote the outputs to {out}\n"
     got, expected = load_file(out), load_file(case / "expected.safetensors")
+    # --json: every output's values, and the weights' version they ran on.
+    outputs = json.loads(vramctl(daemon.sock, "forward", "gpt2", "--input", case / "inputs.safetensors", "--json").stdout)
+    assert outputs["version"] == 1 and set(outputs["outputs"]) == set(got)
+    logits = outputs["outputs"]["logits"]
+    assert logits["shape"] == list(got["logits"].shape) and logits["dtype"] == "F32"
+    assert torch.equal(torch.tensor(logits["values"], dtype=torch.float32).reshape(logits["shape"]), got["logits"])
     for name in expected:
         assert hf_models.close(got[name], expected[name]), name
 
@@ -92,14 +114,20 @@ def test_lifecycle_through_vramctl_matches_transformers(daemon, checkpoints, tmp
     woke = json.loads(vramctl(daemon.sock, "onload", "gpt2", "--json").stdout)
     assert woke["state"] == "ready" and woke["devices"]["cpu"] == woke["bytes"]
 
-    assert "gpt2: unloaded" in vramctl(daemon.sock, "unload", "gpt2").stdout
+    assert vramctl(daemon.sock, "unload", "gpt2").stdout == "gpt2: unloaded\n"  # no "weights on -"
     assert model(daemon.sock, "gpt2")["devices"] == {}
 
     # name=values arguments, printed outputs; the model loads on demand.
     printed = vramctl(daemon.sock, "forward", "minilm", "input_ids=101,7570,2024,2017,102").stdout
-    assert "sentence_embedding F32 [1, 384]" in printed
+    assert "sentence_embedding F32 [1, 384]" in printed and printed.endswith("\nweights version 1\n"), printed
     status = vramctl(daemon.sock, "status").stdout
     assert "s, 1 connection\ndevices:\n  cpu: 86.64 MiB of 8.00 GiB\nmodels:\n" in status and "\n  minilm " in status, status
+    # Each model's charge beside what it holds: the charges add up to what the device uses.
+    minilm = next(line for line in status.splitlines() if line.startswith("  minilm "))
+    assert minilm.split()[1:] == ["ready", "1", "cpu", "86.64", "MiB", "cpu", "86.64", "MiB", "(weights)"], minilm
+    # Its errors name vramctl's commands and flags, not the API's.
+    assert vramctl(daemon.sock, "load", "nope", check=False).stderr == \
+        "vramctl load: no model named 'nope'; vramctl list lists them\n"
     # Options go after the command, and the error says so with the line that works.
     misplaced = subprocess.run([VRAMCTL, "--socket", str(daemon.sock), "list"], capture_output=True, text=True)
     assert misplaced.returncode == 2
@@ -395,6 +423,13 @@ def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoi
         message = json.loads(body)["error"]
         assert "model 'b' needs 86.64 MiB on cpu" in message and "a 86.64 MiB (pinned)" in message
         assert model(s, "a")["state"] == "ready" and model(s, "c")["state"] == "ready"
+        # Left unloaded, it says why: in its object, the status, vramctl list and vramctl status.
+        assert model(s, "b")["state"] == "unloaded" and model(s, "b")["reason"] == f"not loaded: {message}"
+        assert next(m for m in get_json(s, "/v1/status")["models"] if m["name"] == "b")["reason"] == f"not loaded: {message}"
+        for command in ("list", "status"):
+            lines = vramctl(s, command).stdout.splitlines()
+            b = next(i for i, line in enumerate(lines) if line.split()[:2] in (["b", "unloaded"],))
+            assert lines[b + 1] == f"    not loaded: {message}", (command, lines)
         assert d.stop() == 0
 
 
@@ -735,7 +770,17 @@ def test_vramd_check_reports_each_config_on_printable_lines(tmp_path):
     assert {c for c in result.stdout if ord(c) < 0x20} == {"\n"}, repr(result.stdout)
     lines = result.stdout.splitlines()
     escaped = f"{d.models}/esc\\x1b[2J.toml"
-    assert lines[0] == f"invalid  {escaped}", lines
+    # A row each, in columns (the file's stem where the config names no model), its problems beneath.
+    assert lines[0].split() == ["invalid", "esc\\x1b[2J", f"({escaped})"], lines
     assert lines[1].startswith(f"         {escaped}:1:1: the file's name 'esc\\x1b[2J' is no model name"), lines
     assert lines[2] == f"         {escaped}:2:1: unknown key 'size'", lines
-    assert lines[3].startswith("valid    good  weights, float32, 24 B in 1 tensor"), lines
+    name_width = len("esc\\x1b[2J") + 2
+    assert lines[3].startswith("valid    " + "good".ljust(name_width) + "weights, float32, 24 B in 1 tensor"), lines
+    assert lines[3].index("(") == lines[0].index("("), lines
+    # The socket is checked as startup takes it: a folder others may write is refused.
+    d.config.write_text(d.config.read_text().replace(f'socket = "{d.sock}"', 'socket = "/tmp/vramd-check.sock"'))
+    result = subprocess.run([VRAMD, "--config", d.config, "--check"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout.splitlines()[:2] == [
+        "invalid  " + "socket".ljust(name_width) + "/tmp/vramd-check.sock",
+        "         /tmp: others may write the socket's folder (mode 1777), so they could take the socket's place; use a "
+        "folder only its owner can write, such as the default ($XDG_RUNTIME_DIR/vramd/ or /tmp/vramd-UID/)"], result.stdout

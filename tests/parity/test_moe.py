@@ -110,6 +110,15 @@ def test_streamed_experts_equal_resident_ones_and_only_routed_ones_move(mixtral,
     # So the forwards after the first moved no expert at all.
     assert misses[3]["misses"] == misses[1]["misses"] > 0, misses
     assert not [e for e in events if e[3] == "prefetch" and EXPERT.search(e[2])], events
+    # --stats says the same in words, each count with its noun in the right number.
+    config = tmp_path / "model.toml"
+    printed = subprocess.run([VRAMCTL, "run", config, "--daemon-config", tmp_path / "vramd.toml", "--input", short,
+                              "--stats"], capture_output=True, text=True, timeout=600)
+    line = next(line for line in printed.stderr.splitlines() if line.startswith("experts: "))
+    counts = re.findall(r"(\d+) (hits?|miss(?:es)?|swaps?)\b", line)
+    assert len(counts) == 3, line
+    for n, word in counts:
+        assert (int(n) == 1) == (word in ("hit", "miss", "swap")), line
 
 
 def test_the_daemon_reports_expert_hits_and_misses_and_keeps_its_experts_across_sleep(mixtral, tmp_path):
