@@ -3,8 +3,8 @@ what safetensors and transformers give for the same checkpoint, read-only memory
 client, unload under a lease, shared pages across processes, and each bad request. One daemon
 serves the whole module."""
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from daemon_support import ROOT, Daemon, get_json, model, raw, request, vramctl, wait_for  # noqa: E402
+import hf_models  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "python"))
 import vramd  # noqa: E402
@@ -54,13 +55,22 @@ def nanogpt_config(folder, computation):
         """)
 
 
-def tiny_unet(folder):
-    """A small random diffusers UNet, as save_pretrained writes it."""
+def tiny_unet(folder, conditioned=False):
+    """A small random diffusers UNet, as save_pretrained writes it; `conditioned`: one that takes
+    text's hidden states (UNet2DConditionModel)."""
     import diffusers
     torch.manual_seed(0)
-    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
-                                 block_out_channels=(8, 16), norm_num_groups=4,
-                                 down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
+    if conditioned:
+        unet = diffusers.UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                              block_out_channels=(8, 16), norm_num_groups=4, cross_attention_dim=16,
+                                              attention_head_dim=2,
+                                              down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                              up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    else:
+        unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                     block_out_channels=(8, 16), norm_num_groups=4,
+                                     down_block_types=("DownBlock2D", "DownBlock2D"),
+                                     up_block_types=("UpBlock2D", "UpBlock2D"))
     unet.save_pretrained(folder)
     return folder
 
@@ -76,10 +86,15 @@ def served(tmp_path_factory):
     (d.models / "nano.toml").write_text(nanogpt_config(folder, 'dtype = "bfloat16"'))
     unet = tiny_unet(folder / "unet")
     (d.models / "unet.toml").write_text(f'checkpoint = "{unet}"\narchitecture = "weights"\n')
+    text_unet = tiny_unet(folder / "text-unet", conditioned=True)
+    (d.models / "text-unet.toml").write_text(f'checkpoint = "{text_unet}"\narchitecture = "weights"\n')
+    llama = hf_models.make("llama3", "float32", folder) / "model"  # tied embeddings: the head is saved once
+    (d.models / "llama.toml").write_text(f'checkpoint = "{llama}"\n')
     (d.models / "streamed.toml").write_text(f'checkpoint = "{minilm}"\n[vram]\nlimit = "60MiB"\nonload = {{ device = \"disk\" }}\noffload = {{ device = \"disk\" }}\n')
     (d.models / "broken.toml").write_text('checkpoint = "/nonexistent/model.safetensors"\n')
     with d.start():
-        yield {"daemon": d, "sock": str(d.sock), "minilm": minilm, "nano": nano_state, "unet": unet}
+        yield {"daemon": d, "sock": str(d.sock), "minilm": minilm, "nano": nano_state, "unet": unet,
+               "text-unet": text_unet, "llama": llama}
 
 
 def run_client(served, name, body, device="cpu", prelude="", **kwargs):
@@ -262,9 +277,12 @@ def test_bad_leases_get_clear_errors_and_harm_nothing(served):
     assert served["daemon"].healthy()
 
 
-@pytest.mark.parametrize("example,args", [("lease_transformers.py", []), ("lease_diffusers.py", ["unet", "{unet}"])])
+@pytest.mark.parametrize("example,args", [("lease_transformers.py", []),
+                                          ("lease_transformers.py", ["llama", "{llama}"]),  # a causal LM with a head
+                                          ("lease_diffusers.py", ["unet", "{unet}"]),
+                                          ("lease_diffusers.py", ["text-unet", "{text-unet}"])])  # takes text's states
 def test_examples_fill_their_models_from_a_lease(served, example, args):
-    args = [a.replace("{unet}", str(served["unet"])) for a in args]
+    args = [str(served[a[1:-1]]) if a.startswith("{") else a for a in args]
     result = subprocess.run([sys.executable, str(ROOT / "examples" / example), *args], capture_output=True, text=True,
                             timeout=300, env={**os.environ, "VRAMD_SOCKET": served["sock"],
                                               "PYTHONPATH": str(ROOT / "python")})
