@@ -31,7 +31,9 @@ one after another can share one limit and its reservation (manage(..., share=man
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import sys
 import threading
 import warnings
 import time
@@ -181,13 +183,33 @@ class _Room:
         return (unit for member in self.members for unit in member._units)
 
 
+_log = logging.getLogger("vramd")
+
+
+class _Told:
+    """What manage() says of its steps as it takes them (a large model's lease and hooks take
+    seconds): logged at INFO on the "vramd" logger, and with `progress` on standard error too,
+    each with the seconds since manage() began."""
+
+    def __init__(self, model: str, progress: bool | None):
+        self.model = model
+        self.started = time.perf_counter()
+        self.shown = sys.stderr.isatty() if progress is None else progress
+
+    def __call__(self, text: str) -> None:
+        line = f"{self.model!r}: {text} ({time.perf_counter() - self.started:.2f} s)"
+        _log.info(line)
+        if self.shown:
+            print(f"vramd.manage: {line}", file=sys.stderr, flush=True)
+
+
 class Managed:
     """A module whose weights vramd manages; see manage(). `stats()` gives the figures, `close()`
     (or the end of a `with` block) takes the hooks away and ends the lease."""
 
     def __init__(self, module: nn.Module, lease: Lease, device: torch.device, dtype: torch.dtype, limit: int | None,
                  units: list[str] | None, strict: bool, prefetch: bool, room: _Room | None = None,
-                 forward_methods: list[str] = ()):
+                 forward_methods: list[str] = (), told=lambda text: None):
         self.module = module
         self._forward_methods = _forward_methods(module, forward_methods)
         self.lease = lease
@@ -214,6 +236,9 @@ class Managed:
                                   "name smaller units")
             raise ManageError(f"units {_listed([u.name for u in nested])} run one inside another, so they need "
                               f"{format_exact(self._least)} at once {where}: raise the limit")
+        largest = max((unit.bytes for unit in self._units), default=0)
+        told(f"{len(self._units)} units, the largest {format_bytes(largest)} in {_name(dtype)} on {device}, limit "
+             f"{format_bytes(limit) if limit is not None else 'none'}")
         for slot in self._slots:  # refused above, the module is as it was
             slot.put(slot.placeholder)
         self.prefetch = prefetch
@@ -222,6 +247,8 @@ class Managed:
         on_cpu = device.type == "cpu" and prefetch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vramd-prefetch") if on_cpu else None
         self._registered = self._pin() if device.type == "cuda" else []
+        if self._registered:
+            told(f"page-locked {format_bytes(self._figures['pinned_bytes'])} of the lease for {device}")
         self._wrapped: list[tuple] = []  # (module, method, its own before, ours)
         self._warned_autograd = False
         self._version = lease.version  # the version of the values its slots bring
@@ -231,6 +258,7 @@ class Managed:
         self._hook()
         with self._lock:  # another thread may be making room from the units of the modules sharing it
             room.members.append(self)
+        told(f"{type(module).__name__} managed")
 
     @property
     def limit(self) -> int | None:
@@ -814,7 +842,7 @@ def _listed(names: list[str]) -> str:
 def manage(module: nn.Module, model: str, *, client: Client | None = None, device: str | torch.device | None = None,
            dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
            strict: bool = True, prefetch: bool | None = None, share: Managed | None = None,
-           follow: bool = False, forward_methods: list[str] = ()) -> Managed:
+           follow: bool = False, forward_methods: list[str] = (), progress: bool | None = None) -> Managed:
     """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
     its weights: see this module's text. `device`, `dtype` and `limit` default to the model's
     config ([vram] computation and limit), else the CPU, the leased dtype and no limit. `prefetch`
@@ -825,13 +853,17 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
     with Managed.wait_update() between forwards. `forward_methods`: the module's methods other than
     forward that run it as a forward does ("decode", "encode" of a VAE; "decoder.forward" for a
     submodule's), as FSDP's register_fsdp_forward_method names them: wait_update() takes a version
-    between their calls too (any other call is waited for unit by unit only). Raises ManageError
-    naming what does not fit, and vramd.DaemonError for the daemon's refusals (507 when the limit
-    does not fit the device's budget)."""
+    between their calls too (any other call is waited for unit by unit only). `progress`: say each
+    step on standard error as it is taken (the lease, the units planned, the page-locking, the
+    hooks; default: when standard error is a terminal); they are logged at INFO on the "vramd"
+    logger either way. Raises ManageError naming what does not fit, and vramd.DaemonError for the
+    daemon's refusals (507 when the limit does not fit the device's budget)."""
     room = _shared_room(share, device, limit) if share is not None else None
     own_client = client is None
     client = client or connect()
+    told = _Told(model, progress)
     try:
+        told(f"leasing from vramd at {client.socket_path}")
         plan = client.lease_plan(model)
         device = room.device if room else _device(device or plan.get("device") or "cpu")
         limit = room.limit if room else parse_size(limit) if limit is not None else plan.get("limit")
@@ -839,6 +871,8 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
         # one by the lease of the module that set it).
         reserve = (str(device), limit) if limit is not None and room is None else None
         lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
+        told(f"leased {len(lease.state_dict)} tensors, {format_bytes(lease.manifest['bytes'])} resting in the daemon's "
+             "memory" + (f", {format_bytes(limit)} of {device} reserved" if reserve else ""))
         if dtype is None:
             floating = {t.dtype for t in lease.state_dict.values() if t.is_floating_point()}
             dtype = getattr(torch, plan["dtype"]) if plan.get("dtype") else floating.pop() if len(floating) == 1 else None
@@ -848,7 +882,7 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
                                   "dtype: give dtype=")
         try:
             return Managed(module, lease, device, dtype, limit, units, strict,
-                           device.type == "cuda" if prefetch is None else prefetch, room, forward_methods)
+                           device.type == "cuda" if prefetch is None else prefetch, room, forward_methods, told)
         except BaseException:
             lease.close()
             raise

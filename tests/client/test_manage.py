@@ -9,6 +9,7 @@ client (freed when the client dies)."""
 import concurrent.futures
 import io
 import json
+import logging
 import os
 import random
 import re
@@ -980,6 +981,26 @@ def test_the_pipeline_example_runs_on_managed_modules_as_it_says(daemon, share):
                          r"it shares",
                          result.stdout), result.stdout
     assert "2 images equal to the pipeline's on the whole modules" in result.stdout, result.stdout
+
+
+def test_manage_says_each_step_as_it_takes_it(daemon, capsys, caplog):
+    # A large model's lease and hooks take seconds: each step is logged, and said on standard
+    # error with progress=True (by default, when it is a terminal).
+    with torch.device("meta"):
+        chain = Chain()
+    with caplog.at_level(logging.INFO, logger="vramd"), vramd.connect(daemon["sock"]) as client:
+        with vramd.manage(chain, "chain", client=client, limit="4KiB", progress=True):
+            said = capsys.readouterr().err.splitlines()
+        steps = [re.sub(r" \(\d+\.\d\d s\)$", "", line) for line in said]
+        assert steps == [
+            f"vramd.manage: 'chain': leasing from vramd at {daemon['sock']}",
+            "vramd.manage: 'chain': leased 16 tensors, 4.25 KiB resting in the daemon's memory, 4.00 KiB of cpu reserved",
+            "vramd.manage: 'chain': 8 units, the largest 1.06 KiB in float32 on cpu, limit 4.00 KiB",
+            "vramd.manage: 'chain': Chain managed"], said
+        assert [r.getMessage() for r in caplog.records if r.name == "vramd"] == [line.removeprefix("vramd.manage: ")
+                                                                               for line in said]
+        with vramd.manage(chain, "chain", client=client, progress=False):
+            assert capsys.readouterr().err == ""
 
 
 def test_what_does_not_fit_is_named(daemon):
