@@ -110,6 +110,12 @@ int vramctl_main(int argc, char** argv) {
                        "Budgets as DEVICE=SIZE,...: cuda:N, cpu and disk (no limit when left out), e.g. cuda:0=2GiB,cpu=8GiB")
       ->required();
   plan_cmd->add_option("--dtype", plan.dtype, "Size the weights in this dtype (default: the model's computation dtype)");
+  plan_cmd
+      ->add_option("--strategy", plan.strategy,
+                   "sequential (fill each GPU in turn), balanced (spread evenly over the GPUs) or balanced_low_0 (the "
+                   "same, the first GPU as empty as the others allow), as transformers' device_map names them")
+      ->check(CLI::IsMember({"sequential", "balanced", "balanced_low_0"}))
+      ->capture_default_str();
   add_daemon_config_option(plan_cmd, plan.daemon_config);
   plan_cmd->add_flag("--json", plan.json, "Print one JSON object");
 

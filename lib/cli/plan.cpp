@@ -65,7 +65,10 @@ void plan(const PlanOptions& options, std::ostream& out, std::ostream& err) {
   const std::string dtype_name = convert::dtype_torch_name(dtype);
 
   const auto layers = plan_layers(*model, dtype);
-  const model::DeviceMap map = model::plan_device_map(layers, budgets, "--max-memory");
+  const bool balanced = options.strategy != "sequential";
+  const auto used_budgets = balanced ? model::balanced_memory(layers, budgets, options.strategy == "balanced_low_0", "--max-memory")
+                                     : budgets;
+  const model::DeviceMap map = model::plan_device_map(layers, used_budgets, "--max-memory");
 
   if (options.json) {
     nlohmann::ordered_json units = nlohmann::ordered_json::array(), totals = nlohmann::ordered_json::object(),
@@ -76,8 +79,11 @@ void plan(const PlanOptions& options, std::ostream& out, std::ostream& err) {
       budget[device.device] = device.budget ? nlohmann::ordered_json(*device.budget) : nlohmann::ordered_json();
       reserved[device.device] = device.reserved;
     }
+    nlohmann::ordered_json asked = nlohmann::ordered_json::object();  // the budgets before balancing
+    for (const auto& b : budgets) asked[b.device] = b.bytes ? nlohmann::ordered_json(*b.bytes) : nlohmann::ordered_json();
     out << nlohmann::ordered_json{{"config", options.config}, {"model", config.name}, {"architecture", dry.architecture},
-                                  {"dtype", dtype_name},      {"units", units},      {"totals", totals},
+                                  {"dtype", dtype_name},      {"strategy", options.strategy}, {"max_memory", asked},
+                                  {"units", units},           {"totals", totals},
                                   {"budgets", budget},        {"reserved", map.reserved}, {"reserved_by_device", reserved}}
                .dump(2)
         << '\n';
@@ -88,6 +94,15 @@ void plan(const PlanOptions& options, std::ostream& out, std::ostream& err) {
   for (const auto& unit : map.units) total += unit.bytes;
   out << "model " << quote(config.name) << " (" << dry.architecture << "), " << dtype_name << ": " << format_bytes(total)
       << " in " << map.units.size() << " units\n";
+  if (balanced) {
+    std::string lowered;
+    for (size_t i = 0; i < budgets.size(); ++i)
+      if (budgets[i].bytes != used_budgets[i].bytes)
+        lowered += (lowered.empty() ? "" : ", ") + used_budgets[i].device + " " + format_bytes(*used_budgets[i].bytes) +
+                   " of " + format_bytes(*budgets[i].bytes);
+    out << options.strategy << ", as accelerate's get_balanced_memory: "
+        << (lowered.empty() ? "no budget lowered (one GPU, or none)" : lowered) << '\n';
+  }
   const auto rows = model::collapse_units(map.units);
   size_t name_width = 0, device_width = 0;
   for (const auto& row : rows) name_width = std::max(name_width, row.name.size());

@@ -13,6 +13,9 @@ struct PlanOptions {
   std::string daemon_config;  // as for check
   std::string max_memory;     // "cuda:0=2GiB,cpu=8GiB"
   std::string dtype;          // the planning dtype; empty: the model's (its computation dtype)
+  // "sequential": accelerate's infer_auto_device_map on max_memory; "balanced", "balanced_low_0":
+  // on max_memory as its get_balanced_memory lowers it (model::balanced_memory)
+  std::string strategy = "sequential";
   bool json = false;
 };
 

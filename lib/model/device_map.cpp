@@ -230,6 +230,50 @@ std::string unit_of(std::string_view path, bool expert) {
   return std::string(unit);
 }
 
+std::vector<DeviceBudget> balanced_memory(std::span<const PlanLayer> layers, std::span<const DeviceBudget> max_memory,
+                                          bool low_zero, std::string_view option) {
+  std::vector<DeviceBudget> budgets = ordered(max_memory, std::string(option));
+  std::vector<DeviceBudget*> gpus;
+  for (auto& budget : budgets)
+    if (budget.device.starts_with("cuda:") && budget.bytes && *budget.bytes > 0) gpus.push_back(&budget);
+  if (gpus.empty()) return budgets;
+  if (gpus.size() == 1) low_zero = false;
+
+  uint64_t total = 0;
+  for (const auto& layer : layers) total += layer.bytes;
+  uint64_t per_gpu = total / (low_zero ? gpus.size() - 1 : gpus.size());
+  // The first block, its experts with it (the no_split module), and the final modules: the
+  // layers holding weights of their own, a block's experts together.
+  uint64_t block = 0;
+  std::string first_block;
+  std::vector<std::pair<std::string, uint64_t>> finals;  // in order, by module
+  for (const auto& layer : layers) {
+    if (const std::string unit = unit_of(layer.path); unit != layer.path && (first_block.empty() || unit == first_block)) {
+      first_block = unit;
+      block += layer.bytes;
+    }
+    if (layer.bytes == 0) continue;  // its weights are another layer's (a tied head): no module of its own
+    const std::string expert = layer.expert ? unit_of(layer.path, true) : std::string();
+    const std::string module = expert.empty() ? layer.path : expert.substr(0, expert.rfind('.'));
+    if (finals.empty() || finals.back().first != module) finals.push_back({module, 0});
+    finals.back().second += layer.bytes;
+  }
+  uint64_t finals_bytes = 0;
+  for (const auto& [module, bytes] : finals) finals_bytes += bytes;
+  const uint64_t mean = finals.empty() ? 0 : finals_bytes / finals.size();
+  per_gpu += static_cast<uint64_t>(1.25 * static_cast<double>(std::max(block, mean)));
+
+  // The last GPU keeps its whole budget, in case the room added is not enough.
+  for (size_t i = 0; i + 1 < gpus.size(); ++i)
+    if (!(low_zero && i == 0)) gpus[i]->bytes = std::min(per_gpu, *gpus[i]->bytes);
+  if (low_zero) {
+    uint64_t others = 0;
+    for (size_t i = 1; i < gpus.size(); ++i) others += *gpus[i]->bytes;
+    gpus[0]->bytes = std::min(total - std::min(total, others), *gpus[0]->bytes);
+  }
+  return budgets;
+}
+
 const std::string& DeviceMap::device_of(std::string_view layer) const {
   const PlacedUnit* innermost = nullptr;
   for (const auto& placed : units)

@@ -78,6 +78,17 @@ struct DeviceMap {
 DeviceMap plan_device_map(std::span<const PlanLayer> layers, std::span<const DeviceBudget> max_memory,
                           std::string_view option = "max_memory");
 
+// accelerate's get_balanced_memory (transformers' device_map = "balanced" and "balanced_low_0"):
+// `max_memory` with every GPU but the last lowered to an even share of the model, plus room for
+// the larger of its first block (with its experts) and its final modules' mean size, times 1.25,
+// so that infer_auto_device_map (plan_device_map) spreads the model evenly instead of filling
+// the first GPU. `low_zero` keeps the first GPU as empty as the others allow (it then holds what
+// they cannot), for the work a generate() does there. One GPU, or none: the budgets as they are.
+// A mixture's experts count as one final module a block, as transformers 5 holds them. Throws
+// as plan_device_map does for the budgets.
+std::vector<DeviceBudget> balanced_memory(std::span<const PlanLayer> layers, std::span<const DeviceBudget> max_memory,
+                                          bool low_zero, std::string_view option = "max_memory");
+
 // Consecutive blocks on one device as one row: "model.layers.0-11" (bytes summed); other units
 // as they are. For printing.
 struct UnitRange {

@@ -279,3 +279,28 @@ TEST_CASE("an expert's unit is its path up to its last index") {
   CHECK(unit_of("model.layers.3.block_sparse_moe.experts.5.w1") == "model.layers.3");
   CHECK(unit_of("lm_head", true) == "lm_head");
 }
+
+TEST_CASE("balanced budgets give every GPU but the last an even share and room for a block") {
+  // 301 bytes: a share of 150 on two GPUs; room 1.25 x the larger of the first block (50) and the
+  // mean of the final modules (301 / 7 = 43): 62. The last GPU keeps its budget.
+  const auto layers = small_model(false);
+  const auto sizes = [](const std::vector<DeviceBudget>& b) {
+    std::map<std::string, uint64_t> out;
+    for (const auto& d : b) out[d.device] = d.bytes.value_or(0);
+    return out;
+  };
+  CHECK(sizes(balanced_memory(layers, budgets("cuda:0=1000,cuda:1=1000,cpu=1000"), false)) ==
+        std::map<std::string, uint64_t>{{"cuda:0", 212}, {"cuda:1", 1000}, {"cpu", 1000}});
+  // Low zero: the first GPU holds what the others cannot (301 - 1000: nothing).
+  CHECK(sizes(balanced_memory(layers, budgets("cuda:0=1000,cuda:1=1000,cpu=1000"), true)) ==
+        std::map<std::string, uint64_t>{{"cuda:0", 0}, {"cuda:1", 1000}, {"cpu", 1000}});
+  CHECK(sizes(balanced_memory(layers, budgets("cuda:0=1000,cuda:1=100,cpu=1000"), true)).at("cuda:0") == 201);
+  // One GPU, or none: as given.
+  CHECK(sizes(balanced_memory(layers, budgets("cuda:0=1000,cpu=1000"), true)) ==
+        std::map<std::string, uint64_t>{{"cuda:0", 1000}, {"cpu", 1000}});
+  CHECK(sizes(balanced_memory(layers, budgets("cpu=1000"), false)) == std::map<std::string, uint64_t>{{"cpu", 1000}});
+  // Then the map spreads the blocks instead of filling the first GPU.
+  const auto map = plan_device_map(layers, balanced_memory(layers, budgets("cuda:0=1000,cuda:1=1000"), false));
+  CHECK(devices(map).at("model.layers.1") == "cuda:1");
+  CHECK(devices(plan_device_map(layers, budgets("cuda:0=1000,cuda:1=1000"))).at("model.layers.1") == "cuda:0");
+}

@@ -90,10 +90,23 @@ def accelerate_plan(model, budgets, dtype):
     return {k: f"cuda:{v}" if isinstance(v, int) else v for k, v in device_map.items()}
 
 
-def vramctl_plan(config, budgets, dtype=None, daemon_config=None):
+def accelerate_balanced(model, budgets, dtype, low_zero):
+    """accelerate's get_balanced_memory for these budgets (cuda:N as N), as transformers'
+    device_map="balanced" and "balanced_low_0" call it, then its map on what it gives."""
+    max_memory = {int(k[5:]) if k.startswith("cuda:") else k: v for k, v in budgets.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        balanced = accelerate.utils.get_balanced_memory(model, max_memory=max_memory, dtype=dtype, low_zero=low_zero,
+                                                        no_split_module_classes=[block_class(model)])
+    return {f"cuda:{k}" if isinstance(k, int) else k: int(v) for k, v in balanced.items()}
+
+
+def vramctl_plan(config, budgets, dtype=None, daemon_config=None, strategy=None):
     args = [VRAMCTL, "plan", config, "--json", "--max-memory", ",".join(f"{k}={v}" for k, v in budgets.items())]
     if dtype:
         args += ["--dtype", dtype]
+    if strategy:
+        args += ["--strategy", strategy]
     if daemon_config:
         args += ["--daemon-config", daemon_config]
     result = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=120)
@@ -154,6 +167,76 @@ def test_every_layer_goes_where_accelerate_puts_it(case, config_for, checkpoints
     assert {covering(leaf, ours) for leaf in leaves(model)} == ours
     for budgets in settings(units):
         compare(model, vramctl_plan(config, budgets, daemon_config=daemon), budgets, torch.float32)
+
+
+def in_bytes(budgets):
+    return {k: v if isinstance(v, int) else accelerate.utils.convert_file_size_to_int(v) for k, v in budgets.items()}
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "balanced_low_0"])
+@pytest.mark.parametrize("case", CASES)
+def test_balanced_strategies_lower_the_budgets_and_place_as_accelerate_does(case, strategy, config_for, checkpoints):
+    # transformers' device_map="balanced" and "balanced_low_0": get_balanced_memory, then
+    # infer_auto_device_map on what it gives. Both the budgets and every layer's device agree.
+    config, daemon = config_for(case)
+    model = witness(checkpoints[case])
+    units = vramctl_plan(config, {"cuda:0": "1TiB"}, daemon_config=daemon)["units"]
+    total = sum(unit["bytes"] for unit in units)
+    lowered = 0
+    # accelerate 1.15's get_balanced_memory cannot read "disk" in max_memory (torch.device("disk")
+    # raises), so the settings with disk are vramd's alone.
+    for budgets in [b for b in settings(units) if "disk" not in b] + [{"cuda:0": total, "cuda:1": total, "cpu": total},
+                                      {"cuda:0": total, "cuda:1": total, "cuda:2": total},
+                                      {"cuda:0": total // 3, "cuda:1": total, "cuda:2": total // 2, "cpu": total}]:
+        plan = vramctl_plan(config, budgets, daemon_config=daemon, strategy=strategy)
+        assert plan["strategy"] == strategy and plan["max_memory"] == in_bytes(budgets), plan["max_memory"]
+        balanced = accelerate_balanced(model, budgets, torch.float32, strategy == "balanced_low_0")
+        assert {k: v for k, v in plan["budgets"].items() if k in balanced} == balanced, (budgets, plan["budgets"])
+        lowered += balanced != in_bytes(budgets)
+        compare(model, plan, balanced, torch.float32)
+    assert lowered >= 3  # the balancing did something in most settings of several GPUs
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A Mixtral checkpoint's config, the daemon config beside it, and its witness."""
+    folder = tmp_path_factory.mktemp("mixtral")
+    checkpoint = hf_models.make("mixtral", "float32", folder) / "model"
+    (folder / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
+    (folder / "mixtral.toml").write_text(f'checkpoint = "{checkpoint}"\n')
+    return folder / "mixtral.toml", folder / "vramd.toml", witness(checkpoint)
+
+
+def test_balanced_budgets_count_a_mixtures_experts_as_transformers_holds_them(mixtral):
+    # accelerate keeps a Mixtral block whole and transformers 5 holds each block's experts as one
+    # module: the budgets get_balanced_memory gives follow from those sizes. vramd places each
+    # expert on its own after its block (test_a_mixtures_experts_are_units_of_their_own_after_their_block),
+    # from the same budgets.
+    config, daemon, model = mixtral
+    total = sum(p.numel() * 4 for p in model.parameters())
+    lowered = 0
+    for strategy in ("balanced", "balanced_low_0"):
+        for budgets in [{"cuda:0": total, "cuda:1": total}, {"cuda:0": total // 2, "cuda:1": total // 2, "cpu": total},
+                        {"cuda:0": total, "cuda:1": total, "cuda:2": total, "cpu": total}]:
+            plan = vramctl_plan(config, budgets, daemon_config=daemon, strategy=strategy)
+            balanced = accelerate_balanced(model, budgets, torch.float32, strategy == "balanced_low_0")
+            assert {k: v for k, v in plan["budgets"].items() if k in balanced} == balanced, (strategy, budgets)
+            lowered += balanced != in_bytes(budgets)
+    assert lowered >= 4, lowered
+
+
+def test_the_printed_balanced_map_says_which_budgets_it_lowered(config_for):
+    config, daemon = config_for("llama")
+    result = subprocess.run([VRAMCTL, "plan", str(config), "--daemon-config", str(daemon), "--strategy", "balanced",
+                             "--max-memory", "cuda:0=1MiB,cuda:1=1MiB"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("balanced, as accelerate's get_balanced_memory: cuda:0 ") and \
+        lines[1].endswith(" of 1.00 MiB"), lines
+    assert any(" -> cuda:1 " in line for line in lines), lines  # spread, not all on cuda:0
+    result = subprocess.run([VRAMCTL, "plan", str(config), "--daemon-config", str(daemon), "--strategy", "even",
+                             "--max-memory", "cuda:0=1MiB"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--strategy" in result.stderr and "even" in result.stderr, result.stderr
 
 
 def unit_of(path):
@@ -289,17 +372,13 @@ def test_a_full_disk_is_refused_with_what_does_not_fit(config_for):
     assert result.stderr.startswith("vramctl plan: --max-memory: the model does not fit: "), result.stderr
 
 
-def test_a_mixtures_experts_are_units_of_their_own_after_their_block(tmp_path):
+def test_a_mixtures_experts_are_units_of_their_own_after_their_block(mixtral):
     # accelerate keeps a Mixtral block whole (its no_split class); vramd's plan holds in the block
     # only what every token runs through, and places each expert on its own after it, so that a
     # GPU can hold the shared parts of more blocks and the experts that fit.
-    folder = hf_models.make("mixtral", "float32", tmp_path) / "model"
-    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
-    config = tmp_path / "mixtral.toml"
-    config.write_text(f'checkpoint = "{folder}"\n')
-    model = witness(folder)
+    config, daemon, model = mixtral
     experts = model.config.num_local_experts
-    units = vramctl_plan(config, {"cuda:0": "1TiB"}, daemon_config=tmp_path / "vramd.toml")["units"]
+    units = vramctl_plan(config, {"cuda:0": "1TiB"}, daemon_config=daemon)["units"]
     names = [unit["name"] for unit in units]
     blocks = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
     assert names == ["model.embed_tokens"] + [
@@ -312,12 +391,12 @@ def test_a_mixtures_experts_are_units_of_their_own_after_their_block(tmp_path):
     # cuda:0 keeps room for the largest unit (the embeddings) and holds the embeddings, block 0's
     # shared part and two of its experts; the rest goes to cpu.
     budget = 2 * size["model.embed_tokens"] + size["model.layers.0"] + 2 * expert
-    plan = vramctl_plan(config, {"cuda:0": budget, "cpu": "1GiB"}, daemon_config=tmp_path / "vramd.toml")
+    plan = vramctl_plan(config, {"cuda:0": budget, "cpu": "1GiB"}, daemon_config=daemon)
     devices = {unit["name"]: unit["device"] for unit in plan["units"]}
     on_gpu = [name for name in names if devices[name] == "cuda:0"]
     assert on_gpu == ["model.embed_tokens", "model.layers.0", "model.layers.0.block_sparse_moe.experts.0",
                       "model.layers.0.block_sparse_moe.experts.1"]
-    result = subprocess.run([VRAMCTL, "plan", str(config), "--daemon-config", str(tmp_path / "vramd.toml"),
+    result = subprocess.run([VRAMCTL, "plan", str(config), "--daemon-config", str(daemon),
                              "--max-memory", f"cuda:0={budget},cpu=1GiB"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "  model.layers.0.block_sparse_moe.experts.0-1 -> cuda:0" in result.stdout
