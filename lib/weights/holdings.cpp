@@ -1,5 +1,7 @@
 #include "weights/holdings.hpp"
 
+#include <algorithm>
+
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -64,12 +66,17 @@ void check_budgets(const config::ModelConfig& config, const model::DryRun& dry, 
   for (const auto& [device, bytes] : totals(holdings)) {
     const auto budget = daemon.budgets.find(device);
     if (budget == daemon.budgets.end() || bytes <= budget->second) continue;
+    const Parts& here = holdings.at(device);
     std::string parts;
-    for (const auto& [part, n] : holdings.at(device)) parts += (parts.empty() ? "" : ", ") + std::string(part) + " " + format_bytes(n);
-    // The key that decides the largest part is the one to change.
-    const char* key = holdings.at(device).contains("onload") && !holdings.at(device).contains("limit") ? "vram.onload"
-                      : config.vram.limit                                                           ? "vram.limit"
-                                                                                                    : "vram";
+    for (const auto& [part, n] : here) parts += (parts.empty() ? "" : ", ") + part + " " + format_bytes(n);
+    // Named at the key that decides its largest part there: the one to change.
+    const auto largest =
+        std::max_element(here.begin(), here.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+    const std::string key = largest->first == "limit"    ? "vram.limit"
+                            : largest->first == "onload" ? (config.vram.onload_limit ? "vram.onload_limit" : "vram.onload")
+                            : largest->first == "experts" ? "vram.experts"
+                            : largest->first == "weights" ? "checkpoint"
+                                                          : "vram";
     fail(config::where(config, key),
          "model " + quote(config.name) + " holds up to " + format_bytes_beside(bytes, budget->second) + " on " + device +
              " (" + parts + "), more than the daemon's whole budget for it (" +

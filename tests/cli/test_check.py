@@ -114,6 +114,29 @@ def test_a_limit_without_a_budget_is_refused_with_the_daemon_config_named(tmp_pa
             f"'{models / 'configs' / 'vramd.toml'}'): give one with --daemon-config") in result.stdout, result.stdout
 
 
+def test_a_model_that_could_never_fit_its_budget_is_refused_as_its_load_would_be(tmp_path):
+    # #66: check said "valid", and the load then failed. vramctl check, vramd --check and the
+    # daemon's own validation refuse it, naming the key and what it would hold.
+    save_file({f"{i}.w": torch.zeros(1024, 30) for i in range(10)}, tmp_path / "big.safetensors")  # 1.17 MiB
+    (tmp_path / "vramd.toml").write_text(f'socket = "{tmp_path / "run" / "vramd.sock"}"\nmodels = "models"\n'
+                                         '[budgets]\ncpu = "1MiB"\n')
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "big.toml").write_text('architecture = "weights"\ncheckpoint = "../big.safetensors"\n')
+    said = (f"{models / 'big.toml'}:2:1: model 'big' holds up to 1.17 MiB on cpu (weights 1.17 MiB), more than the "
+            f"daemon's whole budget for it (1.00 MiB, {tmp_path / 'vramd.toml'}): it could never load; give it a "
+            "[vram] limit or raise the budget")
+    result = vramctl("check", models / "big.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 1 and f"      {said}\n" in result.stdout, result.stdout
+    result = subprocess.run([os.environ["VRAMD"], "--config", tmp_path / "vramd.toml", "--check"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and f"         {said}\n" in result.stdout, result.stdout
+    # Under a limit it rests for the clients that manage it, and fits.
+    (models / "big.toml").write_text('architecture = "weights"\ncheckpoint = "../big.safetensors"\n'
+                                     '[vram]\nonload = { device = "cpu", dtype = "bfloat16" }\nlimit = "128KiB"\n')
+    assert vramctl("check", models / "big.toml", "--daemon-config", tmp_path / "vramd.toml").returncode == 0
+
+
 def test_a_broken_daemon_config_is_one_clear_error(tmp_path):
     setup(tmp_path)
     (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "lots"\n')

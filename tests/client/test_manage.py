@@ -1057,6 +1057,13 @@ def test_a_reservation_past_the_budget_is_refused_and_a_killed_clients_is_freed(
             client.lease("toy-bfloat16", reserve=("cpu", 3 << 30))
         assert refused.value.status == 507
         assert "needs 3.00 GiB on cpu, more than the daemon's whole budget for it (2.00 GiB)" in str(refused.value)
+        # Sizes that would print alike though they differ are said to the byte (#66: 1025 MiB
+        # against a budget of 1024 MiB read "needs 1.00 GiB ..., its whole budget (1.00 GiB)").
+        with pytest.raises(vramd.DaemonError) as refused:
+            client.lease("toy-bfloat16", reserve=("cpu", (2 << 30) + (1 << 20)))
+        assert refused.value.status == 507 and re.search(r"needs 2\.00 GiB \(\d+ bytes\) on cpu, more than the daemon's "
+                                                         r"whole budget for it \(2\.00 GiB \(2147483648 bytes\)\)",
+                                                         str(refused.value)), str(refused.value)
         # A client that dies holding room: the room is back once its connection is.
         code = textwrap.dedent(f"""\
             import sys, time

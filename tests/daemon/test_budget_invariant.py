@@ -180,7 +180,12 @@ def test_an_onload_tier_on_the_computation_device_counts_beside_the_limit(checkp
     from safetensors.torch import save_file
     save_file(side, tmp_path / "w.safetensors")
     (d.models / "w.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "w.safetensors"}"\n')
+    save_file({"w": torch.zeros(2 << 18)}, tmp_path / "huge.safetensors")  # 2 MiB: more than the whole budget
+    (d.models / "huge.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "huge.safetensors"}"\n')
     with d.start():
+        # Refused when the folder is read, as vramctl check refuses it: it could never load.
+        huge = get_json(d.sock, "/v1/models/huge")
+        assert huge["state"] == "invalid" and "it could never load" in huge["reason"], huge
         assert forward(d.sock, "mixmem", torch.tensor([[1, 2, 3]]))[0] == 200
         m = check_invariant(d.sock, "forward mixmem")
         mixmem = next(x for x in m["models"] if x["name"] == "mixmem")
