@@ -7,7 +7,7 @@
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
 #include "model/dry_run.hpp"
-#include "model/hyperparams.hpp"
+#include "hparams/hyperparams.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -53,7 +53,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       } catch (const model::NoArchitecture&) {
         verdict.warnings.push_back(path + ": no architecture, so vramd cannot load it; checked the index and converter only");
         if (!model.converter.empty()) try {
-            auto plan = convert::run_converter(model.converter, map, model::Hyperparams::for_model(model, map).json());
+            auto plan = convert::run_converter(model.converter, map, hparams::Hyperparams::for_model(model, map).json());
             verdict.tensors = plan.tensors.size();
             verdict.bytes = 0;
             for (const auto& conversion : plan.tensors)

@@ -8,7 +8,7 @@
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
-#include "model/hyperparams.hpp"
+#include "hparams/hyperparams.hpp"
 #include "storage/safetensors_writer.hpp"
 #include "storage/tensor_io.hpp"
 #include "storage/disk_map.hpp"
@@ -22,7 +22,7 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
   auto map = config::open_checkpoint(model);
   for (const auto& warning : map.warnings()) err << "warning: " << printable(warning) << '\n';
   auto plan = model.converter.empty() ? convert::identity_plan(map)
-                                      : convert::run_converter(model.converter, map, model::Hyperparams::for_model(model, map).json());
+                                      : convert::run_converter(model.converter, map, hparams::Hyperparams::for_model(model, map).json());
   for (const auto& line : plan.printed) err << "print: " << line << '\n';
   if (!options.output.empty()) {
     // One tensor in memory at a time, read into fresh memory (not the file's mapping), so that

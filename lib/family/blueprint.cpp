@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "family/switches.hpp"
-#include "model/hyperparams.hpp"
+#include "hparams/hyperparams.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
 
@@ -19,7 +19,7 @@ std::string text_of(const Json& value) { return value.is_string() ? value.get<st
 
 class Resolver {
  public:
-  Resolver(const Family& family, const model::Hyperparams& h) : family_(family), h_(h), values_(Json::parse(h.json())) {}
+  Resolver(const Family& family, const hparams::Hyperparams& h) : family_(family), h_(h), values_(Json::parse(h.json())) {}
 
   // The switch's value for this checkpoint, typed and checked; nullopt when neither the
   // checkpoint nor the family gives one. `required`: the engine has no default either.
@@ -123,7 +123,7 @@ class Resolver {
   }
 
   const Family& family_;
-  const model::Hyperparams& h_;
+  const hparams::Hyperparams& h_;
   Json values_;
 };
 
@@ -215,7 +215,7 @@ std::string numbered(const std::string& name, std::string_view placeholder, int6
 
 }  // namespace
 
-Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams, const std::vector<std::string>& tensor_names) {
+Blueprint resolve(const Family& family, const hparams::Hyperparams& hyperparams, const std::vector<std::string>& tensor_names) {
   Resolver r(family, hyperparams);
   r.check_requires();
   Blueprint b;

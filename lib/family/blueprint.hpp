@@ -11,7 +11,7 @@
 
 #include "family/family.hpp"
 
-namespace vramd::model {
+namespace vramd::hparams {
 class Hyperparams;
 }
 
@@ -117,7 +117,7 @@ struct Blueprint {
 // Resolves `family` for a checkpoint with these hyperparameters (a collecting view reports
 // every missing key at once) whose tensors, as its converter names them, are `tensor_names`
 // (an optional slot exists only when they hold its weight).
-Blueprint resolve(const Family& family, const model::Hyperparams& hyperparams,
+Blueprint resolve(const Family& family, const hparams::Hyperparams& hyperparams,
                   const std::vector<std::string>& tensor_names);
 
 }  // namespace vramd::family

@@ -11,7 +11,7 @@
 
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
-#include "model/hyperparams.hpp"
+#include "hparams/hyperparams.hpp"
 #include "model/registry.hpp"
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
@@ -105,7 +105,7 @@ Prepared prepare(const config::ModelConfig& config) {
                                              (config.prefix.empty() ? "" : " under prefix " + quote(config.prefix)));
 
   const std::string folder = fs::path(map.files()[0].path).parent_path().string();
-  const Hyperparams hyperparams = Hyperparams::for_model(config, map);
+  const hparams::Hyperparams hyperparams = hparams::Hyperparams::for_model(config, map);
   const family::Catalog families(config.architecture_folders);
   if (config.architecture.empty() && hyperparams.string("model_type", "").empty())
     throw NoArchitecture(where + ": no architecture: set architecture = \"...\" (" + families.names() +
@@ -367,7 +367,7 @@ UpdateCheckpoint open_update(const LoadedModel& loaded, const config::ModelConfi
   auto plan = [&] {
     if (config.converter.empty()) return convert::identity_plan(map);
     try {
-      const Hyperparams hyperparams = Hyperparams::for_model(config, loaded.source->map);
+      const hparams::Hyperparams hyperparams = hparams::Hyperparams::for_model(config, loaded.source->map);
       return convert::run_converter(config.converter, map, hyperparams.json());
     } catch (const Error& e) {
       throw BadUpdate(where + ": converter " + config.converter + ": " + e.what());

@@ -31,7 +31,7 @@ class WeightsOnly : public Model {
 
 }  // namespace
 
-std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperparams& hyperparams,
+std::unique_ptr<Model> build_model(const std::string& architecture, const hparams::Hyperparams& hyperparams,
                                    c10::ScalarType dtype, const TensorShapes& tensors, const family::Catalog& families) {
   if (architecture == "weights") return std::make_unique<WeightsOnly>(tensors, dtype);
   const std::string model_type = hyperparams.string("model_type", "");
@@ -50,7 +50,7 @@ std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperp
   for (const auto& [name, shape] : tensors) names.push_back(name);
   // Every missing hyperparameter at once: the blueprint reads them all, missing ones as 1, and
   // any error that placeholder caused gives way to the list of what is missing.
-  const Hyperparams reading = hyperparams.collecting();
+  const hparams::Hyperparams reading = hyperparams.collecting();
   family::Blueprint blueprint;
   try {
     blueprint = family::resolve(*family, reading, names);

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "family/catalog.hpp"
-#include "model/hyperparams.hpp"
+#include "hparams/hyperparams.hpp"
 #include "model/model.hpp"
 
 namespace vramd::model {
@@ -22,7 +22,7 @@ using TensorShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // vramd), and a family's optional modules exist when they hold their weights. Throws Error for
 // unknown names, a family that does not declare the checkpoint's model_type, and
 // hyperparameters that are missing (all named at once) or unsupported.
-std::unique_ptr<Model> build_model(const std::string& architecture, const Hyperparams& hyperparams,
+std::unique_ptr<Model> build_model(const std::string& architecture, const hparams::Hyperparams& hyperparams,
                                    c10::ScalarType dtype, const TensorShapes& tensors = {},
                                    const family::Catalog& families = family::Catalog());
 

@@ -3,7 +3,7 @@
 #include "family/blueprint.hpp"
 #include "family/catalog.hpp"
 #include "family/family.hpp"
-#include "model/hyperparams.hpp"
+#include "hparams/hyperparams.hpp"
 #include "support/temp_dir.hpp"
 #include "util/error.hpp"
 
@@ -49,7 +49,7 @@ constexpr const char* kConfig =
 
 family::Blueprint resolved(const std::string& extra_json, const std::string& family_text = kSmall) {
   const auto family = family::parse_family("small", family_text, "small.toml");
-  return family::resolve(family, model::Hyperparams(std::string(kConfig) + extra_json + "}", "config.json"), {});
+  return family::resolve(family, hparams::Hyperparams(std::string(kConfig) + extra_json + "}", "config.json"), {});
 }
 
 }  // namespace
@@ -120,7 +120,7 @@ TEST_CASE("a family extends another and a user's folder adds and replaces famili
   const auto unknown = error_of([&] { catalog.for_model_type("mamba"); });
   CHECK(unknown.starts_with("no family computes model_type 'mamba' (known: bert, "));
   CHECK(unknown.find("a family file that did not parse: " + dir / "broken.toml:") != std::string::npos);
-  const auto b = family::resolve(*smaller, model::Hyperparams(std::string(kConfig) + "}", "config.json"), {});
+  const auto b = family::resolve(*smaller, hparams::Hyperparams(std::string(kConfig) + "}", "config.json"), {});
   CHECK((b.norm == family::NormKind::Layer && !b.mlp_gated && b.blocks[0].up == "layers.0.fc" && b.blocks[0].gate.empty()));
 }
 

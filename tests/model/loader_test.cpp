@@ -33,7 +33,7 @@ constexpr const char* kGpt2Config =
 // A GPT-2 checkpoint with random weights, as save_pretrained names them (no lm_head: tied).
 void write_gpt2(const TempDir& dir, at::ScalarType dtype) {
   dir.write("config.json", kGpt2Config);
-  auto model = model::build_model("gpt2", model::Hyperparams(kGpt2Config, "test"), dtype);
+  auto model = model::build_model("gpt2", hparams::Hyperparams(kGpt2Config, "test"), dtype);
   storage::NamedTensors tensors;
   at::manual_seed(0);
   for (const auto* parameter : model->parameters())
@@ -165,13 +165,13 @@ TEST_CASE("memory while loading stays within the final size plus the largest ten
 }
 
 TEST_CASE("an architecture names every missing hyperparameter at once") {
-  const model::Hyperparams none(R"({"model_type": "llama"})", "cfg.json");
+  const hparams::Hyperparams none(R"({"model_type": "llama"})", "cfg.json");
   CHECK_THROWS_WITH(model::build_model("llama", none, at::kFloat),
                     "cfg.json: 5 missing hyperparameters: 'hidden_size' (an integer), 'num_hidden_layers' (an "
                     "integer), 'num_attention_heads' (an integer), 'vocab_size' (an integer), 'intermediate_size' (an "
                     "integer); set them in config.json or [arch]");
   // In a nested object, with its path.
-  const model::Hyperparams linear(
+  const hparams::Hyperparams linear(
       R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100,
           "intermediate_size": 128, "num_hidden_layers": 1, "rope_parameters": {"rope_type": "linear"}})",
       "cfg.json");
@@ -179,7 +179,7 @@ TEST_CASE("an architecture names every missing hyperparameter at once") {
                     "cfg.json: missing hyperparameter 'rope_parameters.factor' (a number, for rope type 'linear'; set "
                     "it in config.json or [arch])");
   // Rules between values still hold once nothing is missing, and a zero divides nothing.
-  const model::Hyperparams zero(
+  const hparams::Hyperparams zero(
       R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0, "vocab_size": 100,
           "intermediate_size": 128, "num_hidden_layers": 1})",
       "cfg.json");

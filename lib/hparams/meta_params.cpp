@@ -1,4 +1,4 @@
-#include "model/meta_params.hpp"
+#include "hparams/meta_params.hpp"
 
 #include <algorithm>
 #include <iterator>
@@ -7,7 +7,7 @@
 #include "util/error.hpp"
 #include "util/format.hpp"
 
-namespace vramd::model {
+namespace vramd::hparams {
 namespace {
 
 using Json = nlohmann::json;
@@ -87,4 +87,4 @@ std::string meta_params_json(const Json& params, const std::string& path, const 
   return config.dump();
 }
 
-}  // namespace vramd::model
+}  // namespace vramd::hparams

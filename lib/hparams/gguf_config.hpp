@@ -7,11 +7,11 @@
 
 #include "storage/disk_map.hpp"
 
-namespace vramd::model {
+namespace vramd::hparams {
 
 // A config.json object (JSON text) for the GGUF file `map` holds first. Throws Error naming the
 // file and key for an architecture vramd does not run from GGUF, and for any key of that
 // architecture it does not read: one it cannot honour would compute another model.
 std::string gguf_config_json(const storage::DiskMap& map);
 
-}  // namespace vramd::model
+}  // namespace vramd::hparams

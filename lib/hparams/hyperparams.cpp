@@ -1,19 +1,19 @@
-#include "model/hyperparams.hpp"
+#include "hparams/hyperparams.hpp"
 
 #include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "config/model_config.hpp"
-#include "model/gguf_config.hpp"
-#include "model/meta_params.hpp"
+#include "hparams/gguf_config.hpp"
+#include "hparams/meta_params.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
 #include "util/utf8.hpp"
 
-namespace vramd::model {
+namespace vramd::hparams {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
@@ -228,4 +228,4 @@ void Hyperparams::check_complete() const {
 std::string Hyperparams::json() const { return impl_->values.dump(); }
 const std::string& Hyperparams::origin() const { return impl_->origin; }
 
-}  // namespace vramd::model
+}  // namespace vramd::hparams

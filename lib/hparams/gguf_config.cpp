@@ -1,4 +1,4 @@
-#include "model/gguf_config.hpp"
+#include "hparams/gguf_config.hpp"
 
 #include <algorithm>
 #include <iterator>
@@ -7,7 +7,7 @@
 #include "util/error.hpp"
 #include "util/format.hpp"
 
-namespace vramd::model {
+namespace vramd::hparams {
 namespace {
 
 using Json = nlohmann::json;
@@ -116,4 +116,4 @@ std::string gguf_config_json(const storage::DiskMap& map) {
   return config.dump();
 }
 
-}  // namespace vramd::model
+}  // namespace vramd::hparams

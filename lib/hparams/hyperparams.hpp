@@ -16,7 +16,7 @@ namespace vramd::storage {
 class DiskMap;
 }
 
-namespace vramd::model {
+namespace vramd::hparams {
 
 class Hyperparams {
  public:
@@ -25,7 +25,7 @@ class Hyperparams {
 
   // config.json in `folder` (when present), sentence-transformers' modules.json there (sets
   // "pooling" and "normalize"), then `overrides_json` (the [arch] table) merged over them.
-  // A checkpoint that carries its own (a GGUF file: model/gguf_config.hpp) gives it as
+  // A checkpoint that carries its own (a GGUF file: hparams/gguf_config.hpp) gives it as
   // `own_json`, from `own_origin`, which takes config.json's place.
   static Hyperparams for_checkpoint(const std::string& folder, const std::string& overrides_json,
                                     const std::string& config_path, const std::string& own_json = {},
@@ -63,4 +63,4 @@ class Hyperparams {
   std::shared_ptr<const Impl> impl_;
 };
 
-}  // namespace vramd::model
+}  // namespace vramd::hparams

@@ -8,7 +8,7 @@
 
 #include "storage/disk_map.hpp"
 
-namespace vramd::model {
+namespace vramd::hparams {
 
 // A config.json object (JSON text) of a LLaMA from params.json's object (read from `path`).
 // vocab_size -1 (LLaMA 1 and 2, whose vocabulary is the tokenizer's) is counted from the rows
@@ -18,4 +18,4 @@ namespace vramd::model {
 std::string meta_params_json(const nlohmann::json& params, const std::string& path, const storage::DiskMap& map,
                              bool rope_scaling_given);
 
-}  // namespace vramd::model
+}  // namespace vramd::hparams
