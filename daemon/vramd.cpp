@@ -12,7 +12,7 @@
 #include "dist/commands.hpp"
 #include "dist/group.hpp"
 #include "dist/launch.hpp"
-#include "model/dry_run.hpp"
+#include "load/dry_run.hpp"
 #include "server/daemon.hpp"
 #include "server/http.hpp"
 #include "server/runtime.hpp"
@@ -53,7 +53,7 @@ int check(const vramd::config::DaemonConfig& config) {
     const std::string path = "(" + vramd::escape_invalid_utf8(file.string()) + ")";
     try {
       auto model = vramd::config::load_model_config(file.string(), config);
-      auto dry = vramd::model::dry_run(model);
+      auto dry = vramd::load::dry_run(model);
       vramd::weights::check_budgets(model, dry, config);
       rows.push_back({"valid", model.name,
                       dry.architecture + ", " + dry.dtype + ", " + vramd::format_bytes(dry.report.bytes) + " in " +

@@ -6,7 +6,7 @@
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
-#include "model/dry_run.hpp"
+#include "load/dry_run.hpp"
 #include "hparams/hyperparams.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
@@ -40,7 +40,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       verdict.warnings.assign(map.warnings().begin(), map.warnings().end());
       try {
         // The whole load short of reading data: converter, architecture, names, shapes, dtypes.
-        auto dry = model::dry_run(model);
+        auto dry = load::dry_run(model);
         weights::check_budgets(model, dry, daemon);
         verdict.tensors = dry.report.tensors;
         verdict.bytes = dry.report.bytes;

@@ -9,7 +9,8 @@
 #include "config/model_config.hpp"
 #include "convert/expr.hpp"
 #include "model/device_map.hpp"
-#include "model/loader.hpp"
+#include "load/dry_run.hpp"
+#include "model/model.hpp"
 #include "storage/dtype.hpp"
 #include "util/format.hpp"
 #include "util/utf8.hpp"
@@ -57,7 +58,7 @@ void plan(const PlanOptions& options, std::ostream& out, std::ostream& err) {
   const auto budgets = model::parse_max_memory(options.max_memory, "--max-memory");
   const std::optional<storage::DType> wanted = options.dtype.empty() ? std::nullopt : std::optional(planning_dtype(options.dtype));
   const auto config = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
-  auto [dry, model] = model::dry_run_model(config);
+  auto [dry, model] = load::dry_run_model(config);
   for (const auto& warning : dry.report.warnings) err << "warning: " << printable(warning) << '\n';
   for (const auto& name : dry.report.missing)
     err << "warning: missing from the checkpoint (strict = false): " << escape_invalid_utf8(name) << '\n';

@@ -19,7 +19,7 @@
 #include "dist/group.hpp"
 #include "dist/launch.hpp"
 #include "model/allocations.hpp"
-#include "model/loader.hpp"
+#include "load/loader.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
@@ -79,7 +79,7 @@ void run(const RunOptions& options, std::ostream& out, std::ostream& err) {
     err << "vramctl run: " << load_options.group->describe_address() << '\n';
     load_options.partition_name = "run/" + config.name;
   }
-  auto loaded = model::load_model(config, load_options);
+  auto loaded = load::load_model(config, load_options);
   auto& model = loaded.model;
   auto& report = loaded.report;
   const uint64_t rss_loaded = peak_rss();

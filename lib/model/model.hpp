@@ -1,5 +1,5 @@
 // A model: its weight-holding layers (model/layer.hpp), built on the meta device by an
-// architecture (model/registry.hpp), filled by the loader (model/loader.hpp), run by forward().
+// architecture (model/registry.hpp), filled by the loader (load/loader.hpp), run by forward().
 #pragma once
 
 #include <ATen/TensorOperators.h>

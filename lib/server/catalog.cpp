@@ -45,7 +45,7 @@ std::vector<ConfigFile> examine_folder(const config::DaemonConfig& daemon, const
     if (const auto it = known.find(file); skip_unchanged && it != known.end() && it->second == v.text) continue;
     try {
       auto config = config::load_model_config(file, v.text, daemon);
-      auto dry = model::dry_run(config);
+      auto dry = load::dry_run(config);
       weights::check_budgets(config, dry, daemon);  // it could never load
       v.dry = std::move(dry);
       v.config = std::move(config);

@@ -12,7 +12,7 @@
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
-#include "model/dry_run.hpp"
+#include "load/dry_run.hpp"
 
 namespace vramd::server {
 

@@ -25,7 +25,7 @@
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
-#include "model/dry_run.hpp"
+#include "model/load_report.hpp"
 #include "server/catalog.hpp"
 #include "server/charges.hpp"
 #include "server/eviction.hpp"

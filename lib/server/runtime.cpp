@@ -15,7 +15,8 @@
 #include "convert/expr.hpp"
 #include "dist/commands.hpp"
 #include "dist/group.hpp"
-#include "model/loader.hpp"
+#include "load/loader.hpp"
+#include "load/update.hpp"
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
 #include "storage/tensor_io.hpp"
@@ -40,7 +41,7 @@ std::shared_ptr<dist::Group>& the_group() {
 
 struct Runtime::Impl {
   config::ModelConfig config;
-  model::LoadedModel loaded;
+  weights::LoadedModel loaded;
   std::string dtype;
   bool offloaded = false;
   std::shared_ptr<dist::Group> group;  // partitioned: the ranks it is split across
@@ -82,7 +83,7 @@ std::unique_ptr<Runtime> Runtime::load(const config::ModelConfig& config,
     options.progress = [&](const model::Progress& p) {
       return progress({p.bytes_done, p.bytes_total, p.tensors_done, p.tensors_total});
     };
-  impl->loaded = model::load_model(config, options);
+  impl->loaded = load::load_model(config, options);
   impl->check_mappings();
   impl->dtype = convert::dtype_torch_name(storage::dtype_of(impl->loaded.model->dtype()));
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
@@ -265,26 +266,26 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
                                  const std::map<std::string, uint64_t>& room, bool shared_in_place,
                                  KeptMemfd* kept) {
   const auto start = std::chrono::steady_clock::now();
-  const model::UpdateSpace space{room, shared_in_place};
+  const load::UpdateSpace space{room, shared_in_place};
   if (impl_->offloaded) onload();
-  model::UpdateReport report;
+  load::UpdateReport report;
   Updated updated;
   try {
     // A partitioned model's other ranks take the same bytes once rank 0 has checked them.
     const auto from_bytes = [&](const std::byte* data, size_t size, const std::string& what,
-                                std::shared_ptr<void> shared = {}, const model::UpdateSpace* in = nullptr) {
+                                std::shared_ptr<void> shared = {}, const load::UpdateSpace* in = nullptr) {
       const std::function<void()> tell = [&] { impl_->tell("update", {reinterpret_cast<const char*>(data), size}); };
-      return model::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, in ? *in : space,
+      return load::update_from_bytes(impl_->loaded, impl_->config, {data, size}, what, in ? *in : space,
                                       impl_->group ? tell : std::function<void()>(), std::move(shared));
     };
     if (!memfd.empty() && kept) {
       // Read where it lies, never kept as the weights: its client writes the next values into it.
       // A memfd newly kept is counted in the cpu budget from then on: the update needs room for
-      // it beside its new values' (model::UpdateSpace), and asks for both before anything changes.
+      // it beside its new values' (load::UpdateSpace), and asks for both before anything changes.
       const std::string what = "the update's kept memfd " + quote(memfd);
       std::optional<KeptMemfd::State> fresh = open_kept(*kept->state_, memfd, what);
       KeptMemfd::State& state = fresh ? *fresh : *kept->state_;
-      model::UpdateSpace values_space = space;
+      load::UpdateSpace values_space = space;
       if (fresh) {
         const uint64_t size = state.region->size();
         uint64_t& cpu = values_space.room["cpu"];
@@ -316,15 +317,15 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
       impl_->lease_memory.adopt(region);  // where the weights kept its pages, leases hand it on
     } else if (!path.empty() && impl_->group) {
       // Read here, on rank 0, whole: the other ranks take its bytes, which need not be on their hosts.
-      const std::string read = model::checkpoint_as_safetensors(impl_->loaded, impl_->config, path);
+      const std::string read = load::checkpoint_as_safetensors(impl_->loaded, impl_->config, path);
       report = from_bytes(reinterpret_cast<const std::byte*>(read.data()), read.size(), "the update " + quote(path));
     } else if (!path.empty()) {
-      report = model::update_from_checkpoint(impl_->loaded, impl_->config, path, space);
+      report = load::update_from_checkpoint(impl_->loaded, impl_->config, path, space);
     } else {
       report = from_bytes(reinterpret_cast<const std::byte*>(safetensors.data()), safetensors.size(),
                           "the update's safetensors body");
     }
-  } catch (const model::BadUpdate& e) {
+  } catch (const load::BadUpdate& e) {
     throw BadInput(e.what());
   } catch (const weights::NotUpdatable& e) {
     throw Conflict(e.what());
@@ -347,7 +348,7 @@ uint64_t Runtime::version() const { return impl_->version; }
 Moved Runtime::offload() {
   if (impl_->offloaded) return {};
   impl_->tell("offload");
-  const auto moved = model::offload(impl_->loaded);
+  const auto moved = load::offload(impl_->loaded);
   impl_->offloaded = true;
   return {moved.bytes, moved.seconds};
 }
@@ -355,7 +356,7 @@ Moved Runtime::offload() {
 Moved Runtime::onload() {
   if (!impl_->offloaded) return {};
   impl_->tell("onload");
-  const auto moved = model::onload(impl_->loaded);
+  const auto moved = load::onload(impl_->loaded);
   impl_->offloaded = false;
   impl_->check_mappings();
   return {moved.bytes, moved.seconds};
@@ -369,7 +370,7 @@ std::optional<model::VramStats> Runtime::vram() const { return impl_->loaded.wei
 
 int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Group> group) {
   const std::string me = "vramd rank " + std::to_string(group->rank()) + ": ";
-  std::map<std::string, model::LoadedModel> models;
+  std::map<std::string, weights::LoadedModel> models;
   std::map<std::string, config::ModelConfig> configs;
   dist::CommandReader commands(group);
   if (commands.first() > 1) std::cerr << me << "rejoined the group at command " << commands.first() << '\n';
@@ -381,17 +382,17 @@ int Runtime::follow(const config::DaemonConfig& daemon, std::shared_ptr<dist::Gr
         options.group = group;
         options.partition_name = command->model;
         auto config = config::load_model_config(command->config, daemon);
-        models[command->model] = model::load_model(config, options);
+        models[command->model] = load::load_model(config, options);
         configs[command->model] = std::move(config);
         continue;
       }
       auto found = models.find(command->model);
       if (found == models.end()) continue;  // its load failed here already, and said why
       if (op == "unload") models.erase(found), configs.erase(command->model);
-      else if (op == "offload") model::offload(found->second);
-      else if (op == "onload") model::onload(found->second);
+      else if (op == "offload") load::offload(found->second);
+      else if (op == "onload") load::onload(found->second);
       else if (op == "update")
-        model::update_from_bytes(found->second, configs.at(command->model),
+        load::update_from_bytes(found->second, configs.at(command->model),
                                  {reinterpret_cast<const std::byte*>(command->input.data()), command->input.size()},
                                  "rank 0's update", {});
       else if (op == "forward") {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "config/model_config.hpp"
-#include "model/dry_run.hpp"
+#include "model/load_report.hpp"
 #include "model/vram_stats.hpp"
 #include "util/error.hpp"
 #include "weights/lease.hpp"
@@ -122,7 +122,7 @@ class Runtime {
   };
   // New values for some of the weights (POST /v1/models/NAME/weights), from one of: the bytes
   // of a safetensors file whose tensors are named as the model's parameters; a checkpoint
-  // `path`, read as the config's (model::update_from_checkpoint); or a `memfd`
+  // `path`, read as the config's (load::update_from_checkpoint); or a `memfd`
   // (/proc/PID/fd/N of the client's) holding such a safetensors file, sealed against writes and
   // shrinking, read where it lies; with `kept`, one sealed against shrinking alone, which the
   // client writes the next values into: mapped and page-locked once, kept in `kept` while it

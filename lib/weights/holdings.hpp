@@ -14,7 +14,7 @@
 #include <string>
 
 #include "config/model_config.hpp"
-#include "model/dry_run.hpp"
+#include "model/load_report.hpp"
 #include "model/vram_stats.hpp"
 
 namespace vramd::weights {

@@ -18,11 +18,12 @@
 #include "weights/shared_region.hpp"
 
 namespace vramd::model {
-struct LoadedModel;
 class Model;
 }
 
 namespace vramd::weights {
+
+struct LoadedModel;
 
 struct Source;
 
@@ -90,13 +91,13 @@ class LeaseMemory {
   // from it too. Describes them all. Runs where the model's jobs run (they must not overlap).
   // Throws NotLeasable for a model whose weights are streamed, partitioned or not on `device`
   // (the host or a CUDA device).
-  Manifest share(model::LoadedModel& loaded, const std::string& name, const config::Device& device);
+  Manifest share(weights::LoadedModel& loaded, const std::string& name, const config::Device& device);
   // A region whose pages the model's weights may now lie in (a client's memfd, SharedRegion::adopt),
   // shared as it is while any of them does.
   void adopt(const std::shared_ptr<SharedRegion>& region);
 
  private:
-  Manifest share_cuda(model::LoadedModel& loaded, const std::string& name, const config::Device& device);
+  Manifest share_cuda(weights::LoadedModel& loaded, const std::string& name, const config::Device& device);
   std::vector<std::weak_ptr<SharedRegion>> regions_;
   std::vector<std::weak_ptr<cuda::VmmRegion>> cuda_regions_;
 };

@@ -5,7 +5,7 @@
 #include <map>
 
 #include "convert/expr.hpp"
-#include "model/loader.hpp"
+#include "weights/loaded_model.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
 #include "weights/lease.hpp"
@@ -36,7 +36,7 @@ using Placement = std::pair<size_t, uint64_t>;
 // The weights `placed` finds no place for (tied ones and those without elements aside), and
 // their bytes packed at kAlignment.
 template <typename Placed>
-std::pair<std::vector<model::Parameter*>, uint64_t> unplaced(const model::LoadedModel& loaded, const Placed& placed) {
+std::pair<std::vector<model::Parameter*>, uint64_t> unplaced(const weights::LoadedModel& loaded, const Placed& placed) {
   std::vector<model::Parameter*> params;
   uint64_t bytes = 0;
   for (auto* p : loaded.model->parameters()) {
@@ -50,7 +50,7 @@ std::pair<std::vector<model::Parameter*>, uint64_t> unplaced(const model::Loaded
 // Every weight of `loaded` into manifest.tensors, each put where `place` says (tied ones counted
 // once in manifest.bytes).
 template <typename Place>
-void describe(const model::LoadedModel& loaded, const std::string& name, Manifest& manifest, const Place& place) {
+void describe(const weights::LoadedModel& loaded, const std::string& name, Manifest& manifest, const Place& place) {
   std::map<const model::Parameter*, storage::DType> blocks;  // of the weights held packed
   if (loaded.source)
     for (const auto& a : loaded.source->assignments)
@@ -79,7 +79,7 @@ void describe(const model::LoadedModel& loaded, const std::string& name, Manifes
 
 }  // namespace
 
-Manifest LeaseMemory::share(model::LoadedModel& loaded, const std::string& name, const config::Device& device) {
+Manifest LeaseMemory::share(weights::LoadedModel& loaded, const std::string& name, const config::Device& device) {
   loaded.weights->check_leasable(name, device.str());
   if (!device.is_cpu()) return share_cuda(loaded, name, device);
   const auto& map = loaded.source->map;
@@ -169,7 +169,7 @@ ManagedPlan managed_plan(const model::Model& model, const Source& source, const 
   return plan;
 }
 
-Manifest LeaseMemory::share_cuda(model::LoadedModel& loaded, const std::string& name, const config::Device& device) {
+Manifest LeaseMemory::share_cuda(weights::LoadedModel& loaded, const std::string& name, const config::Device& device) {
   std::vector<std::shared_ptr<cuda::VmmRegion>> regions;
   for (const auto& weak : cuda_regions_)
     if (auto region = weak.lock()) regions.push_back(std::move(region));

@@ -8,7 +8,8 @@
 #include <utility>
 
 #include "convert/expr.hpp"
-#include "model/loader.hpp"
+#include "model/load_options.hpp"
+#include "weights/loaded_model.hpp"
 #include "storage/device_staging.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"

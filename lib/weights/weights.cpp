@@ -1,7 +1,8 @@
 #include "weights/weights.hpp"
 
 #include "dist/communicator.hpp"
-#include "model/loader.hpp"
+#include "model/load_options.hpp"
+#include "weights/loaded_model.hpp"
 #include "weights/lease.hpp"
 #include "weights/partitioned.hpp"
 #include "weights/resident.hpp"

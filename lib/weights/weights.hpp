@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "config/model_config.hpp"
-#include "model/dry_run.hpp"
+#include "model/load_report.hpp"
 #include "model/layer.hpp"
 #include "model/vram_stats.hpp"
 #include "util/error.hpp"

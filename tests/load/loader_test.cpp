@@ -10,7 +10,9 @@
 #include <cstring>
 
 #include "config/model_config.hpp"
-#include "model/loader.hpp"
+#include "load/dry_run.hpp"
+#include "load/loader.hpp"
+#include "load/update.hpp"
 #include "model/registry.hpp"
 #include "storage/tensor_io.hpp"
 #include "support/temp_dir.hpp"
@@ -82,7 +84,7 @@ class CountingAllocator final : public c10::Allocator {
 TEST_CASE("tied parameters share one storage and are loaded once") {
   TempDir dir;
   write_gpt2(dir, at::kFloat);
-  auto loaded = model::load_model(config_for(dir));
+  auto loaded = load::load_model(config_for(dir));
   auto& model = loaded.model;
   auto& report = loaded.report;
   const auto* head = model->find("lm_head.weight");
@@ -103,9 +105,9 @@ TEST_CASE("tied parameters share one storage and are loaded once") {
 TEST_CASE("weights in the stored dtype are views of the checkpoint mapping unless asked not to be") {
   TempDir dir;
   write_gpt2(dir, at::kFloat);
-  auto viewed = model::load_model(config_for(dir));
+  auto viewed = load::load_model(config_for(dir));
   CHECK(viewed.report.zero_copy == viewed.report.tensors);
-  auto copied = model::load_model(config_for(dir), options_with({}, false));
+  auto copied = load::load_model(config_for(dir), options_with({}, false));
   CHECK(copied.report.zero_copy == 0);
   for (size_t i = 0; i < viewed.model->parameters().size(); ++i) {
     const auto* a = viewed.model->parameters()[i];
@@ -113,7 +115,7 @@ TEST_CASE("weights in the stored dtype are views of the checkpoint mapping unles
     if (!a->tied) CHECK(at::equal(a->value, b->value));
   }
   // A dtype conversion cannot be a view.
-  auto converted = model::load_model(config_for(dir, "dtype = \"bfloat16\"\n"));
+  auto converted = load::load_model(config_for(dir, "dtype = \"bfloat16\"\n"));
   CHECK(converted.report.zero_copy == 0);
   CHECK(converted.model->find("transformer.h.0.attn.c_attn.weight")->value.scalar_type() == at::kBFloat16);
 }
@@ -122,7 +124,7 @@ TEST_CASE("progress reports every tensor and its bytes in order") {
   TempDir dir;
   write_gpt2(dir, at::kFloat);
   std::vector<model::Progress> seen;
-  auto loaded = model::load_model(config_for(dir), options_with([&](const model::Progress& p) {
+  auto loaded = load::load_model(config_for(dir), options_with([&](const model::Progress& p) {
                                     seen.push_back(p);
                                     return true;
                                   }));
@@ -141,7 +143,7 @@ TEST_CASE("a cancelled load throws and leaves nothing allocated") {
   const int64_t before = counter.live();
   counter.reset_peak();
   size_t calls = 0;
-  CHECK_THROWS_AS(model::load_model(config, options_with([&](const model::Progress&) { return ++calls < 10; })),
+  CHECK_THROWS_AS(load::load_model(config, options_with([&](const model::Progress&) { return ++calls < 10; })),
                   model::Cancelled);
   CHECK(calls == 10);
   CHECK(counter.peak() > before);  // the counter saw the weights come...
@@ -156,7 +158,7 @@ TEST_CASE("memory while loading stays within the final size plus the largest ten
     CountingAllocator counter;
     const int64_t before = counter.live();
     counter.reset_peak();
-    auto loaded = model::load_model(config, options_with({}, false));
+    auto loaded = load::load_model(config, options_with({}, false));
     const int64_t final_bytes = counter.live() - before;
     CHECK(final_bytes == static_cast<int64_t>(loaded.report.bytes));
     const int64_t largest_stored = 300 * 64 * 4;  // wte in float32, the largest tensor in the file

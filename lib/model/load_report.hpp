@@ -1,5 +1,5 @@
-// What loading a model would do, found without reading tensor data or including LibTorch:
-// for `vramctl check` and for the daemon's validation of configs.
+// What a load reports, and what a dry run finds (load/dry_run.hpp), without LibTorch: for
+// `vramctl check`, the daemon's validation of configs, and the budgets (weights/holdings.hpp).
 #pragma once
 
 #include <cstddef>
@@ -41,9 +41,5 @@ class NoArchitecture : public Error {
  public:
   using Error::Error;
 };
-
-// Opens the index, runs the converter, builds the model on the meta device, matches names,
-// shapes and dtypes, and plans where the weights go. Throws the Error load_model would.
-DryRun dry_run(const config::ModelConfig& config);
 
 }  // namespace vramd::model
