@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 
+#include "storage/dcp_metadata.hpp"
 #include "storage/state_dict_pickle.hpp"
 #include "storage/torch_pickle.hpp"
 #include "util/error.hpp"

@@ -15,7 +15,7 @@
 #include "storage/file.hpp"
 #include "storage/gguf.hpp"
 #include "storage/safetensors_header.hpp"
-#include "storage/state_dict_pickle.hpp"
+#include "storage/dcp_metadata.hpp"
 #include "storage/torch_pickle.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -329,7 +329,7 @@ bool overlap(const TensorInfo& a, const TensorInfo& b) {
 
 constexpr size_t kMaxDcpChunks = 4096;  // of one tensor: its chunks are checked pairwise
 
-// A torch.distributed.checkpoint folder: .metadata (storage/state_dict_pickle.hpp) says which
+// A torch.distributed.checkpoint folder: .metadata (storage/dcp_metadata.hpp) says which
 // chunks make each tensor and where each lies, in __R_W.distcp files that hold either one
 // torch.save archive a chunk or a safetensors file. Each chunk becomes a shard of its name, read
 // where it lies; the chunks of a name must tile its shape (no gap, no overlap). Errors name the
