@@ -28,11 +28,6 @@ struct ConversionPlan {
 ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& source,
                              const std::string& arch_json = "{}", const SandboxLimits& limits = {});
 
-// The tensor `info` names as a converter sees it: itself, or for a chunk of a DCP checkpoint
-// (storage/disk_map.hpp) all its name's chunks joined into the whole. Throws Error when the
-// chunks do not form a grid.
-ExprPtr whole_source(const storage::DiskMap& map, const storage::TensorInfo& info);
-
 // The plan without a converter: every source key as itself.
 ConversionPlan identity_plan(const storage::DiskMap& source);
 
