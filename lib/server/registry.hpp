@@ -1,9 +1,11 @@
-// The daemon's models: one entry per config file in the watched folder, each with its state,
-// its queue of requests and a worker thread that runs them in order (so forwards on different
-// models run in parallel and those on one model in order). Residency is decided here: device
-// budgets, making room by offloading and then unloading idle models (server/eviction.hpp plans
-// which), keep-alive, preload. The folder is read and validated by server/catalog.hpp, and an
-// entry becomes JSON in server/status.hpp.
+// The daemon's models: one entry per config file in the watched folder (server/entry.hpp), each
+// with its state, its queue of requests and a worker thread that runs them in order (so forwards
+// on different models run in parallel and those on one model in order). Residency is decided
+// here: device budgets (server/budget.hpp decides what fits), making room by offloading and then
+// unloading idle models (server/eviction.hpp plans which), keep-alive, preload. The folder is read
+// and validated by server/catalog.hpp, and an entry becomes JSON in server/status.hpp. Its code
+// is in two files by concern: registry.cpp (entries, configs, the folder, leases, shutdown) and
+// registry_queue.cpp (the job queue: room, running jobs, their outcomes, progress, keep-alive).
 //
 // Everything here runs on the loop thread except the jobs on the workers, which touch only
 // their own model's Runtime and report back through the Mailbox.
@@ -28,6 +30,7 @@
 #include "model/load_report.hpp"
 #include "server/catalog.hpp"
 #include "server/charges.hpp"
+#include "server/entry.hpp"
 #include "server/eviction.hpp"
 #include "server/http.hpp"
 #include "server/job.hpp"
@@ -35,81 +38,6 @@
 #include "server/runtime.hpp"
 
 namespace vramd::server {
-
-enum class ModelState { Unloaded, Loading, Ready, Offloaded, Failed, Invalid };
-const char* state_name(ModelState state);  // server/status.cpp
-
-using Clock = std::chrono::steady_clock;
-
-class Registry;
-
-// A client holding a model's weights (weights/lease.hpp): one per handed-over connection.
-struct Lease {
-  uint64_t id = 0;
-  int64_t pid = -1, uid = -1;
-  std::string device;
-  std::chrono::system_clock::time_point since;
-  std::map<std::string, uint64_t> reserved;  // what its client uses on a device, counted in that budget
-  std::optional<uint64_t> peak;               // the most its client says it has used there
-  std::string said;                           // the client's unfinished line
-  // Follows its model's updates: the manifest of each new version is sent on `channel`, once
-  // the client has said it took the one sent before ({"taken": VERSION}).
-  bool follow = false;
-  // Follows them in place (on a GPU): updates write into the memory it shares, and it is sent
-  // only a line saying the new version, {"model", "lease", "version", "in_place": true}.
-  bool in_place = false;
-  std::shared_ptr<Channel> channel;
-  uint64_t sent = 0, taken = 0;  // versions
-};
-
-struct Entry {
-  Registry* registry = nullptr;
-  std::string name;
-  std::string file;
-  std::string text;          // the file's content when last validated
-  std::string serving_text;  // the content of the version in `config`
-  std::optional<config::ModelConfig> config;
-  std::optional<model::DryRun> dry;
-  ModelState state = ModelState::Unloaded;
-  std::string reason;        // why failed or invalid
-  std::string config_error;  // a broken edit of the file while this version keeps serving
-  // A valid edit of a loaded model, applied once the work in flight and queued before it ends.
-  std::optional<std::pair<config::ModelConfig, model::DryRun>> replacement;
-
-  std::shared_ptr<Runtime> runtime;  // handed to the worker while `busy`; the loop does not touch it
-  std::unique_ptr<Worker> worker;
-  bool busy = false;
-  bool waiting_for_room = false;
-  std::deque<Job> queue;
-  std::vector<std::shared_ptr<Exchange>> load_watchers;  // streamed progress of the running load
-  std::shared_ptr<std::atomic<bool>> cancel;            // of the running load
-  std::shared_ptr<std::atomic<bool>> stop_forward;      // of the running forward
-  LoadProgress progress;
-  Clock::time_point progress_sent{};
-
-  std::map<std::string, uint64_t> bytes;     // held on each device, as of the last job
-  std::optional<model::VramStats> vram;      // streamed or partitioned weights' plan and counters, as of the last job
-  DeviceBytes reserved;  // for the job running now (or about to run), on each device
-  Clock::time_point last_used{};
-  std::optional<std::chrono::milliseconds> keep_alive;
-  uv_timer_t* keep_alive_timer = nullptr;
-  bool removed = false;  // its file is gone: unload, then drop the entry
-  // While any lease is held the model is never evicted, unloaded, offloaded or replaced.
-  std::map<uint64_t, Lease> leases;
-
-  // The memfds connections keep for the model's updates (KeptMemfd): counted in its cpu charge
-  // while they are mapped. Expired ones are pruned as more come.
-  std::vector<std::weak_ptr<KeptMemfd>> kept;
-
-  uint64_t version = 0;  // of the loaded weights (Runtime::version), as of the last job
-  uint64_t forwards = 0, forward_errors = 0, forwards_cancelled = 0, loads = 0, updates = 0;
-  double forward_seconds = 0, load_seconds = 0, update_seconds = 0;
-};
-
-// What the entry counts against each device's budget, by part (server/charges.hpp): what its
-// weights can hold in their state, what they hold past that, and what it holds back for its job
-// and its leases' clients. `used` is the sum of these and of the values being freed.
-Holdings charged(const Entry& entry);
 
 class Registry {
  public:
@@ -165,8 +93,6 @@ class Registry {
   // The sum of every entry's charge on each device, and the values being freed (releasing_): one
   // pass over the entries, so that a question asked of each entry (holder_on) is not one pass each.
   DeviceBytes used() const;
-  bool fits(const DeviceBytes& more, const DeviceBytes& used) const;  // beside `used`, within every budget
-  Holder holder_on(const Entry& entry, const std::string& device, const DeviceBytes& used) const;  // server/eviction.hpp
 
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);
@@ -176,10 +102,6 @@ class Registry {
   // That job for one lease, if it follows, has taken the version sent before and is behind.
   void refresh(Entry& entry, Lease& lease);
   void send_refresh(Entry& entry, const Job& job, const Outcome& outcome);
-  // `line` (and `fds`) to a following lease as its `version`; a client that has not taken the
-  // version before, or is gone, follows no more.
-  void send_version(const Entry& entry, Lease& lease, uint64_t version, const std::string& line,
-                    const std::vector<int>& fds);
   void end_lease(const std::string& name, uint64_t id);
   // A lease's client speaks: {"peak": N} lines, the most it has used of its reservation. False
   // (the lease ends, with a warning) for anything else.

@@ -3,6 +3,7 @@
 #include <ctime>
 
 #include "config/units.hpp"
+#include "server/budget.hpp"
 #include "util/clock.hpp"
 
 namespace vramd::server {

@@ -1,0 +1,77 @@
+#include "server/budget.hpp"
+
+#include <algorithm>
+
+#include "weights/holdings.hpp"
+
+namespace vramd::server {
+
+Holdings holdings_of(const config::ModelConfig* config, const model::DryRun* dry, bool loaded, ModelState state,
+                     const DeviceBytes& held, const std::optional<model::VramStats>& plan) {
+  Holdings out;
+  if (!loaded || state == ModelState::Offloaded) {
+    for (const auto& [device, bytes] : held) out[device][loaded ? "offload" : "freeing"] = bytes;
+    return out;
+  }
+  return config && dry ? weights::awake_holdings(*config, *dry, plan) : out;
+}
+
+namespace {
+
+Holdings holdings(const Entry& e) {
+  return holdings_of(e.config ? &*e.config : nullptr, e.dry ? &*e.dry : nullptr, e.runtime != nullptr, e.state, e.bytes,
+                     e.vram);
+}
+
+}  // namespace
+
+DeviceBytes lease_room(const Entry& e) {
+  DeviceBytes reserved;
+  for (const auto& [id, lease] : e.leases)
+    for (const auto& [device, bytes] : lease.reserved) reserved[device] += bytes;
+  return reserved;
+}
+
+DeviceBytes held_charges(const Entry& e) { return weights::totals(charge(holdings(e), e.bytes, {}, {})); }
+
+Holdings charged(const Entry& e) {
+  Holdings out = charge(holdings(e), e.bytes, e.reserved, lease_room(e));
+  uint64_t kept = 0;  // the memfds connections keep for the model's updates, mapped by the daemon
+  for (const auto& weak : e.kept)
+    if (const auto memfd = weak.lock()) kept += memfd->held().bytes;
+  if (kept) out["cpu"]["kept_memfds"] = kept;
+  return out;
+}
+
+bool fits(const DeviceBytes& more, const DeviceBytes& used, const Budgets& budgets) {
+  for (const auto& [device, bytes] : more) {
+    const auto budget = budgets.find(device);
+    if (budget != budgets.end() && on(used, device) + bytes > budget->second) return false;
+  }
+  return true;
+}
+
+DeviceBytes room_to_reserve(const DeviceBytes& expected, const DeviceBytes& have, const DeviceBytes& extra) {
+  DeviceBytes need = extra;
+  for (const auto& [device, bytes] : expected)
+    if (const uint64_t more = bytes - std::min(bytes, on(have, device))) need[device] += more;
+  return need;
+}
+
+Holder holder_on(const Entry& e, const std::string& device, bool offload_fits) {
+  const bool ready = e.state == ModelState::Ready;
+  return {.name = e.name,
+          .bytes = on(held_charges(e), device),
+          .reserved = on(e.reserved, device) + on(lease_room(e), device),
+          .last_used = e.last_used,
+          .loaded = e.runtime && e.config,
+          .ready = ready,
+          .offload_device = e.config ? e.config->vram.offload.device.str() : "",
+          .offload_fits = ready && offload_fits,
+          .pinned = e.config && e.config->residency.pinned,
+          .leased = !e.leases.empty(),
+          .busy = e.busy || !e.queue.empty(),
+          .waiting_for_room = e.waiting_for_room};
+}
+
+}  // namespace vramd::server
