@@ -15,6 +15,11 @@
 // computation device (prepared slots, computation copies, staging buffers kept for reuse) is
 // reserved here first. Without a limit every slot stays prepared; a manager is then only
 // needed when the preparing dtype differs from the computation dtype.
+//
+// Its code, by concern: streamed.cpp (the plan, a layer's weights for its op, sleep and wake,
+// figures), streamed_room.cpp (the bytes under the limit), streamed_prefetch.cpp (layers brought
+// in ahead, experts kept) and streamed_update.cpp (new values); weights/streamed_slot.hpp is one
+// layer's states.
 #pragma once
 
 #include <ATen/core/Tensor.h>
