@@ -383,8 +383,9 @@ class Sequence:
                             self.seen[action, status] = self.seen.get((action, status), 0) + 1
                         before = check_invariant(self.daemon.sock, what, before, self.clients())
                         assert self.daemon.process.poll() is None, what
-                    except AssertionError as failure:  # (where, which assertion, what it says)
-                        return i, traceback.extract_tb(failure.__traceback__)[-1].lineno, str(failure)[:3000]
+                    except Exception as failure:  # (where, which assertion, what it says); a hang times out
+                        where = traceback.extract_tb(failure.__traceback__)[-1]
+                        return i, (where.filename, where.lineno), f"{type(failure).__name__}: {str(failure)[:3000]}"
                 return None
             finally:
                 for name in list(self.held):
@@ -425,6 +426,7 @@ def initial_configs(rng, paths, sizes):
 
 
 def run_seed(seed, steps_count, folder, paths, sizes, seen):
+    print(f"seed {seed}, {steps_count} steps", flush=True)  # shown where anything fails
     rng = random.Random(seed)
     configs = initial_configs(rng, paths, sizes)
     steps = draw_steps(rng, steps_count, paths, sizes)
