@@ -89,7 +89,7 @@ std::string where(const ModelConfig& config, std::string_view key);
 // dtype other than the computation's, or GGUF blocks kept packed): the daemon computes nothing
 // with it, so its weights rest in host memory, in the onload state's dtype (GGUF blocks packed
 // where it keeps them so), for the clients that lease and manage it
-// (python/vramd/manage.py), each streaming them through its own device under the limit.
+// (python/vramd/manage/), each streaming them through its own device under the limit.
 bool rests_for_clients(const ModelConfig& config);
 
 // Relative paths are resolved against the file's folder (a converter also against the daemon's
