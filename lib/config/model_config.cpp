@@ -240,6 +240,16 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   config.prefix = root.string("prefix").value_or("");
   config.keep_prefix = root.boolean("keep_prefix").value_or(false);
   config.strict = root.boolean("strict").value_or(true);
+  for (auto& table : root.tables("lora")) {
+    LoraConfig lora;
+    if (auto adapter = table.string("path"))
+      lora.path = (folder / *adapter).lexically_normal().string();
+    else if (!table.raw().contains("path"))
+      table.problem("missing key 'path' in [[lora]] (a PEFT folder or a .safetensors file of a LoRA adapter)");
+    lora.scale = table.number("scale", -1e6, 1e6).value_or(1.0);
+    table.finish();
+    config.lora.push_back(std::move(lora));
+  }
 
   // A GGUF file's names are llama.cpp's: the shipped gguf.lua makes them Hugging Face's, for a
   // family vramd runs. A "weights" model takes the file's own (a diffusion model's GGUF keeps

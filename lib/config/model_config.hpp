@@ -59,6 +59,14 @@ struct PartitionConfig {
   std::chrono::milliseconds timeout{60'000};  // for every rank to join, load or answer a gather
 };
 
+// A LoRA adapter ([[lora]]): a PEFT folder or a .safetensors file (load/lora.hpp), and the
+// scale its update is multiplied by.
+struct LoraConfig {
+  std::string path;  // absolute
+  double scale = 1.0;
+  bool operator==(const LoraConfig&) const = default;
+};
+
 struct ModelConfig {
   std::string path;  // the file read
   std::string name;
@@ -75,6 +83,7 @@ struct ModelConfig {
   VramConfig vram;
   ResidencyConfig residency;
   PartitionConfig partition;
+  std::vector<LoraConfig> lora;  // applied in order, their updates summed
   std::string arch_json;  // the [arch] overrides as a JSON object ("{}" when none)
   // Where each key stands in the file, by its dotted path ("vram.limit", "vram.onload.device"):
   // {line, column}, for the problems found once the file is read (a plan, a budget): where().

@@ -178,6 +178,33 @@ std::optional<TableReader> TableReader::table(std::string_view key) {
   return std::nullopt;
 }
 
+std::vector<TableReader> TableReader::tables(std::string_view key) {
+  const toml::node* value = node(key);
+  std::vector<TableReader> out;
+  if (!value) return out;
+  const auto* array = value->as_array();
+  if (array && array->is_array_of_tables()) {
+    for (size_t i = 0; i < array->size(); ++i)
+      out.emplace_back(*array->get(i)->as_table(), qualified(key) + "[" + std::to_string(i + 1) + "]", problems_);
+    return out;
+  }
+  bad_value(key, "expected tables ([[" + qualified(key) + "]] headers), found " + type_name(*value));
+  return out;
+}
+
+std::optional<double> TableReader::number(std::string_view key, double min, double max) {
+  const toml::node* value = node(key);
+  if (!value) return std::nullopt;
+  const std::optional<double> number = value->is_floating_point() ? value->value<double>()
+                                       : value->is_integer()      ? std::optional<double>(*value->value<int64_t>())
+                                                                  : std::nullopt;
+  if (number && *number >= min && *number <= max) return number;  // NaN is in no range
+  std::ostringstream range;
+  range << "expected a number from " << min << " to " << max;
+  bad_value(key, range.str() + (number ? "" : ", found " + type_name(*value)));
+  return std::nullopt;
+}
+
 std::vector<std::string_view> TableReader::keys() const {
   std::vector<std::string_view> out;
   for (const auto& [key, value] : table_) out.push_back(key.str());

@@ -48,6 +48,10 @@ class TableReader {
   // A string or an array of strings.
   std::optional<std::vector<std::string>> strings(std::string_view key);
   std::optional<TableReader> table(std::string_view key);
+  // An array of tables ([[lora]]), each named "key[N]" (1-based) in messages.
+  std::vector<TableReader> tables(std::string_view key);
+  // A number (an integer or a float) in [min, max].
+  std::optional<double> number(std::string_view key, double min, double max);
   // An integer in [min, max], or an array of them.
   std::optional<int64_t> integer(std::string_view key, int64_t min, int64_t max);
   std::optional<std::vector<int64_t>> integers(std::string_view key, int64_t min, int64_t max);

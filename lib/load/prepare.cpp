@@ -11,6 +11,7 @@
 #include "convert/converter.hpp"
 #include "family/catalog.hpp"
 #include "hparams/hyperparams.hpp"
+#include "load/lora.hpp"
 #include "load/names.hpp"
 #include "model/registry.hpp"
 #include "storage/tensor_io.hpp"
@@ -133,6 +134,7 @@ Prepared prepare(const config::ModelConfig& config) {
                     counted(plan.tensors.size(), "tensor") + (config.converter.empty() ? "" : " from " + config.converter) +
                     "): " + problems + advice);
   }
+  attach_loras(config, *model, names, assignments, report);
   report.missing = std::move(missing);
   report.unexpected = std::move(unexpected);
   report.plan_seconds = seconds_since(plan_start);

@@ -86,6 +86,15 @@ UpdateReport apply_update(LoadedModel& loaded, const config::ModelConfig& config
                     "; nothing was updated");
   if (chosen.empty()) throw BadUpdate(where + ": none of its tensors is a weight of model " + quote(config.name));
 
+  // A weight its LoRA adapters change holds W + its update, which a new W alone would drop.
+  std::vector<std::string> adapted;
+  for (const auto& a : loaded.source->assignments)
+    if (a.patch && chosen.count(a.parameter)) adapted.push_back(chosen.at(a.parameter)->name);
+  if (!adapted.empty())
+    throw BadUpdate(where + ": " + counted(adapted.size(), "tensor") + " of model " + quote(config.name) +
+                    " that its [[lora]] adapters change, which an update does not take yet: " + listed(adapted) +
+                    "; nothing was updated");
+
   UpdateReport report;
   for (const auto& [parameter, tensor] : chosen) {
     try {

@@ -14,6 +14,15 @@
 
 namespace vramd::model {
 
+// A LoRA adapter as the load read it ([[lora]], load/lora.hpp).
+struct AdapterReport {
+  std::string path;
+  double scale = 1;
+  std::string format;  // "peft", "kohya", "diffusers"
+  size_t modules = 0;  // weights it changes
+  uint64_t bytes = 0;  // held in host memory while the model is loaded (float32)
+};
+
 struct LoadReport {
   std::string checkpoint;                    // the sources, as DiskMap describes them
   std::vector<std::string> missing;          // parameters the checkpoint lacks (strict = false)
@@ -24,6 +33,7 @@ struct LoadReport {
   size_t tensors = 0;
   size_t zero_copy = 0;                      // tensors that are views of the checkpoint mapping
   uint64_t largest = 0;                      // bytes of the largest tensor
+  std::vector<AdapterReport> adapters;       // [[lora]], in order
   double plan_seconds = 0, load_seconds = 0;  // index + converter + build; reading
 };
 

@@ -118,6 +118,9 @@ json entry_json(const Entry& e) {
     j["tensors"] = e.dry->report.tensors;
     j["checkpoint"] = e.dry->report.checkpoint;
     if (!e.dry->report.warnings.empty()) j["warnings"] = e.dry->report.warnings;
+    j["loras"] = json::array();
+    for (const auto& a : e.dry->report.adapters)
+      j["loras"].push_back({{"path", a.path}, {"scale", a.scale}, {"format", a.format}, {"modules", a.modules}, {"bytes", a.bytes}});
     // A state of dtype "auto" is in the model's dtype, which the dry run has settled.
     const std::string& dtype = e.dry->dtype;
     j["vram"] = {{"offload", state_json(c.vram.offload, dtype)}, {"onload", state_json(c.vram.onload, dtype)},

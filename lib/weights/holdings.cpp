@@ -22,10 +22,13 @@ uint64_t bytes_in(const model::DryRun& dry, const config::Dtype& dtype) {
 
 const config::Device kCpu = config::Device::named("cpu");
 
-}  // namespace
+// The factors of the model's LoRA adapters, kept in host memory while it is loaded.
+void add_adapters(Holdings& to, const model::DryRun& dry) {
+  for (const auto& adapter : dry.report.adapters) add(to, kCpu, "adapters", adapter.bytes);
+}
 
-Holdings awake_holdings(const config::ModelConfig& config, const model::DryRun& dry,
-                        const std::optional<model::VramStats>& loaded) {
+Holdings weights_awake(const config::ModelConfig& config, const model::DryRun& dry,
+                       const std::optional<model::VramStats>& loaded) {
   Holdings out;
   const config::VramConfig& vram = config.vram;
   const std::optional<model::VramStats>& plan = loaded ? loaded : dry.weights;
@@ -48,9 +51,19 @@ Holdings awake_holdings(const config::ModelConfig& config, const model::DryRun& 
   return out;
 }
 
+}  // namespace
+
+Holdings awake_holdings(const config::ModelConfig& config, const model::DryRun& dry,
+                        const std::optional<model::VramStats>& loaded) {
+  Holdings out = weights_awake(config, dry, loaded);
+  add_adapters(out, dry);
+  return out;
+}
+
 Holdings asleep_holdings(const config::ModelConfig& config, const model::DryRun& dry) {
   Holdings out;
   add(out, config.vram.offload.device, "offload", bytes_in(dry, config.vram.offload.dtype));
+  add_adapters(out, dry);
   return out;
 }
 

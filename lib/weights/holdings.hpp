@@ -37,6 +37,7 @@ inline constexpr uint64_t kHostStagingBytes = 16 * (8u << 20);
 //   experts       experts computed on the CPU ([vram].experts = "cpu")
 //   host_staging  pinned host buffers reads to a GPU go through (kHostStagingBytes)
 //   resting       a model that rests whole in host memory for its clients (architecture "weights")
+//   adapters      its LoRA adapters' factors, in host memory (awake and asleep alike)
 // `loaded`: the plan of the loaded weights (Runtime::vram), which replaces the dry run's: a
 // partitioned model's is made only when its group loads it.
 Holdings awake_holdings(const config::ModelConfig& config, const model::DryRun& dry,

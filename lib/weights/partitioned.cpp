@@ -50,7 +50,7 @@ bool matches_any(const std::string& name, const std::vector<std::string>& patter
 // A plain checkpoint tensor (not converted, not in blocks): its entry in the index.
 const storage::TensorInfo* plain(const Source& source, const Assignment& assignment) {
   const convert::Expr& expr = *assignment.expr;
-  if (expr.op != convert::Expr::Op::Source) return nullptr;
+  if (expr.op != convert::Expr::Op::Source || assignment.patch) return nullptr;
   const auto& info = source.map.at(expr.source, expr.shard);
   return storage::dtype_block(info.dtype) == 1 ? &info : nullptr;
 }
@@ -77,6 +77,10 @@ void read_flat(const Source& source, const Assignment& assignment, int64_t begin
                SliceReads& reads) {
   const convert::Expr& expr = *assignment.expr;
   const auto& map = source.map;
+  if (assignment.patch) {  // its adapters change the whole weight: computed whole, then sliced
+    out.copy_(source.read(assignment, c10::kCPU, c10::kFloat, true).reshape({-1}).narrow(0, begin, end - begin));
+    return;
+  }
   if (const storage::TensorInfo* info = plain(source, assignment)) {
     const c10::ScalarType stored = storage::scalar_type(map, *info);
     const uint64_t offset = file_offset(source, *info, begin);

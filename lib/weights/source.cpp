@@ -65,10 +65,33 @@ std::vector<int64_t> held_shape(const Assignment& a, c10::ScalarType held) {
   return held == kPacked ? storage::packed_shape(*a.block, a.parameter->shape) : a.parameter->shape;
 }
 
+at::Tensor Patch::apply(const at::Tensor& value) const {
+  at::Tensor out = value.to(c10::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  for (const auto& term : terms) {
+    // As peft merges: the product, times the factor, then added.
+    at::Tensor delta = term.up.flatten(1).mm(term.down.flatten(1)).mul_(term.factor);
+    if (term.transposed) delta = delta.t();
+    out.add_(delta.reshape(out.sizes()));
+  }
+  return out;
+}
+
+uint64_t Patch::bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& term : terms) bytes += term.down.nbytes() + term.up.nbytes();
+  return bytes;
+}
+
 at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
   const auto mode = views ? storage::ReadMode::Auto : direct ? storage::ReadMode::Direct : storage::ReadMode::Copy;
   at::Tensor value;
-  if (a.expr->op == convert::Expr::Op::Source)
+  if (a.patch) {
+    if (dtype == kPacked) throw Error(where + ": " + a.parameter->name + " is changed by its adapters, so it is never held packed");
+    value = a.patch->apply(a.expr->op == convert::Expr::Op::Source
+                               ? storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = c10::kFloat, .mode = storage::ReadMode::Auto})
+                               : convert::evaluate(*a.expr, map, storage::ReadMode::Auto))
+                .to(dtype);
+  } else if (a.expr->op == convert::Expr::Op::Source)
     value = storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = dtype, .mode = mode});
   else if (dtype == kPacked)
     value = convert::evaluate_packed(*a.expr, map, mode);
@@ -78,7 +101,7 @@ at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType
 }
 
 const storage::TensorInfo* Source::stored(const Assignment& a, c10::ScalarType dtype) const {
-  if (a.expr->op != convert::Expr::Op::Source) return nullptr;
+  if (a.expr->op != convert::Expr::Op::Source || a.patch) return nullptr;
   const auto& info = map.at(a.expr->source, a.expr->shard);
   if (storage::dtype_block(info.dtype) != 1) return dtype == kPacked ? &info : nullptr;  // else unpacked on reading
   return storage::scalar_type(map, info) == dtype ? &info : nullptr;
@@ -174,7 +197,7 @@ std::shared_ptr<Source> make_source(storage::DiskMap map, std::vector<Assignment
     if (config.vram.onload.device.is_cpu()) held += config.vram.onload_limit.value_or(0);
     direct = storage::choose_direct_io(map.total_bytes(), held, storage::page_cache_room());
   }
-  for (auto& a : assignments) a.block = convert::packed_type(*a.expr, map);
+  for (auto& a : assignments) a.block = a.patch ? std::nullopt : convert::packed_type(*a.expr, map);
   return std::make_shared<Source>(
       Source{std::move(map), std::move(assignments), config.path, direct.direct, std::move(direct.why)});
 }

@@ -24,6 +24,21 @@ class DeviceStaging;
 
 namespace vramd::weights {
 
+// What LoRA adapters add to one weight (load/lora.hpp): W + sum of factor * up * down, in
+// float32, wherever the weight is read from its checkpoint; the sum is then held in the state's
+// dtype, like any value read.
+struct Patch {
+  struct Term {
+    at::Tensor down, up;  // float32 on the CPU: [r, in(, kh, kw)] and [out, r(, 1, 1)]
+    double factor = 1;    // the [[lora]] scale times alpha / r (alpha / sqrt(r) for rsLoRA)
+    bool transposed = false;  // an embedding's update is (up * down) transposed
+  };
+  std::vector<Term> terms;
+  // `value` (the weight in any floating dtype, on the CPU) plus every term, a new float32 tensor.
+  at::Tensor apply(const at::Tensor& value) const;
+  uint64_t bytes() const;  // of the terms' tensors
+};
+
 // Which expression fills which parameter.
 struct Assignment {
   model::Parameter* parameter;
@@ -32,6 +47,8 @@ struct Assignment {
   // The GGUF block type its value can be held in, packed (convert::packed_type); set by
   // make_source. None for any other value.
   std::optional<storage::DType> block = std::nullopt;
+  // Its adapters' terms, where [[lora]] changes it; such a weight is never held packed.
+  std::shared_ptr<const Patch> patch = nullptr;
 };
 
 // A weight held packed is a uint8 tensor of its GGUF blocks' bytes, shaped storage::packed_shape;

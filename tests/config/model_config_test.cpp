@@ -393,3 +393,20 @@ TEST_CASE("devices are parsed once into disk, cpu or cuda:N") {
     CHECK_FALSE(Device::parse(bad));
   CHECK_THROWS_WITH(Device::named("gpu"), "unknown device 'gpu' (disk, cpu, cuda, cuda:N)");
 }
+
+TEST_CASE("[[lora]] tables are read in order with paths resolved, and bad ones are named at their line") {
+  TempDir dir;
+  auto path = dir.write("l.toml", "checkpoint = \"w\"\n[[lora]]\npath = \"a/\"\n[[lora]]\npath = \"/x/b.safetensors\"\nscale = -0.5\n");
+  auto config = load_model_config(path, default_daemon_config());
+  REQUIRE(config.lora.size() == 2);
+  CHECK(config.lora[0] == LoraConfig{(std::filesystem::path(path).parent_path() / "a/").string(), 1.0});
+  CHECK(config.lora[1] == LoraConfig{"/x/b.safetensors", -0.5});
+
+  auto bad = dir.write("b.toml", "checkpoint = \"w\"\n[[lora]]\nscale = \"big\"\npaths = \"a\"\n");
+  const std::string problems = problems_of(bad, default_daemon_config());
+  CHECK_THAT(problems, Catch::Contains(bad + ":2:1: missing key 'path' in [[lora]]"));
+  CHECK_THAT(problems, Catch::Contains(bad + ":3:9: lora[1].scale = 'big': expected a number from"));
+  CHECK_THAT(problems, Catch::Contains("paths"));
+  auto table = dir.write("t.toml", "checkpoint = \"w\"\nlora = \"a\"\n");
+  CHECK_THAT(problems_of(table, default_daemon_config()), Catch::Contains("lora = 'a': expected tables ([[lora]] headers)"));
+}

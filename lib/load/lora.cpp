@@ -1,0 +1,332 @@
+#include "load/lora.hpp"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+
+#include "storage/disk_map.hpp"
+#include "storage/tensor_io.hpp"
+#include "util/file.hpp"
+#include "util/format.hpp"
+
+namespace vramd::load {
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;  // rank_pattern's first match wins, in the file's order
+using model::Parameter;
+
+namespace {
+
+// What a PEFT folder's adapter_config.json says; a plain file has none.
+struct PeftConfig {
+  int64_t r = 0;
+  double alpha = 0;
+  bool rslora = false;
+  json rank_pattern = json::object(), alpha_pattern = json::object(), target_modules;
+};
+
+// One module's pair of factors, as the file names them.
+struct Pair {
+  std::string down_key, up_key, alpha_key;
+  bool embedding = false;
+};
+
+// Which part of a module's adapter a key holds, by its suffix.
+struct Suffix {
+  const char* text;
+  enum { Down, Up, Alpha, EmbeddingDown, EmbeddingUp } part;
+};
+constexpr Suffix kSuffixes[] = {
+    {".lora_A.weight", Suffix::Down},       {".lora_B.weight", Suffix::Up},
+    {".lora_down.weight", Suffix::Down},    {".lora_up.weight", Suffix::Up},
+    {".lora.down.weight", Suffix::Down},    {".lora.up.weight", Suffix::Up},
+    {".lora_embedding_A", Suffix::EmbeddingDown}, {".lora_embedding_B", Suffix::EmbeddingUp},
+    {".alpha", Suffix::Alpha},
+};
+
+// Keys of adapters vramd does not apply, and what they are.
+std::optional<std::string> refused_format(std::string_view key) {
+  const auto has = [&](std::string_view part) { return key.find(part) != std::string_view::npos; };
+  if (has("lora_magnitude_vector") || has(".dora_scale")) return "DoRA (a magnitude vector beside the LoRA factors)";
+  if (has(".hada_w")) return "LoHa (Hadamard-product factors, hada_w1_a...)";
+  if (has(".lokr_w")) return "LoKr (Kronecker-product factors, lokr_w1...)";
+  if (has(".lora_B.bias") || has(".lora_up.bias")) return "a LoRA with a bias (lora_bias = true)";
+  if (key.ends_with(".diff") || key.ends_with(".diff_b")) return "a full weight difference (.diff)";
+  if (has(".base_layer.")) return "a whole weight saved beside the adapter (peft's save_embedding_layers: save with save_embedding_layers=False)";
+  return std::nullopt;
+}
+
+// peft's get_pattern_key: the first pattern that matches the end of the module's name at a dot.
+const json* pattern_for(const json& patterns, const std::string& module) {
+  for (const auto& [pattern, value] : patterns.items()) {
+    try {
+      if (std::regex_match(module, std::regex("(.*\\.)?(" + pattern + ")"))) return &value;
+    } catch (const std::regex_error&) {
+      throw BadAdapter("pattern " + quote(pattern) + " is no regular expression");
+    }
+  }
+  return nullptr;
+}
+
+// Whether PEFT's target_modules names the module: a list of names matched at its end after a
+// dot (or whole), a string matched whole as a regular expression, or "all-linear".
+bool targeted(const json& targets, const std::string& module) {
+  if (targets.is_null()) return true;
+  if (targets.is_string()) {
+    const std::string text = targets.get<std::string>();
+    return text == "all-linear" || std::regex_match(module, std::regex(text));
+  }
+  for (const auto& target : targets) {
+    const std::string name = target.get<std::string>();
+    if (module == name || module.ends_with("." + name)) return true;
+  }
+  return false;
+}
+
+PeftConfig read_peft_config(const std::string& path) {
+  json j;
+  try {
+    j = json::parse(read_regular_file(path, 16 << 20));
+  } catch (const json::exception& e) {
+    throw BadAdapter(path + ": not JSON: " + e.what());
+  }
+  const std::string type = j.value("peft_type", "LORA");
+  if (type != "LORA")
+    throw BadAdapter(path + ": peft_type " + quote(type) + " is not supported: vramd applies LoRA adapters" +
+                     (type == "LOHA" ? " (LoHa's Hadamard products are refused)" : type == "LOKR" ? " (LoKr's Kronecker products are refused)" : ""));
+  if (j.value("use_dora", false)) throw BadAdapter(path + ": use_dora = true: DoRA is not supported, only LoRA");
+  if (j.contains("lora_bias") && j["lora_bias"].is_boolean() && j["lora_bias"].get<bool>())
+    throw BadAdapter(path + ": lora_bias = true: a LoRA with a bias is not supported");
+  PeftConfig config;
+  try {
+    config.r = j.at("r").get<int64_t>();
+    config.alpha = j.contains("lora_alpha") ? j["lora_alpha"].get<double>() : static_cast<double>(config.r);
+    config.rslora = j.value("use_rslora", false);
+    if (j.contains("rank_pattern") && j["rank_pattern"].is_object()) config.rank_pattern = j["rank_pattern"];
+    if (j.contains("alpha_pattern") && j["alpha_pattern"].is_object()) config.alpha_pattern = j["alpha_pattern"];
+    if (j.contains("target_modules")) config.target_modules = j["target_modules"];
+  } catch (const json::exception& e) {
+    throw BadAdapter(path + ": " + e.what());
+  }
+  if (config.r <= 0) throw BadAdapter(path + ": r = " + std::to_string(config.r) + " is no rank");
+  return config;
+}
+
+// The adapter's index and, for a PEFT folder, its config.
+std::pair<storage::DiskMap, std::optional<PeftConfig>> open_adapter(const std::string& path) {
+  std::error_code error;
+  if (fs::is_directory(path, error)) {
+    const fs::path folder(path);
+    if (!fs::exists(folder / "adapter_config.json"))
+      throw BadAdapter(path + ": a folder without adapter_config.json is no PEFT adapter");
+    std::string file;
+    for (const char* name : {"adapter_model.safetensors", "adapter_model.bin"})
+      if (fs::exists(folder / name)) {
+        file = (folder / name).string();
+        break;
+      }
+    if (file.empty()) throw BadAdapter(path + ": no adapter_model.safetensors (or .bin) beside its adapter_config.json");
+    auto config = read_peft_config((folder / "adapter_config.json").string());
+    try {
+      return {storage::DiskMap::open(file), config};
+    } catch (const Error& e) {
+      throw BadAdapter(e.what());
+    }
+  }
+  if (!fs::exists(path, error)) throw BadAdapter(path + ": no such file or folder");
+  try {
+    return {storage::DiskMap::open(path), std::nullopt};
+  } catch (const Error& e) {
+    throw BadAdapter(e.what());
+  }
+}
+
+// The component a key's module belongs to in a file for several models: kohya's prefix
+// ("lora_unet", "lora_te1") or diffusers' first name ("unet", "text_encoder").
+std::string component_of(const std::string& module, bool kohya) {
+  if (kohya) {
+    const size_t second = module.find('_', module.find('_') + 1);
+    return module.substr(0, second);
+  }
+  return module.substr(0, module.find('.'));
+}
+
+// The model's weights by module name, dots as underscores, for kohya's names.
+std::map<std::string, Parameter*> by_underscored(model::Model& model) {
+  std::map<std::string, Parameter*> out;
+  for (Parameter* parameter : model.parameters()) {
+    if (!parameter->name.ends_with(".weight")) continue;
+    std::string name = parameter->name.substr(0, parameter->name.size() - 7);
+    std::replace(name.begin(), name.end(), '.', '_');
+    out.emplace(name, parameter);
+  }
+  return out;
+}
+
+std::string shape_of(const at::Tensor& tensor) { return format_shape(tensor.sizes().vec()); }
+
+}  // namespace
+
+void attach_loras(const config::ModelConfig& config, model::Model& model, const NameMatcher& names,
+                  std::vector<weights::Assignment>& assignments, model::LoadReport& report) {
+  if (config.lora.empty()) return;
+  std::map<const Parameter*, weights::Assignment*> assignment_of;
+  for (auto& assignment : assignments) assignment_of[assignment.parameter] = &assignment;
+  std::map<const Parameter*, weights::Patch> patches;
+  std::map<std::string, Parameter*> underscored;
+  std::vector<std::string> all_names;
+  for (const Parameter* parameter : model.parameters()) all_names.push_back(parameter->name);
+
+  for (size_t index = 0; index < config.lora.size(); ++index) {
+    const auto& lora = config.lora[index];
+    const std::string where = config::where(config, "lora") + ": [[lora]] " + std::to_string(index + 1) + ", " + lora.path;
+    try {
+      auto [map, peft] = open_adapter(lora.path);
+      // The keys, module by module.
+      std::map<std::string, Pair> pairs;
+      bool kohya = false;
+      for (const auto& info : map.tensors()) {
+        const std::string key(info.name());
+        if (auto format = refused_format(key)) throw BadAdapter(quote(key) + " is " + *format + ", which vramd does not apply");
+        const Suffix* suffix = nullptr;
+        for (const auto& s : kSuffixes)
+          if (key.ends_with(s.text)) {
+            suffix = &s;
+            break;
+          }
+        if (!suffix) throw BadAdapter(quote(key) + " is no LoRA key (lora_A/lora_B, lora_down/lora_up or alpha)");
+        std::string module = key.substr(0, key.size() - std::strlen(suffix->text));
+        if (module.starts_with("base_model.model.")) module = module.substr(17);
+        kohya = kohya || module.starts_with("lora_");
+        Pair& pair = pairs[module];
+        switch (suffix->part) {
+          case Suffix::Down: pair.down_key = key; break;
+          case Suffix::Up: pair.up_key = key; break;
+          case Suffix::Alpha: pair.alpha_key = key; break;
+          case Suffix::EmbeddingDown: pair.down_key = key, pair.embedding = true; break;
+          case Suffix::EmbeddingUp: pair.up_key = key, pair.embedding = true; break;
+        }
+      }
+      if (pairs.empty()) throw BadAdapter("holds no tensors");
+      if (kohya && underscored.empty()) underscored = by_underscored(model);
+
+      // Each module to the model's weight.
+      const auto find = [&](const std::string& module) -> Parameter* {
+        if (kohya) {
+          const size_t second = module.find('_', module.find('_') + 1);
+          const auto it = underscored.find(second == std::string::npos ? module : module.substr(second + 1));
+          return it == underscored.end() ? nullptr : it->second;
+        }
+        if (Parameter* found = model.find(names.canonical(module + ".weight"))) return found;
+        if (const size_t dot = module.find('.'); dot != std::string::npos)
+          return model.find(names.canonical(module.substr(dot + 1) + ".weight"));
+        return nullptr;
+      };
+      std::map<std::string, std::vector<std::string>> unmatched;  // by component
+      std::set<std::string> matched_components;
+      std::vector<std::pair<std::string, Parameter*>> found;
+      for (const auto& [module, pair] : pairs) {
+        Parameter* parameter = find(module);
+        if (parameter) {
+          found.emplace_back(module, parameter);
+          matched_components.insert(component_of(module, kohya));
+        } else {
+          unmatched[component_of(module, kohya)].push_back(module);
+        }
+      }
+      if (found.empty())
+        throw BadAdapter("none of its " + counted(pairs.size(), "module") + " is the model's (" +
+                         quote(pairs.begin()->first) + ", ...): is it an adapter of another model?");
+      size_t skipped = 0;
+      for (const auto& [component, modules] : unmatched) {
+        // A file for several models (not a PEFT folder, which is one model's): a component of
+        // which no module is this model's is another model's part of it.
+        if (!peft && !matched_components.count(component) && component != modules[0]) {
+          skipped += modules.size();
+          continue;
+        }
+        std::vector<std::string_view> candidates(all_names.begin(), all_names.end());
+        const auto near = did_you_mean(modules[0] + ".weight", candidates);
+        throw BadAdapter("module " + quote(modules[0]) + " is not the model's" +
+                         (near ? " (did you mean " + quote(*near) + "?)" : "") +
+                         (modules.size() > 1 ? ", nor " + counted(modules.size() - 1, "other") : ""));
+      }
+      if (skipped)
+        report.warnings.push_back(where + ": " + counted(skipped, "module") + " of components this model lacks skipped");
+
+      model::AdapterReport adapter{lora.path, lora.scale, peft ? "peft" : kohya ? "kohya" : "diffusers", 0, 0};
+      for (const auto& [module, parameter] : found) {
+        const Pair& pair = pairs[module];
+        const std::string& key = pair.down_key.empty() ? pair.up_key : pair.down_key;
+        if (pair.down_key.empty() || pair.up_key.empty())
+          throw BadAdapter(quote(key) + " has no " + (pair.down_key.empty() ? "down (lora_A)" : "up (lora_B)") + " factor beside it");
+        if (parameter->tied)
+          throw BadAdapter(quote(key) + " changes " + quote(parameter->name) + ", which is tied to " + quote(parameter->tied->name) +
+                           ": an update of one would change both");
+        if (!assignment_of.count(parameter))
+          throw BadAdapter(quote(key) + " changes " + quote(parameter->name) + ", which the checkpoint does not fill");
+        if (peft && !targeted(peft->target_modules, module))
+          throw BadAdapter(quote(key) + ": module " + quote(module) + " is not among adapter_config.json's target_modules");
+        const storage::ReadOptions as_float{.dtype = c10::kFloat, .mode = storage::ReadMode::Copy};
+        at::Tensor down = storage::load_tensor(map, pair.down_key, as_float);
+        at::Tensor up = storage::load_tensor(map, pair.up_key, as_float);
+        const auto& shape = parameter->shape;
+        const std::string names_it = quote(key) + " (for " + quote(parameter->name) + ", " + format_shape(shape) + ")";
+        if (pair.embedding) {
+          if (shape.size() != 2 || down.dim() != 2 || up.dim() != 2 || down.size(1) != shape[0] || up.size(0) != shape[1])
+            throw BadAdapter(names_it + ": an embedding's factors are [r, " + std::to_string(shape.empty() ? 0 : shape[0]) +
+                             "] and [" + std::to_string(shape.size() > 1 ? shape[1] : 0) + ", r], not " + shape_of(down) + " and " + shape_of(up));
+        } else if (shape.size() == 4) {
+          if (down.dim() != 4)
+            throw BadAdapter(names_it + ": a " + std::to_string(down.dim()) + "-D adapter on a convolution, whose down factor is [r, " +
+                             std::to_string(shape[1]) + ", " + std::to_string(shape[2]) + ", " + std::to_string(shape[3]) + "]");
+          if (down.size(1) != shape[1] || down.size(2) != shape[2] || down.size(3) != shape[3] || up.dim() != 4 ||
+              up.size(0) != shape[0] || up.size(2) != 1 || up.size(3) != 1)
+            throw BadAdapter(names_it + ": factors " + shape_of(down) + " and " + shape_of(up) + " do not fit it");
+        } else if (shape.size() == 2) {
+          if (down.dim() != 2 || up.dim() != 2)
+            throw BadAdapter(names_it + ": factors " + shape_of(down) + " and " + shape_of(up) + " are not a linear layer's");
+          if (down.size(1) != shape[1] || up.size(0) != shape[0])
+            throw BadAdapter(names_it + ": factors " + shape_of(down) + " and " + shape_of(up) + " do not fit it");
+        } else {
+          throw BadAdapter(names_it + ": only linear, convolution and embedding weights take a LoRA");
+        }
+        const int64_t rank = down.size(0);
+        if (up.size(1) != rank)
+          throw BadAdapter(names_it + ": rank mismatch: its down factor has " + std::to_string(rank) + " rows, its up factor " +
+                           std::to_string(up.size(1)) + " columns");
+        double alpha = static_cast<double>(rank);
+        if (peft) {
+          const json* r = pattern_for(peft->rank_pattern, module);
+          const int64_t expected = r ? r->get<int64_t>() : peft->r;
+          if (expected != rank)
+            throw BadAdapter(names_it + ": rank mismatch: adapter_config.json says r = " + std::to_string(expected) +
+                             (r ? " (rank_pattern)" : "") + ", its factors have rank " + std::to_string(rank));
+          const json* a = pattern_for(peft->alpha_pattern, module);
+          alpha = a ? a->get<double>() : peft->alpha;
+        } else if (!pair.alpha_key.empty()) {
+          const at::Tensor value = storage::load_tensor(map, pair.alpha_key, as_float);
+          if (value.numel() != 1) throw BadAdapter(quote(pair.alpha_key) + " is " + shape_of(value) + ", not one number");
+          alpha = value.item<double>();
+        }
+        const double per_rank = peft && peft->rslora ? std::sqrt(static_cast<double>(rank)) : static_cast<double>(rank);
+        patches[parameter].terms.push_back({down, up, lora.scale * alpha / per_rank, pair.embedding});
+        adapter.modules += 1;
+        adapter.bytes += down.nbytes() + up.nbytes();
+      }
+      report.adapters.push_back(std::move(adapter));
+    } catch (const BadAdapter& e) {
+      throw BadAdapter(where + ": " + e.what());
+    }
+  }
+  for (auto& [parameter, patch] : patches)
+    assignment_of[parameter]->patch = std::make_shared<const weights::Patch>(std::move(patch));
+}
+
+}  // namespace vramd::load

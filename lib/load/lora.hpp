@@ -1,0 +1,46 @@
+// LoRA adapters ([[lora]] in a model config): each read and checked whole, then its update of
+// each weight attached to that weight's assignment (weights::Patch), which every kind of weights
+// applies where it reads the weight from the checkpoint: W + scale * alpha / r * B * A, in float32,
+// then held in each state's dtype. The adapted values are what the model holds in every state,
+// and what a lease hands over; the checkpoint itself is never changed.
+//
+// An adapter is a PEFT folder (adapter_config.json beside adapter_model.safetensors or .bin, whose
+// r, lora_alpha, use_rslora, rank_pattern, alpha_pattern and target_modules are honoured), or
+// one .safetensors (or torch.save) file whose keys are
+//   PEFT's or diffusers'  <module>.lora_A.weight and .lora_B.weight (an optional <module>.alpha;
+//                         none: alpha = r), or <module>.lora.down.weight and .lora.up.weight
+//   kohya's (A1111)       lora_unet_<module, dots as underscores>.lora_down.weight, .lora_up.weight
+//                         and .alpha (lora_te_... for a text encoder)
+// Module names are the checkpoint's once converted (a model's converter maps its adapter's names
+// as it maps the checkpoint's: the adapter names the modules the converter makes); a leading
+// base_model.model., unet., transformer. or text_encoder. is taken off where the rest names a
+// module. A file for several models (a UNet's and its text encoder's keys) changes the modules
+// of this one: a component none of whose modules are this model's is skipped, with a warning.
+// Linear, Conv2d (LoCon) and Embedding updates; DoRA, LoHa, LoKr, bias and full-difference keys
+// and other PEFT types are refused naming the format.
+#pragma once
+
+#include <vector>
+
+#include "config/model_config.hpp"
+#include "load/names.hpp"
+#include "model/load_report.hpp"
+#include "model/model.hpp"
+#include "util/error.hpp"
+#include "weights/source.hpp"
+
+namespace vramd::load {
+
+// An adapter that cannot be applied: the message names the config, the adapter's file and its
+// key. The load fails with it, and the model's other state is untouched.
+class BadAdapter : public Error {
+ public:
+  using Error::Error;
+};
+
+// Reads every adapter of config.lora and attaches each weight's terms to its assignment, in
+// config order; report.adapters says what each changes. Throws BadAdapter.
+void attach_loras(const config::ModelConfig& config, model::Model& model, const NameMatcher& names,
+                  std::vector<weights::Assignment>& assignments, model::LoadReport& report);
+
+}  // namespace vramd::load

@@ -1,0 +1,264 @@
+"""LoRA adapters ([[lora]] in a model config) against peft, their own tool, on the same base: a
+LLaMA with a PEFT adapter equals peft's merge_and_unload(); so do a stacked pair at different
+scales (one on the embedding too) and an rsLoRA adapter with rank_pattern and alpha_pattern, also
+streamed under a limit. Bad adapters are refused naming the file and key, by `vramctl check` and
+by the daemon, which keeps serving its other models; removing the adapters gives the base's
+outputs bit for bit."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, load_file, save, save_file
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "daemon"))
+import hf_models  # noqa: E402
+from daemon_support import Daemon, model, request, wait_for  # noqa: E402
+
+VRAMCTL = os.environ["VRAMCTL"]
+# name -> (peft.LoraConfig's arguments, seed)
+ADAPTERS = {
+    "attention": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), 1),
+    "mlp": (dict(r=2, lora_alpha=3, target_modules=["gate_proj", "down_proj", "embed_tokens"]), 2),
+    "rslora": (dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"],
+                    rank_pattern={"layers.1.self_attn.q_proj": 2}, alpha_pattern={"k_proj": 16}), 3),
+}
+
+
+def merged_outputs(base_folder, inputs, adapters):
+    """peft's own result: each (adapter folder, scale) loaded onto the base in turn, its scale set
+    on every LoRA layer (peft's set_scale), then merge_and_unload()."""
+    import peft
+    import transformers
+    model = transformers.LlamaForCausalLM.from_pretrained(base_folder, dtype=torch.float32).eval()
+    for folder, scale in adapters:
+        model = peft.PeftModel.from_pretrained(model, folder)
+        for module in model.modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                module.set_scale("default", scale)
+        model = model.merge_and_unload().eval()
+    return hf_models.outputs(model, inputs)
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    import peft
+    import transformers
+    out = tmp_path_factory.mktemp("lora")
+    witness = hf_models.make("llama", "float32", out)
+    folders = {}
+    for name, (options, seed) in ADAPTERS.items():
+        model = transformers.LlamaForCausalLM.from_pretrained(witness / "model", dtype=torch.float32)
+        torch.manual_seed(seed)
+        peft_model = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **options))
+        with torch.no_grad():  # peft's random B is small; larger factors make a wrong merge visible
+            for parameter_name, parameter in peft_model.named_parameters():
+                if "lora_" in parameter_name:
+                    parameter.normal_(0, 0.3)
+        folders[name] = out / name
+        peft_model.save_pretrained(folders[name], save_embedding_layers=False)  # the factors alone
+    inputs = load_file(witness / "inputs.safetensors")
+    (out / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
+    return {"out": out, "witness": witness, "folders": folders, "inputs": inputs}
+
+
+def config(lora, name, loras, extra=""):
+    path = lora["out"] / f"{name}.toml"
+    tables = "".join(f'[[lora]]\npath = "{p}"\nscale = {s}\n' for p, s in loras)
+    path.write_text(f'name = "m"\ncheckpoint = "{lora["witness"] / "model"}"\n{extra}\n{tables}')
+    return path
+
+
+def vramctl(*args, timeout=300):
+    return subprocess.run([VRAMCTL, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def run(lora, path):
+    output = path.with_suffix(".out.safetensors")
+    result = vramctl("run", path, "--daemon-config", lora["out"] / "vramd.toml", "--input",
+                     lora["witness"] / "inputs.safetensors", "--output", output, "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    return load_file(output)
+
+
+def assert_close(got, expected):
+    for name, value in expected.items():
+        assert hf_models.close(got[name], value), (name, hf_models.relative_error(got[name], value))
+
+
+STREAMED = '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\nlimit = "700KiB"\n'
+SETS = {
+    "one": [("attention", 1.0)],
+    "stacked": [("attention", 0.5), ("mlp", -1.5)],
+    "rslora": [("rslora", 1.0)],
+}
+
+
+@pytest.mark.parametrize("vram", ["", STREAMED], ids=["resident", "streamed"])
+@pytest.mark.parametrize("which", SETS)
+def test_adapters_equal_peft_merge_and_unload(lora, which, vram):
+    chosen = [(lora["folders"][name], scale) for name, scale in SETS[which]]
+    expected = merged_outputs(lora["witness"] / "model", lora["inputs"], chosen)
+    got = run(lora, config(lora, f"{which}-{bool(vram)}", chosen, vram))
+    assert_close(got, expected)
+    base = load_file(lora["witness"] / "expected.safetensors")
+    assert not torch.allclose(got["logits"], base["logits"], rtol=1e-3), "the adapters changed nothing"
+
+
+def test_a_safetensors_file_with_peft_keys_and_alphas_applies_as_its_folder(lora, tmp_path):
+    # The folder's adapter as one file, alpha per module as diffusers' files carry it.
+    folder = lora["folders"]["attention"]
+    tensors = load_file(folder / "adapter_model.safetensors")
+    options = ADAPTERS["attention"][0]
+    alphas = {name.replace(".lora_A.weight", ".alpha"): torch.tensor(float(options["lora_alpha"]))
+              for name in tensors if name.endswith(".lora_A.weight")}
+    save_file({**tensors, **alphas}, tmp_path / "adapter.safetensors")
+    expected = merged_outputs(lora["witness"] / "model", lora["inputs"], [(folder, 0.7)])
+    assert_close(run(lora, config(lora, "file", [(tmp_path / "adapter.safetensors", 0.7)])), expected)
+
+
+def broken_adapters(lora, root):
+    """name -> (adapter path, what the refusal names)."""
+    good = lora["folders"]["attention"]
+    tensors = load_file(good / "adapter_model.safetensors")
+    q_a = next(name for name in tensors if name.endswith("layers.0.self_attn.q_proj.lora_A.weight"))
+    q_b = q_a.replace("lora_A", "lora_B")
+    out = {}
+
+    def folder(name, tensors=None, config=None, raw=None):
+        path = root / name
+        shutil.copytree(good, path)
+        if tensors is not None:
+            save_file(tensors, path / "adapter_model.safetensors")
+        if config is not None:
+            settings = json.loads((good / "adapter_config.json").read_text())
+            settings.update(config)
+            (path / "adapter_config.json").write_text(json.dumps(settings))
+        if raw is not None:
+            (path / "adapter_model.safetensors").write_bytes(raw)
+        return path
+
+    unknown = {(k.replace("q_proj", "qq_proj") if "layers.0.self_attn.q_proj" in k else k): v for k, v in tensors.items()}
+    out["unknown module"] = (folder("unknown", unknown), "qq_proj")
+    out["rank mismatch"] = (folder("rank", config={"r": 8}), "rank mismatch")
+    wrong = dict(tensors)
+    wrong[q_b] = torch.zeros(tensors[q_b].shape[0], 3)
+    out["factors of two ranks"] = (folder("ranks", wrong), "rank mismatch")
+    out["missing file"] = (root / "nowhere", "no such file")
+    raw = (good / "adapter_model.safetensors").read_bytes()
+    out["truncated file"] = (folder("truncated", raw=raw[: len(raw) - 100]), "adapter_model.safetensors")
+    dora = dict(tensors)
+    dora[q_a.replace("lora_A.weight", "lora_magnitude_vector")] = torch.ones(64)
+    out["DoRA"] = (folder("dora", dora), "DoRA")
+    loha = {q_a.replace("lora_A.weight", "hada_w1_a"): torch.ones(4, 4)}
+    out["LoHa"] = (folder("loha", loha), "LoHa")
+    out["not LoRA"] = (folder("prefix", config={"peft_type": "PREFIX_TUNING"}), "PREFIX_TUNING")
+    return out
+
+
+def test_bad_adapters_are_refused_naming_them_and_the_daemon_serves_on(lora, tmp_path):
+    broken = broken_adapters(lora, tmp_path)
+    for what, (path, named) in broken.items():
+        result = vramctl("check", config(lora, "bad", [(path, 1.0)]), "--daemon-config", lora["out"] / "vramd.toml")
+        assert result.returncode != 0, what
+        assert named in result.stderr + result.stdout, (what, result.stderr + result.stdout)
+        assert "[[lora]] 1" in result.stderr + result.stdout, (what, result.stderr)
+    # A NaN in an adapter is data, not a fault.
+    nan = tmp_path / "nan"
+    shutil.copytree(lora["folders"]["attention"], nan)
+    tensors = load_file(nan / "adapter_model.safetensors")
+    first = sorted(tensors)[0]
+    tensors[first][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
+    result = vramctl("check", config(lora, "nan", [(nan, 1.0)]), "--daemon-config", lora["out"] / "vramd.toml")
+    assert result.returncode == 0, result.stderr
+
+    d = Daemon(tmp_path / "daemon")
+    (d.models / "base.toml").write_text(f'checkpoint = "{lora["witness"] / "model"}"\n')
+    bad_path, _ = broken["unknown module"]
+    (d.models / "bad.toml").write_text(f'checkpoint = "{lora["witness"] / "model"}"\n[[lora]]\npath = "{bad_path}"\n')
+    inputs = save(lora["inputs"])
+    with d.start():
+        status, body = request(d.sock, "POST", "/v1/models/bad/load")
+        assert status >= 400, body
+        assert "qq_proj" in model(d.sock, "bad").get("reason", ""), model(d.sock, "bad")
+        status, body = request(d.sock, "POST", "/v1/models/base/forward", inputs)
+        assert status == 200, body
+        assert torch.equal(load(body)["logits"], run(lora, config(lora, "plain", []))["logits"])
+
+
+def test_the_daemon_serves_adapters_and_an_edit_without_them_gives_the_base_bit_for_bit(lora, tmp_path):
+    d = Daemon(tmp_path)
+    path = lora["folders"]["attention"]
+    text = f'checkpoint = "{lora["witness"] / "model"}"\n'
+    (d.models / "m.toml").write_text(text + f'[[lora]]\npath = "{path}"\nscale = 0.5\n')
+    inputs = save(lora["inputs"])
+    expected = merged_outputs(lora["witness"] / "model", lora["inputs"], [(path, 0.5)])
+    base = run(lora, config(lora, "plain", []))
+    with d.start():
+        status, body = request(d.sock, "POST", "/v1/models/m/forward", inputs)
+        assert status == 200, body
+        assert_close(load(body), expected)
+        served = model(d.sock, "m")
+        assert [(a["path"], a["scale"], a["format"]) for a in served["loras"]] == [(str(path), 0.5, "peft")], served
+        assert served["loras"][0]["modules"] == 4  # q and v of two layers
+        assert served["charge"]["cpu"]["parts"]["adapters"] == served["loras"][0]["bytes"] > 0, served["charge"]
+        # An update of a weight the adapters change would drop its update: refused, naming it.
+        q = next(n for n in load_file(lora["witness"] / "model" / "model.safetensors") if "layers.0.self_attn.q_proj" in n)
+        status, body = request(d.sock, "POST", "/v1/models/m/weights", save({q: torch.zeros(64, 64)}))
+        assert status == 400 and b"[[lora]] adapters change" in body and q.encode() in body, body
+        (d.models / "m.toml").write_text(text)
+        wait_for(lambda: model(d.sock, "m").get("loras") == [], what="the edit without adapters")
+        status, body = request(d.sock, "POST", "/v1/models/m/forward", inputs)
+        assert status == 200, body
+        assert torch.equal(load(body)["logits"], base["logits"])
+
+
+def test_kohya_conv_and_linear_adapters_reach_a_lease_and_another_components_keys_are_skipped(tmp_path):
+    import vramd
+    g = torch.Generator().manual_seed(5)
+    base = {"down_blocks.0.conv.weight": torch.randn(8, 4, 3, 3, generator=g),
+            "down_blocks.0.proj.weight": torch.randn(8, 4, generator=g), "norm.weight": torch.randn(8, generator=g)}
+    save_file(base, tmp_path / "unet.safetensors")
+    conv, proj = "lora_unet_down_blocks_0_conv", "lora_unet_down_blocks_0_proj"
+    adapter = {f"{conv}.lora_down.weight": torch.randn(2, 4, 3, 3, generator=g),
+               f"{conv}.lora_up.weight": torch.randn(8, 2, 1, 1, generator=g), f"{conv}.alpha": torch.tensor(1.0),
+               f"{proj}.lora_down.weight": torch.randn(3, 4, generator=g),  # no alpha: alpha is the rank
+               f"{proj}.lora_up.weight": torch.randn(8, 3, generator=g),
+               # the text encoder's part of the file: not this model's
+               "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.randn(2, 4, generator=g),
+               "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.randn(4, 2, generator=g)}
+    save_file(adapter, tmp_path / "kohya.safetensors")
+
+    def update(name, factor):
+        up, down = adapter[f"{name}.lora_up.weight"], adapter[f"{name}.lora_down.weight"]
+        return (up.flatten(1) @ down.flatten(1)) * factor
+
+    expected = {"down_blocks.0.conv.weight": base["down_blocks.0.conv.weight"] + update(conv, 0.5 * 1.0 / 2).reshape(8, 4, 3, 3),
+                "down_blocks.0.proj.weight": base["down_blocks.0.proj.weight"] + update(proj, 0.5 * 3 / 3),
+                "norm.weight": base["norm.weight"]}
+    d = Daemon(tmp_path / "daemon")
+    (d.models / "unet.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "unet.safetensors"}"\n'
+                                        f'[[lora]]\npath = "{tmp_path / "kohya.safetensors"}"\nscale = 0.5\n')
+    with d.start(), vramd.connect(d.sock) as c, c.lease("unet") as state_dict:
+        for name, value in expected.items():
+            torch.testing.assert_close(state_dict[name], value, rtol=1e-6, atol=1e-6)
+        assert torch.equal(state_dict["norm.weight"], base["norm.weight"])
+        served = model(d.sock, "unet")
+        assert served["loras"][0]["format"] == "kohya" and served["loras"][0]["modules"] == 2, served
+        assert any("1 module of components this model lacks skipped" in w for w in served["warnings"]), served
+
+    flat = dict(adapter)
+    flat[f"{conv}.lora_down.weight"] = torch.randn(2, 36, generator=g)
+    save_file(flat, tmp_path / "flat.safetensors")
+    (tmp_path / "flat.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "unet.safetensors"}"\n'
+                                        f'[[lora]]\npath = "{tmp_path / "flat.safetensors"}"\n')
+    (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "1GiB"\n')
+    result = vramctl("check", tmp_path / "flat.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode != 0 and "2-D adapter on a convolution" in result.stdout + result.stderr, result
