@@ -177,6 +177,9 @@ int vramctl_main(int argc, char** argv) {
       ->required();
   update_cmd->add_flag("--body", remote.body,
                        "Send the file's bytes instead: a safetensors file of tensors named as the model's parameters");
+  auto* lora_cmd = add_remote("lora", "Put LoRA adapters in force on a loaded model without a reload (docs/models.md)", true);
+  lora_cmd->add_option("adapters", remote.adapters, "FILE[:SCALE]...: PEFT folders or .safetensors files, in order (scale 1)");
+  lora_cmd->add_flag("--clear", remote.clear, "Remove every adapter: the checkpoint's own weights");
   auto* forward_cmd = add_remote("forward", "Run one forward on the daemon (loads the model when needed)", true);
   forward_cmd->add_option("--input,-i", remote.input, "safetensors file of named inputs");
   forward_cmd->add_option("values", remote.values, "Inputs as name=v1,v2,... (rows separated by ';'), e.g. input_ids=101,2023,102");

@@ -413,6 +413,41 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
     return 0;
   }
 
+  if (command == "lora") {
+    if (o.clear == !o.adapters.empty()) throw Error("give the adapters as FILE[:SCALE] arguments, or --clear to remove them all");
+    json loras = json::array();
+    for (const std::string& given : o.adapters) {
+      std::string path = given;
+      double scale = 1.0;
+      if (const size_t colon = given.rfind(':'); colon != std::string::npos) {
+        const std::string number = given.substr(colon + 1);
+        char* end = nullptr;
+        const double parsed = std::strtod(number.c_str(), &end);
+        if (!number.empty() && end == number.c_str() + number.size()) {
+          if (!std::isfinite(parsed)) throw Error(quote(given) + ": the scale after ':' must be a finite number");
+          path = given.substr(0, colon);
+          scale = parsed;
+        }
+      }
+      loras.push_back({{"path", std::filesystem::absolute(path).lexically_normal().string()}, {"scale", scale}});
+    }
+    const auto response = client.request("POST", model_path + "/loras", json{{"loras", loras}}.dump(), {}, "application/json");
+    if (response.status != 200) return refused(response);
+    if (o.json) return out << response.body, 0;
+    const json body = parse_json(response);
+    out << o.model << ": version " << body["version"].get<uint64_t>() << ", ";
+    if (body["loras"].empty()) out << "no adapters";
+    for (size_t i = 0; i < body["loras"].size(); ++i) {
+      const json& a = body["loras"][i];
+      out << (i ? "; " : "") << a["path"].get<std::string>() << " at scale " << a["scale"].get<double>() << " ("
+          << a["format"].get<std::string>() << ", " << counted(a["modules"].get<uint64_t>(), "weight") << ", "
+          << format_bytes(a["bytes"].get<uint64_t>()) << ")";
+    }
+    out << " (" << counted(body["updated"]["tensors"].get<uint64_t>(), "weight") << " written in " << std::fixed
+        << std::setprecision(3) << body["updated"]["seconds"].get<double>() << " s)" << std::defaultfloat << '\n';
+    return 0;
+  }
+
   if (command == "forward") {
     if (o.input.empty() == o.values.empty()) throw Error("give the inputs either with --input FILE or as name=values arguments");
     const std::string body = o.input.empty() ? inputs_from_values(o.values)

@@ -1,5 +1,5 @@
 // vramctl's commands that talk to the daemon: list, status, load, unload, offload, onload,
-// forward, lease, reload. Each prints a human summary, or with --json the daemon's answer as it is.
+// forward, lease, update, lora, reload. Each prints a human summary, or with --json the daemon's answer as it is.
 #pragma once
 
 #include <iosfwd>
@@ -26,6 +26,9 @@ struct RemoteOptions {
   // update
   std::string checkpoint;  // new values: a checkpoint the daemon reads (its path made absolute)
   bool body = false;       // send the file's bytes instead (a safetensors file of parameters)
+  // lora
+  std::vector<std::string> adapters;  // FILE[:SCALE], in order
+  bool clear = false;                 // remove every adapter
 };
 
 // Returns the exit status; throws Error when the daemon cannot be reached.

@@ -11,10 +11,12 @@
 #include <regex>
 #include <set>
 
+#include "convert/converter.hpp"
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
+#include "weights/weights.hpp"
 
 namespace vramd::load {
 namespace fs = std::filesystem;
@@ -173,19 +175,19 @@ std::string shape_of(const at::Tensor& tensor) { return format_shape(tensor.size
 
 }  // namespace
 
-void attach_loras(const config::ModelConfig& config, model::Model& model, const NameMatcher& names,
-                  std::vector<weights::Assignment>& assignments, model::LoadReport& report) {
-  if (config.lora.empty()) return;
-  std::map<const Parameter*, weights::Assignment*> assignment_of;
-  for (auto& assignment : assignments) assignment_of[assignment.parameter] = &assignment;
+LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& model,
+                   const std::vector<weights::Assignment>& assignments, const std::function<std::string(size_t)>& where_of) {
+  LoraSet set;
+  std::set<const Parameter*> assigned;
+  for (const auto& assignment : assignments) assigned.insert(assignment.parameter);
   std::map<const Parameter*, weights::Patch> patches;
   std::map<std::string, Parameter*> underscored;
   std::vector<std::string> all_names;
   for (const Parameter* parameter : model.parameters()) all_names.push_back(parameter->name);
 
-  for (size_t index = 0; index < config.lora.size(); ++index) {
-    const auto& lora = config.lora[index];
-    const std::string where = config::where(config, "lora") + ": [[lora]] " + std::to_string(index + 1) + ", " + lora.path;
+  for (size_t index = 0; index < loras.size(); ++index) {
+    const auto& lora = loras[index];
+    const std::string where = where_of(index) + ", " + lora.path;
     try {
       auto [map, peft] = open_adapter(lora.path);
       // The keys, module by module.
@@ -215,6 +217,10 @@ void attach_loras(const config::ModelConfig& config, model::Model& model, const 
       }
       if (pairs.empty()) throw BadAdapter("holds no tensors");
       if (kohya && underscored.empty()) underscored = by_underscored(model);
+      // The adapter's names with or without the model's base prefix, as an update's (names.hpp).
+      convert::ConversionPlan targets;
+      for (const auto& [module, pair] : pairs) targets.tensors.push_back({module + ".weight", nullptr});
+      const NameMatcher names(model, targets);
 
       // Each module to the model's weight.
       const auto find = [&](const std::string& module) -> Parameter* {
@@ -258,7 +264,7 @@ void attach_loras(const config::ModelConfig& config, model::Model& model, const 
                          (modules.size() > 1 ? ", nor " + counted(modules.size() - 1, "other") : ""));
       }
       if (skipped)
-        report.warnings.push_back(where + ": " + counted(skipped, "module") + " of components this model lacks skipped");
+        set.warnings.push_back(where + ": " + counted(skipped, "module") + " of components this model lacks skipped");
 
       model::AdapterReport adapter{lora.path, lora.scale, peft ? "peft" : kohya ? "kohya" : "diffusers", 0, 0};
       for (const auto& [module, parameter] : found) {
@@ -269,7 +275,7 @@ void attach_loras(const config::ModelConfig& config, model::Model& model, const 
         if (parameter->tied)
           throw BadAdapter(quote(key) + " changes " + quote(parameter->name) + ", which is tied to " + quote(parameter->tied->name) +
                            ": an update of one would change both");
-        if (!assignment_of.count(parameter))
+        if (!assigned.count(parameter))
           throw BadAdapter(quote(key) + " changes " + quote(parameter->name) + ", which the checkpoint does not fill");
         if (peft && !targeted(peft->target_modules, module))
           throw BadAdapter(quote(key) + ": module " + quote(module) + " is not among adapter_config.json's target_modules");
@@ -320,13 +326,68 @@ void attach_loras(const config::ModelConfig& config, model::Model& model, const 
         adapter.modules += 1;
         adapter.bytes += down.nbytes() + up.nbytes();
       }
-      report.adapters.push_back(std::move(adapter));
+      set.adapters.push_back(std::move(adapter));
     } catch (const BadAdapter& e) {
       throw BadAdapter(where + ": " + e.what());
     }
   }
-  for (auto& [parameter, patch] : patches)
-    assignment_of[parameter]->patch = std::make_shared<const weights::Patch>(std::move(patch));
+  for (auto& [parameter, patch] : patches) set.patches[parameter] = std::make_shared<const weights::Patch>(std::move(patch));
+  return set;
+}
+
+void attach_loras(const config::ModelConfig& config, model::Model& model, std::vector<weights::Assignment>& assignments,
+                  model::LoadReport& report) {
+  if (config.lora.empty()) return;
+  const std::string where = config::where(config, "lora");
+  LoraSet set = read_loras(config.lora, model, assignments,
+                           [&](size_t index) { return where + ": [[lora]] " + std::to_string(index + 1); });
+  for (auto& assignment : assignments)
+    if (auto it = set.patches.find(assignment.parameter); it != set.patches.end()) assignment.patch = it->second;
+  report.adapters = std::move(set.adapters);
+  report.warnings.insert(report.warnings.end(), set.warnings.begin(), set.warnings.end());
+}
+
+std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, const config::ModelConfig& config,
+                                               const std::vector<config::LoraConfig>& loras, const UpdateSpace& space,
+                                               UpdateReport& report) {
+  auto& assignments = loaded.source->assignments;
+  LoraSet set;
+  try {
+    set = read_loras(loras, *loaded.model, assignments,
+                     [](size_t index) { return "loras[" + std::to_string(index) + "]"; });
+  } catch (const BadAdapter& e) {
+    throw BadUpdate(std::string(e.what()) + "; the adapters in force are kept");
+  }
+  // Every weight the old set or the new one changes takes its value anew: the checkpoint's, plus
+  // the new set's terms where it has any (exactly the checkpoint's where it has none).
+  weights::WeightUpdate update;
+  update.in_place = true;  // values of this update's own, which nothing else changes
+  update.room = space.room;
+  update.shared_in_place = space.shared_in_place;
+  std::vector<std::pair<weights::Assignment*, std::shared_ptr<const weights::Patch>>> changes;
+  for (auto& assignment : assignments) {
+    const auto it = set.patches.find(assignment.parameter);
+    std::shared_ptr<const weights::Patch> next = it == set.patches.end() ? nullptr : it->second;
+    if (!assignment.patch && !next) continue;
+    if (assignment.block)
+      throw weights::NotUpdatable("model " + quote(config.name) + " holds " + quote(assignment.parameter->name) +
+                                  " as packed GGUF blocks, which an adapter cannot change in place: give the model its "
+                                  "adapters in its config ([[lora]]), where such weights are unpacked at load");
+    weights::Assignment with = assignment;
+    with.patch = next;
+    // As stored (its expression's dtype) where no adapter changes it: cast into its state as a load does.
+    const storage::DType stored = assignment.expr->dtype;
+    const bool as_stored = !next && storage::dtype_block(stored) == 1 && storage::is_floating(stored);
+    const c10::ScalarType dtype = as_stored ? storage::scalar_type(stored) : c10::kFloat;
+    update.values.emplace_back(assignment.parameter, loaded.source->read(with, c10::kCPU, dtype, true));
+    report.bytes += static_cast<uint64_t>(assignment.parameter->elements()) * c10::elementSize(dtype);
+    changes.emplace_back(&assignment, std::move(next));
+  }
+  report.tensors = changes.size();
+  if (!update.values.empty()) loaded.weights->update(config.name, update);
+  for (auto& [assignment, next] : changes) assignment->patch = std::move(next);
+  loaded.report.adapters = set.adapters;
+  return std::move(set.adapters);
 }
 
 }  // namespace vramd::load

@@ -20,13 +20,19 @@
 // and other PEFT types are refused naming the format.
 #pragma once
 
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "config/model_config.hpp"
 #include "load/names.hpp"
+#include "load/update.hpp"
 #include "model/load_report.hpp"
 #include "model/model.hpp"
 #include "util/error.hpp"
+#include "weights/loaded_model.hpp"
 #include "weights/source.hpp"
 
 namespace vramd::load {
@@ -38,9 +44,32 @@ class BadAdapter : public Error {
   using Error::Error;
 };
 
+// A set of adapters read and checked whole: each weight's terms, and what each adapter changes.
+struct LoraSet {
+  std::map<const model::Parameter*, std::shared_ptr<const weights::Patch>> patches;
+  std::vector<model::AdapterReport> adapters;
+  std::vector<std::string> warnings;  // components of a file skipped
+};
+
+// Reads `loras` for `model`, whose weights `assignments` fill; `where_of(i)` names the i-th in
+// messages. Throws BadAdapter naming it and the key.
+LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& model,
+                   const std::vector<weights::Assignment>& assignments, const std::function<std::string(size_t)>& where_of);
+
 // Reads every adapter of config.lora and attaches each weight's terms to its assignment, in
 // config order; report.adapters says what each changes. Throws BadAdapter.
-void attach_loras(const config::ModelConfig& config, model::Model& model, const NameMatcher& names,
-                  std::vector<weights::Assignment>& assignments, model::LoadReport& report);
+void attach_loras(const config::ModelConfig& config, model::Model& model, std::vector<weights::Assignment>& assignments,
+                  model::LoadReport& report);
+
+// Replaces a loaded model's adapters with `loras` ([] removes them all) without a reload: the
+// new set read and checked whole, then every weight either set changes takes its value anew (the
+// checkpoint's plus the new terms, or the checkpoint's alone) as one update (weights::Weights::
+// update: the version goes up, a forward runs wholly on one set). Returns the new set's adapters;
+// `report` counts the weights written. Throws BadUpdate (a bad adapter: nothing changed),
+// weights::NotUpdatable (weights that cannot take an update: layers streamed from disk, packed
+// blocks) and weights::UpdateNeedsRoom, each with the adapters in force kept.
+std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, const config::ModelConfig& config,
+                                               const std::vector<config::LoraConfig>& loras, const UpdateSpace& space,
+                                               UpdateReport& report);
 
 }  // namespace vramd::load

@@ -134,7 +134,7 @@ Prepared prepare(const config::ModelConfig& config) {
                     counted(plan.tensors.size(), "tensor") + (config.converter.empty() ? "" : " from " + config.converter) +
                     "): " + problems + advice);
   }
-  attach_loras(config, *model, names, assignments, report);
+  attach_loras(config, *model, assignments, report);
   report.missing = std::move(missing);
   report.unexpected = std::move(unexpected);
   report.plan_seconds = seconds_since(plan_start);

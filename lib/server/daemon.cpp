@@ -1,5 +1,6 @@
 #include "server/daemon.hpp"
 
+#include <cmath>
 #include <unistd.h>
 
 #include <chrono>
@@ -142,7 +143,7 @@ class Daemon {
     static const std::map<std::string, Job::Kind> actions = {
         {"load", Job::Kind::Load},       {"unload", Job::Kind::Unload}, {"offload", Job::Kind::Offload},
         {"onload", Job::Kind::Onload},   {"forward", Job::Kind::Forward}, {"lease", Job::Kind::Lease},
-        {"weights", Job::Kind::Update}};
+        {"weights", Job::Kind::Update}, {"loras", Job::Kind::Update}};
     Job job(actions.at(route.action), exchange);
     if (auto it = request.query.find("wait"); it != request.query.end()) {
       if (job.kind != Job::Kind::Unload && job.kind != Job::Kind::Offload && job.kind != Job::Kind::Lease)
@@ -178,7 +179,13 @@ class Daemon {
         return respond_error(*exchange, 400, "forward needs a request body: the inputs as a safetensors file");
       job.input = std::move(const_cast<Request&>(request).body);
     }
-    if (job.kind == Job::Kind::Update) {
+    if (route.action == "loras") {
+      try {
+        job.loras = read_loras_request(request);
+      } catch (const Error& e) {
+        return respond_error(*exchange, 400, e.what());
+      }
+    } else if (job.kind == Job::Kind::Update) {
       bool keep = false;
       try {
         keep = read_update_request(const_cast<Request&>(request), job);
@@ -199,6 +206,31 @@ class Daemon {
       job.kept = std::static_pointer_cast<KeptMemfd>(held);
     }
     registry_.submit(*entry, std::move(job));
+  }
+
+  // POST .../loras: {"loras": [{"path": "/abs/adapter", "scale": 1.0}, ...]}, [] for none.
+  static std::vector<config::LoraConfig> read_loras_request(const Request& request) {
+    const json body = json::parse(request.body, nullptr, false);
+    const char* shape = "loras: expected {\"loras\": [{\"path\": \"/abs/adapter\", \"scale\": 1.0}, ...]}";
+    if (!body.is_object() || !body.contains("loras") || !body["loras"].is_array() || body.size() != 1) throw Error(shape);
+    std::vector<config::LoraConfig> loras;
+    for (size_t i = 0; i < body["loras"].size(); ++i) {
+      const json& item = body["loras"][i];
+      const std::string at = "loras[" + std::to_string(i) + "]";
+      if (!item.is_object() || !item.contains("path") || !item["path"].is_string()) throw Error(at + ": " + shape);
+      for (const auto& [key, value] : item.items())
+        if (key != "path" && key != "scale") throw Error(at + ": unknown key " + quote(key) + " (path, scale)");
+      config::LoraConfig lora{item["path"].get<std::string>(), 1.0};
+      if (lora.path.empty() || lora.path[0] != '/')
+        throw Error(at + ".path " + quote(lora.path) + " is not absolute: the daemon reads it from its own folder");
+      if (item.contains("scale")) {
+        if (!item["scale"].is_number() || !std::isfinite(item["scale"].get<double>()))
+          throw Error(at + ".scale: expected a number");
+        lora.scale = item["scale"].get<double>();
+      }
+      loras.push_back(std::move(lora));
+    }
+    return loras;
   }
 
   // POST .../weights: the new values as a safetensors body, or a JSON object (Content-Type:

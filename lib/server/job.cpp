@@ -76,7 +76,8 @@ void act(Job& job, Outcome& outcome) {
       break;
     case Job::Kind::Update:
       try {
-        outcome.updated = runtime.update(job.input, job.path, job.memfd, job.reserve, job.in_place, job.kept.get());
+        outcome.updated = job.loras ? runtime.set_loras(*job.loras, job.reserve, job.in_place)
+                                    : runtime.update(job.input, job.path, job.memfd, job.reserve, job.in_place, job.kept.get());
         outcome.replaced = runtime.take_replaced(outcome.replaced_bytes);
       } catch (const BadInput& error) {
         outcome.status = 400;

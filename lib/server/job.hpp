@@ -27,6 +27,8 @@ struct Job {
   std::string path;                    // update: a checkpoint to read instead
   std::string memfd;                   // update: or the client's sealed memfd, /proc/PID/fd/N
   std::shared_ptr<KeptMemfd> kept;     // update: the memfd kept for the client's connection ({"keep": true})
+  // Update (POST .../loras): the LoRA adapters to put in force instead of new values.
+  std::optional<std::vector<config::LoraConfig>> loras;
   bool wait = true;                    // unload, offload: wait for the model's leases to end (else 409)
   bool hold = true;                    // lease: hand the connection over (else answer the manifest alone)
   bool follow = false;                 // lease: send the manifest of each new version after an update

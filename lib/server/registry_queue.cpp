@@ -309,6 +309,10 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
       case Job::Kind::Update:
         entry.state = ModelState::Ready;
         entry.updates++;
+        if (outcome.updated.adapters) {  // POST .../loras: the set in force, for the status, charges and reloads
+          entry.dry->report.adapters = *outcome.updated.adapters;
+          entry.config->lora = *job.loras;
+        }
         entry.update_seconds += outcome.updated.seconds;
         log::info(what + ": " + counted(outcome.updated.tensors, "tensor") + ", " + format_bytes(outcome.updated.bytes) +
                   " in " + format_seconds(outcome.updated.seconds) + "; version " + std::to_string(outcome.version));

@@ -34,7 +34,7 @@ Route to(Route::Kind kind, std::string endpoint) {
   return route;
 }
 
-constexpr std::array<const char*, 7> kActions = {"load", "unload", "offload", "onload", "forward", "lease", "weights"};
+constexpr std::array<const char*, 8> kActions = {"load", "unload", "offload", "onload", "forward", "lease", "weights", "loras"};
 
 }  // namespace
 
@@ -70,7 +70,7 @@ Route route(const Request& request) {
     route.action = action;
     return route;
   }
-  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward, lease, weights");
+  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward, lease, weights, loras");
 }
 
 }  // namespace vramd::server

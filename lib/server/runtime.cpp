@@ -16,6 +16,7 @@
 #include "dist/commands.hpp"
 #include "dist/group.hpp"
 #include "load/loader.hpp"
+#include "load/lora.hpp"
 #include "load/update.hpp"
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
@@ -332,6 +333,32 @@ Runtime::Updated Runtime::update(std::string_view safetensors, const std::string
   } catch (const weights::UpdateNeedsRoom& e) {
     throw NeedsRoom(e.room);
   }
+  impl_->version++;
+  updated.tensors = report.tensors;
+  updated.bytes = report.bytes;
+  updated.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return updated;
+}
+
+Runtime::Updated Runtime::set_loras(const std::vector<config::LoraConfig>& loras, const std::map<std::string, uint64_t>& room,
+                                    bool shared_in_place) {
+  const auto start = std::chrono::steady_clock::now();
+  if (impl_->group)
+    throw Conflict("model " + quote(impl_->config.name) + " is partitioned: its ranks take adapters from its config ([[lora]]), "
+                   "not at run time");
+  if (impl_->offloaded) onload();
+  load::UpdateReport report;
+  Updated updated;
+  try {
+    updated.adapters = load::switch_loras(impl_->loaded, impl_->config, loras, {room, shared_in_place}, report);
+  } catch (const load::BadUpdate& e) {
+    throw BadInput(e.what());
+  } catch (const weights::NotUpdatable& e) {
+    throw Conflict(std::string(e.what()) + "; the adapters in force are kept");
+  } catch (const weights::UpdateNeedsRoom& e) {
+    throw NeedsRoom(e.room);
+  }
+  impl_->config.lora = loras;  // a wake or a re-read from the checkpoint takes this set too
   impl_->version++;
   updated.tensors = report.tensors;
   updated.bytes = report.bytes;

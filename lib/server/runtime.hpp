@@ -119,6 +119,8 @@ class Runtime {
     // and the GPUs it is page-locked for ("cuda:0").
     std::string kept;
     std::vector<std::string> page_locked;
+    // set_loras: the adapters now in force.
+    std::optional<std::vector<model::AdapterReport>> adapters;
   };
   // New values for some of the weights (POST /v1/models/NAME/weights), from one of: the bytes
   // of a safetensors file whose tensors are named as the model's parameters; a checkpoint
@@ -136,6 +138,14 @@ class Runtime {
   Updated update(std::string_view safetensors, const std::string& path = {}, const std::string& memfd = {},
                  const std::map<std::string, uint64_t>& room = {}, bool shared_in_place = false,
                  KeptMemfd* kept = nullptr);
+  // Replaces the LoRA adapters in force (the config's [[lora]] at load) with `loras` ([]
+  // removes them all; POST /v1/models/NAME/loras) without a reload: load::switch_loras, as one
+  // update, so the version goes up and a forward runs wholly on one set. `room` and
+  // `shared_in_place` as for update. Wakes an offloaded model. Throws BadInput naming the adapter
+  // and key, Conflict where the weights cannot take it (a partitioned model, layers streamed from
+  // disk, weights held packed), NeedsRoom; in each case the adapters in force are kept.
+  Updated set_loras(const std::vector<config::LoraConfig>& loras, const std::map<std::string, uint64_t>& room = {},
+                    bool shared_in_place = false);
   // The values updates replaced (weights::Weights::take_replaced): freed when the pointer is
   // dropped, which may be on another thread while the model goes on; null when there are none.
   std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>& bytes);

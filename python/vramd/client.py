@@ -6,7 +6,7 @@ import fcntl
 import json
 import mmap
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import quote
 
 import torch
@@ -196,6 +196,25 @@ class Client:
             response = self._call("POST", target, dumps(values), "application/octet-stream")
         else:
             raise ValueError(f"via={via!r}: expected 'memfd' or 'body'")
+        return self._documented(response.body, _check_update, f"POST {target}")
+
+    def set_loras(self, name: str, loras: Sequence[tuple[str | os.PathLike, float] | str | os.PathLike]) -> dict:
+        """Puts LoRA adapters in force on loaded model `name` instead of the ones it has (its
+        config's [[lora]] at load), without a reload; [] removes them all, which gives the
+        checkpoint's own weights bit for bit. Each is a PEFT folder or a .safetensors file, with
+        its scale: (path, scale), or a path alone (scale 1.0). Returns the model's object: its
+        `loras` now in force, `version` one more than before (a forward runs wholly on one set),
+        `updated` ({"tensors", "bytes", "seconds"}: the weights written).
+        Every adapter is read and checked whole first: a missing or truncated file, a module the
+        model lacks, a rank mismatch or an unsupported format raise DaemonError (400) naming it,
+        and the adapters in force stay; weights that cannot take it (layers streamed from disk, a
+        partitioned model) raise DaemonError (409)."""
+        items = []
+        for lora in loras:
+            path, scale = (lora, 1.0) if isinstance(lora, (str, os.PathLike)) else lora
+            items.append({"path": os.path.abspath(os.fspath(path)), "scale": float(scale)})
+        target = _model_path(name, "loras")
+        response = self._call("POST", target, json.dumps({"loras": items}).encode(), "application/json")
         return self._documented(response.body, _check_update, f"POST {target}")
 
     def lease(self, name: str, device: str = "cpu", wait: bool = True,

@@ -262,3 +262,85 @@ def test_kohya_conv_and_linear_adapters_reach_a_lease_and_another_components_key
     (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "1GiB"\n')
     result = vramctl("check", tmp_path / "flat.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode != 0 and "2-D adapter on a convolution" in result.stdout + result.stderr, result
+
+
+def test_a_loaded_model_switches_adapters_without_a_reload_from_each_client(lora, tmp_path):
+    import vramd
+    d = Daemon(tmp_path)
+    (d.models / "m.toml").write_text(f'checkpoint = "{lora["witness"] / "model"}"\n')
+    inputs = save(lora["inputs"])
+    attention, mlp = lora["folders"]["attention"], lora["folders"]["mlp"]
+    base = run(lora, config(lora, "plain", []))
+    expected = merged_outputs(lora["witness"] / "model", lora["inputs"], [(attention, 0.5), (mlp, -1.5)])
+    expected_rs = merged_outputs(lora["witness"] / "model", lora["inputs"], [(lora["folders"]["rslora"], 1.0)])
+
+    def forward():
+        status, body = request(d.sock, "POST", "/v1/models/m/forward", inputs)
+        assert status == 200, body
+        return load(body)
+
+    with d.start(), vramd.connect(d.sock) as c:
+        assert torch.equal(forward()["logits"], base["logits"])
+        loads = model(d.sock, "m")["stats"]["loads"]
+        # The socket: a stacked pair.
+        body = json.dumps({"loras": [{"path": str(attention), "scale": 0.5}, {"path": str(mlp), "scale": -1.5}]})
+        status, answer = request(d.sock, "POST", "/v1/models/m/loras", body.encode())
+        assert status == 200, answer
+        answer = json.loads(answer)
+        assert [(a["path"], a["scale"]) for a in answer["loras"]] == [(str(attention), 0.5), (str(mlp), -1.5)], answer
+        assert answer["version"] == 2 and answer["updated"]["tensors"] > 0, answer
+        assert_close(forward(), expected)
+        # The Python package: another set; a bad one changes nothing.
+        with pytest.raises(vramd.DaemonError) as refused:
+            c.set_loras("m", [lora["folders"]["rslora"], tmp_path / "nowhere"])
+        assert refused.value.status == 400 and "loras[1]" in str(refused.value) and "no such file" in str(refused.value)
+        assert_close(forward(), expected)
+        assert c.set_loras("m", [(lora["folders"]["rslora"], 1.0)])["version"] == 3
+        assert_close(forward(), expected_rs)
+        # vramctl: cleared, the checkpoint's own weights bit for bit.
+        result = subprocess.run([VRAMCTL, "lora", "m", "--clear", "--socket", d.sock], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and "m: version 4, no adapters" in result.stdout, result
+        assert torch.equal(forward()["logits"], base["logits"])
+        result = subprocess.run([VRAMCTL, "lora", "m", f"{attention}:0.5", "--socket", d.sock],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and f"{attention} at scale 0.5 (peft, 4 weights" in result.stdout, result
+        served = model(d.sock, "m")
+        assert served["stats"]["loads"] == loads, "a switch is no reload"
+        assert served["charge"]["cpu"]["parts"]["adapters"] == served["loras"][0]["bytes"], served
+        # Kept across an unload and the next load.
+        assert request(d.sock, "POST", "/v1/models/m/unload")[0] == 200
+        expected_one = merged_outputs(lora["witness"] / "model", lora["inputs"], [(attention, 0.5)])
+        assert_close(forward(), expected_one)
+        for body, named in [(b'{"loras": "x"}', "expected"), (b'{"loras": [{"path": "rel/x"}]}', "not absolute"),
+                            (b'{"loras": [{"path": "/x", "scale": "big"}]}', "scale")]:
+            status, answer = request(d.sock, "POST", "/v1/models/m/loras", body)
+            assert status == 400 and named.encode() in answer, answer
+
+
+def test_streamed_models_switch_layers_held_in_memory_and_refuse_layers_streamed_from_disk(lora, tmp_path):
+    d = Daemon(tmp_path)
+    checkpoint = f'checkpoint = "{lora["witness"] / "model"}"\n'
+    (d.models / "disk.toml").write_text(checkpoint + STREAMED.replace("700KiB", "520KiB"))  # layers 0 and 1 stream
+    (d.models / "host.toml").write_text(checkpoint + '[vram]\noffload = { device = "cpu" }\nonload = { device = "cpu" }\n'
+                                        'limit = "700KiB"\nonload_limit = "1MiB"\n')
+    attention = lora["folders"]["attention"]
+    body = json.dumps({"loras": [{"path": str(attention), "scale": 0.5}]}).encode()
+    expected = merged_outputs(lora["witness"] / "model", lora["inputs"], [(attention, 0.5)])
+    inputs = save(lora["inputs"])
+    with d.start():
+        for name in ("disk", "host"):
+            status, answer = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
+            assert status == 200, answer
+        # The mlp adapter changes the embedding, a layer that streams from disk: refused, nothing changed.
+        mlp = json.dumps({"loras": [{"path": str(lora["folders"]["mlp"])}]}).encode()
+        status, answer = request(d.sock, "POST", "/v1/models/disk/loras", mlp)
+        assert status == 409 and b"from disk" in answer and b"adapters in force are kept" in answer, answer
+        assert model(d.sock, "disk")["loras"] == [] and model(d.sock, "disk")["version"] == 1
+        # Attention's layers are resident under the limit: they take it.
+        for name in ("disk", "host"):
+            status, answer = request(d.sock, "POST", f"/v1/models/{name}/loras", body)
+            assert status == 200, answer
+            status, out = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
+            assert status == 200, out
+            assert_close(load(out), expected)
+
