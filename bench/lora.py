@@ -1,0 +1,223 @@
+"""Switching LoRA adapters on a served model, against the ways to do it without vramd's switch,
+measured in the same run on one checkpoint and two adapters:
+
+    vramd switch     POST /v1/models/NAME/loras (Client.set_loras) on the loaded model, then one
+                     forward: the time from the request to the first output on the new set
+    vramd reload     what a switch costs without it: unload, the config's [[lora]] edited to the
+                     new adapter, load, forward
+    peft switch      the same model in this process under peft (transformers + PeftModel): the new
+                     adapter loaded (load_adapter) and made active (set_adapter), unfused, then one
+                     forward
+    peft fused       the same, fused as vramd's weights are: unmerge the old adapter, load and
+                     merge the new one, one forward
+
+and a forward's cost with adapters, fused, against the base's: vramd's median forward with an
+adapter in force, and without (its weights are W + s*B*A, computed once at the switch, so a
+forward pays nothing), against peft's unfused forward (x*W + s*(x*A)*B at each call).
+
+Every contender's first output is compared with peft's merge_and_unload() of the same adapter.
+
+    .venv/bin/python bench/lora.py [--workdir /tmp/vramd-bench-lora] [--layers 8] [--rank 16]
+                                   [--repeat 5] [--json FILE]
+
+The model: a LLaMA of hidden size 1024 and LAYERS layers, random weights saved in bfloat16 (so
+that a load reads and casts them) and computed in float32 by every contender; the
+adapters: rank RANK on q, k, v and o of every layer, random factors. Figures are medians of
+REPEAT runs (one process, page cache warm). See docs/benchmarks.md.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from update import median_seconds  # noqa: E402
+from vram import serving  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def make(work, layers, rank):
+    """The checkpoint folder, and two adapter folders saved by peft."""
+    import peft
+    import transformers
+    base = work / "model"
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                                      max_position_embeddings=512, tie_word_embeddings=False)
+    if not (base / "model.safetensors").exists():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.normal_(0, 0.02)
+        model.to(torch.bfloat16).save_pretrained(base, safe_serialization=True)  # as checkpoints are: cast at load
+    adapters = []
+    for seed in (1, 2):
+        folder = work / f"adapter{seed}"
+        if not (folder / "adapter_model.safetensors").exists():
+            model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+            torch.manual_seed(seed)
+            lora = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                                              init_lora_weights=False))
+            with torch.no_grad():
+                for name, parameter in lora.named_parameters():
+                    if "lora_" in name:
+                        parameter.normal_(0, 0.05)
+            lora.save_pretrained(folder)
+        adapters.append(folder)
+    return base, adapters
+
+
+def inputs():
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 32000, (1, 32), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def peft_contenders(base, adapters, batch, repeat):
+    import peft
+    import transformers
+    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_forward = median_seconds(repeat, lambda: None, lambda: model(**batch))
+    model = peft.PeftModel.from_pretrained(model, adapters[0], adapter_name="a0").eval()
+    names = ["a0"]
+    switch, switch_alone = [], []
+    with torch.no_grad():
+        for i in range(repeat):
+            name = f"s{i}"
+            start = time.perf_counter()
+            model.load_adapter(adapters[(i + 1) % 2], adapter_name=name)
+            model.set_adapter(name)
+            switch_alone.append(time.perf_counter() - start)
+            logits = model(**batch).logits
+            switch.append(time.perf_counter() - start)
+            model.delete_adapter(names.pop())
+            names.append(name)
+        unfused_forward = median_seconds(repeat, lambda: None, lambda: model(**batch))
+        unfused_logits = logits
+        fused, fused_alone = [], []
+        model.merge_adapter()
+        for i in range(repeat):
+            name = f"f{i}"
+            start = time.perf_counter()
+            model.unmerge_adapter()
+            model.load_adapter(adapters[i % 2], adapter_name=name)
+            model.set_adapter(name)
+            model.merge_adapter()
+            fused_alone.append(time.perf_counter() - start)
+            logits = model(**batch).logits
+            fused.append(time.perf_counter() - start)
+            model.delete_adapter(names.pop())
+            names.append(name)
+    last = adapters[(repeat - 1) % 2]
+    return {"base forward": base_forward, "unfused forward": unfused_forward, "switch": statistics.median(switch),
+            "fused switch": statistics.median(fused), "switch alone": statistics.median(switch_alone),
+            "fused switch alone": statistics.median(fused_alone), "unfused logits": unfused_logits,
+            "unfused adapter": adapters[repeat % 2], "fused logits": logits, "fused adapter": last}
+
+
+def merged_logits(base, adapter, batch):
+    import peft
+    import transformers
+    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def vramd_contenders(work, base, adapters, batch, repeat):
+    models = work / "models"
+    models.mkdir(exist_ok=True)
+    config = models / "m.toml"
+    text = f'checkpoint = "{base}"\ndtype = "float32"\n[residency]\nkeep_alive = "-1"\n'
+    config.write_text(text)
+    with serving(work, 'cpu = "8GiB"') as client:
+        forward = lambda: client.forward("m", batch)
+        forward()
+        base_forward = median_seconds(repeat, lambda: None, forward)
+        client.set_loras("m", [adapters[0]])
+        adapted_forward = median_seconds(repeat, lambda: None, forward)
+        switch, switch_alone, daemon_part, written = [], [], [], 0
+        for i in range(repeat):
+            start = time.perf_counter()
+            answer = client.set_loras("m", [adapters[(i + 1) % 2]])
+            switch_alone.append(time.perf_counter() - start)
+            out = forward()
+            switch.append(time.perf_counter() - start)
+            daemon_part.append(answer["updated"]["seconds"])
+            written = answer["updated"]["tensors"]
+        switched_to = adapters[repeat % 2]
+        switched_logits = out["logits"]
+        reload, reload_alone = [], []
+        for i in range(repeat):
+            start = time.perf_counter()
+            client.unload("m")
+            config.write_text(text + f'[[lora]]\npath = "{adapters[i % 2]}"\n')
+            client.reload()
+            client.load("m")
+            reload_alone.append(time.perf_counter() - start)
+            out = forward()
+            reload.append(time.perf_counter() - start)
+        reloaded_to = adapters[(repeat - 1) % 2]
+        return {"base forward": base_forward, "adapted forward": adapted_forward, "switch": statistics.median(switch),
+                "daemon switch": statistics.median(daemon_part), "weights written": written,
+                "reload": statistics.median(reload), "switch alone": statistics.median(switch_alone),
+                "reload alone": statistics.median(reload_alone), "switched logits": switched_logits, "switched adapter": switched_to,
+                "reloaded logits": out["logits"], "reloaded adapter": reloaded_to}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="/tmp/vramd-bench-lora")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    base, adapters = make(work, args.layers, args.rank)
+    batch = inputs()
+    v = vramd_contenders(work, base, adapters, batch, args.repeat)
+    p = peft_contenders(base, adapters, batch, args.repeat)
+    witnesses = {a: merged_logits(base, a, batch) for a in adapters}
+
+    def against(logits, adapter):
+        expected = witnesses[adapter]
+        return (logits - expected).abs().max().item() / expected.abs().max().item()
+
+    size = sum(t.numel() * t.element_size() for t in load((base / "model.safetensors").read_bytes()).values())
+    print(f"LLaMA, hidden 1024, {args.layers} layers, a bfloat16 checkpoint ({size / 2**20:.0f} MiB) computed in float32; adapters rank {args.rank} on "
+          f"{', '.join(TARGETS)}; median of {args.repeat}; {torch.get_num_threads()} threads")
+    rows = [("vramd switch", v["switch alone"], v["switch"], against(v["switched logits"], v["switched adapter"])),
+            ("vramd reload", v["reload alone"], v["reload"], against(v["reloaded logits"], v["reloaded adapter"])),
+            ("peft switch (unfused)", p["switch alone"], p["switch"], against(p["unfused logits"], p["unfused adapter"])),
+            ("peft fused switch", p["fused switch alone"], p["fused switch"], against(p["fused logits"], p["fused adapter"]))]
+    print(f"  {'':24} {'the switch':>10} {'+ forward':>10}   first output against peft's merge_and_unload")
+    for name, alone, seconds, error in rows:
+        print(f"  {name:24} {alone:8.3f} s {seconds:8.3f} s   {error:.1e} relative")
+    print(f"  vramd's part of its switch: {v['daemon switch']:.3f} s ({v['weights written']} weights written)")
+    others = {"a reload": v["reload alone"], "peft's switch": p["switch alone"], "peft's fused switch": p["fused switch alone"]}
+    fastest = min(others, key=others.get)
+    print(f"the switch against the fastest other way ({fastest}): {others[fastest] / v['switch alone']:.1f}x faster; "
+          f"to the first output: {min(v['reload'], p['switch'], p['fused switch']) / v['switch']:.2f}x")
+    print(f"forward: vramd base {v['base forward']:.3f} s, with an adapter {v['adapted forward']:.3f} s "
+          f"({v['adapted forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.3f} s, unfused "
+          f"{p['unfused forward']:.3f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
+    if args.json:
+        figures = {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
+                   if isinstance(val, (int, float))}
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
