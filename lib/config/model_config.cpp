@@ -240,6 +240,7 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   config.prefix = root.string("prefix").value_or("");
   config.keep_prefix = root.boolean("keep_prefix").value_or(false);
   config.strict = root.boolean("strict").value_or(true);
+  config.fuse_lora = root.boolean("fuse_lora").value_or(true);
   for (auto& table : root.tables("lora")) {
     LoraConfig lora;
     if (auto adapter = table.string("path"))

@@ -84,6 +84,7 @@ struct ModelConfig {
   ResidencyConfig residency;
   PartitionConfig partition;
   std::vector<LoraConfig> lora;  // applied in order, their updates summed
+  bool fuse_lora = true;         // added to the weights (true) or computed beside them at each op
   std::string arch_json;  // the [arch] overrides as a JSON object ("{}" when none)
   // Where each key stands in the file, by its dotted path ("vram.limit", "vram.onload.device"):
   // {line, column}, for the problems found once the file is read (a plan, a budget): where().

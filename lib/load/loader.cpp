@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "load/lora.hpp"
 #include "load/prepare.hpp"
 #include "util/clock.hpp"
 #include "weights/weights.hpp"
@@ -17,6 +18,7 @@ weights::LoadedModel load_model(const config::ModelConfig& config, const model::
   const auto load_start = Clock::now();
   auto weights = weights::make_weights(*model, source, config, options, report);
   model->set_device(weights::torch_device(config.vram.computation.device));
+  place_loras(*model);
   report.load_seconds = seconds_since(load_start);
   return {std::move(model), std::move(report), std::move(source), std::move(weights)};
 }

@@ -171,17 +171,28 @@ std::map<std::string, Parameter*> by_underscored(model::Model& model) {
   return out;
 }
 
+// The layer's own weight (its path's "weight"), or null.
+const Parameter* weight_of(const model::Layer& layer) {
+  for (const Parameter& parameter : layer.parameters())
+    if (parameter.name == layer.path() + ".weight") return &parameter;
+  return nullptr;
+}
+
 std::string shape_of(const at::Tensor& tensor) { return format_shape(tensor.sizes().vec()); }
 
 }  // namespace
 
 LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& model,
-                   const std::vector<weights::Assignment>& assignments, const std::function<std::string(size_t)>& where_of) {
+                   const std::vector<weights::Assignment>& assignments, bool unfused,
+                   const std::function<std::string(size_t)>& where_of) {
   LoraSet set;
   std::set<const Parameter*> assigned;
   for (const auto& assignment : assignments) assigned.insert(assignment.parameter);
   std::map<const Parameter*, weights::Patch> patches;
   std::map<std::string, Parameter*> underscored;
+  std::map<const Parameter*, const model::Layer*> layer_of;
+  for (const auto& layer : model.layers())
+    for (const Parameter& parameter : layer->parameters()) layer_of[&parameter] = layer.get();
   std::vector<std::string> all_names;
   for (const Parameter* parameter : model.parameters()) all_names.push_back(parameter->name);
 
@@ -298,7 +309,9 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
         } else if (shape.size() == 2) {
           if (down.dim() != 2 || up.dim() != 2)
             throw BadAdapter(names_it + ": factors " + shape_of(down) + " and " + shape_of(up) + " are not a linear layer's");
-          if (down.size(1) != shape[1] || up.size(0) != shape[0])
+          // GPT-2's Conv1D holds its weight as [in, out]: the update is transposed (peft's fan_in_fan_out).
+          const bool in_out = layer_of.count(parameter) && layer_of.at(parameter)->kind() == model::LayerKind::Conv1D;
+          if (down.size(1) != shape[in_out ? 0 : 1] || up.size(0) != shape[in_out ? 1 : 0])
             throw BadAdapter(names_it + ": factors " + shape_of(down) + " and " + shape_of(up) + " do not fit it");
         } else {
           throw BadAdapter(names_it + ": only linear, convolution and embedding weights take a LoRA");
@@ -322,7 +335,13 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
           alpha = value.item<double>();
         }
         const double per_rank = peft && peft->rslora ? std::sqrt(static_cast<double>(rank)) : static_cast<double>(rank);
-        patches[parameter].terms.push_back({down, up, lora.scale * alpha / per_rank, pair.embedding});
+        const model::Layer* layer = layer_of.count(parameter) ? layer_of.at(parameter) : nullptr;
+        const bool in_out = pair.embedding || (layer && layer->kind() == model::LayerKind::Conv1D);
+        if (unfused && (!layer || (layer->kind() != model::LayerKind::Linear && layer->kind() != model::LayerKind::Conv1D &&
+                                   layer->kind() != model::LayerKind::Embedding) || parameter->name != layer->path() + ".weight"))
+          throw BadAdapter(names_it + ": computed unfused (fuse_lora = false) only on the weight of a linear or embedding "
+                           "layer the model computes; fuse_lora = true adds it to the weight instead");
+        patches[parameter].terms.push_back({down, up, lora.scale * alpha / per_rank, in_out});
         adapter.modules += 1;
         adapter.bytes += down.nbytes() + up.nbytes();
       }
@@ -339,12 +358,37 @@ void attach_loras(const config::ModelConfig& config, model::Model& model, std::v
                   model::LoadReport& report) {
   if (config.lora.empty()) return;
   const std::string where = config::where(config, "lora");
-  LoraSet set = read_loras(config.lora, model, assignments,
+  LoraSet set = read_loras(config.lora, model, assignments, !config.fuse_lora,
                            [&](size_t index) { return where + ": [[lora]] " + std::to_string(index + 1); });
-  for (auto& assignment : assignments)
-    if (auto it = set.patches.find(assignment.parameter); it != set.patches.end()) assignment.patch = it->second;
+  if (config.fuse_lora) {
+    for (auto& assignment : assignments)
+      if (auto it = set.patches.find(assignment.parameter); it != set.patches.end()) assignment.patch = it->second;
+  } else {
+    for (const auto& layer : model.layers())
+      if (auto it = set.patches.find(weight_of(*layer)); it != set.patches.end())
+        layer->set_lora(it->second);  // on the CPU until place_loras
+  }
   report.adapters = std::move(set.adapters);
   report.warnings.insert(report.warnings.end(), set.warnings.begin(), set.warnings.end());
+}
+
+namespace {
+
+// Terms a layer computes unfused, on `device` in `dtype`.
+std::shared_ptr<const model::LoraTerms> placed(const model::LoraTerms& terms, c10::Device device, c10::ScalarType dtype) {
+  auto out = std::make_shared<model::LoraTerms>(terms);
+  for (auto& term : out->terms) {
+    term.down = term.down.to(device, dtype);
+    term.up = term.up.to(device, dtype);
+  }
+  return out;
+}
+
+}  // namespace
+
+void place_loras(model::Model& model) {
+  for (const auto& layer : model.layers())
+    if (layer->lora()) layer->set_lora(placed(*layer->lora(), model.device(), model.dtype()));
 }
 
 std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, const config::ModelConfig& config,
@@ -353,10 +397,22 @@ std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, con
   auto& assignments = loaded.source->assignments;
   LoraSet set;
   try {
-    set = read_loras(loras, *loaded.model, assignments,
+    set = read_loras(loras, *loaded.model, assignments, !config.fuse_lora,
                      [](size_t index) { return "loras[" + std::to_string(index) + "]"; });
   } catch (const BadAdapter& e) {
     throw BadUpdate(std::string(e.what()) + "; the adapters in force are kept");
+  }
+  if (!config.fuse_lora) {  // unfused: each layer's terms replaced, no weight written
+    std::vector<std::pair<model::Layer*, std::shared_ptr<const model::LoraTerms>>> changes;
+    for (const auto& layer : loaded.model->layers()) {
+      const auto it = set.patches.find(weight_of(*layer));
+      auto next = it == set.patches.end() ? nullptr : placed(*it->second, loaded.model->device(), loaded.model->dtype());
+      if (layer->lora() || next) changes.emplace_back(layer.get(), std::move(next));
+    }
+    for (auto& [layer, next] : changes) layer->set_lora(std::move(next));
+    report.tensors = changes.size();
+    loaded.report.adapters = set.adapters;
+    return std::move(set.adapters);
   }
   // Every weight the old set or the new one changes takes its value anew: the checkpoint's, plus
   // the new set's terms where it has any (exactly the checkpoint's where it has none).

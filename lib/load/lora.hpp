@@ -53,18 +53,27 @@ struct LoraSet {
 
 // Reads `loras` for `model`, whose weights `assignments` fill; `where_of(i)` names the i-th in
 // messages. Throws BadAdapter naming it and the key.
+// `unfused`: for layers that compute them beside their weight (config.fuse_lora false), which only
+// linear and embedding layers do.
 LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& model,
-                   const std::vector<weights::Assignment>& assignments, const std::function<std::string(size_t)>& where_of);
+                   const std::vector<weights::Assignment>& assignments, bool unfused,
+                   const std::function<std::string(size_t)>& where_of);
 
 // Reads every adapter of config.lora and attaches each weight's terms to its assignment, in
-// config order; report.adapters says what each changes. Throws BadAdapter.
+// config order (fuse_lora = false: to the layer that computes them, on the CPU until
+// place_loras); report.adapters says what each changes. Throws BadAdapter.
 void attach_loras(const config::ModelConfig& config, model::Model& model, std::vector<weights::Assignment>& assignments,
                   model::LoadReport& report);
+
+// The terms of layers that compute them unfused, moved to the model's device and dtype once its
+// weights are loaded.
+void place_loras(model::Model& model);
 
 // Replaces a loaded model's adapters with `loras` ([] removes them all) without a reload: the
 // new set read and checked whole, then every weight either set changes takes its value anew (the
 // checkpoint's plus the new terms, or the checkpoint's alone) as one update (weights::Weights::
-// update: the version goes up, a forward runs wholly on one set). Returns the new set's adapters;
+// update: the version goes up, a forward runs wholly on one set); unfused, each layer's terms are
+// replaced and no weight is written. Returns the new set's adapters;
 // `report` counts the weights written. Throws BadUpdate (a bad adapter: nothing changed),
 // weights::NotUpdatable (weights that cannot take an update: layers streamed from disk, packed
 // blocks) and weights::UpdateNeedsRoom, each with the adapters in force kept.

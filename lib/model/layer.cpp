@@ -62,8 +62,39 @@ std::vector<at::Tensor> Layer::weights() const {
   return values;
 }
 
+at::Tensor LoraTerms::fused(const at::Tensor& value) const {
+  at::Tensor out = value.to(c10::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  for (const auto& term : terms) {
+    at::Tensor delta = term.up.flatten(1).mm(term.down.flatten(1)).mul_(term.factor);
+    if (term.transposed) delta = delta.t();
+    out.add_(delta.reshape(out.sizes()));
+  }
+  return out;
+}
+
+uint64_t LoraTerms::bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& term : terms) bytes += term.down.nbytes() + term.up.nbytes();
+  return bytes;
+}
+
+// As peft computes an unfused adapter: the output plus up(down(x)) times the factor (an
+// embedding's: the rows of down's transpose, then up).
+at::Tensor Layer::with_lora(const at::Tensor& input, at::Tensor output) const {
+  for (const auto& term : lora_->terms) {
+    const at::Tensor down = kind_ == LayerKind::Embedding ? at::embedding(term.down.t(), input) : at::linear(input, term.down);
+    output = output + at::linear(down, term.up) * term.factor;
+  }
+  return output;
+}
+
 at::Tensor Layer::operator()(const at::Tensor& input) {
   if (t_cancel && t_cancel->load(std::memory_order_relaxed)) throw Cancelled("cancelled before " + quote(path_));
+  at::Tensor output = op(input);
+  return lora_ ? with_lora(input, std::move(output)) : output;
+}
+
+at::Tensor Layer::op(const at::Tensor& input) {
   if (!manager_) return apply(weights(), input);
   auto w = manager_->acquire(*this);
   try {

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,6 +48,23 @@ class CancelScope {
 enum class LayerKind { Linear, Conv1D, Embedding, LayerNorm, RMSNorm, Conv2d, Tensors };
 const char* kind_name(LayerKind kind);
 
+// What LoRA adapters add to one weight (load/lora.hpp): the sum of factor * up * down. Fused, it
+// is added to the weight wherever the weight is read from its checkpoint (weights::Source::read);
+// unfused, the layer adds factor * (x A^T) B^T to its op's output at each call (Layer::set_lora).
+struct LoraTerms {
+  struct Term {
+    at::Tensor down, up;  // [r, in(, kh, kw)] and [out, r(, 1, 1)]: float32 on the CPU, or unfused on the
+                          // computation device in the computation dtype
+    double factor = 1;    // the adapter's scale times alpha / r (alpha / sqrt(r) for rsLoRA)
+    bool transposed = false;  // the weight is [in, out] (an embedding's, GPT-2's Conv1D): the update transposed
+  };
+  std::vector<Term> terms;
+  // `value` (the weight in any floating dtype, on the CPU) plus every term, a new float32 tensor,
+  // in peft's order: each product times its factor, then added.
+  at::Tensor fused(const at::Tensor& value) const;
+  uint64_t bytes() const;  // of the terms' tensors
+};
+
 struct Parameter {
   std::string name;  // the canonical (Hugging Face) name, e.g. "model.layers.0.mlp.up_proj.weight"
   std::vector<int64_t> shape;
@@ -83,6 +101,11 @@ class Layer {
   // Conv2d: NCHW convolution.
   at::Tensor operator()(const at::Tensor& input);
 
+  // LoRA terms computed beside the weight at each op (unfused adapters; Linear and Embedding
+  // only), or none. Replaced between forwards.
+  void set_lora(std::shared_ptr<const LoraTerms> terms) { lora_ = std::move(terms); }
+  const std::shared_ptr<const LoraTerms>& lora() const { return lora_; }
+
   // With a manager, weights come from it for the op's duration.
   void set_manager(LayerWeights* manager) { manager_ = manager; }
   // Tells their manager (one model's layers share one) that these layers' ops run next.
@@ -99,7 +122,9 @@ class Layer {
   std::vector<at::Tensor> weights() const;
 
  private:
+  at::Tensor op(const at::Tensor& input);  // the op on its weights, wherever they come from
   at::Tensor apply(const std::vector<at::Tensor>& w, const at::Tensor& input) const;
+  at::Tensor with_lora(const at::Tensor& input, at::Tensor output) const;
 
   std::string path_;
   LayerKind kind_;
@@ -107,6 +132,7 @@ class Layer {
   LayerOptions options_;
   LayerWeights* manager_ = nullptr;
   bool routed_ = false;
+  std::shared_ptr<const LoraTerms> lora_;
 };
 
 }  // namespace vramd::model

@@ -152,6 +152,10 @@ weights::Manifest Runtime::lease(const std::string& device) {
   const auto parsed = config::Device::parse(device);
   if (!parsed || parsed->is_disk() || parsed->str() != device)
     throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
+  if (!impl_->config.fuse_lora && !impl_->loaded.report.adapters.empty())
+    throw weights::NotLeasable("model " + quote(impl_->config.name) + " computes its LoRA adapters beside its weights at each "
+                               "op (fuse_lora = false), which a lease of the weights alone would leave out: fuse_lora = true "
+                               "hands the adapted values");
   if (impl_->offloaded) onload();
   auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name, *parsed);
   if (config::rests_for_clients(impl_->config)) manifest.plan = weights::managed_plan(*impl_->loaded.model, *impl_->loaded.source, impl_->config);

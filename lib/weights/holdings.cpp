@@ -22,9 +22,11 @@ uint64_t bytes_in(const model::DryRun& dry, const config::Dtype& dtype) {
 
 const config::Device kCpu = config::Device::named("cpu");
 
-// The factors of the model's LoRA adapters, kept in host memory while it is loaded.
-void add_adapters(Holdings& to, const model::DryRun& dry) {
-  for (const auto& adapter : dry.report.adapters) add(to, kCpu, "adapters", adapter.bytes);
+// The factors of the model's LoRA adapters while it is loaded: in host memory (fused), or on the
+// computation device in its dtype (unfused; counted at float32's size, never less).
+void add_adapters(Holdings& to, const config::ModelConfig& config, const model::DryRun& dry) {
+  for (const auto& adapter : dry.report.adapters)
+    add(to, config.fuse_lora ? kCpu : config.vram.computation.device, "adapters", adapter.bytes);
 }
 
 Holdings weights_awake(const config::ModelConfig& config, const model::DryRun& dry,
@@ -56,14 +58,14 @@ Holdings weights_awake(const config::ModelConfig& config, const model::DryRun& d
 Holdings awake_holdings(const config::ModelConfig& config, const model::DryRun& dry,
                         const std::optional<model::VramStats>& loaded) {
   Holdings out = weights_awake(config, dry, loaded);
-  add_adapters(out, dry);
+  add_adapters(out, config, dry);
   return out;
 }
 
 Holdings asleep_holdings(const config::ModelConfig& config, const model::DryRun& dry) {
   Holdings out;
   add(out, config.vram.offload.device, "offload", bytes_in(dry, config.vram.offload.dtype));
-  add_adapters(out, dry);
+  add_adapters(out, config, dry);
   return out;
 }
 

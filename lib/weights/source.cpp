@@ -65,29 +65,12 @@ std::vector<int64_t> held_shape(const Assignment& a, c10::ScalarType held) {
   return held == kPacked ? storage::packed_shape(*a.block, a.parameter->shape) : a.parameter->shape;
 }
 
-at::Tensor Patch::apply(const at::Tensor& value) const {
-  at::Tensor out = value.to(c10::kFloat, /*non_blocking=*/false, /*copy=*/true);
-  for (const auto& term : terms) {
-    // As peft merges: the product, times the factor, then added.
-    at::Tensor delta = term.up.flatten(1).mm(term.down.flatten(1)).mul_(term.factor);
-    if (term.transposed) delta = delta.t();
-    out.add_(delta.reshape(out.sizes()));
-  }
-  return out;
-}
-
-uint64_t Patch::bytes() const {
-  uint64_t bytes = 0;
-  for (const auto& term : terms) bytes += term.down.nbytes() + term.up.nbytes();
-  return bytes;
-}
-
 at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType dtype, bool views) const {
   const auto mode = views ? storage::ReadMode::Auto : direct ? storage::ReadMode::Direct : storage::ReadMode::Copy;
   at::Tensor value;
   if (a.patch) {
     if (dtype == kPacked) throw Error(where + ": " + a.parameter->name + " is changed by its adapters, so it is never held packed");
-    value = a.patch->apply(a.expr->op == convert::Expr::Op::Source
+    value = a.patch->fused(a.expr->op == convert::Expr::Op::Source
                                ? storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = c10::kFloat, .mode = storage::ReadMode::Auto})
                                : convert::evaluate(*a.expr, map, storage::ReadMode::Auto))
                 .to(dtype);

@@ -24,20 +24,8 @@ class DeviceStaging;
 
 namespace vramd::weights {
 
-// What LoRA adapters add to one weight (load/lora.hpp): W + sum of factor * up * down, in
-// float32, wherever the weight is read from its checkpoint; the sum is then held in the state's
-// dtype, like any value read.
-struct Patch {
-  struct Term {
-    at::Tensor down, up;  // float32 on the CPU: [r, in(, kh, kw)] and [out, r(, 1, 1)]
-    double factor = 1;    // the [[lora]] scale times alpha / r (alpha / sqrt(r) for rsLoRA)
-    bool transposed = false;  // an embedding's update is (up * down) transposed
-  };
-  std::vector<Term> terms;
-  // `value` (the weight in any floating dtype, on the CPU) plus every term, a new float32 tensor.
-  at::Tensor apply(const at::Tensor& value) const;
-  uint64_t bytes() const;  // of the terms' tensors
-};
+// What LoRA adapters add to a weight read from the checkpoint (fused: model::LoraTerms::fused).
+using Patch = model::LoraTerms;
 
 // Which expression fills which parameter.
 struct Assignment {

@@ -396,8 +396,10 @@ TEST_CASE("devices are parsed once into disk, cpu or cuda:N") {
 
 TEST_CASE("[[lora]] tables are read in order with paths resolved, and bad ones are named at their line") {
   TempDir dir;
-  auto path = dir.write("l.toml", "checkpoint = \"w\"\n[[lora]]\npath = \"a/\"\n[[lora]]\npath = \"/x/b.safetensors\"\nscale = -0.5\n");
+  auto path = dir.write("l.toml", "checkpoint = \"w\"\nfuse_lora = false\n[[lora]]\npath = \"a/\"\n[[lora]]\npath = \"/x/b.safetensors\"\nscale = -0.5\n");
   auto config = load_model_config(path, default_daemon_config());
+  CHECK_FALSE(config.fuse_lora);
+  CHECK(load_model_config(dir.write("d.toml", "checkpoint = \"w\"\n"), default_daemon_config()).fuse_lora);
   REQUIRE(config.lora.size() == 2);
   CHECK(config.lora[0] == LoraConfig{(std::filesystem::path(path).parent_path() / "a/").string(), 1.0});
   CHECK(config.lora[1] == LoraConfig{"/x/b.safetensors", -0.5});

@@ -262,6 +262,11 @@ def test_kohya_conv_and_linear_adapters_reach_a_lease_and_another_components_key
     (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "1GiB"\n')
     result = vramctl("check", tmp_path / "flat.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode != 0 and "2-D adapter on a convolution" in result.stdout + result.stderr, result
+    # Unfused, only the linear and embedding layers a model computes take an adapter.
+    (tmp_path / "unfused.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "unet.safetensors"}"\n'
+                                           f'fuse_lora = false\n[[lora]]\npath = "{tmp_path / "kohya.safetensors"}"\n')
+    result = vramctl("check", tmp_path / "unfused.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode != 0 and "computed unfused (fuse_lora = false)" in result.stdout + result.stderr, result
 
 
 def test_a_loaded_model_switches_adapters_without_a_reload_from_each_client(lora, tmp_path):
@@ -344,3 +349,66 @@ def test_streamed_models_switch_layers_held_in_memory_and_refuse_layers_streamed
             assert status == 200, out
             assert_close(load(out), expected)
 
+
+
+def test_unfused_adapters_compute_beside_the_weights_and_switch_on_layers_streamed_from_disk(lora, tmp_path):
+    attention, mlp = lora["folders"]["attention"], lora["folders"]["mlp"]
+    stacked = [(attention, 0.5), (mlp, -1.5)]
+    expected = merged_outputs(lora["witness"] / "model", lora["inputs"], stacked)
+    assert_close(run(lora, config(lora, "unfused", stacked, "fuse_lora = false\n")), expected)
+    d = Daemon(tmp_path)
+    checkpoint = f'checkpoint = "{lora["witness"] / "model"}"\nfuse_lora = false\n'
+    (d.models / "disk.toml").write_text(checkpoint + STREAMED.replace("700KiB", "520KiB"))
+    inputs = save(lora["inputs"])
+    base = run(lora, config(lora, "plain", []))
+    with d.start():
+        assert request(d.sock, "POST", "/v1/models/disk/forward", inputs)[0] == 200
+        # The embedding streams from disk: unfused, its adapter is taken all the same.
+        body = json.dumps({"loras": [{"path": str(p), "scale": s} for p, s in stacked]}).encode()
+        status, answer = request(d.sock, "POST", "/v1/models/disk/loras", body)
+        assert status == 200, answer
+        assert json.loads(answer)["updated"]["bytes"] == 0, answer  # no weight written
+        served = model(d.sock, "disk")
+        assert served["charge"]["cpu"]["parts"]["adapters"] == sum(a["bytes"] for a in served["loras"]), served
+        status, out = request(d.sock, "POST", "/v1/models/disk/forward", inputs)
+        assert status == 200, out
+        assert_close(load(out), expected)
+        status, answer = request(d.sock, "POST", "/v1/models/disk/lease")
+        assert status == 409 and b"fuse_lora = false" in answer, answer
+        status, answer = request(d.sock, "POST", "/v1/models/disk/loras", b'{"loras": []}')
+        assert status == 200, answer
+        status, out = request(d.sock, "POST", "/v1/models/disk/forward", inputs)
+        assert torch.equal(load(out)["logits"], base["logits"])
+
+
+@pytest.mark.parametrize("fuse", ["true", "false"])
+def test_gpt2s_conv1d_weights_take_the_update_transposed(lora, fuse):
+    """GPT-2 holds its projections as [in, out] (transformers' Conv1D); peft trains them with
+    fan_in_fan_out, and c_proj is square, where an update not transposed would fit and be wrong."""
+    import peft
+    import transformers
+    out = lora["out"]
+    witness = out / "gpt2-float32"
+    if not witness.exists():
+        hf_models.make("gpt2", "float32", out)
+    folder = out / "gpt2-adapter"
+    if not folder.exists():
+        model = transformers.GPT2LMHeadModel.from_pretrained(witness / "model", dtype=torch.float32)
+        torch.manual_seed(4)
+        adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                                                             fan_in_fan_out=True, init_lora_weights=False))
+        with torch.no_grad():
+            for name, parameter in adapted.named_parameters():
+                if "lora_" in name:
+                    parameter.normal_(0, 0.3)
+        adapted.save_pretrained(folder)
+    inputs = load_file(witness / "inputs.safetensors")
+    model = transformers.GPT2LMHeadModel.from_pretrained(witness / "model", dtype=torch.float32).eval()
+    expected = hf_models.outputs(peft.PeftModel.from_pretrained(model, folder).merge_and_unload().eval(), inputs)
+    path = out / f"gpt2-{fuse}.toml"
+    path.write_text(f'checkpoint = "{witness / "model"}"\nfuse_lora = {fuse}\n[[lora]]\npath = "{folder}"\n')
+    output = path.with_suffix(".out.safetensors")
+    result = vramctl("run", path, "--daemon-config", out / "vramd.toml", "--input", witness / "inputs.safetensors",
+                     "--output", output, "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert_close(load_file(output), expected)
