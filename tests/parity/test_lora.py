@@ -412,3 +412,61 @@ def test_gpt2s_conv1d_weights_take_the_update_transposed(lora, fuse):
                      "--output", output, "--threads", "1")
     assert result.returncode == 0, result.stderr
     assert_close(load_file(output), expected)
+
+
+def test_a_managed_unet_with_a_kohya_lora_equals_diffusers_fuse_lora(tmp_path):
+    """A UNet served as architecture "weights" with a kohya LoRA on attention and a convolution,
+    managed in a client (vramd.manage) under a limit, against diffusers' own loading of the same
+    file onto the same base: lora_state_dict, load_lora_adapter, fuse_lora."""
+    diffusers = pytest.importorskip("diffusers")
+    import vramd
+    from accelerate import init_empty_weights
+    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin
+
+    def make():
+        return diffusers.UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
+
+    torch.manual_seed(0)
+    unet = make()
+    state = unet.state_dict()
+    save_file(dict(state), tmp_path / "unet.safetensors")
+    g = torch.Generator().manual_seed(1)
+    names = [n for n in state if n.endswith(("attn1.to_q.weight", "attn2.to_k.weight", "resnets.0.conv1.weight"))]
+    kohya = {}
+    for name in names:
+        weight, key = state[name], "lora_unet_" + name[: -len(".weight")].replace(".", "_")
+        down_shape = (2, *weight.shape[1:]) if weight.dim() == 4 else (2, weight.shape[1])
+        up_shape = (weight.shape[0], 2, 1, 1) if weight.dim() == 4 else (weight.shape[0], 2)
+        kohya[f"{key}.lora_down.weight"] = torch.randn(down_shape, generator=g) * 0.3
+        kohya[f"{key}.lora_up.weight"] = torch.randn(up_shape, generator=g) * 0.3
+        kohya[f"{key}.alpha"] = torch.tensor(1.0)
+    save_file(kohya, tmp_path / "kohya.safetensors")
+    assert any(state[n].dim() == 4 for n in names) and any(state[n].dim() == 2 for n in names)
+
+    witness = make()
+    witness.load_state_dict(state)
+    lora_state, alphas = StableDiffusionLoraLoaderMixin.lora_state_dict(str(tmp_path / "kohya.safetensors"))
+    witness.load_lora_adapter(lora_state, network_alphas=alphas, prefix="unet", adapter_name="kohya")
+    witness.fuse_lora(lora_scale=0.5)
+    sample, states = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 5, 32, generator=g)
+    with torch.no_grad():
+        want = witness(sample, 10, states).sample
+        base = unet(sample, 10, states).sample
+
+    d = Daemon(tmp_path / "daemon")
+    limit = sum(v.numel() * 4 for v in state.values()) // 3
+    (d.models / "unet.toml").write_text(
+        f'checkpoint = "{tmp_path / "unet.safetensors"}"\narchitecture = "weights"\ndtype = "float32"\n'
+        f'[vram]\nonload = {{ device = "cpu", dtype = "float32" }}\nlimit = {limit}\n'
+        f'[[lora]]\npath = "{tmp_path / "kohya.safetensors"}"\nscale = 0.5\n')
+    with init_empty_weights():
+        managed_unet = make()
+    with d.start(), vramd.connect(d.sock) as client, vramd.manage(managed_unet, "unet", client=client) as managed, \
+            torch.no_grad():
+        got = managed_unet(sample, 10, states).sample
+        assert managed.stats()["peak"] <= limit
+    assert not torch.allclose(want, base, rtol=1e-3), "the adapter changed nothing"
+    assert hf_models.relative_error(got, want) <= 1e-5, hf_models.relative_error(got, want)
