@@ -414,59 +414,115 @@ def test_gpt2s_conv1d_weights_take_the_update_transposed(lora, fuse):
     assert_close(load_file(output), expected)
 
 
-def test_a_managed_unet_with_a_kohya_lora_equals_diffusers_fuse_lora(tmp_path):
-    """A UNet served as architecture "weights" with a kohya LoRA on attention and a convolution,
-    managed in a client (vramd.manage) under a limit, against diffusers' own loading of the same
-    file onto the same base: lora_state_dict, load_lora_adapter, fuse_lora."""
-    diffusers = pytest.importorskip("diffusers")
-    import vramd
-    from accelerate import init_empty_weights
+def make_unet():
+    import diffusers
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
+
+
+@pytest.fixture(scope="module")
+def unet(tmp_path_factory):
+    """A tiny UNet's checkpoint, two kohya LoRA files on attention and a convolution (rank 2,
+    alpha 1; the second on other weights too), an input, and diffusers' own outputs: the base's,
+    and each file's fused at scale 0.5 (lora_state_dict, load_lora_adapter, fuse_lora)."""
+    pytest.importorskip("diffusers")
     from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin
-
-    def make():
-        return diffusers.UNet2DConditionModel(
-            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
-
+    out = tmp_path_factory.mktemp("unet")
     torch.manual_seed(0)
-    unet = make()
-    state = unet.state_dict()
-    save_file(dict(state), tmp_path / "unet.safetensors")
+    base = make_unet()
+    state = base.state_dict()
+    save_file(dict(state), out / "unet.safetensors")
     g = torch.Generator().manual_seed(1)
-    names = [n for n in state if n.endswith(("attn1.to_q.weight", "attn2.to_k.weight", "resnets.0.conv1.weight"))]
-    kohya = {}
-    for name in names:
-        weight, key = state[name], "lora_unet_" + name[: -len(".weight")].replace(".", "_")
-        down_shape = (2, *weight.shape[1:]) if weight.dim() == 4 else (2, weight.shape[1])
-        up_shape = (weight.shape[0], 2, 1, 1) if weight.dim() == 4 else (weight.shape[0], 2)
-        kohya[f"{key}.lora_down.weight"] = torch.randn(down_shape, generator=g) * 0.3
-        kohya[f"{key}.lora_up.weight"] = torch.randn(up_shape, generator=g) * 0.3
-        kohya[f"{key}.alpha"] = torch.tensor(1.0)
-    save_file(kohya, tmp_path / "kohya.safetensors")
-    assert any(state[n].dim() == 4 for n in names) and any(state[n].dim() == 2 for n in names)
-
-    witness = make()
-    witness.load_state_dict(state)
-    lora_state, alphas = StableDiffusionLoraLoaderMixin.lora_state_dict(str(tmp_path / "kohya.safetensors"))
-    witness.load_lora_adapter(lora_state, network_alphas=alphas, prefix="unet", adapter_name="kohya")
-    witness.fuse_lora(lora_scale=0.5)
+    files = []
+    for suffixes in [("attn1.to_q.weight", "attn2.to_k.weight", "resnets.0.conv1.weight"),
+                     ("attn1.to_v.weight", "attn2.to_k.weight", "resnets.0.conv2.weight")]:
+        names = [n for n in state if n.endswith(suffixes)]
+        assert any(state[n].dim() == 4 for n in names) and any(state[n].dim() == 2 for n in names)
+        kohya = {}
+        for name in names:
+            weight, key = state[name], "lora_unet_" + name[: -len(".weight")].replace(".", "_")
+            down_shape = (2, *weight.shape[1:]) if weight.dim() == 4 else (2, weight.shape[1])
+            up_shape = (weight.shape[0], 2, 1, 1) if weight.dim() == 4 else (weight.shape[0], 2)
+            kohya[f"{key}.lora_down.weight"] = torch.randn(down_shape, generator=g) * 0.3
+            kohya[f"{key}.lora_up.weight"] = torch.randn(up_shape, generator=g) * 0.3
+            kohya[f"{key}.alpha"] = torch.tensor(1.0)
+        files.append(out / f"kohya{len(files)}.safetensors")
+        save_file(kohya, files[-1])
     sample, states = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 5, 32, generator=g)
+    expected = []
     with torch.no_grad():
-        want = witness(sample, 10, states).sample
-        base = unet(sample, 10, states).sample
-
-    d = Daemon(tmp_path / "daemon")
+        for path in files:
+            witness = make_unet()
+            witness.load_state_dict(state)
+            lora_state, alphas = StableDiffusionLoraLoaderMixin.lora_state_dict(str(path))
+            witness.load_lora_adapter(lora_state, network_alphas=alphas, prefix="unet", adapter_name="kohya")
+            witness.fuse_lora(lora_scale=0.5)
+            expected.append(witness(sample, 10, states).sample)
+        want_base = base(sample, 10, states).sample
+    for want in expected:
+        assert not torch.allclose(want, want_base, rtol=1e-3), "an adapter changed nothing"
     limit = sum(v.numel() * 4 for v in state.values()) // 3
-    (d.models / "unet.toml").write_text(
-        f'checkpoint = "{tmp_path / "unet.safetensors"}"\narchitecture = "weights"\ndtype = "float32"\n'
-        f'[vram]\nonload = {{ device = "cpu", dtype = "float32" }}\nlimit = {limit}\n'
-        f'[[lora]]\npath = "{tmp_path / "kohya.safetensors"}"\nscale = 0.5\n')
+    served = (f'checkpoint = "{out / "unet.safetensors"}"\narchitecture = "weights"\ndtype = "float32"\n'
+              f'[vram]\nonload = {{ device = "cpu", dtype = "float32" }}\nlimit = {limit}\n')
+    return {"files": files, "input": (sample, 10, states), "expected": expected, "base": want_base,
+            "served": served, "limit": limit}
+
+
+def managed_unet():
+    from accelerate import init_empty_weights
     with init_empty_weights():
-        managed_unet = make()
-    with d.start(), vramd.connect(d.sock) as client, vramd.manage(managed_unet, "unet", client=client) as managed, \
+        return make_unet()
+
+
+def test_a_managed_unet_with_a_kohya_lora_equals_diffusers_fuse_lora(unet, tmp_path):
+    """The UNet served as architecture "weights" with the first file in its config ([[lora]],
+    scale 0.5), managed in a client under a third of its size: the client gets the adapted
+    values the daemon holds at rest."""
+    import vramd
+    d = Daemon(tmp_path / "daemon")
+    (d.models / "unet.toml").write_text(unet["served"] + f'[[lora]]\npath = "{unet["files"][0]}"\nscale = 0.5\n')
+    module = managed_unet()
+    with d.start(), vramd.connect(d.sock) as client, vramd.manage(module, "unet", client=client) as managed, \
             torch.no_grad():
-        got = managed_unet(sample, 10, states).sample
-        assert managed.stats()["peak"] <= limit
-    assert not torch.allclose(want, base, rtol=1e-3), "the adapter changed nothing"
-    assert hf_models.relative_error(got, want) <= 1e-5, hf_models.relative_error(got, want)
+        got = module(*unet["input"]).sample
+        assert managed.stats()["peak"] <= unet["limit"]
+    assert hf_models.relative_error(got, unet["expected"][0]) <= 1e-5, hf_models.relative_error(got, unet["expected"][0])
+
+
+def test_managed_modules_apply_adapters_of_their_own_over_one_lease_and_switch_between_forwards(unet, tmp_path):
+    """Two modules managed from one model with no adapters, each with its own (manage(loras=)),
+    equal diffusers' fused outputs; set_loras() switches one between forwards, [] gives what a
+    module managed without adapters gives, bit for bit, and a bad set is refused naming it with
+    the set in force kept."""
+    import vramd
+    d = Daemon(tmp_path / "daemon")
+    (d.models / "unet.toml").write_text(unet["served"])
+    first, second = managed_unet(), managed_unet()
+    files, expected = unet["files"], unet["expected"]
+
+    def close(got, want):
+        return hf_models.relative_error(got, want) <= 1e-5
+
+    with d.start(), vramd.connect(d.sock) as client, torch.no_grad(), \
+            vramd.manage(first, "unet", client=client, loras=[(files[0], 0.5)]) as a, \
+            vramd.manage(second, "unet", client=client, loras=[(files[1], 0.5)]) as b:
+        assert close(first(*unet["input"]).sample, expected[0])
+        assert close(second(*unet["input"]).sample, expected[1])
+        a.set_loras([(files[1], 0.5)])
+        assert a.loras == [(str(files[1]), 0.5)]
+        assert close(first(*unet["input"]).sample, expected[1])
+        with pytest.raises(vramd.ManageError, match=r"loras\[1\], .*nowhere: no such file"):
+            a.set_loras([files[0], tmp_path / "nowhere"])
+        assert close(first(*unet["input"]).sample, expected[1])  # the set in force kept
+        b.set_loras([])
+        cleared = second(*unet["input"]).sample
+        assert b.stats()["peak"] <= unet["limit"]
+        plain = managed_unet()
+        with vramd.manage(plain, "unet", client=client):
+            assert torch.equal(cleared, plain(*unet["input"]).sample)  # the leased weights as they are, bit for bit
+        assert close(cleared, unet["base"])
+    # The daemon's model holds no adapter: they were this process's.
+    with d.start():
+        assert model(d.sock, "unet")["loras"] == []

@@ -33,7 +33,8 @@ The package, one concern a module: slot.py (one weight: its slot and its placeho
 unit of residency and the room under a limit), plan.py (what is managed: the slots and units of a
 module), hooks.py (the hooks on the module and the per-thread call depths), streams.py (the copies
 ahead of their unit and the page-locked memory they come from), versions.py (following the
-daemon's updates), errors.py (what it raises), api.py (what users call: manage() and Managed)."""
+daemon's updates, and taking another set of LoRA adapters, between forwards), lora.py (the LoRA
+adapters a module applies itself: read, checked, added as a unit is brought), errors.py (what it raises), api.py (what users call: manage() and Managed)."""
 from .api import Managed, manage
 from .errors import ManageError
 

@@ -17,10 +17,11 @@ from ..client import Client, connect
 from ..lease import Lease
 from .errors import ManageError, _listed, _name
 from .hooks import _forward_methods, _Hooks
+from .lora import read_loras
 from .plan import _Plan
 from .streams import _Streams
 from .unit import _Residency, _Room, _Unit
-from .versions import _Versions
+from .versions import _lora_item, _Versions
 
 _log = logging.getLogger("vramd")
 
@@ -48,7 +49,7 @@ class Managed(_Plan, _Hooks, _Residency, _Streams, _Versions):
 
     def __init__(self, module: nn.Module, lease: Lease, device: torch.device, dtype: torch.dtype, limit: int | None,
                  units: list[str] | None, strict: bool, prefetch: bool, room: _Room | None = None,
-                 forward_methods: list[str] = (), told=lambda text: None):
+                 forward_methods: list[str] = (), told=lambda text: None, loras=()):
         self.module = module
         self._forward_methods = _forward_methods(module, forward_methods)
         self.lease = lease
@@ -64,7 +65,12 @@ class Managed(_Plan, _Hooks, _Residency, _Streams, _Versions):
                          "pinned_bytes": 0}
         self._next: dict[_Unit, _Unit] = {}
         self._thread_local = threading.local()  # .previous: the unit this thread ran last
+        self._loras = [_lora_item(lora) for lora in loras]
+        self._lora = read_loras(self._loras, module)  # weight name -> its terms
         self._units = self._plan(units, strict)
+        unmanaged = sorted(set(self._lora) - {slot.name for unit in self._units for slot in unit.slots})
+        if unmanaged:
+            raise ManageError(f"loras=: {_listed(unmanaged)} changed by the adapters, which no unit manages")
         self._slots = {slot for unit in self._units for slot in unit.slots}
         self._least, nested = self._most_held_at_once()
         if limit is not None and self._least > limit:
@@ -161,7 +167,8 @@ class Managed(_Plan, _Hooks, _Residency, _Streams, _Versions):
 def manage(module: nn.Module, model: str, *, client: Client | None = None, device: str | torch.device | None = None,
            dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
            strict: bool = True, prefetch: bool | None = None, share: Managed | None = None,
-           follow: bool = False, forward_methods: list[str] = (), progress: bool | None = None) -> Managed:
+           follow: bool = False, forward_methods: list[str] = (), progress: bool | None = None,
+           loras=()) -> Managed:
     """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
     its weights: see the package's text (its __init__.py). `device`, `dtype` and `limit` default to the model's
     config ([vram] computation and limit), else the CPU, the leased dtype and no limit. `prefetch`
@@ -176,7 +183,12 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
     step on standard error as it is taken (the lease, the units planned, the page-locking, the
     hooks; default: when standard error is a terminal); they are logged at INFO on the "vramd"
     logger either way. Raises ManageError naming what does not fit, and vramd.DaemonError for the
-    daemon's refusals (507 when the limit does not fit the device's budget)."""
+    daemon's refusals (507 when the limit does not fit the device's budget). `loras`: LoRA
+    adapters this process applies itself, (path, scale) or a path (scale 1.0) each, PEFT folders
+    or .safetensors files (PEFT, diffusers or kohya keys): added to each weight they name as its
+    unit is brought to the device, in float32 there, the leased weights unchanged (so processes
+    leasing one model can each run it under adapters of their own); Managed.set_loras() replaces
+    them between forwards."""
     room = _shared_room(share, device, limit) if share is not None else None
     own_client = client is None
     client = client or connect()
@@ -201,7 +213,7 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
                                   "dtype: give dtype=")
         try:
             return Managed(module, lease, device, dtype, limit, units, strict,
-                           device.type == "cuda" if prefetch is None else prefetch, room, forward_methods, told)
+                           device.type == "cuda" if prefetch is None else prefetch, room, forward_methods, told, loras)
         except BaseException:
             lease.close()
             raise

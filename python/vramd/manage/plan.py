@@ -51,7 +51,7 @@ class _Plan:
             if shape != tuple(tensor.shape):
                 mismatched.append(f"{name!r} is {list(shape)} leased, {list(tensor.shape)} in the module")
                 continue
-            slots[key] = _Slot(name, rest, packed, is_param, places, self.dtype, self.device)
+            slots[key] = _Slot(name, rest, packed, is_param, places, self.dtype, self.device, self._lora.get(name))
         unexpected = sorted(set(leased) - {n for key in slots for n in aliases[key]})
         problems = []
         if mismatched:

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._gguf import Packed, unpack
 from .errors import ManageError, _name
+from .lora import adapted
 
 
 class _Placeholder(torch.Tensor):
@@ -53,7 +54,7 @@ class _Slot:
     """One tensor the manager fills: a parameter (one object, whichever modules hold it) or a buffer."""
 
     def __init__(self, name: str, rest: torch.Tensor, packed: Packed | None, param: bool, places: list,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, lora: list | None = None):
         self.name = name
         self.rest = rest            # the leased tensor, read-only, as the daemon holds it
         self.packed = packed        # its GGUF blocks' type and the values' shape, where it rests packed
@@ -64,17 +65,28 @@ class _Slot:
         self.dtype = dtype if rest.is_floating_point() or packed else rest.dtype
         self.device = device
         shape = packed.shape if packed else rest.shape
-        # A view of the leased memory where it can compute as it is: no copy, no bytes.
-        self.in_place = device.type == "cpu" and rest.dtype == self.dtype and not packed
-        self.bytes = 0 if self.in_place else math.prod(shape) * self.dtype.itemsize
-        self.read = 0 if self.in_place else rest.nbytes  # what a copy reads from the lease (packed: the blocks)
+        self.set_lora(lora)  # its copy's bytes, or none as a view of the lease
         self.placeholder = self.inert(_Placeholder(name, shape, self.dtype, device))
         self.users = 0              # ready units that hold it
+
+    def set_lora(self, lora: list | None) -> None:
+        """Its LoRA terms (lora.py), moved to its device, or None; and what its copy then costs: a
+        weight computing on the CPU in the leased dtype is a view of the lease, with no copy and
+        no bytes, unless an adapter changes it."""
+        self.lora = [(d.to(self.device), u.to(self.device), f, t) for d, u, f, t in lora] if lora else None
+        self.in_place = self.device.type == "cpu" and self.rest.dtype == self.dtype and not self.packed and not lora
+        shape = self.packed.shape if self.packed else self.rest.shape
+        self.bytes = 0 if self.in_place else math.prod(shape) * self.dtype.itemsize
+        self.read = 0 if self.in_place else self.rest.nbytes  # what a copy reads from the lease (packed: the blocks)
 
     def copy(self) -> torch.Tensor:
         """The tensor in its computation state: moved, then cast (or unpacked) on the device."""
         if self.in_place:
             return self.rest
+        if self.lora:  # the adapters added in float32 on the device, then cast
+            value = (unpack(self.rest.to(self.device, non_blocking=True), self.packed.type, self.packed.shape, torch.float32)
+                     if self.packed else self.rest.to(self.device, torch.float32, non_blocking=True, copy=True))
+            return adapted(value, self.lora).to(self.dtype)
         if self.packed:
             return unpack(self.rest.to(self.device, non_blocking=True), self.packed.type, self.packed.shape, self.dtype)
         # One call: a copy that does not block casts on the device, as torch's copy to a GPU says

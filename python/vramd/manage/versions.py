@@ -2,14 +2,95 @@
 (manage(..., follow=True), then Managed.wait_update())."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
-from .errors import ManageError, _name
+from .._units import format_bytes, format_exact
+from .errors import ManageError, _listed, _name
+from .lora import read_loras
+
+
+def _lora_item(lora) -> tuple[str, float]:
+    path, scale = (lora, 1.0) if isinstance(lora, (str, os.PathLike)) else lora
+    return os.path.abspath(os.fspath(path)), float(scale)
 
 
 class _Versions:
-    """Managed's version of the weights, and the taking of the next one."""
+    """Managed's version of the weights, and the taking of the next one; its LoRA adapters, and the
+    taking of another set (set_loras), between forwards alike."""
+
+    def _between_forwards(self, deadline, timeout, what: str, after: str) -> None:
+        """Under the lock: waits for the module's forwards under way on other threads, and its units
+        called outside them (a VAE's decode not named in forward_methods), to end; forwards that
+        would begin meanwhile wait for the lock to be let go. TimeoutError past `deadline`."""
+        me = threading.get_ident()
+        self._taking += 1
+        self._waiting.add(me)
+        try:
+            while self._calls or any(unit.in_use for unit in self._units):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{what} the forwards under way on other threads did not end within {timeout} s: "
+                                       f"{after}")
+                self._freed.wait(left)
+        finally:
+            self._waiting.discard(me)
+            self._taking -= 1
+            self._freed.notify_all()  # forwards waiting to begin: they do once the lock is let go
+
+    def _drop_copies(self, units) -> None:
+        """Under the lock: the units' copies (and prefetches) dropped, to be brought anew."""
+        for unit in units:
+            if unit.pending is not None:
+                self._cancel_prefetch(unit)
+            if unit.ready:
+                self._drop(unit)
+
+    @property
+    def loras(self) -> list[tuple[str, float]]:
+        """The LoRA adapters this process applies (manage(..., loras=), set_loras): (path, scale) each."""
+        return list(self._loras)
+
+    def set_loras(self, loras, timeout: float | None = None) -> None:
+        """Replaces the LoRA adapters this process applies ([] for none: the leased weights as they
+        are), between forwards as wait_update() takes a version: the new set is read and checked
+        whole first (a ManageError naming the adapter and key leaves the set in force), then, once
+        the forwards under way on other threads have ended, the units holding a weight either set
+        changes drop their copies and bring the new values when they next run. A weight that
+        computes in place from the lease (on the CPU, in the leased dtype) has no copy to adapt:
+        manage it with that adapter in loras= from the start. TimeoutError after `timeout`."""
+        me = threading.get_ident()
+        if self._calls.get(me) or self._running.get(me):
+            raise ManageError(f"set_loras() of {self!r} from inside its forward: call it between forwards")
+        items = [_lora_item(lora) for lora in loras]
+        terms = read_loras(items, self.module)
+        slots = {slot.name: slot for slot in self._slots}
+        unmanaged = sorted(set(terms) - set(slots))
+        if unmanaged:
+            raise ManageError(f"set_loras: {_listed(unmanaged)} changed by the adapters, which no unit manages")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        changed = {slots[name] for name in set(terms) | {n for n, slot in slots.items() if slot.lora}}
+        with self._lock:
+            self._between_forwards(deadline, timeout, "set_loras:", "the adapters in force are kept")
+            units = [unit for unit in self._units if changed & set(unit.slots)]
+            self._drop_copies(units)
+            before = {slot: slot.lora for slot in changed}
+            self._take_loras({slot: terms.get(slot.name) for slot in changed}, units)
+            if self.limit is not None and self._least > self.limit:  # an adapted weight viewed in place before
+                least = self._least
+                self._take_loras(before, units)
+                raise ManageError(f"set_loras: the adapted weights need copies, {format_exact(least)} at once, more "
+                                  f"than the limit of {format_bytes(self.limit)}: the adapters in force are kept")
+            self._loras = items
+
+    def _take_loras(self, terms: dict, units) -> None:
+        """Under the lock: each slot's terms, and the units' bytes and the least limit they make."""
+        for slot, lora in terms.items():
+            slot.set_lora(lora)
+        for unit in units:
+            unit.bytes = sum(slot.bytes for slot in unit.slots)
+        self._least = self._most_held_at_once()[0]
 
     @property
     def version(self) -> int:
@@ -35,27 +116,9 @@ class _Versions:
             self._arrived = self.lease.wait_update(timeout)
         state_dict = self._arrived
         with self._lock:
-            self._taking += 1
-            self._waiting.add(me)
-            try:
-                # Forwards of the module on other threads, and its units called outside them (a VAE's
-                # decode not named in forward_methods).
-                while self._calls or any(unit.in_use for unit in self._units):
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"version {self.lease.version} of {self.lease.manifest['model']!r} came, but "
-                                           f"the forwards under way on other threads did not end within {timeout} s: "
-                                           "the next wait_update() takes it")
-                    self._freed.wait(left)
-            finally:
-                self._waiting.discard(me)
-                self._taking -= 1
-                self._freed.notify_all()  # forwards waiting to begin: they do once this lock is let go
-            for unit in self._units:
-                if unit.pending is not None:
-                    self._cancel_prefetch(unit)
-                if unit.ready:
-                    self._drop(unit)
+            self._between_forwards(deadline, timeout, f"version {self.lease.version} of "
+                                   f"{self.lease.manifest['model']!r} came, but", "the next wait_update() takes it")
+            self._drop_copies(self._units)
             changed = [f"{slot.name!r} is {list(new.shape)} {_name(new.dtype)}, {list(slot.rest.shape)} "
                        f"{_name(slot.rest.dtype)} before" for slot in self._slots
                        if ((new := state_dict[slot.name]).shape, new.dtype) != (slot.rest.shape, slot.rest.dtype)]
