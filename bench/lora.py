@@ -3,6 +3,7 @@ measured in the same run on one checkpoint and two adapters:
 
     vramd switch     POST /v1/models/NAME/loras (Client.set_loras) on the loaded model, then one
                      forward: the time from the request to the first output on the new set
+    vramd unfused    the same with fuse_lora = false: the factors replaced, no weight written
     vramd reload     what a switch costs without it: unload, the config's [[lora]] edited to the
                      new adapter, load, forward
     peft switch      the same model in this process under peft (transformers + PeftModel): the new
@@ -11,9 +12,9 @@ measured in the same run on one checkpoint and two adapters:
     peft fused       the same, fused as vramd's weights are: unmerge the old adapter, load and
                      merge the new one, one forward
 
-and a forward's cost with adapters, fused, against the base's: vramd's median forward with an
-adapter in force, and without (its weights are W + s*B*A, computed once at the switch, so a
-forward pays nothing), against peft's unfused forward (x*W + s*(x*A)*B at each call).
+and a forward's cost with adapters against the base's: vramd's median forward with an adapter in
+force, fused (its weights are W + s*B*A, computed once at the switch, so a forward pays nothing)
+and unfused, against peft's unfused forward (x*W + s*(x*A)*B at each call).
 
 Every contender's first output is compared with peft's merge_and_unload() of the same adapter.
 
@@ -167,7 +168,24 @@ def vramd_contenders(work, base, adapters, batch, repeat):
             out = forward()
             reload.append(time.perf_counter() - start)
         reloaded_to = adapters[(repeat - 1) % 2]
-        return {"base forward": base_forward, "adapted forward": adapted_forward, "switch": statistics.median(switch),
+        # Unfused (fuse_lora = false): a switch replaces the factors alone.
+        client.unload("m")
+        (models / "u.toml").write_text(text.replace("[residency]", "fuse_lora = false\n[residency]"))
+        client.reload()
+        unfused = lambda: client.forward("u", batch)
+        unfused()
+        client.set_loras("u", [adapters[0]])
+        unfused_forward = median_seconds(repeat, lambda: None, unfused)
+        unfused_switch, unfused_alone = [], []
+        for i in range(repeat):
+            start = time.perf_counter()
+            client.set_loras("u", [adapters[(i + 1) % 2]])
+            unfused_alone.append(time.perf_counter() - start)
+            out_u = unfused()
+            unfused_switch.append(time.perf_counter() - start)
+        return {"unfused forward": unfused_forward, "unfused switch": statistics.median(unfused_switch),
+                "unfused switch alone": statistics.median(unfused_alone), "unfused logits": out_u["logits"],
+                "unfused adapter": adapters[repeat % 2],"base forward": base_forward, "adapted forward": adapted_forward, "switch": statistics.median(switch),
                 "daemon switch": statistics.median(daemon_part), "weights written": written,
                 "reload": statistics.median(reload), "switch alone": statistics.median(switch_alone),
                 "reload alone": statistics.median(reload_alone), "switched logits": switched_logits, "switched adapter": switched_to,
@@ -199,6 +217,8 @@ def main():
     print(f"LLaMA, hidden 1024, {args.layers} layers, a bfloat16 checkpoint ({size / 2**20:.0f} MiB) computed in float32; adapters rank {args.rank} on "
           f"{', '.join(TARGETS)}; median of {args.repeat}; {torch.get_num_threads()} threads")
     rows = [("vramd switch", v["switch alone"], v["switch"], against(v["switched logits"], v["switched adapter"])),
+            ("vramd unfused switch", v["unfused switch alone"], v["unfused switch"],
+             against(v["unfused logits"], v["unfused adapter"])),
             ("vramd reload", v["reload alone"], v["reload"], against(v["reloaded logits"], v["reloaded adapter"])),
             ("peft switch (unfused)", p["switch alone"], p["switch"], against(p["unfused logits"], p["unfused adapter"])),
             ("peft fused switch", p["fused switch alone"], p["fused switch"], against(p["fused logits"], p["fused adapter"]))]
@@ -208,10 +228,12 @@ def main():
     print(f"  vramd's part of its switch: {v['daemon switch']:.3f} s ({v['weights written']} weights written)")
     others = {"a reload": v["reload alone"], "peft's switch": p["switch alone"], "peft's fused switch": p["fused switch alone"]}
     fastest = min(others, key=others.get)
-    print(f"the switch against the fastest other way ({fastest}): {others[fastest] / v['switch alone']:.1f}x faster; "
-          f"to the first output: {min(v['reload'], p['switch'], p['fused switch']) / v['switch']:.2f}x")
-    print(f"forward: vramd base {v['base forward']:.3f} s, with an adapter {v['adapted forward']:.3f} s "
-          f"({v['adapted forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.3f} s, unfused "
+    for kind, alone, first in [("fused", v["switch alone"], v["switch"]), ("unfused", v["unfused switch alone"], v["unfused switch"])]:
+        print(f"vramd's {kind} switch against the fastest other way ({fastest}): {others[fastest] / alone:.1f}x faster; "
+              f"to the first output: {min(v['reload'], p['switch'], p['fused switch']) / first:.2f}x")
+    print(f"forward: vramd base {v['base forward']:.3f} s, with an adapter fused {v['adapted forward']:.3f} s "
+          f"({v['adapted forward'] / v['base forward']:.2f}x), unfused {v['unfused forward']:.3f} s "
+          f"({v['unfused forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.3f} s, unfused "
           f"{p['unfused forward']:.3f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
     if args.json:
         figures = {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
