@@ -31,8 +31,8 @@ ADAPTERS = {
 }
 
 
-def merged_outputs(base_folder, inputs, adapters):
-    """peft's own result: each (adapter folder, scale) loaded onto the base in turn, its scale set
+def merged_model(base_folder, adapters):
+    """peft's own merge: each (adapter folder, scale) loaded onto the base in turn, its scale set
     on every LoRA layer (peft's set_scale), then merge_and_unload()."""
     import peft
     import transformers
@@ -43,7 +43,11 @@ def merged_outputs(base_folder, inputs, adapters):
             if isinstance(module, peft.tuners.lora.LoraLayer):
                 module.set_scale("default", scale)
         model = model.merge_and_unload().eval()
-    return hf_models.outputs(model, inputs)
+    return model
+
+
+def merged_outputs(base_folder, inputs, adapters):
+    return hf_models.outputs(merged_model(base_folder, adapters), inputs)
 
 
 @pytest.fixture(scope="module")
@@ -526,3 +530,23 @@ def test_managed_modules_apply_adapters_of_their_own_over_one_lease_and_switch_b
     # The daemon's model holds no adapter: they were this process's.
     with d.start():
         assert model(d.sock, "unet")["loras"] == []
+
+
+def test_weights_prepared_in_float8_take_the_adapter_before_their_rounding(lora):
+    """[vram] preparing in float8, computed in float32: each weight, adapted in float32, is held in
+    float8 and cast for its op. Equal, within float32's bound, to peft's merge with every weight
+    rounded through float8 and computed in float32."""
+    attention = lora["folders"]["attention"]
+
+    def through_float8(adapters):
+        model = merged_model(lora["witness"] / "model", adapters)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(parameter.to(torch.float8_e4m3fn).to(torch.float32))
+        return hf_models.outputs(model, lora["inputs"])
+
+    expected, base = through_float8([(attention, 0.5)]), through_float8([])
+    got = run(lora, config(lora, "float8", [(attention, 0.5)],
+                           'dtype = "float32"\n[vram]\npreparing = { dtype = "float8_e4m3fn" }\n'))
+    assert_close(got, expected)
+    assert not hf_models.close(got["logits"], base["logits"]), "the adapter changed nothing"
