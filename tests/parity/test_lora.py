@@ -550,3 +550,19 @@ def test_weights_prepared_in_float8_take_the_adapter_before_their_rounding(lora)
                            'dtype = "float32"\n[vram]\npreparing = { dtype = "float8_e4m3fn" }\n'))
     assert_close(got, expected)
     assert not hf_models.close(got["logits"], base["logits"]), "the adapter changed nothing"
+
+
+def test_a_partitioned_model_adapts_each_ranks_slices(lora):
+    """[partition] on 2 ranks: each rank reads the adapted weights whole and keeps its slice of
+    them; the outputs equal the single process's bit for bit, and peft's merge."""
+    stacked = [(lora["folders"]["attention"], 0.5), (lora["folders"]["mlp"], -1.5)]
+    single = run(lora, config(lora, "single", stacked))
+    path = config(lora, "partitioned", stacked, '[partition]\nworld_size = 2\ntimeout = "20s"\n')
+    output = path.with_suffix(".out.safetensors")
+    result = vramctl("run", path, "--daemon-config", lora["out"] / "vramd.toml", "--input",
+                     lora["witness"] / "inputs.safetensors", "--output", output, "--threads", "1", "--ranks", "2")
+    assert result.returncode == 0, result.stderr
+    got = load_file(output)
+    for name in single:
+        assert torch.equal(got[name], single[name]), name
+    assert_close(got, merged_outputs(lora["witness"] / "model", lora["inputs"], stacked))

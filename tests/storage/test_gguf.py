@@ -676,3 +676,43 @@ def test_the_daemon_streams_and_sleeps_a_gguf_model_packed_and_says_so(tiny_llam
         assert unpacked["weights"]["bytes_packed"] == 0 and unpacked["weights"]["packed"] == 0
         assert 0 < moved["packed"] < moved["unpacked"] / 3, moved
         assert d.stop() == 0
+
+
+# --- LoRA adapters on GGUF weights ----------------------------------------------------------------
+
+@pytest.mark.parametrize("vram", ["", STREAMED], ids=["resident", "streamed packed"])
+def test_a_peft_adapter_on_a_gguf_model_equals_peft_on_transformers_gguf_loading(tmp_path, vram):
+    """A peft adapter made on the model transformers' own GGUF loader reads (Hugging Face names),
+    applied by [[lora]] to the Q8_0 file through gguf.lua: equal to peft's merge_and_unload() on
+    that model. Under a limit the weights it changes are unpacked and adapted, the others stay
+    packed."""
+    import peft
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    llama_gguf(tmp_path / "tiny.gguf", tiny("llama"), gguf.GGMLQuantizationType.Q8_0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
+                                                              torch_dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7, 999, 4]])
+    with torch.no_grad():
+        base = model(input_ids=ids).logits  # before peft wraps the model's layers in place
+    torch.manual_seed(2)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "down_proj"],
+                                                         init_lora_weights=False))
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.3)
+    adapted.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        expected = adapted.merge_and_unload().eval()(input_ids=ids).logits
+    save_file({"input_ids": ids}, tmp_path / "inputs.safetensors")
+    outputs, stats = run_gguf(tmp_path, "lora", "tiny.gguf", f'[[lora]]\npath = "adapter"\n{vram}',
+                              tmp_path / "inputs.safetensors")
+    logits = outputs["logits"]
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= 1e-5, error
+    assert ((logits - base).abs().max() / base.abs().max()).item() > 1e-2  # the adapter, applied
+    if vram:
+        v = stats["vram"]
+        assert v["packed"] > 0 and v["bytes_packed"] > 0, v  # what no adapter changes stays packed
