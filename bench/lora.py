@@ -192,12 +192,47 @@ def vramd_contenders(work, base, adapters, batch, repeat):
                 "reloaded logits": out["logits"], "reloaded adapter": reloaded_to}
 
 
+def pss(pid):
+    """The daemon's proportional set size, bytes: shared file pages counted once across mappings."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss in smaps_rollup")
+
+
+def memory_contenders(work, base, adapters, configs, batch):
+    """The daemon's memory with one config of the checkpoint loaded (no adapters), then with
+    CONFIGS more of it, each with an adapter of its own (fuse_lora = false), all in the stored
+    dtype (bfloat16) so that their weights are views of the checkpoint's page cache. Each is loaded
+    and runs one forward (which touches every weight) before the daemon's Pss is read."""
+    work = work / "memory"
+    models = work / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    for old in models.glob("*.toml"):
+        old.unlink()
+    plain = f'checkpoint = "{base}"\n[residency]\nkeep_alive = "-1"\n'
+    (models / "base.toml").write_text(plain)
+    for i in range(configs):
+        (models / f"c{i}.toml").write_text(plain.replace("[residency]", "fuse_lora = false\n[residency]") +
+                                          f'[[lora]]\npath = "{adapters[i % 2]}"\nscale = {0.5 + i}\n')
+    with serving(work, 'cpu = "16GiB"') as client:
+        pid = client.health()["pid"]
+        before = pss(pid)
+        client.forward("base", batch)
+        figures = [pss(pid) - before]
+        for i in range(configs):
+            client.forward(f"c{i}", batch)
+            figures.append(pss(pid) - before)
+    return figures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/vramd-bench-lora")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--configs", type=int, default=3, help="configs with adapters of their own over one base")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -235,6 +270,11 @@ def main():
           f"({v['adapted forward'] / v['base forward']:.2f}x), unfused {v['unfused forward']:.3f} s "
           f"({v['unfused forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.3f} s, unfused "
           f"{p['unfused forward']:.3f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
+    figures = memory_contenders(work, base, adapters, args.configs, batch)
+    size_bf16 = (base / "model.safetensors").stat().st_size
+    print(f"host memory (the daemon's Pss after a forward of each) over one base of {size_bf16 / 2**20:.0f} MiB, the "
+          f"base's config and then configs unfused with an adapter of their own: " + ", ".join(f"{n} config{'s' if n != 1 else ''} {b / 2**20:.0f} MiB ({b / size_bf16:.2f}x)"
+                                             for n, b in enumerate(figures, 1)))
     if args.json:
         figures = {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
                    if isinstance(val, (int, float))}
