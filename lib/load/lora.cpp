@@ -149,14 +149,18 @@ std::pair<storage::DiskMap, std::optional<PeftConfig>> open_adapter(const std::s
   }
 }
 
-// The component a key's module belongs to in a file for several models: kohya's prefix
-// ("lora_unet", "lora_te1") or diffusers' first name ("unet", "text_encoder").
+// A kohya module name, "lora_unet_down_blocks_0_...", as its component ("lora_unet", "lora_te1")
+// and the rest ("down_blocks_0_...", the module's name with dots as underscores).
+std::pair<std::string, std::string> kohya_parts(const std::string& module) {
+  const size_t second = module.find('_', module.find('_') + 1);
+  if (second == std::string::npos) return {module, module};
+  return {module.substr(0, second), module.substr(second + 1)};
+}
+
+// The component a key's module belongs to in a file for several models: kohya's prefix or
+// diffusers' first name ("unet", "text_encoder").
 std::string component_of(const std::string& module, bool kohya) {
-  if (kohya) {
-    const size_t second = module.find('_', module.find('_') + 1);
-    return module.substr(0, second);
-  }
-  return module.substr(0, module.find('.'));
+  return kohya ? kohya_parts(module).first : module.substr(0, module.find('.'));
 }
 
 // The model's weights by module name, dots as underscores, for kohya's names.
@@ -236,8 +240,7 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
       // Each module to the model's weight.
       const auto find = [&](const std::string& module) -> Parameter* {
         if (kohya) {
-          const size_t second = module.find('_', module.find('_') + 1);
-          const auto it = underscored.find(second == std::string::npos ? module : module.substr(second + 1));
+          const auto it = underscored.find(kohya_parts(module).second);
           return it == underscored.end() ? nullptr : it->second;
         }
         if (Parameter* found = model.find(names.canonical(module + ".weight"))) return found;
@@ -294,6 +297,9 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
         at::Tensor down = storage::load_tensor(map, pair.down_key, as_float);
         at::Tensor up = storage::load_tensor(map, pair.up_key, as_float);
         const auto& shape = parameter->shape;
+        const model::Layer* layer = layer_of.count(parameter) ? layer_of.at(parameter) : nullptr;
+        // GPT-2's Conv1D holds its weight as [in, out]: the update is transposed (peft's fan_in_fan_out).
+        const bool conv1d = layer && layer->kind() == model::LayerKind::Conv1D;
         const std::string names_it = quote(key) + " (for " + quote(parameter->name) + ", " + format_shape(shape) + ")";
         if (pair.embedding) {
           if (shape.size() != 2 || down.dim() != 2 || up.dim() != 2 || down.size(1) != shape[0] || up.size(0) != shape[1])
@@ -309,9 +315,7 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
         } else if (shape.size() == 2) {
           if (down.dim() != 2 || up.dim() != 2)
             throw BadAdapter(names_it + ": factors " + shape_of(down) + " and " + shape_of(up) + " are not a linear layer's");
-          // GPT-2's Conv1D holds its weight as [in, out]: the update is transposed (peft's fan_in_fan_out).
-          const bool in_out = layer_of.count(parameter) && layer_of.at(parameter)->kind() == model::LayerKind::Conv1D;
-          if (down.size(1) != shape[in_out ? 0 : 1] || up.size(0) != shape[in_out ? 1 : 0])
+          if (down.size(1) != shape[conv1d ? 0 : 1] || up.size(0) != shape[conv1d ? 1 : 0])
             throw BadAdapter(names_it + ": factors " + shape_of(down) + " and " + shape_of(up) + " do not fit it");
         } else {
           throw BadAdapter(names_it + ": only linear, convolution and embedding weights take a LoRA");
@@ -335,13 +339,11 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
           alpha = value.item<double>();
         }
         const double per_rank = peft && peft->rslora ? std::sqrt(static_cast<double>(rank)) : static_cast<double>(rank);
-        const model::Layer* layer = layer_of.count(parameter) ? layer_of.at(parameter) : nullptr;
-        const bool in_out = pair.embedding || (layer && layer->kind() == model::LayerKind::Conv1D);
-        if (unfused && (!layer || (layer->kind() != model::LayerKind::Linear && layer->kind() != model::LayerKind::Conv1D &&
-                                   layer->kind() != model::LayerKind::Embedding) || parameter->name != layer->path() + ".weight"))
+        if (unfused && (!layer || (layer->kind() != model::LayerKind::Linear && !conv1d &&
+                                   layer->kind() != model::LayerKind::Embedding) || weight_of(*layer) != parameter))
           throw BadAdapter(names_it + ": computed unfused (fuse_lora = false) only on the weight of a linear or embedding "
                            "layer the model computes; fuse_lora = true adds it to the weight instead");
-        patches[parameter].terms.push_back({down, up, lora.scale * alpha / per_rank, in_out});
+        patches[parameter].terms.push_back({down, up, lora.scale * alpha / per_rank, pair.embedding || conv1d});
         adapter.modules += 1;
         adapter.bytes += down.nbytes() + up.nbytes();
       }
