@@ -82,7 +82,11 @@ bool targeted(const json& targets, const std::string& module) {
   if (targets.is_null()) return true;
   if (targets.is_string()) {
     const std::string text = targets.get<std::string>();
-    return text == "all-linear" || std::regex_match(module, std::regex(text));
+    try {
+      return text == "all-linear" || std::regex_match(module, std::regex(text));
+    } catch (const std::regex_error&) {
+      throw BadAdapter("target_modules " + quote(text) + " is no regular expression");
+    }
   }
   for (const auto& target : targets) {
     const std::string name = target.get<std::string>();

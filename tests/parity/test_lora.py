@@ -163,6 +163,8 @@ def broken_adapters(lora, root):
     loha = {q_a.replace("lora_A.weight", "hada_w1_a"): torch.ones(4, 4)}
     out["LoHa"] = (folder("loha", loha), "LoHa")
     out["not LoRA"] = (folder("prefix", config={"peft_type": "PREFIX_TUNING"}), "PREFIX_TUNING")
+    out["target_modules no regex"] = (folder("targets", config={"target_modules": "q_proj("}),
+                                      "target_modules 'q_proj(' is no regular expression")
     return out
 
 
