@@ -568,3 +568,23 @@ def test_a_partitioned_model_adapts_each_ranks_slices(lora):
     for name in single:
         assert torch.equal(got[name], single[name]), name
     assert_close(got, merged_outputs(lora["witness"] / "model", lora["inputs"], stacked))
+
+
+def test_a_client_refuses_a_pattern_that_is_no_regular_expression(tmp_path):
+    """vramd.manage's own reader (manage/lora.py) names a rank_pattern it cannot compile, as the
+    daemon's does, rather than raising re.error."""
+    from vramd.manage.lora import read_loras
+    import vramd
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file({"base_model.model.0.lora_A.weight": torch.ones(2, 4), "base_model.model.0.lora_B.weight": torch.ones(3, 2)},
+              folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2,
+                                                            "rank_pattern": {"0(": 2}}))
+    with pytest.raises(vramd.ManageError, match=r"loras\[0\], .*adapter: pattern '0\(' is no regular expression"):
+        read_loras([folder], module)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2}))
+    terms = read_loras([(folder, 0.5)], module)["0.weight"]
+    assert [(d.shape, u.shape, f, t) for d, u, f, t in terms] == [((2, 4), (3, 2), 0.5, False)]
+

@@ -53,8 +53,11 @@ def _open(path: str):
 def _pattern(patterns: dict, module: str):
     """peft's get_pattern_key: the first pattern matching the end of the module's name at a dot."""
     for pattern, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?({pattern})", module):
-            return value
+        try:
+            if re.fullmatch(rf"(.*\.)?({pattern})", module):
+                return value
+        except re.error:
+            raise ManageError(f"pattern {pattern!r} is no regular expression") from None
     return None
 
 
