@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "daemon"))
 import hf_models  # noqa: E402
-from daemon_support import Daemon, model, request, wait_for  # noqa: E402
+from daemon_support import Daemon, model, request  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
 # name -> (peft.LoraConfig's arguments, seed)
@@ -220,10 +220,13 @@ def test_the_daemon_serves_adapters_and_an_edit_without_them_gives_the_base_bit_
         status, body = request(d.sock, "POST", "/v1/models/m/weights", save({q: torch.zeros(64, 64)}))
         assert status == 400 and b"[[lora]] adapters change" in body and q.encode() in body, body
         (d.models / "m.toml").write_text(text)
-        wait_for(lambda: model(d.sock, "m").get("loras") == [], what="the edit without adapters")
+        # POST /v1/reload reads the folder before it answers: the edit's replacement is queued
+        # then, and the forward after it runs on the config without adapters.
+        assert request(d.sock, "POST", "/v1/reload")[0] == 200
         status, body = request(d.sock, "POST", "/v1/models/m/forward", inputs)
         assert status == 200, body
         assert torch.equal(load(body)["logits"], base["logits"])
+        assert model(d.sock, "m")["loras"] == []
 
 
 def test_kohya_conv_and_linear_adapters_reach_a_lease_and_another_components_keys_are_skipped(tmp_path):
