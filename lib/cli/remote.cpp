@@ -281,6 +281,8 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
             << (info["budget"].is_null() ? std::string("no budget") : format_bytes(info["budget"].get<uint64_t>()))
             << (info.value("releasing", uint64_t{0}) ? ", " + format_bytes(info["releasing"].get<uint64_t>()) +
                                                           " of replaced values being freed" : "")
+            << (info.value("shared", uint64_t{0}) ? ", " + format_bytes(info["shared"].get<uint64_t>()) +
+                                                       " less for checkpoint pages models share" : "")
             << '\n';
       out << "models:" << (body["models"].empty() ? " none\n" : "\n");
       // Each model (what it holds now, and what it counts against the budgets above, which add up
@@ -298,6 +300,14 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
         out << lines[i + 1] << '\n';
         if (m.contains("reason")) print_lines("", m["reason"].get<std::string>(), out);
         if (m.contains("weights")) out << "    " << m["weights"]["plan"].get<std::string>() << '\n';
+        if (m.contains("views")) {
+          const json& v = m["views"];
+          std::string with;
+          for (const auto& name : v["with"]) with += (with.empty() ? "" : ", ") + name.get<std::string>();
+          out << "    " << format_bytes(v["bytes"].get<uint64_t>()) << " are views of the checkpoint's pages"
+              << (with.empty() ? "" : ", " + format_bytes(v["shared"].get<uint64_t>()) + " of them shared with " + with)
+              << '\n';
+        }
         print_leases(m, out);
         for (const auto& kept : body.value("kept_memfds", json::array()))
           if (kept["model"] == m["name"]) {

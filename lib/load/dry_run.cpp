@@ -9,8 +9,13 @@ namespace vramd::load {
 DryModel dry_run_model(const config::ModelConfig& config) {
   Prepared prepared = prepare(config);
   const auto source = weights::make_source(std::move(prepared.map), std::move(prepared.assignments), config);
-  model::DryRun dry{prepared.architecture, convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())),
-             std::move(prepared.report), weights::plan_weights(*prepared.model, *source, config)};
+  model::DryRun dry{.architecture = prepared.architecture,
+                    .dtype = convert::dtype_torch_name(storage::dtype_of(prepared.model->dtype())),
+                    .report = std::move(prepared.report),
+                    .weights = weights::plan_weights(*prepared.model, *source, config),
+                    .views = weights::planned_views(*prepared.model, *source, config),
+                    .views_chosen = config.vram.direct_io.has_value(),
+                    .checkpoint_bytes = source->map.total_bytes()};
   return {std::move(dry), std::move(prepared.model)};
 }
 

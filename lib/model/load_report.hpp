@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "config/model_config.hpp"
+#include "model/file_spans.hpp"
 #include "model/vram_stats.hpp"
 #include "util/error.hpp"
 
@@ -44,6 +45,13 @@ struct DryRun {
   // Streamed weights' plan ([vram].limit, or a preparing dtype of its own): the figures and
   // plan line the model's status shows once loaded, before its first forward.
   std::optional<VramStats> weights;
+  // The checkpoint's bytes the weights would hold as views of its pages in host memory (shared
+  // with every other model viewing them: server/budget.hpp), and whether reading through the
+  // page cache was the config's choice (direct_io = false) rather than the checkpoint's size
+  // against the cache's room, which the daemon asks again before it counts on the views.
+  FileSpans views;
+  bool views_chosen = false;
+  uint64_t checkpoint_bytes = 0;  // of every tensor in the checkpoint's index
 };
 
 // Neither the model config nor a config.json beside the checkpoint names an architecture.

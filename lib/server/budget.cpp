@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "storage/page_cache.hpp"
 #include "weights/holdings.hpp"
 
 namespace vramd::server {
@@ -43,6 +44,31 @@ Holdings charged(const Entry& e) {
   return out;
 }
 
+uint64_t shared_views(const std::vector<const Entry*>& entries) {
+  uint64_t sum = 0;
+  model::FileSpans all;
+  for (const Entry* e : entries) {
+    sum += e->views.bytes();
+    all.add(e->views);
+  }
+  return sum - all.bytes();
+}
+
+uint64_t viewed_by_others(const model::FileSpans& views, const std::vector<const Entry*>& entries, const Entry* self) {
+  if (views.empty()) return 0;
+  model::FileSpans others;
+  for (const Entry* e : entries)
+    if (e != self) others.add(e->views);
+  return views.overlap(others);
+}
+
+model::FileSpans views_to_come(const Entry& e) {
+  if (!e.dry || e.dry->views.empty()) return {};
+  if (!e.dry->views_chosen && storage::choose_direct_io(e.dry->checkpoint_bytes, 0, storage::page_cache_room()).direct)
+    return {};  // the load will read around the page cache: its weights copies
+  return e.dry->views;
+}
+
 bool fits(const DeviceBytes& more, const DeviceBytes& used, const Budgets& budgets) {
   for (const auto& [device, bytes] : more) {
     const auto budget = budgets.find(device);
@@ -58,10 +84,12 @@ DeviceBytes room_to_reserve(const DeviceBytes& expected, const DeviceBytes& have
   return need;
 }
 
-Holder holder_on(const Entry& e, const std::string& device, bool offload_fits) {
+Holder holder_on(const Entry& e, const std::string& device, bool offload_fits, uint64_t kept) {
   const bool ready = e.state == ModelState::Ready;
+  const uint64_t bytes = on(held_charges(e), device);
   return {.name = e.name,
-          .bytes = on(held_charges(e), device),
+          .bytes = bytes,
+          .shared = device == "cpu" ? std::min(bytes, kept) : 0,
           .reserved = on(e.reserved, device) + on(lease_room(e), device),
           .last_used = e.last_used,
           .loaded = e.runtime && e.config,

@@ -36,6 +36,17 @@ DeviceBytes held_charges(const Entry& entry);
 // What the entry's leases' clients use on their devices.
 DeviceBytes lease_room(const Entry& entry);
 
+// Pages of checkpoints that several loaded models view (weights that are views of a file's
+// mapping, model::FileSpans) are counted once: each model's charge counts its views in full, and
+// the daemon's `used` counts on "cpu" the sum of the charges less `shared_views`, the bytes
+// viewed by more than one (the sum of each model's views less their union).
+uint64_t shared_views(const std::vector<const Entry*>& entries);
+// The bytes of `views` that loaded models other than `self` view now.
+uint64_t viewed_by_others(const model::FileSpans& views, const std::vector<const Entry*>& entries, const Entry* self);
+// The views a load of the entry would hold (its dry run's), where its reads will go through the
+// page cache: direct_io = false, or "auto" with room in the cache for its checkpoint now.
+model::FileSpans views_to_come(const Entry& entry);
+
 // Whether `more` fits beside `used` within every budget.
 bool fits(const DeviceBytes& more, const DeviceBytes& used, const Budgets& budgets);
 
@@ -44,7 +55,8 @@ bool fits(const DeviceBytes& more, const DeviceBytes& used, const Budgets& budge
 DeviceBytes room_to_reserve(const DeviceBytes& expected, const DeviceBytes& have, const DeviceBytes& extra);
 
 // The entry as the eviction planner sees it on `device`; `offload_fits`: its offload state
-// fits where it sleeps now.
-Holder holder_on(const Entry& entry, const std::string& device, bool offload_fits);
+// fits where it sleeps now; `kept`: of its views, the bytes that others view too, the model room
+// is made for included (its eviction frees none of those).
+Holder holder_on(const Entry& entry, const std::string& device, bool offload_fits, uint64_t kept);
 
 }  // namespace vramd::server

@@ -77,6 +77,7 @@ struct Entry {
 
   std::map<std::string, uint64_t> bytes;     // held on each device, as of the last job
   std::optional<model::VramStats> vram;      // streamed or partitioned weights' plan and counters, as of the last job
+  model::FileSpans views;                    // of those bytes, the checkpoint's pages its weights view (server/budget.hpp)
   DeviceBytes reserved;  // for the job running now (or about to run), on each device
   Clock::time_point last_used{};
   std::optional<std::chrono::milliseconds> keep_alive;

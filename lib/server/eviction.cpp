@@ -25,21 +25,22 @@ RoomPlan plan_room(const RoomRequest& request, const std::vector<Holder>& holder
                     format_bytes_beside(request.budget, request.bytes) + ")"};
   uint64_t in_use = 0;
   for (const auto& h : holders) in_use += h.bytes + h.reserved;
+  in_use -= std::min(in_use, request.shared);
   const uint64_t free = request.budget - std::min(request.budget, in_use);
   if (free >= request.bytes) return {};
 
   std::vector<const Holder*> candidates;
   for (const auto& h : holders)
-    if (h.name != request.model && evictable(h) && h.bytes > 0) candidates.push_back(&h);
+    if (h.name != request.model && evictable(h) && h.bytes > h.shared) candidates.push_back(&h);
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const Holder* a, const Holder* b) { return a->last_used < b->last_used; });
   RoomPlan plan;
   uint64_t planned = 0;
   std::vector<const Holder*> chosen;
   const auto evict = [&](const Holder* h, Eviction::Kind kind) {
-    planned += h->bytes;
+    planned += h->bytes - h->shared;
     chosen.push_back(h);
-    plan.evictions.push_back({kind, h->name, h->bytes});
+    plan.evictions.push_back({kind, h->name, h->bytes - h->shared});
   };
   for (const Holder* h : candidates)  // first sleep models whose offload state is elsewhere
     if (free + planned < request.bytes && h->ready && h->offload_fits && h->offload_device != request.device)

@@ -15,6 +15,7 @@ namespace vramd::server {
 struct Holder {
   std::string name;
   uint64_t bytes = 0;     // of its weights on the device
+  uint64_t shared = 0;    // of those, pages others hold too (views of one checkpoint): its eviction frees the rest
   uint64_t reserved = 0;  // on the device, for the job it runs now
   std::chrono::steady_clock::time_point last_used{};
   bool loaded = false;            // holds its weights under a valid config (not loading, not failed)
@@ -33,6 +34,7 @@ struct RoomRequest {
   std::string device;
   uint64_t bytes = 0;
   uint64_t budget = 0;
+  uint64_t shared = 0;  // bytes the holders' `bytes` count more than once (server/budget.hpp, shared_views)
 };
 
 struct Eviction {

@@ -106,6 +106,7 @@ Outcome run_job(Job& job, std::shared_ptr<Runtime> runtime, const config::ModelC
     if (outcome.runtime) {
       outcome.bytes = outcome.runtime->bytes_by_device();
       outcome.vram = outcome.runtime->vram();
+      outcome.views = outcome.runtime->views();
       outcome.version = outcome.runtime->version();
     }
   } catch (const std::exception& error) {

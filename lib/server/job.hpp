@@ -63,6 +63,7 @@ struct Outcome {
   std::shared_ptr<Runtime> runtime;  // the model after the job: null once unloaded
   std::map<std::string, uint64_t> bytes;
   std::optional<model::VramStats> vram;
+  model::FileSpans views;  // Runtime::views
   bool loaded = false;     // the job loaded the model
   std::string load_error;  // loading failed (the model is then unloaded)
   bool cancelled = false;  // a load by its progress callback, a forward by `stop`

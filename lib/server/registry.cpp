@@ -324,13 +324,17 @@ json Registry::devices_json() const {
       use[device] += bytes;
     }
   }
+  // Pages several models view, counted once: in each model's charge, taken off `used` once less.
+  const uint64_t shared = shared_views(entries());
+  if (shared) use["cpu"] -= shared;
   for (const auto& device : names) {
-    json models = json::object();  // what each model counts, which with `releasing` adds up to `used`
+    json models = json::object();  // what each model counts: with `releasing`, less `shared`, `used`
     for (const auto& [name, bytes] : charges)
       if (const uint64_t b = on(bytes, device)) models[name] = b;
     const auto budget = config_.budgets.find(device);
     devices[device] = {{"budget", budget == config_.budgets.end() ? json(nullptr) : json(budget->second)},
-                       {"used", on(use, device)}, {"releasing", on(releasing_, device)}, {"models", models}};
+                       {"used", on(use, device)}, {"releasing", on(releasing_, device)},
+                       {"shared", device == "cpu" ? shared : 0}, {"models", models}};
   }
   return devices;
 }

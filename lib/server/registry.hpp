@@ -88,8 +88,9 @@ class Registry {
   bool make_room(Entry& entry, const std::string& device, uint64_t bytes);
   // Room for what the entry will hold on each device (`expected`), less what it counts there
   // now, and for `extra` (a lease's room for its client), reserved for its next job: true once
-  // reserved; else as make_room.
-  bool reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra = {});
+  // reserved; else as make_room. `views`: the checkpoint's pages a load will view
+  // (views_to_come), counted as the entry's from now on, and once where others view them too.
+  bool reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra = {}, const model::FileSpans& views = {});
   // The sum of every entry's charge on each device, and the values being freed (releasing_): one
   // pass over the entries, so that a question asked of each entry (holder_on) is not one pass each.
   DeviceBytes used() const;

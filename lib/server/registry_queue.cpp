@@ -23,6 +23,7 @@ DeviceBytes Registry::used() const {
   DeviceBytes total = releasing_;
   for (const auto& [name, entry] : entries_)
     for (const auto& [device, bytes] : weights::totals(charged(*entry))) total[device] += bytes;
+  if (const uint64_t shared = shared_views(entries())) total["cpu"] -= shared;  // counted in each viewer's charge
   return total;
 }
 
@@ -33,13 +34,15 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
   // Values being freed still hold their pages (counted in `use`): wait for them rather than evict for them.
   if (on(releasing_, device) && on(use, device) + need > budget->second) return false;
   std::vector<Holder> holders;
+  const std::vector<const Entry*> all = entries();
   for (const auto& [name, e] : entries_) {
     // Sleeping it must fit where it sleeps (on another device than the one asked for).
     const bool offload_fits =
         e->config && e->dry && fits(weights::totals(weights::asleep_holdings(*e->config, *e->dry)), use, config_.budgets);
-    holders.push_back(holder_on(*e, device, offload_fits));
+    holders.push_back(holder_on(*e, device, offload_fits, viewed_by_others(e->views, all, e.get())));
   }
-  const RoomPlan plan = plan_room({entry.name, device, need, budget->second}, holders);
+  const uint64_t shared = device == "cpu" ? shared_views(all) : 0;
+  const RoomPlan plan = plan_room({entry.name, device, need, budget->second, shared}, holders);
   if (!plan.error.empty()) throw Error(plan.error);
   for (const auto& eviction : plan.evictions) {
     Job job(eviction.kind == Eviction::Kind::Offload ? Job::Kind::Offload : Job::Kind::Unload);
@@ -50,10 +53,21 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
   return plan.evictions.empty();
 }
 
-bool Registry::reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra) {
+bool Registry::reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra, const model::FileSpans& views) {
   const DeviceBytes need = room_to_reserve(expected, held_charges(entry), extra);
-  for (const auto& [device, bytes] : need)
-    if (!make_room(entry, device, bytes)) return false;
+  // The views it will hold count from now on, as its reservation does: pages others view already
+  // are counted once (used() then counts them in the room reserved and takes them off again).
+  model::FileSpans before = views.empty() ? entry.views : std::exchange(entry.views, views);
+  try {
+    for (const auto& [device, bytes] : need)
+      if (!make_room(entry, device, bytes)) {
+        entry.views = std::move(before);
+        return false;
+      }
+  } catch (...) {
+    entry.views = std::move(before);
+    throw;
+  }
   entry.reserved = need;
   return true;
 }
@@ -134,7 +148,8 @@ void Registry::pump(Entry& entry) {
       expected = weights::totals(weights::asleep_holdings(*entry.config, *entry.dry));
     if (expected || !job.reserve.empty()) {
       try {
-        if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve)) {
+        const bool loads = !entry.runtime && job.loads();
+        if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve, loads ? views_to_come(entry) : model::FileSpans{})) {
           entry.waiting_for_room = true;
           return;
         }
@@ -219,6 +234,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
   entry.version = outcome.version;
   entry.bytes = outcome.bytes;
   entry.vram = outcome.vram;
+  entry.views = outcome.views;
   auto watchers = std::exchange(entry.load_watchers, {});
   entry.cancel.reset();
   entry.stop_forward.reset();
@@ -270,6 +286,7 @@ void Registry::finish_job(Entry& entry, Job job, const Outcome& outcome) {
       entry.worker->run([doomed = std::move(entry.runtime)] {});
       entry.bytes.clear();
       entry.vram.reset();
+      entry.views = {};
       entry.state = ModelState::Unloaded;
       entry.reason = outcome.error;
     }

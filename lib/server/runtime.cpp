@@ -396,6 +396,7 @@ Moved Runtime::onload() {
 bool Runtime::offloaded() const { return impl_->offloaded; }
 
 std::map<std::string, uint64_t> Runtime::bytes_by_device() const { return impl_->loaded.weights->bytes_by_device(); }
+model::FileSpans Runtime::views() const { return impl_->loaded.weights->views(); }
 
 std::optional<model::VramStats> Runtime::vram() const { return impl_->loaded.weights->stats(); }
 

@@ -159,6 +159,8 @@ class Runtime {
 
   // Bytes of weights held on each device ("cpu", "cuda:0"); nothing for weights on disk.
   std::map<std::string, uint64_t> bytes_by_device() const;
+  // Of those, the checkpoint's pages that weights are views of (weights::Weights::views).
+  model::FileSpans views() const;
   // With [vram] management: the plan, the bytes held, the peak and the streaming counters.
   std::optional<model::VramStats> vram() const;
   const model::LoadReport& report() const;

@@ -4,6 +4,7 @@
 
 #include "config/units.hpp"
 #include "server/budget.hpp"
+#include "server/registry.hpp"
 #include "util/clock.hpp"
 
 namespace vramd::server {
@@ -99,6 +100,21 @@ json charge_json(const Entry& e) {
   return out;
 }
 
+// The checkpoint's pages the model's weights view in host memory, and which other models view
+// them too (each byte counted once in the cpu budget): null when its weights view none.
+json views_json(const Entry& e) {
+  if (e.views.empty()) return nullptr;
+  json with = json::array();
+  uint64_t shared = 0;
+  if (e.registry) {
+    const std::vector<const Entry*> all = e.registry->entries();
+    for (const Entry* other : all)
+      if (other != &e && e.views.overlap(other->views)) with.push_back(other->name);
+    shared = viewed_by_others(e.views, all, &e);
+  }
+  return {{"bytes", e.views.bytes()}, {"shared", shared}, {"with", with}};
+}
+
 json weights_json(const Entry& e) {
   if (!e.vram || !e.runtime) return nullptr;
   return *e.vram;
@@ -132,6 +148,7 @@ json entry_json(const Entry& e) {
                       {"preload", c.residency.preload}};
   }
   if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
+  if (auto views = views_json(e); !views.is_null()) j["views"] = std::move(views);
   j["version"] = e.runtime ? json(e.version) : json(nullptr);
   j["leases"] = leases_json(e);
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
@@ -154,6 +171,7 @@ json summary_json(const Entry& e) {
   j["version"] = e.runtime ? json(e.version) : json(nullptr);
   j["leases"] = leases_json(e);
   if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
+  if (auto views = views_json(e); !views.is_null()) j["views"] = std::move(views);
   return j;
 }
 

@@ -19,16 +19,53 @@
 
 namespace vramd::weights {
 
+namespace {
+
+// Where resident weights are while the model is awake: its computation state, or for a model
+// that rests for its clients, host memory in the onload dtype.
+config::DeviceState awake_state(const model::Model& model, const config::ModelConfig& config) {
+  const auto dtype = storage::dtype_of(model.dtype());
+  return config::rests_for_clients(config)
+             ? config::DeviceState{config::Device::named("cpu"), config.vram.onload.dtype.value_or(dtype)}
+             : config::DeviceState{config.vram.computation.device, dtype};
+}
+
+bool packed_awake(const config::ModelConfig& config) {
+  return config::rests_for_clients(config) && packed_state(config.vram.onload, config);
+}
+
+// The checkpoint bytes a weight read as `held` is a view of, where read_all may view them: its
+// stored bytes as they are, aligned for their type in the page-aligned mapping (view_or_copy).
+const storage::TensorInfo* viewable(const Source& source, const Assignment& a, c10::ScalarType held) {
+  const storage::TensorInfo* info = source.stored(a, held);
+  return info && info->nbytes && info->offset % c10::elementSize(held) == 0 ? info : nullptr;
+}
+
+}  // namespace
+
+model::FileSpans ResidentWeights::planned_views(const model::Model& model, const Source& source,
+                                                const config::ModelConfig& config) {
+  model::FileSpans spans;
+  const config::DeviceState awake = awake_state(model, config);
+  if (source.direct || !awake.device.is_cpu()) return spans;  // read around the page cache, or off the host
+  std::map<uint32_t, std::string> files;
+  for (const auto& a : source.assignments)
+    if (const auto* info = viewable(source, a, held_dtype(a, storage::scalar_type(*awake.dtype), packed_awake(config)))) {
+      auto [file, fresh] = files.try_emplace(info->file);
+      if (fresh) file->second = model::file_identity(source.map.descriptor(info->file));
+      spans.add(file->second, info->offset, info->offset + info->nbytes);
+    }
+  return spans;
+}
+
 ResidentWeights::ResidentWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
                                  const model::LoadOptions& options, size_t& zero_copy)
     : model_(model),
       source_(std::move(source)),
       states_(config.vram),
-      awake_(config::rests_for_clients(config)
-                 ? config::DeviceState{config::Device::named("cpu"), states_.onload.dtype.value_or(storage::dtype_of(model.dtype()))}
-                 : config::DeviceState{states_.computation.device, storage::dtype_of(model.dtype())}),
+      awake_(awake_state(model, config)),
       zero_copy_(options.zero_copy),
-      packed_awake_(config::rests_for_clients(config) && packed_state(states_.onload, config)),
+      packed_awake_(packed_awake(config)),
       packed_offload_(config::rests_for_clients(config) && packed_state(states_.offload, config)) {
   read_all(torch_device(awake_.device), storage::scalar_type(*awake_.dtype), packed_awake_, &options, &zero_copy);
   for (const auto& layer : model.layers()) layer->set_manager(this);
@@ -145,6 +182,21 @@ uint64_t ResidentWeights::sleep() { return move_to(states_.offload, packed_offlo
 uint64_t ResidentWeights::wake() { return move_to(awake_, packed_awake_); }
 
 std::optional<model::VramStats> ResidentWeights::stats() const { return std::nullopt; }
+
+model::FileSpans ResidentWeights::views() const {
+  model::FileSpans spans;
+  std::map<uint32_t, std::string> files;
+  for (const auto& a : source_->assignments) {
+    const at::Tensor& value = a.parameter->value;
+    if (!value.defined() || !value.is_cpu() || value.storage().allocator() != nullptr) continue;  // a copy
+    const auto found = source_->map.locate(value.const_data_ptr(), value.nbytes());
+    if (!found) continue;  // a view of other shared memory (a lease's region, an update's memfd)
+    auto [file, fresh] = files.try_emplace(found->first);
+    if (fresh) file->second = model::file_identity(source_->map.descriptor(found->first));
+    spans.add(file->second, found->second, found->second + value.nbytes());
+  }
+  return spans;
+}
 
 std::map<std::string, uint64_t> ResidentWeights::bytes_by_device() const {
   std::map<std::string, uint64_t> bytes;

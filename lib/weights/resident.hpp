@@ -23,6 +23,9 @@ class ResidentWeights final : public Weights {
   ResidentWeights(model::Model& model, std::shared_ptr<Source> source, const config::ModelConfig& config,
                   const model::LoadOptions& options, size_t& zero_copy);
   ~ResidentWeights() override;
+  // The checkpoint's bytes the constructor would read as views (weights::planned_views).
+  static model::FileSpans planned_views(const model::Model& model, const Source& source,
+                                        const config::ModelConfig& config);
   ResidentWeights(const ResidentWeights&) = delete;
   ResidentWeights& operator=(const ResidentWeights&) = delete;
 
@@ -32,6 +35,7 @@ class ResidentWeights final : public Weights {
   uint64_t wake() override;
   std::optional<model::VramStats> stats() const override;
   std::map<std::string, uint64_t> bytes_by_device() const override;
+  model::FileSpans views() const override;
   void check_leasable(const std::string& model, const std::string& device) const override;
   void update(const std::string& model, const WeightUpdate& update) override;
   std::shared_ptr<void> take_replaced(std::map<std::string, uint64_t>& bytes) override;

@@ -103,6 +103,11 @@ std::optional<model::VramStats> plan_weights(const model::Model& model, const So
   return StreamedWeights::plan(model, source, config);
 }
 
+model::FileSpans planned_views(const model::Model& model, const Source& source, const config::ModelConfig& config) {
+  if (config.partition.world_size > 1 || (!config::rests_for_clients(config) && streams(model, config))) return {};
+  return ResidentWeights::planned_views(model, source, config);
+}
+
 std::shared_ptr<Weights> make_weights(model::Model& model, std::shared_ptr<Source> source,
                                       const config::ModelConfig& config, const model::LoadOptions& options,
                                       model::LoadReport& report) {

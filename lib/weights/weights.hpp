@@ -106,6 +106,9 @@ class Weights : public model::LayerWeights {
   virtual std::optional<model::VramStats> stats() const = 0;
   // Bytes of weights held on each device ("cpu", "cuda:0"); nothing for weights on disk.
   virtual std::map<std::string, uint64_t> bytes_by_device() const = 0;
+  // The checkpoint's bytes that weights held now are views of (pages of the page cache, counted
+  // in bytes_by_device as well): none where every value is a copy.
+  virtual model::FileSpans views() const { return {}; }
 
   // Throws NotLeasable (weights/lease.hpp) naming `model` and what to change in its config,
   // when a lease on `device` ("cpu", "cuda:0") cannot hand these weights over whole.
@@ -136,6 +139,9 @@ class Weights : public model::LayerWeights {
 // Throws the Error make_weights would for a [vram] table it cannot honour.
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config);
+// The checkpoint's bytes that make_weights would hold as views of the file's pages (views()
+// once loaded), where its reads go through the page cache as `source` says.
+model::FileSpans planned_views(const model::Model& model, const Source& source, const config::ModelConfig& config);
 
 // Reads `model`'s weights from `source` as `config` says, reporting progress through `options`
 // and figures into `report`. Throws Error naming the config when its [vram] or [partition]

@@ -1,6 +1,6 @@
 """The device budget as an invariant. After every request, on every device with a budget: what the
 daemon counts (`used`) is within the budget and is the sum of the models' charges and the values
-being freed; no model holds more on a device than its charge there, or more than its plan lets it
+being freed, less the checkpoint pages several models view (counted once); no model holds more on a device than its charge there, or more than its plan lets it
 (no "unplanned" part); what each model holds, counted by the daemon from its tensors, is what its
 weights' own figures say, tier by tier; and each idle model's charge is what the test derives from
 what it reports (docs/api.md's rules: the whole limit, every onload copy wherever it rests, the
@@ -51,7 +51,7 @@ def check_invariant(sock, after, before=None, clients=None):
     models = {m["name"]: m for m in status["models"]}
     for device, info in status["devices"].items():
         charges = sum(info["models"].values())
-        assert charges + info["releasing"] == info["used"], (after, device, info, before)
+        assert charges + info["releasing"] - info["shared"] == info["used"], (after, device, info, before)
         if info["budget"] is not None:
             assert info["used"] <= info["budget"], (after, device, info, before)
         for name, share in info["models"].items():

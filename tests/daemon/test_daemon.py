@@ -397,10 +397,15 @@ def test_edits_a_lease_holds_back_take_effect_once_and_the_file_has_the_last_wor
     assert model(s, "tiny")["state"] == "ready" and "config_error" not in model(s, "tiny")
 
 
+# Read into copies of their own: configs of one checkpoint whose weights view its pages hold them
+# once (tests/parity/test_lora.py, test_configs_of_one_checkpoint_count_its_pages_once).
+COPIES = "[vram]\ndirect_io = true\n"
+
+
 def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoints):
     d = Daemon(tmp_path, budgets='cpu = "180MiB"')  # two MiniLMs (86.6 MiB each) fit, three do not
     for name in ("a", "b", "c"):
-        add_model(d, name, checkpoints["minilm"])
+        add_model(d, name, checkpoints["minilm"], COPIES)
     with d.start():
         s = d.sock
         for name in ("a", "b"):
@@ -414,7 +419,7 @@ def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoi
 
         # Pinned models are never evicted: then the load fails with the numbers.
         for name in ("a", "c"):
-            (d.models / f"{name}.toml").write_text(f'checkpoint = "{checkpoints["minilm"]}"\n[residency]\npinned = true\n')
+            (d.models / f"{name}.toml").write_text(f'checkpoint = "{checkpoints["minilm"]}"\n[residency]\npinned = true\n{COPIES}')
         request(s, "POST", "/v1/reload")
         forward(s, "a", MINILM_INPUT)
         forward(s, "c", MINILM_INPUT)
@@ -435,8 +440,8 @@ def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoi
 
 def test_budget_offloads_before_unloading(tmp_path, checkpoints):
     d = Daemon(tmp_path, budgets='cpu = "100MiB"')
-    add_model(d, "sleeper", checkpoints["minilm"], '[vram]\noffload = { device = "disk" }')
-    add_model(d, "other", checkpoints["minilm"])
+    add_model(d, "sleeper", checkpoints["minilm"], COPIES + 'offload = { device = "disk" }')
+    add_model(d, "other", checkpoints["minilm"], COPIES)
     with d.start():
         forward(d.sock, "sleeper", MINILM_INPUT)
         forward(d.sock, "other", MINILM_INPUT)

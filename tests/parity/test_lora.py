@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "daemon"))
 import hf_models  # noqa: E402
-from daemon_support import Daemon, model, request  # noqa: E402
+from daemon_support import Daemon, get_json, model, request  # noqa: E402
 
 VRAMCTL = os.environ["VRAMCTL"]
 # name -> (peft.LoraConfig's arguments, seed)
@@ -388,6 +388,64 @@ def test_unfused_adapters_compute_beside_the_weights_and_switch_on_layers_stream
         assert status == 200, answer
         status, out = request(d.sock, "POST", "/v1/models/disk/forward", inputs)
         assert torch.equal(load(out)["logits"], base["logits"])
+
+
+def stored_bytes(checkpoint, names=None):
+    """The bytes of a safetensors file's tensors (those whose name contains one of `names`), from its header."""
+    with open(checkpoint, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+               if k != "__metadata__" and (names is None or any(n in k for n in names)))
+
+
+def test_configs_of_one_checkpoint_count_its_pages_once(lora, tmp_path):
+    """Two configs of one checkpoint, each with an unfused adapter of its own, hold the base once:
+    their weights are views of the checkpoint's pages, which the cpu budget counts once (one that
+    holds a base and a third loads both, evicting neither), and status and `vramctl status` say
+    who shares what. A fused config shares every weight its adapter leaves alone."""
+    attention, mlp = lora["folders"]["attention"], lora["folders"]["mlp"]
+    checkpoint = lora["witness"] / "model"
+    base = stored_bytes(checkpoint / "model.safetensors")
+    d = Daemon(tmp_path, budgets=f'cpu = "{base * 13 // 10240}KiB"')
+    for name, folder, fuse in [("a", attention, "false"), ("b", mlp, "false"), ("c", attention, "true")]:
+        (d.models / f"{name}.toml").write_text(f'checkpoint = "{checkpoint}"\nfuse_lora = {fuse}\n'
+                                               f'[[lora]]\npath = "{folder}"\n')
+    inputs = save(lora["inputs"])
+
+    def forward(name):
+        status, out = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
+        assert status == 200, out
+        return load(out)
+
+    def cpu():
+        return get_json(d.sock, "/v1/status")["devices"]["cpu"]
+
+    with d.start():
+        assert_close(forward("a"), merged_outputs(checkpoint, lora["inputs"], [(attention, 1.0)]))
+        assert_close(forward("b"), merged_outputs(checkpoint, lora["inputs"], [(mlp, 1.0)]))
+        a, b = model(d.sock, "a"), model(d.sock, "b")
+        assert a["state"] == "ready" and a["stats"]["loads"] == 1, a  # b's load evicted nothing
+        assert a["views"] == {"bytes": base, "shared": base, "with": ["b"]}, a
+        assert b["views"] == {"bytes": base, "shared": base, "with": ["a"]}, b
+        adapters = sum(x["bytes"] for m in (a, b) for x in m["loras"])
+        held = cpu()
+        assert held["shared"] == base and held["used"] == sum(held["models"].values()) - base, held
+        assert held["used"] <= 1.15 * (base + adapters), held
+        shown = subprocess.run([VRAMCTL, "status", "--socket", d.sock], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert f"shared with b" in shown.stdout and "less for checkpoint pages models share" in shown.stdout, shown.stdout
+        # Fused, q_proj and v_proj are its own; the rest it views with the others.
+        assert_close(forward("c"), merged_outputs(checkpoint, lora["inputs"], [(attention, 1.0)]))
+        c = model(d.sock, "c")
+        own = stored_bytes(checkpoint / "model.safetensors", ["q_proj", "v_proj"])
+        assert c["views"] == {"bytes": base - own, "shared": base - own, "with": ["a", "b"]}, c
+        assert cpu()["shared"] == 2 * base - own and all(model(d.sock, n)["state"] == "ready" for n in "ab")
+        # Unloaded, a and b share nothing more: c is charged its whole weights.
+        for name in "ab":
+            assert request(d.sock, "POST", f"/v1/models/{name}/unload")[0] == 200
+        c, held = model(d.sock, "c"), cpu()
+        assert c["views"]["with"] == [] and c["views"]["shared"] == 0 and held["shared"] == 0, (c, held)
+        assert held["used"] == c["charge"]["cpu"]["bytes"], (c, held)
 
 
 @pytest.mark.parametrize("fuse", ["true", "false"])

@@ -138,3 +138,23 @@ TEST_CASE("eviction keeps the given order among models last used at the same tim
   CHECK(steps(plan_room(ask(100, 100), holders)) ==
         std::vector<std::string>{"offload d", "offload a", "offload c", "offload b"});
 }
+
+TEST_CASE("eviction counts pages several models share once, and frees only what a model does not share") {
+  // a and b view the same 60 MiB of one checkpoint in host memory, each with 10 MiB of its own:
+  // 80 MiB in use of 100.
+  Holder a = idle("a", 70, 1), b = idle("b", 70, 2);
+  a.shared = b.shared = 60 * MiB;
+  RoomRequest request{"new", "cpu", 20 * MiB, 100 * MiB, 60 * MiB};
+  CHECK(plan_room(request, {a, b}).evictions.empty());
+  // Unloading a frees its own 10 MiB (b still views the rest): enough for 30, not for 35.
+  request.bytes = 30 * MiB;
+  const RoomPlan plan = plan_room(request, {a, b});
+  CHECK(steps(plan) == std::vector<std::string>{"unload a"});
+  CHECK(plan.evictions[0].bytes == 10 * MiB);
+  request.bytes = 35 * MiB;
+  // A model all of whose bytes others view frees nothing: it is never chosen.
+  Holder c = idle("c", 60, 0);
+  c.shared = 60 * MiB;
+  request.shared = 120 * MiB;
+  CHECK(steps(plan_room(request, {a, b, c})) == std::vector<std::string>{"unload a", "unload b"});
+}
