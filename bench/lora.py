@@ -204,7 +204,9 @@ def memory_contenders(work, base, adapters, configs, batch):
     """The daemon's memory with one config of the checkpoint loaded (no adapters), then with
     CONFIGS more of it, each with an adapter of its own (fuse_lora = false), all in the stored
     dtype (bfloat16) so that their weights are views of the checkpoint's page cache. Each is loaded
-    and runs one forward (which touches every weight) before the daemon's Pss is read."""
+    and runs one forward (which touches every weight) before the daemon's Pss is read, beside what
+    its cpu budget counts (`used`, each page several configs view counted once). Returns
+    (Pss, used) after each config."""
     work = work / "memory"
     models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
@@ -218,11 +220,10 @@ def memory_contenders(work, base, adapters, configs, batch):
     with serving(work, 'cpu = "16GiB"') as client:
         pid = client.health()["pid"]
         before = pss(pid)
-        client.forward("base", batch)
-        figures = [pss(pid) - before]
-        for i in range(configs):
-            client.forward(f"c{i}", batch)
-            figures.append(pss(pid) - before)
+        figures = []
+        for name in ["base"] + [f"c{i}" for i in range(configs)]:
+            client.forward(name, batch)
+            figures.append((pss(pid) - before, client.status()["devices"]["cpu"]["used"]))
     return figures
 
 
@@ -272,9 +273,10 @@ def main():
           f"{p['unfused forward']:.3f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
     figures = memory_contenders(work, base, adapters, args.configs, batch)
     size_bf16 = (base / "model.safetensors").stat().st_size
-    print(f"host memory (the daemon's Pss after a forward of each) over one base of {size_bf16 / 2**20:.0f} MiB, the "
-          f"base's config and then configs unfused with an adapter of their own: " + ", ".join(f"{n} config{'s' if n != 1 else ''} {b / 2**20:.0f} MiB ({b / size_bf16:.2f}x)"
-                                             for n, b in enumerate(figures, 1)))
+    print(f"host memory over one base of {size_bf16 / 2**20:.0f} MiB, the base's config and then configs unfused "
+          f"with an adapter of their own, the daemon's Pss after a forward of each and what its cpu budget counts: " +
+          ", ".join(f"{n} config{'s' if n != 1 else ''} {b / 2**20:.0f} MiB ({b / size_bf16:.2f}x), counted "
+                    f"{used / 2**20:.0f} MiB ({used / size_bf16:.2f}x)" for n, (b, used) in enumerate(figures, 1)))
     if args.json:
         figures = {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
                    if isinstance(val, (int, float))}
