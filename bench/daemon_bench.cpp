@@ -4,10 +4,15 @@
 //   vramd_bench_daemon forward SOCKET MODEL INPUT N    N forwards; transport time = wall - the
 //                                                      daemon's own forward time for them
 //   vramd_bench_daemon copy BYTES                      a raw Unix-socket copy of BYTES: the bound
+//   vramd_bench_daemon serve SOCKET BODY               a bare libuv responder: every request on
+//                                                      SOCKET answered with the file BODY as JSON,
+//                                                      keep-alive, until SIGTERM (the bound for status)
 //
 // Each prints one JSON object.
+#include <csignal>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <uv.h>
 
 #include <algorithm>
 #include <chrono>
@@ -103,6 +108,65 @@ int copy(size_t bytes) {
   return 0;
 }
 
+// The least a libuv server answering every request with the same body does: a read buffer per
+// connection, the end of each request's head found, one write of head and body for it.
+struct Bare {
+  uv_pipe_t pipe;
+  std::string request;  // bytes read not yet answered
+  static inline std::string response;
+};
+
+void on_close(uv_handle_t* handle) { delete reinterpret_cast<Bare*>(handle); }
+
+void on_read(uv_stream_t* stream, ssize_t n, const uv_buf_t* buf) {
+  auto* bare = reinterpret_cast<Bare*>(stream);
+  if (n < 0) {
+    delete[] buf->base;
+    uv_close(reinterpret_cast<uv_handle_t*>(stream), on_close);
+    return;
+  }
+  bare->request.append(buf->base, static_cast<size_t>(n));
+  delete[] buf->base;
+  size_t end;
+  while ((end = bare->request.find("\r\n\r\n")) != std::string::npos) {
+    bare->request.erase(0, end + 4);
+    auto* write = new uv_write_t;
+    uv_buf_t out = uv_buf_init(Bare::response.data(), static_cast<unsigned>(Bare::response.size()));
+    uv_write(write, stream, &out, 1, [](uv_write_t* w, int) { delete w; });
+  }
+}
+
+int serve(const std::string& socket, const std::string& body_path) {
+  const std::string body = vramd::read_regular_file(body_path, uint64_t{1} << 30);
+  Bare::response = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                   "\r\n\r\n" + body;
+  uv_loop_t* loop = uv_default_loop();
+  uv_pipe_t server;
+  uv_pipe_init(loop, &server, 0);
+  ::unlink(socket.c_str());
+  if (uv_pipe_bind(&server, socket.c_str()) != 0) return 1;
+  const int listening = uv_listen(reinterpret_cast<uv_stream_t*>(&server), 1024, [](uv_stream_t* listener, int status) {
+    if (status != 0) return;
+    auto* bare = new Bare;
+    uv_pipe_init(listener->loop, &bare->pipe, 0);
+    if (uv_accept(listener, reinterpret_cast<uv_stream_t*>(&bare->pipe)) != 0) {
+      uv_close(reinterpret_cast<uv_handle_t*>(&bare->pipe), on_close);
+      return;
+    }
+    uv_read_start(
+        reinterpret_cast<uv_stream_t*>(&bare->pipe),
+        [](uv_handle_t*, size_t size, uv_buf_t* buf) { *buf = uv_buf_init(new char[size], static_cast<unsigned>(size)); },
+        on_read);
+  });
+  if (listening != 0) return 1;
+  uv_signal_t stop;
+  uv_signal_init(loop, &stop);
+  uv_signal_start(&stop, [](uv_signal_t* s, int) { uv_stop(s->loop); }, SIGTERM);
+  std::cout << json{{"serving", socket}, {"bytes", body.size()}}.dump() << std::endl;
+  uv_run(loop, UV_RUN_DEFAULT);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -111,10 +175,11 @@ int main(int argc, char** argv) {
     if (args.size() == 4 && args[0] == "status") return status(args[1], std::stoi(args[2]), std::stoi(args[3]));
     if (args.size() == 5 && args[0] == "forward") return forward(args[1], args[2], args[3], std::stoi(args[4]));
     if (args.size() == 2 && args[0] == "copy") return copy(std::stoull(args[1]));
+    if (args.size() == 3 && args[0] == "serve") return serve(args[1], args[2]);
   } catch (const std::exception& e) {
     std::cerr << "vramd_bench_daemon: " << e.what() << '\n';
     return 1;
   }
-  std::cerr << "usage: vramd_bench_daemon status SOCKET CLIENTS REQUESTS | forward SOCKET MODEL INPUT N | copy BYTES\n";
+  std::cerr << "usage: vramd_bench_daemon status SOCKET CLIENTS REQUESTS | forward SOCKET MODEL INPUT N | copy BYTES | serve SOCKET BODY\n";
   return 2;
 }
