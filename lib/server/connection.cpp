@@ -24,16 +24,24 @@ void Connection::start(const std::string& peer, int64_t uid, int64_t pid) {
   peer_uid_ = uid;
   peer_pid_ = pid;
   arm(server_.limits_.idle_timeout);
-  uv_read_start(stream(), on_alloc, on_read);
+  resume_reading();
+}
+
+void Connection::pause_reading() {
+  if (reading_) uv_read_stop(stream());
+  reading_ = false;
+}
+
+void Connection::resume_reading() {
+  if (!reading_) uv_read_start(stream(), on_alloc, on_read);
+  reading_ = true;
 }
 
 void Connection::refuse(int status, const std::string& message) {
   log::debug("refused " + peer_ + ": " + std::to_string(status) + " " + message);
   keep_alive_ = false;
-  uv_read_stop(stream());
-  std::string body = json_line({{"error", message}});
-  write_head(status, "application/json", body.size(), false);
-  write_raw(std::move(body));
+  pause_reading();
+  write_response(status, "application/json", json_line({{"error", message}}));
   close_after_writes();
 }
 
@@ -41,7 +49,7 @@ void Connection::close() {
   if (closing_) return;
   closing_ = true;
   if (channel_) channel_->connection_ = nullptr;
-  uv_read_stop(stream());
+  pause_reading();
   if (auto on_end = std::move(on_upgrade_end_)) {
     log::debug(peer_ + ": the handed-over connection closed");
     on_end();
@@ -57,18 +65,28 @@ void Connection::close() {
   uv_close(reinterpret_cast<uv_handle_t*>(&timer_), on_closed);
 }
 
-void Connection::write_head(int status, std::string_view content_type, size_t length, bool chunked) {
+std::string Connection::head(int status, std::string_view content_type, size_t length, bool chunked) const {
   std::string head = "HTTP/1.1 " + std::to_string(status) + " " + status_text(status) + "\r\nContent-Type: " +
                      std::string(content_type) + "\r\n";
   head += chunked ? "Transfer-Encoding: chunked\r\n" : "Content-Length: " + std::to_string(length) + "\r\n";
   if (!keep_alive_) head += "Connection: close\r\n";
-  write_raw(head + "\r\n");
+  return head + "\r\n";
 }
 
-void Connection::write_raw(std::string data) {
-  if (closing_ || data.empty()) return;
-  auto* request = new WriteRequest{{}, std::move(data)};
+void Connection::write_head(int status, std::string_view content_type, size_t length, bool chunked) {
+  write_raw(head(status, content_type, length, chunked));
+}
+
+void Connection::write_response(int status, std::string_view content_type, std::string body) {
+  std::string line = head(status, content_type, body.size(), false);
+  write_raw(std::move(body), std::move(line));
+}
+
+void Connection::write_raw(std::string data, std::string head) {
+  if (closing_ || (data.empty() && head.empty())) return;
+  auto* request = new WriteRequest{{}, std::move(head), std::move(data)};
   std::vector<uv_buf_t> bufs;  // uv_buf_t holds an unsigned length: 1 GiB pieces
+  if (!request->head.empty()) bufs.push_back(uv_buf_init(request->head.data(), static_cast<unsigned>(request->head.size())));
   for (size_t at = 0; at < request->data.size(); at += size_t{1} << 30)
     bufs.push_back(uv_buf_init(request->data.data() + at,
                                static_cast<unsigned>(std::min(request->data.size() - at, size_t{1} << 30))));
@@ -88,7 +106,7 @@ std::shared_ptr<Channel> Connection::upgrade(const std::string& bytes, const std
   on_upgrade_end_ = std::move(on_end);
   on_upgrade_data_ = std::move(on_data);
   pending_.clear();
-  if (!closing_) uv_read_start(stream(), on_alloc, on_read);  // to see it close
+  if (!closing_) resume_reading();  // to see it close
   channel_ = std::make_shared<Channel>();
   channel_->connection_ = this;
   return channel_;
@@ -130,6 +148,7 @@ void Connection::finish_exchange() {
   // A client that sends requests without taking the answers is not read until it takes them.
   if (unsent() > server_.limits_.max_unsent_bytes) {
     held_back_ = true;
+    pause_reading();
     log::debug(peer_ + ": " + std::to_string(unsent()) + " bytes of answers not taken; reading paused");
     return;
   }
@@ -142,7 +161,7 @@ void Connection::arm(std::chrono::milliseconds timeout) {
 
 void Connection::close_after_writes() {
   closing_after_writes_ = true;
-  uv_read_stop(stream());
+  pause_reading();
   if (unsent() == 0) close();
   else arm(server_.limits_.idle_timeout);  // a client that never reads is dropped
 }
@@ -150,7 +169,7 @@ void Connection::close_after_writes() {
 void Connection::read_on() {
   while (!closing_ && !closing_after_writes_ && !exchange_ && !held_back_) {
     if (pending_.empty()) {
-      uv_read_start(stream(), on_alloc, on_read);
+      resume_reading();
       return;
     }
     const std::string rest = std::exchange(pending_, {});
@@ -167,10 +186,11 @@ bool Connection::feed(const char* data, size_t size) {
     refuse(parser_.refusal_status(), parser_.refusal());
     return false;
   }
-  // A whole request: answer it before reading on.
+  // A whole request: answer it before reading on (nothing is read while the handler runs; one
+  // answered later pauses reading below, one answered at once goes on without a pause, which
+  // would cost two epoll changes a request).
   keep_alive_ = parser_.keep_alive();
   uv_timer_stop(&timer_);
-  uv_read_stop(stream());
   pending_.assign(data + step.consumed, size - step.consumed);
   Request request = parser_.take();
   request.peer = peer_;
@@ -188,7 +208,10 @@ bool Connection::feed(const char* data, size_t size) {
   }
   in_handler_ = false;
   // Answered later (a job): the socket is not read meanwhile, so look for the client hanging up.
-  if (exchange_ == exchange) uv_timer_start(&timer_, on_timeout, kHangUpCheck.count(), kHangUpCheck.count());
+  if (exchange_ == exchange) {
+    pause_reading();
+    uv_timer_start(&timer_, on_timeout, kHangUpCheck.count(), kHangUpCheck.count());
+  }
   return true;
 }
 
@@ -272,8 +295,7 @@ void Exchange::respond(int status, std::string_view content_type, std::string bo
   if (state_ != State::Waiting) return;
   state_ = State::Done;
   if (!connection_) return;
-  connection_->write_head(status, content_type, body.size(), false);
-  connection_->write_raw(std::move(body));
+  connection_->write_response(status, content_type, std::move(body));
   auto* connection = std::exchange(connection_, nullptr);
   connection->finish_exchange();
 }

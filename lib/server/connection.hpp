@@ -49,7 +49,11 @@ class Connection {
 
   // The Exchange's side.
   void write_head(int status, std::string_view content_type, size_t length, bool chunked);
-  void write_raw(std::string data);
+  // `data`, after `head` where there is one, in one write (one writev: a response's head and body
+  // in one system call, the client woken once).
+  void write_raw(std::string data, std::string head = {});
+  // A whole response: its head and `body` in one write.
+  void write_response(int status, std::string_view content_type, std::string body);
   std::shared_ptr<Channel> upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
                                    std::function<bool(std::string_view)> on_data);
 
@@ -63,10 +67,13 @@ class Connection {
  private:
   struct WriteRequest {
     uv_write_t req;
-    std::string data;
+    std::string head, data;
   };
+  std::string head(int status, std::string_view content_type, size_t length, bool chunked) const;
 
   void arm(std::chrono::milliseconds timeout);
+  void pause_reading();
+  void resume_reading();
 
   void close_after_writes();
 
@@ -110,6 +117,7 @@ class Connection {
   std::string pending_;
   std::map<std::string, std::shared_ptr<void>> held_;  // Exchange::held
   bool keep_alive_ = true, held_back_ = false, in_handler_ = false, upgraded_ = false;
+  bool reading_ = false;  // the stream is being read (uv_read_start'ed)
   std::function<void()> on_upgrade_end_;
   std::function<bool(std::string_view)> on_upgrade_data_;
   std::shared_ptr<Channel> channel_;  // once upgraded
