@@ -129,7 +129,7 @@ class Daemon {
       case Route::Kind::Refused: return respond_error(*exchange, route.status, route.error);
       case Route::Kind::Metrics: return exchange->respond(200, "text/plain; version=0.0.4", metrics());
       case Route::Kind::Health:
-        return respond_json(*exchange, 200, {{"status", "ok"}, {"version", VRAMD_VERSION}, {"pid", ::getpid()}});
+        return respond_json(*exchange, 200, {{"status", "ok"}, {"version", VRAMD_VERSION}, {"pid", pid_}});
       case Route::Kind::Status: return respond_json(*exchange, 200, status());
       case Route::Kind::Reload: return registry_.scan(true, [this, exchange] { respond_json(*exchange, 200, models()); });
       case Route::Kind::List: return respond_json(*exchange, 200, models());
@@ -332,17 +332,16 @@ class Daemon {
   json models() const {
     json list = json::array();
     for (const Entry* entry : registry_.entries()) list.push_back(entry_json(*entry));
-    return {{"models", list}};
+    return {{"models", std::move(list)}};
   }
 
   json status() const {
+    const auto charges = registry_.charges();  // each counted once, for its model and the devices
     json models = json::array();
-    for (const Entry* e : registry_.entries()) {
-      models.push_back(summary_json(*e));
-    }
-    return {{"version", VRAMD_VERSION}, {"pid", ::getpid()},
+    for (const Entry* e : registry_.entries()) models.push_back(summary_json(*e, charges.at(e->name)));
+    return {{"version", VRAMD_VERSION}, {"pid", pid_},
             {"uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},
-            {"socket", config_.socket}, {"devices", registry_.devices_json()}, {"models", models},
+            {"socket", config_.socket}, {"devices", registry_.devices_json(charges)}, {"models", std::move(models)},
             {"connections", server_.connections()}, {"kept_memfds", kept_memfds()}};
   }
 
@@ -353,7 +352,7 @@ class Daemon {
     out << "# HELP vramd_connections Open client connections.\n# TYPE vramd_connections gauge\nvramd_connections "
         << server_.connections() << '\n';
     out << "# HELP vramd_device_bytes Bytes of weights held per device.\n# TYPE vramd_device_bytes gauge\n";
-    const json devices = registry_.devices_json();
+    const json devices = registry_.devices_json(registry_.charges());
     for (const auto& [device, info] : devices.items()) out << "vramd_device_bytes{device=\"" << device << "\"} " << info["used"] << '\n';
     out << "# HELP vramd_device_budget_bytes The daemon's budget per device.\n# TYPE vramd_device_budget_bytes gauge\n";
     for (const auto& [device, info] : devices.items())
@@ -424,6 +423,7 @@ class Daemon {
   static constexpr std::chrono::seconds kStopWait{10};
   bool stopping_ = false, forwards_stopped_ = false;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now(), stop_started_;
+  const pid_t pid_ = ::getpid();  // asked once: glibc does not cache it, and status answers it each time
   std::map<std::string, uint64_t> requests_;
 };
 

@@ -310,15 +310,21 @@ void Registry::end_lease(const std::string& name, uint64_t id) {
   pump(*entry);
 }
 
-json Registry::devices_json() const {
+std::map<std::string, Holdings> Registry::charges() const {
+  std::map<std::string, Holdings> out;
+  for (const auto& [name, e] : entries_) out.emplace(name, charged(*e));
+  return out;
+}
+
+json Registry::devices_json(const std::map<std::string, Holdings>& charged_by_model) const {
   json devices = json::object();
   std::set<std::string> names;
   for (const auto& [device, budget] : config_.budgets) names.insert(device);
   for (const auto& [device, bytes] : releasing_) names.insert(device);
   std::map<std::string, DeviceBytes> charges;  // by model
   DeviceBytes use = releasing_;
-  for (const auto& [name, e] : entries_) {
-    charges[name] = weights::totals(charged(*e));
+  for (const auto& [name, charge] : charged_by_model) {
+    charges[name] = weights::totals(charge);
     for (const auto& [device, bytes] : charges[name]) {
       names.insert(device);
       use[device] += bytes;
@@ -334,7 +340,7 @@ json Registry::devices_json() const {
     const auto budget = config_.budgets.find(device);
     devices[device] = {{"budget", budget == config_.budgets.end() ? json(nullptr) : json(budget->second)},
                        {"used", on(use, device)}, {"releasing", on(releasing_, device)},
-                       {"shared", device == "cpu" ? shared : 0}, {"models", models}};
+                       {"shared", device == "cpu" ? shared : 0}, {"models", std::move(models)}};
   }
   return devices;
 }

@@ -56,8 +56,11 @@ class Registry {
   // Requests; each answers its exchange.
   void submit(Entry& entry, Job job);
 
-  // Budgets and use per device (a model's own state becomes JSON in server/status.hpp).
-  nlohmann::json devices_json() const;
+  // Each entry's charged() (server/budget.hpp), by name.
+  std::map<std::string, Holdings> charges() const;
+  // Budgets and use per device from those charges (a model's own state becomes JSON in
+  // server/status.hpp).
+  nlohmann::json devices_json(const std::map<std::string, Holdings>& charges) const;
 
   // SIGTERM: refuse queued work, cancel loads; `idle()` says when in-flight work has ended.
   void begin_shutdown();

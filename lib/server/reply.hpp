@@ -12,7 +12,9 @@ namespace vramd::server {
 // (a path, a file name or a key from outside that no message escaped) get U+FFFD for each bad
 // byte instead of an exception from the serializer.
 inline std::string json_line(const nlohmann::json& value) {
-  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  std::string line = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  line += '\n';
+  return line;
 }
 
 inline void respond_json(Exchange& exchange, int status, const nlohmann::json& body) {

@@ -40,14 +40,15 @@ constexpr std::array<const char*, 8> kActions = {"load", "unload", "offload", "o
 
 Route route(const Request& request) {
   const auto parts = split_path(request.path);
-  const std::string what = request.method + " " + quote(request.path);
+  // For refusals alone: a route found costs no message.
+  const auto what = [&] { return request.method + " " + quote(request.path); };
   const auto only = [&](const char* method, Route route) {
     if (request.method == method) return route;
-    return refused(405, route.endpoint, what + ": use " + method);
+    return refused(405, route.endpoint, what() + ": use " + method);
   };
   if (parts == std::vector<std::string>{"metrics"}) return only("GET", to(Route::Kind::Metrics, "metrics"));
   if (parts.empty() || parts[0] != "v1")
-    return refused(404, "unknown", "no such endpoint: " + what + " (the API is under /v1; see docs/api.md)");
+    return refused(404, "unknown", "no such endpoint: " + what() + " (the API is under /v1; see docs/api.md)");
   if (parts.size() == 2) {
     if (parts[1] == "health") return only("GET", to(Route::Kind::Health, "health"));
     if (parts[1] == "status") return only("GET", to(Route::Kind::Status, "status"));
@@ -55,7 +56,7 @@ Route route(const Request& request) {
     if (parts[1] == "models") return only("GET", to(Route::Kind::List, "list"));
   }
   if (parts.size() < 3 || parts.size() > 4 || parts[1] != "models")
-    return refused(404, "unknown", "no such endpoint: " + what + " (see docs/api.md)");
+    return refused(404, "unknown", "no such endpoint: " + what() + " (see docs/api.md)");
   if (parts.size() == 3) {
     Route model = only("GET", to(Route::Kind::Model, "model"));
     model.model = parts[2];

@@ -90,9 +90,9 @@ json leases_json(const Entry& e) {
   return leases;
 }
 
-json charge_json(const Entry& e) {
+json charge_json(const Holdings& charge) {
   json out = json::object();
-  for (const auto& [device, parts] : charged(e)) {
+  for (const auto& [device, parts] : charge) {
     uint64_t bytes = 0;
     for (const auto& [part, n] : parts) bytes += n;
     out[device] = {{"bytes", bytes}, {"parts", parts}};
@@ -122,7 +122,7 @@ json weights_json(const Entry& e) {
 
 json entry_json(const Entry& e) {
   json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
-            {"charge", charge_json(e)}, {"busy", e.busy}, {"queued", e.queue.size()}};
+            {"charge", charge_json(charged(e))}, {"busy", e.busy}, {"queued", e.queue.size()}};
   if (!e.reason.empty()) j["reason"] = e.reason;
   if (e.waiting_for_room) j["waiting_for_room"] = true;
   if (!e.config_error.empty()) j["config_error"] = e.config_error;
@@ -159,8 +159,8 @@ json entry_json(const Entry& e) {
   return j;
 }
 
-json summary_json(const Entry& e) {
-  json j = {{"name", e.name}, {"state", state_name(e.state)}, {"devices", e.bytes}, {"charge", charge_json(e)},
+json summary_json(const Entry& e, const Holdings& charge) {
+  json j = {{"name", e.name}, {"state", state_name(e.state)}, {"devices", e.bytes}, {"charge", charge_json(charge)},
             {"busy", e.busy},
             {"queued", e.queue.size()},
             {"vram", e.config ? json({{"computation", e.config->vram.computation.device.str()},

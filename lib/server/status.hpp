@@ -15,11 +15,12 @@ namespace vramd::server {
 
 // Everything about the model: state, config, the dry run's figures, weights, leases, progress, stats.
 nlohmann::json entry_json(const Entry& entry);
-// Its line in the daemon's status: state, devices, queue, placement, weights, leases.
-nlohmann::json summary_json(const Entry& entry);
-// What the model counts against each device's budget, by part (server/registry.hpp's charged):
+// Its line in the daemon's status: state, devices, queue, placement, weights, leases; `charge`
+// is its charged() (server/budget.hpp), which the status counts once for the devices too.
+nlohmann::json summary_json(const Entry& entry, const Holdings& charge);
+// What a model counts against each device's budget, by part (server/budget.hpp's charged):
 // {"cpu": {"bytes": N, "parts": {"limit": N, "onload": N, ...}}}.
-nlohmann::json charge_json(const Entry& entry);
+nlohmann::json charge_json(const Holdings& charge);
 // Streamed or partitioned weights of a loaded model: the plan, bytes held, peak and streaming
 // counters (model/vram_stats.hpp); null otherwise.
 nlohmann::json weights_json(const Entry& entry);
