@@ -1,6 +1,7 @@
 #include "storage/reader.hpp"
 
 #include <liburing.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -354,15 +355,33 @@ class StagedWork final : public Work {
   uint64_t taken_ = 0;
 };
 
-// Reads the work with the engine the options ask for, at most `depth` reads in flight.
-void run(Work& work, bool direct, unsigned depth, ReaderOptions::Engine engine) {
+unsigned cores() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+// Reads the work with the engine the options ask for, at most `depth` reads in flight; reads
+// through the page cache on `buffered_threads` threads (at most `depth`).
+void run(Work& work, bool direct, unsigned depth, ReaderOptions::Engine engine, unsigned buffered_threads) {
   using Engine = ReaderOptions::Engine;
   const bool uring = engine == Engine::Uring || (engine == Engine::Auto && direct);
   if (uring && io_uring_available())
     if (Ring* ring = Ring::get(depth)) return read_with_uring(work, *ring, depth);
   if (engine == Engine::Uring) throw ReadFailure("io_uring is not available to this process");
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  read_with_threads(work, direct ? std::min(depth, 8u) : std::min(depth, cores));
+  read_with_threads(work, direct ? std::min(depth, 8u) : std::min(depth, buffered_threads));
+}
+
+// Whether the first piece, read through the page cache, finds its pages there: it is read as
+// far as they are without waiting for the disk (RWF_NOWAIT), which starts the reading, and
+// dropped once whole. Reads of cached pages are copies, which gain nothing from more threads
+// than cores; reads that wait on the disk gain from as many in flight as asked (16 threads of
+// 8 MiB reads read a cold 1.1 GiB file 1.5-2x faster than 2 here: docs/benchmarks.md).
+bool first_cached(std::vector<Piece>& pieces) {
+  Piece& piece = pieces.front();
+  iovec into{piece.dst, piece.size};
+  const ssize_t got = ::preadv2(piece.fd, &into, 1, static_cast<off_t>(piece.offset), RWF_NOWAIT);
+  if (got <= 0) return false;  // not cached, or RWF_NOWAIT not taken (EOPNOTSUPP): read as usual
+  piece.done = static_cast<uint64_t>(got);
+  if (piece.done < piece.size) return false;
+  pieces.erase(pieces.begin());
+  return true;
 }
 
 }  // namespace
@@ -382,9 +401,12 @@ void read_ranges(std::span<const ReadRange> ranges, const ReaderOptions& options
   for (const auto& range : ranges) plan(range, options, pieces);
   if (pieces.empty()) return;
   const bool any_direct = std::any_of(pieces.begin(), pieces.end(), [](const Piece& p) { return p.direct; });
+  unsigned buffered_threads = cores();
+  if (!any_direct && options.engine != ReaderOptions::Engine::Uring && !first_cached(pieces)) buffered_threads = options.depth;
+  if (pieces.empty()) return;
   const auto depth = static_cast<unsigned>(std::min<size_t>(std::max(1u, options.depth), pieces.size()));
   PieceList work(pieces);
-  run(work, any_direct, depth, options.engine);
+  run(work, any_direct, depth, options.engine, buffered_threads);
 }
 
 void read_staged(std::span<const StagedRange> ranges, StagingPool& pool, const ReaderOptions& options) {
@@ -398,7 +420,7 @@ void read_staged(std::span<const StagedRange> ranges, StagingPool& pool, const R
   }
   StagedWork work(ranges, pool, options.direct);
   if (work.finished()) return;
-  run(work, options.direct, std::min(std::max(1u, options.depth), pool.count()), options.engine);
+  run(work, options.direct, std::min(std::max(1u, options.depth), pool.count()), options.engine, cores());
 }
 
 }  // namespace vramd::storage
