@@ -200,6 +200,16 @@ def transformers_case():
         max_position_embeddings=32, word_embed_proj_dim=32))
 
 
+def hub_layout_cases():
+    """Mixtures of experts whose checkpoints transformers 5 converts as it loads them: Mixtral's
+    experts one tensor each (stacked and concatenated), GraniteMoE's renamed."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)
+    return {"mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes)),
+            "granitemoe": lambda: transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**sizes))}
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     folder = tmp_path_factory.mktemp("manage")
@@ -237,6 +247,9 @@ def daemon(tmp_path_factory):
         limit = max(weights_bytes(model) // 3, 2 * largest_unit(model))
         (d.models / f"{name}.toml").write_text(served(folder / name, "bfloat16", limit))
         references[name] = rounded(model, torch.bfloat16)
+    for name, make in hub_layout_cases().items():  # saved as transformers saves them: the Hub's layout
+        make().save_pretrained(folder / name, safe_serialization=True)
+        (d.models / f"{name}.toml").write_text(served(folder / name, "float32", 1 << 20))
     with d.start():
         yield {"daemon": d, "sock": d.sock, "folder": folder, "references": references, "makers": makers,
                "gguf": kinds, "gguf_values": values}
@@ -1048,6 +1061,33 @@ def test_what_does_not_fit_is_named(daemon):
             assert torch.equal(model(torch.tensor([[1, 2]])), model(torch.tensor([[1, 2]])))  # the first goes on
         # Every refusal left the daemon serving and no lease behind.
         leases_end(daemon, "toy-bfloat16")
+
+
+@pytest.mark.parametrize("name, rules", [
+    ("mixtral", r"\(\.block_sparse_moe\. renamed \.mlp\.; \.experts\.\*\.w1\.weight, \.experts\.\*\.w3\.weight merged "
+                r"into \.experts\.gate_up_proj; \.experts\.\*\.w2\.weight merged into \.experts\.down_proj\)"),
+    ("granitemoe", r"\(block_sparse_moe\.input_linear\.weight renamed block_sparse_moe\.experts\.gate_up_proj; "),
+])
+def test_a_checkpoint_transformers_converts_as_it_loads_is_named_as_such(daemon, name, rules):
+    """A model saved by transformers 5 in the Hub's layout lacks the names its module has until
+    transformers' load-time conversion (transformers.conversion_mapping) makes them: the
+    ManageError says so, naming the rules, and the module is left as it was."""
+    module = empty(hub_layout_cases()[name])
+    with vramd.connect(daemon["sock"]) as client:
+        with pytest.raises(vramd.ManageError, match=r"6 without a leased tensor: .*; all of them are what transformers' "
+                                                    rf"own conversion for model_type '{name}' makes of the leased names "
+                                                    rf"as it loads {rules}.*a Lua converter") as refused:
+            vramd.manage(module, name, client=client)
+    assert "init_empty_weights" not in str(refused.value)
+    assert all(p.is_meta for p in module.parameters())
+    # Built on the meta device, its rotary buffers lack a tensor too: named apart, with their remedy.
+    with torch.device("meta"):
+        module = hub_layout_cases()[name]()
+    with vramd.connect(daemon["sock"]) as client, pytest.raises(vramd.ManageError) as refused:
+        vramd.manage(module, name, client=client)
+    assert (f"8 without a leased tensor" in str(refused.value) and "6 of them (" in str(refused.value) and
+            "; the other 2 (buffers made on the meta device" in str(refused.value)), refused.value
+    leases_end(daemon, name)
 
 
 def test_a_reservation_past_the_budget_is_refused_and_a_killed_clients_is_freed(daemon, tmp_path):

@@ -7,6 +7,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from .conversion import conversion_hint
 from .errors import ManageError, _listed
 from .hooks import _MANAGED
 from .slot import _Slot
@@ -58,9 +59,12 @@ class _Plan:
             problems.append(f"{len(mismatched)} mismatched: " + ", ".join(mismatched[:8]) +
                             (", ..." if len(mismatched) > 8 else ""))
         if missing:
-            problems.append(f"{len(missing)} without a leased tensor: " + _listed(missing) +
-                            " (buffers made on the meta device: build the module with accelerate.init_empty_weights(), "
-                            "which leaves buffers real, or lease a checkpoint that holds them)")
+            hint, converted = conversion_hint(self.module, list(leased), missing)
+            problems.append(f"{len(missing)} without a leased tensor: " + _listed(missing) + (f"; {hint}" if hint else ""))
+            if len(converted) < len(missing):
+                problems[-1] += ((f"; the other {len(missing) - len(converted)}" if hint else "") +
+                                 " (buffers made on the meta device: build the module with accelerate.init_empty_weights(), "
+                                 "which leaves buffers real, or lease a checkpoint that holds them)")
         if strict and unexpected:
             problems.append(f"{len(unexpected)} leased tensors the module does not hold: " + _listed(unexpected) +
                             " (strict=False leaves them out)")

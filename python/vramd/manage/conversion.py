@@ -1,0 +1,56 @@
+"""Whether the names a module lacks are what transformers makes of the leased ones as it loads:
+transformers 5 converts many checkpoints at load time by rules registered per model type
+(transformers.conversion_mapping: renames, and experts stacked one tensor per expert into
+one), which vramd.manage does not apply. A ManageError about missing tensors then says so."""
+from __future__ import annotations
+
+from torch import nn
+
+from .errors import _listed
+
+
+def conversion_hint(module: nn.Module, leased: list[str], missing: list[str]) -> tuple[str | None, list[str]]:
+    """A sentence naming the rules of transformers' own conversion that turn leased names into
+    the missing ones, when the module is a transformers model whose type has such rules and
+    they give at least one of them (else None), and the missing names they give."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import WeightConverter, WeightRenaming, get_model_conversion_mapping
+    except ImportError:  # transformers is not installed, or too old to convert at load time
+        return None, []
+    if not isinstance(module, PreTrainedModel):
+        return None, []
+    try:
+        transforms = get_model_conversion_mapping(module)
+    except Exception:  # noqa: BLE001 - a model whose mapping cannot be made has none to suggest
+        return None, []
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    produced, used = set(), {}
+    for key in leased:  # as transformers' loader does: every rename in turn, then the first converter
+        for rule in renamings:
+            key, pattern = rule.rename_source_key(key)
+            if pattern is not None:
+                used.setdefault(id(rule), rule)
+        for rule in converters:
+            renamed, pattern = rule.rename_source_key(key)
+            if pattern is not None:
+                key = renamed
+                used.setdefault(id(rule), rule)
+                break
+        produced.add(key)
+    matched = [name for name in missing if name in produced]
+    if not matched:
+        return None, []
+
+    def described(rule) -> str:  # its patterns as they read, without their regular expressions' escapes
+        what = "merged into" if isinstance(rule, WeightConverter) else "renamed"
+        return " ".join([", ".join(p.replace("\\", "") for p in rule.source_patterns), what,
+                         ", ".join(p.replace("\\", "") for p in rule.target_patterns)])
+
+    model_type = getattr(getattr(module, "config", None), "model_type", "?")
+    which = "all of them are" if len(matched) == len(missing) else f"{len(matched)} of them ({_listed(matched)}) are"
+    return (f"{which} what transformers' own conversion for model_type {model_type!r} makes of the leased names as "
+            f"it loads ({'; '.join(described(r) for r in used.values())}), "
+            "which vramd.manage does not apply: serve the model with a converter that does the same (a Lua "
+            "converter in its config, scripts/converters/README.md)"), matched
