@@ -206,8 +206,17 @@ def hub_layout_cases():
     transformers = pytest.importorskip("transformers")
     sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)
+    # 12 experts: stacked in their numbers' order, not their names' (experts.10 after experts.9).
+    qwen = dict(vocab_size=64, hidden_size=16, intermediate_size=8, moe_intermediate_size=8,
+                shared_expert_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                num_experts=12, num_experts_per_tok=3)
+    # Nomic's BERT: q, k and v stored fused in one Wqkv, which transformers chunks in three.
+    nomic = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                 max_position_embeddings=32)
     return {"mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes)),
-            "granitemoe": lambda: transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**sizes))}
+            "granitemoe": lambda: transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**sizes)),
+            "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**qwen)),
+            "nomic_bert": lambda: transformers.NomicBertModel(transformers.NomicBertConfig(**nomic))}
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +257,18 @@ def daemon(tmp_path_factory):
         (d.models / f"{name}.toml").write_text(served(folder / name, "bfloat16", limit))
         references[name] = rounded(model, torch.bfloat16)
     for name, make in hub_layout_cases().items():  # saved as transformers saves them: the Hub's layout
-        make().save_pretrained(folder / name, safe_serialization=True)
+        torch.manual_seed(2)
+        model = make().eval()
+        model.save_pretrained(folder / name, safe_serialization=True)
         (d.models / f"{name}.toml").write_text(served(folder / name, "float32", 1 << 20))
+        # And with the converter written from transformers' own rules, under a limit below its size.
+        written = subprocess.run([sys.executable, "-m", "vramd.transformers_converter", folder / name, "-o",
+                                  folder / f"{name}.lua"], capture_output=True, text=True, cwd=ROOT / "python")
+        assert written.returncode == 0, written.stderr
+        limit = max(weights_bytes(model) // 3, 2 * largest_unit(model))
+        (d.models / f"{name}-converted.toml").write_text(
+            f'converter = "{folder / f"{name}.lua"}"\n' + served(folder / name, "float32", limit))
+        references[f"{name}-converted"] = (limit, weights_bytes(model))
     with d.start():
         yield {"daemon": d, "sock": d.sock, "folder": folder, "references": references, "makers": makers,
                "gguf": kinds, "gguf_values": values}
@@ -1063,6 +1082,48 @@ def test_what_does_not_fit_is_named(daemon):
         leases_end(daemon, "toy-bfloat16")
 
 
+@pytest.mark.parametrize("name", list(hub_layout_cases()))
+def test_a_converter_written_from_transformers_rules_lets_its_module_be_managed(daemon, name):
+    """The checkpoint above served with the converter vramd.transformers_converter wrote from
+    transformers' rules: its managed module, under a limit below its size, equals transformers'
+    own from_pretrained of the folder (float32)."""
+    import transformers
+    limit, size = daemon["references"][f"{name}-converted"]
+    assert limit < size
+    folder = daemon["folder"] / name
+    reference = getattr(transformers, type(hub_layout_cases()[name]()).__name__).from_pretrained(
+        folder, dtype=torch.float32).eval()
+    inputs = torch.tensor([[1, 5, 9, 33, 2, 60, 7]])
+    with vramd.connect(daemon["sock"]) as client:
+        module = empty(hub_layout_cases()[name])
+        with vramd.manage(module, f"{name}-converted", client=client, limit=limit) as managed, torch.no_grad():
+            got = module(inputs)[0]  # logits, or a BERT's last hidden state
+            assert managed.stats()["peak"] <= limit
+    with torch.no_grad():
+        expected = reference(inputs)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    leases_end(daemon, f"{name}-converted")
+
+
+def test_a_rule_the_converter_cannot_express_is_named(daemon):
+    """transformers' Interleave (a rule registered for a model type, here a Mixtral's config
+    under a type of its own) has no converter expression: writing the converter fails naming it."""
+    from transformers.conversion_mapping import (Interleave, MergeModulelist, WeightConverter,
+                                                 register_checkpoint_conversion_mapping)
+    from vramd.transformers_converter import ConversionError, checkpoint_keys, lua_converter
+    module = empty(hub_layout_cases()["mixtral"])
+    module.config.model_type = "vramd_test_interleaved"
+    register_checkpoint_conversion_mapping("vramd_test_interleaved", [WeightConverter(
+        [".experts.*.w1.weight"], [".experts.gate_up_proj"], operations=[MergeModulelist(dim=0), Interleave(dim=1)])],
+        overwrite=True)
+    keys = checkpoint_keys(daemon["folder"] / "mixtral")
+    with pytest.raises(ConversionError, match=r"mixtral: transformers' rule \['\.experts\.\*\.w1\.weight'\] -> "
+                                              r"\['\.experts\.gate_up_proj'\] for 'model\.layers\.0\.block_sparse_moe"
+                                              r"\.experts\.gate_up_proj' takes Interleave\(.*\), which vramd's "
+                                              r"converters do not express"):
+        lua_converter(module, keys, str(daemon["folder"] / "mixtral"))
+
+
 @pytest.mark.parametrize("name, rules", [
     ("mixtral", r"\(\.block_sparse_moe\. renamed \.mlp\.; \.experts\.\*\.w1\.weight, \.experts\.\*\.w3\.weight merged "
                 r"into \.experts\.gate_up_proj; \.experts\.\*\.w2\.weight merged into \.experts\.down_proj\)"),
@@ -1076,7 +1137,7 @@ def test_a_checkpoint_transformers_converts_as_it_loads_is_named_as_such(daemon,
     with vramd.connect(daemon["sock"]) as client:
         with pytest.raises(vramd.ManageError, match=r"6 without a leased tensor: .*; all of them are what transformers' "
                                                     rf"own conversion for model_type '{name}' makes of the leased names "
-                                                    rf"as it loads {rules}.*a Lua converter") as refused:
+                                                    rf"as it loads {rules}.*python -m vramd.transformers_converter") as refused:
             vramd.manage(module, name, client=client)
     assert "init_empty_weights" not in str(refused.value)
     assert all(p.is_meta for p in module.parameters())
