@@ -322,17 +322,12 @@ json Registry::devices_json(const std::map<std::string, Holdings>& charged_by_mo
   for (const auto& [device, budget] : config_.budgets) names.insert(device);
   for (const auto& [device, bytes] : releasing_) names.insert(device);
   std::map<std::string, DeviceBytes> charges;  // by model
-  DeviceBytes use = releasing_;
   for (const auto& [name, charge] : charged_by_model) {
     charges[name] = weights::totals(charge);
-    for (const auto& [device, bytes] : charges[name]) {
-      names.insert(device);
-      use[device] += bytes;
-    }
+    for (const auto& [device, bytes] : charges[name]) names.insert(device);
   }
-  // Pages several models view, counted once: in each model's charge, taken off `used` once less.
-  const uint64_t shared = shared_views(entries());
-  if (shared) use["cpu"] -= shared;
+  const DeviceBytes use = used(charged_by_model);
+  const uint64_t shared = shared_views(entries());  // in each viewer's charge, taken off `used` once less
   for (const auto& device : names) {
     json models = json::object();  // what each model counts: with `releasing`, less `shared`, `used`
     for (const auto& [name, bytes] : charges)

@@ -97,6 +97,7 @@ class Registry {
   // The sum of every entry's charge on each device, and the values being freed (releasing_): one
   // pass over the entries, so that a question asked of each entry (holder_on) is not one pass each.
   DeviceBytes used() const;
+  DeviceBytes used(const std::map<std::string, Holdings>& charges) const;  // from charges() made already
 
   void touch(Entry& entry);
   void hand_over(Entry& entry, Job& job, const weights::Manifest& manifest);

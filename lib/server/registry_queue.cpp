@@ -19,10 +19,12 @@
 namespace vramd::server {
 using nlohmann::json;
 
-DeviceBytes Registry::used() const {
+DeviceBytes Registry::used() const { return used(charges()); }
+
+DeviceBytes Registry::used(const std::map<std::string, Holdings>& charges) const {
   DeviceBytes total = releasing_;
-  for (const auto& [name, entry] : entries_)
-    for (const auto& [device, bytes] : weights::totals(charged(*entry))) total[device] += bytes;
+  for (const auto& [name, charge] : charges)
+    for (const auto& [device, bytes] : weights::totals(charge)) total[device] += bytes;
   if (const uint64_t shared = shared_views(entries())) total["cpu"] -= shared;  // counted in each viewer's charge
   return total;
 }
