@@ -41,6 +41,25 @@ const storage::TensorInfo* viewable(const Source& source, const Assignment& a, c
   return info && info->nbytes && info->offset % c10::elementSize(held) == 0 ? info : nullptr;
 }
 
+// A contiguous view of shared memory: made from_blob, without an allocator (a region, a memfd,
+// a checkpoint's mapping).
+bool shared_view(const at::Tensor& value) { return value.is_contiguous() && value.storage().allocator() == nullptr; }
+
+// The identities of a checkpoint's files, as FileSpans names them, asked once each.
+class FileNames {
+ public:
+  explicit FileNames(const storage::DiskMap& map) : map_(map) {}
+  const std::string& operator()(uint32_t file) {
+    auto [name, fresh] = names_.try_emplace(file);
+    if (fresh) name->second = model::file_identity(map_.descriptor(file));
+    return name->second;
+  }
+
+ private:
+  const storage::DiskMap& map_;
+  std::map<uint32_t, std::string> names_;
+};
+
 }  // namespace
 
 model::FileSpans ResidentWeights::planned_views(const model::Model& model, const Source& source,
@@ -48,13 +67,10 @@ model::FileSpans ResidentWeights::planned_views(const model::Model& model, const
   model::FileSpans spans;
   const config::DeviceState awake = awake_state(model, config);
   if (source.direct || !awake.device.is_cpu()) return spans;  // read around the page cache, or off the host
-  std::map<uint32_t, std::string> files;
+  FileNames files(source.map);
   for (const auto& a : source.assignments)
-    if (const auto* info = viewable(source, a, held_dtype(a, storage::scalar_type(*awake.dtype), packed_awake(config)))) {
-      auto [file, fresh] = files.try_emplace(info->file);
-      if (fresh) file->second = model::file_identity(source.map.descriptor(info->file));
-      spans.add(file->second, info->offset, info->offset + info->nbytes);
-    }
+    if (const auto* info = viewable(source, a, held_dtype(a, storage::scalar_type(*awake.dtype), packed_awake(config))))
+      spans.add(files(info->file), info->offset, info->offset + info->nbytes);
   return spans;
 }
 
@@ -185,15 +201,13 @@ std::optional<model::VramStats> ResidentWeights::stats() const { return std::nul
 
 model::FileSpans ResidentWeights::views() const {
   model::FileSpans spans;
-  std::map<uint32_t, std::string> files;
+  FileNames files(source_->map);
   for (const auto& a : source_->assignments) {
     const at::Tensor& value = a.parameter->value;
-    if (!value.defined() || !value.is_cpu() || value.storage().allocator() != nullptr) continue;  // a copy
+    if (!value.defined() || !value.is_cpu() || !shared_view(value)) continue;  // a copy
     const auto found = source_->map.locate(value.const_data_ptr(), value.nbytes());
     if (!found) continue;  // a view of other shared memory (a lease's region, an update's memfd)
-    auto [file, fresh] = files.try_emplace(found->first);
-    if (fresh) file->second = model::file_identity(source_->map.descriptor(found->first));
-    spans.add(file->second, found->second, found->second + value.nbytes());
+    spans.add(files(found->first), found->second, found->second + value.nbytes());
   }
   return spans;
 }
@@ -216,9 +230,6 @@ bool own_alone(const at::Tensor& value) {
   return value.use_count() == 1 && value.storage().allocator() != nullptr && value.storage().use_count() == 1 &&
          value.is_contiguous();
 }
-
-// A contiguous view of shared memory: made from_blob, without an allocator (a region, a memfd).
-bool shared_view(const at::Tensor& value) { return value.is_contiguous() && value.storage().allocator() == nullptr; }
 
 // A value in GPU memory that a lease shares (a cuda::VmmRegion): WeightUpdate::shared_in_place
 // writes it where it is.
