@@ -38,6 +38,22 @@ def _lua(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def convert_key(key: str, renamings: list, converters: list) -> tuple[str, list, str | None]:
+    """What transformers' loader makes of a checkpoint key: every rename in turn, then the first
+    converter whose pattern matches. Returns the name, the rules that changed it (the converter
+    last, where one took it), and the converter's matching source pattern (None when none did)."""
+    used = []
+    for rule in renamings:
+        key, pattern = rule.rename_source_key(key)
+        if pattern is not None:
+            used.append(rule)
+    for rule in converters:
+        target, pattern = rule.rename_source_key(key)
+        if pattern is not None:
+            return target, used + [rule], pattern
+    return key, used, None
+
+
 def checkpoint_keys(folder: Path) -> list[str]:
     """Every tensor name of a folder's safetensors files (model.safetensors, or the shards its index names)."""
     from safetensors import safe_open
@@ -77,20 +93,15 @@ def lua_converter(model, keys: list[str], where: str = "the checkpoint") -> str:
                                   f"{rule.target_patterns} is a kind of rule vramd.transformers_converter does not write")
     renamed: dict[str, str] = {}  # target -> source key
     merged: dict[str, tuple] = {}  # target -> (rule, {source pattern: [source keys]})
-    for key in keys:  # as transformers' loader does: every rename in turn, then the first converter
-        name = key
-        for rule in renamings:
-            name, _ = rule.rename_source_key(name)
-        for rule in converters:
-            target, pattern = rule.rename_source_key(name)
-            if pattern is not None:
-                _, groups = merged.setdefault(target, (rule, {}))
-                groups.setdefault(pattern, []).append(key)
-                break
-        else:
-            if name in renamed or name in merged:
-                raise ConversionError(f"{where}: {key!r} and {renamed.get(name)!r} would both become {name!r}")
-            renamed[name] = key
+    for key in keys:
+        name, used, pattern = convert_key(key, renamings, converters)
+        if pattern is not None:
+            _, groups = merged.setdefault(name, (used[-1], {}))
+            groups.setdefault(pattern, []).append(key)
+            continue
+        if name in renamed or name in merged:
+            raise ConversionError(f"{where}: {key!r} and {renamed.get(name)!r} would both become {name!r}")
+        renamed[name] = key
     lines = [f"-- Written by vramd.transformers_converter from transformers' conversion rules for model_type "
              f"{getattr(model.config, 'model_type', '?')!r} ({type(model).__name__}):",
              "-- each rename, and each merge of tensors into one, as transformers does them as it loads.",

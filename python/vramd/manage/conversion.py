@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..transformers_converter import convert_key
 from .errors import _listed
 
 
@@ -27,18 +28,11 @@ def conversion_hint(module: nn.Module, leased: list[str], missing: list[str]) ->
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     produced, used = set(), {}
-    for key in leased:  # as transformers' loader does: every rename in turn, then the first converter
-        for rule in renamings:
-            key, pattern = rule.rename_source_key(key)
-            if pattern is not None:
-                used.setdefault(id(rule), rule)
-        for rule in converters:
-            renamed, pattern = rule.rename_source_key(key)
-            if pattern is not None:
-                key = renamed
-                used.setdefault(id(rule), rule)
-                break
-        produced.add(key)
+    for key in leased:
+        name, rules, _ = convert_key(key, renamings, converters)
+        produced.add(name)
+        for rule in rules:
+            used.setdefault(id(rule), rule)
     matched = [name for name in missing if name in produced]
     if not matched:
         return None, []
