@@ -84,15 +84,9 @@ def warm(path):
             pass
 
 
-def dd_direct_seconds(path):
-    start = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True, capture_output=True)
-    return time.perf_counter() - start
-
-
-def dd_jobs_seconds(path, jobs):
-    """`jobs` dd processes at once, each reading its share of the file with O_DIRECT: the disk's
-    bound with several requests in flight (fio is not among the packages this machine has)."""
+def dd_direct_seconds(path, jobs=1):
+    """`jobs` dd processes at once, each reading its share of the file with O_DIRECT (bs=16M):
+    the disk's bound with as many requests in flight (fio is not among this machine's packages)."""
     blocks = -(-path.stat().st_size // (16 << 20))
     share = -(-blocks // jobs)
     start = time.perf_counter()
@@ -124,7 +118,7 @@ def interleaved(model, rounds):
         "vramd load_tensors, O_DIRECT": lambda: ours("read", model, 1, "bulk-direct")["seconds"][0],
         **{peer: (lambda peer=peer: peer_seconds(peer, model)) for peer in PEERS},
     }
-    bounds = {"dd O_DIRECT, 1 job": lambda: dd_direct_seconds(model), "dd O_DIRECT, 16 jobs": lambda: dd_jobs_seconds(model, 16)}
+    bounds = {"dd O_DIRECT, 1 job": lambda: dd_direct_seconds(model), "dd O_DIRECT, 16 jobs": lambda: dd_direct_seconds(model, 16)}
     cold_rows, warm_rows = {}, {}
     for _ in range(rounds):
         for name, run in {**bounds, **contenders}.items():
