@@ -70,7 +70,8 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   for (size_t i = 0; i < slots.size(); ++i)
     if (!plan.resident[i] && !slots[i].host) largest_streamed = std::max(largest_streamed, slots[i].prepared + slots[i].copy);
   if (!fits && largest_streamed < largest) {
-    stats.streaming = limit >= 3 * largest_streamed ? 2 * largest_streamed : largest_streamed;
+    // Resident slots take their computation copies in that room too, as they compute.
+    stats.streaming = std::max(largest_copy, limit >= 3 * largest_streamed ? 2 * largest_streamed : largest_streamed);
     place();
   }
   for (size_t i = 0; i < slots.size(); ++i)

@@ -92,6 +92,23 @@ TEST_CASE("streaming plan keeps room for the largest slots that stream, not for 
   CHECK(plan.stats.resident == 90 * KiB);
 }
 
+TEST_CASE("streaming plan keeps room for a resident slot's computation copy when the room shrinks") {
+  // Resting in float8, computed in float32: a 64 KiB layer every token runs through (its copy 128
+  // KiB) and 20 experts of 8 KiB (16 KiB copies) under 350 KiB. The layer stays resident and the
+  // room shrinks towards two experts' 48 KiB, but its own copy needs 128 KiB there as it computes
+  // (it waited for room nothing would give back).
+  std::vector<SlotBytes> slots = {{64 * KiB, 128 * KiB, 64 * KiB}};
+  for (int i = 0; i < 20; ++i) slots.push_back({8 * KiB, 16 * KiB, 8 * KiB, 0, true});
+  const auto plan = plan_streaming(slots, streamed(350 * KiB), "Float8_e4m3fn", "Float");
+  CHECK(plan.resident[0]);
+  CHECK(plan.stats.streaming == 128 * KiB);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    INFO("slot " << i);
+    const uint64_t needs = plan.resident[i] ? slots[i].copy : slots[i].prepared + slots[i].copy;
+    CHECK(plan.stats.resident + needs <= 350 * KiB);
+  }
+}
+
 TEST_CASE("streaming plan keeps room for one of the largest under a tight limit") {
   const auto plan = plan_streaming(slots_of({10, 40, 20, 40}), streamed(70 * KiB), "Float", "Float");
   CHECK(plan.stats.streaming == 40 * KiB);
