@@ -130,7 +130,7 @@ class Daemon {
       case Route::Kind::Metrics: return exchange->respond(200, "text/plain; version=0.0.4", metrics());
       case Route::Kind::Health:
         return respond_json(*exchange, 200, {{"status", "ok"}, {"version", VRAMD_VERSION}, {"pid", pid_}});
-      case Route::Kind::Status: return respond_json(*exchange, 200, status());
+      case Route::Kind::Status: return exchange->respond(200, "application/json", status());
       case Route::Kind::Reload: return registry_.scan(true, [this, exchange] { respond_json(*exchange, 200, models()); });
       case Route::Kind::List: return respond_json(*exchange, 200, models());
       case Route::Kind::Model:
@@ -335,14 +335,20 @@ class Daemon {
     return {{"models", std::move(list)}};
   }
 
-  json status() const {
+  // Written as text, not built as a tree first: it is the request asked most often.
+  std::string status() const {
     const auto charges = registry_.charges();  // each counted once, for its model and the devices
-    json models = json::array();
-    for (const Entry* e : registry_.entries()) models.push_back(summary_json(*e, charges.at(e->name)));
-    return {{"version", VRAMD_VERSION}, {"pid", pid_},
-            {"uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},
-            {"socket", config_.socket}, {"devices", registry_.devices_json(charges)}, {"models", std::move(models)},
-            {"connections", server_.connections()}, {"kept_memfds", kept_memfds()}};
+    std::string text;
+    JsonOut out(text);
+    out.object().field("version", VRAMD_VERSION).field("pid", pid_);
+    out.field("uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+    out.field("socket", config_.socket).key("devices");
+    write_devices(out, registry_.devices(charges));
+    out.key("models").array();
+    for (const Entry* e : registry_.entries()) write_summary(out, *e, charges.at(e->name));
+    out.end().field("connections", server_.connections()).field("kept_memfds", kept_memfds()).end();
+    text += '\n';
+    return text;
   }
 
   std::string metrics() const {
@@ -352,11 +358,11 @@ class Daemon {
     out << "# HELP vramd_connections Open client connections.\n# TYPE vramd_connections gauge\nvramd_connections "
         << server_.connections() << '\n';
     out << "# HELP vramd_device_bytes Bytes of weights held per device.\n# TYPE vramd_device_bytes gauge\n";
-    const json devices = registry_.devices_json(registry_.charges());
-    for (const auto& [device, info] : devices.items()) out << "vramd_device_bytes{device=\"" << device << "\"} " << info["used"] << '\n';
+    const auto devices = registry_.devices(registry_.charges());
+    for (const auto& [device, d] : devices) out << "vramd_device_bytes{device=\"" << device << "\"} " << d.used << '\n';
     out << "# HELP vramd_device_budget_bytes The daemon's budget per device.\n# TYPE vramd_device_budget_bytes gauge\n";
-    for (const auto& [device, info] : devices.items())
-      if (!info["budget"].is_null()) out << "vramd_device_budget_bytes{device=\"" << device << "\"} " << info["budget"] << '\n';
+    for (const auto& [device, d] : devices)
+      if (d.budget) out << "vramd_device_budget_bytes{device=\"" << device << "\"} " << *d.budget << '\n';
     out << "# HELP vramd_model_state 1 for the state each model is in.\n# TYPE vramd_model_state gauge\n";
     for (const Entry* e : registry_.entries())
       out << "vramd_model_state{model=\"" << label(e->name) << "\",state=\"" << state_name(e->state) << "\"} 1\n";

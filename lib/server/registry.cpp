@@ -316,26 +316,19 @@ std::map<std::string, Holdings> Registry::charges() const {
   return out;
 }
 
-json Registry::devices_json(const std::map<std::string, Holdings>& charged_by_model) const {
-  json devices = json::object();
-  std::set<std::string> names;
-  for (const auto& [device, budget] : config_.budgets) names.insert(device);
-  for (const auto& [device, bytes] : releasing_) names.insert(device);
-  std::map<std::string, DeviceBytes> charges;  // by model
-  for (const auto& [name, charge] : charged_by_model) {
-    charges[name] = weights::totals(charge);
-    for (const auto& [device, bytes] : charges[name]) names.insert(device);
-  }
+std::map<std::string, DeviceUse> Registry::devices(const std::map<std::string, Holdings>& charged_by_model) const {
+  std::map<std::string, DeviceUse> devices;
+  for (const auto& [device, budget] : config_.budgets) devices[device].budget = budget;
+  for (const auto& [device, bytes] : releasing_) devices[device].releasing = bytes;
+  for (const auto& [name, charge] : charged_by_model)
+    for (const auto& [device, bytes] : weights::totals(charge)) {
+      DeviceUse& d = devices[device];  // a device a model names is shown, if only with 0
+      if (bytes) d.models[name] = bytes;
+    }
   const DeviceBytes use = used(charged_by_model);
-  const uint64_t shared = shared_views(entries());  // in each viewer's charge, taken off `used` once less
-  for (const auto& device : names) {
-    json models = json::object();  // what each model counts: with `releasing`, less `shared`, `used`
-    for (const auto& [name, bytes] : charges)
-      if (const uint64_t b = on(bytes, device)) models[name] = b;
-    const auto budget = config_.budgets.find(device);
-    devices[device] = {{"budget", budget == config_.budgets.end() ? json(nullptr) : json(budget->second)},
-                       {"used", on(use, device)}, {"releasing", on(releasing_, device)},
-                       {"shared", device == "cpu" ? shared : 0}, {"models", std::move(models)}};
+  for (auto& [device, d] : devices) {
+    d.used = on(use, device);
+    if (device == "cpu") d.shared = shared_views(entries());  // in each viewer's charge, taken off `used` once less
   }
   return devices;
 }

@@ -39,6 +39,14 @@
 
 namespace vramd::server {
 
+// A device as GET /v1/status shows it: `used` is what the models count there (with
+// `releasing`, less the checkpoint pages several view, `shared`, on cpu).
+struct DeviceUse {
+  std::optional<uint64_t> budget;  // none: limited by its size
+  uint64_t used = 0, releasing = 0, shared = 0;
+  std::map<std::string, uint64_t> models;  // each model's charge there, by name
+};
+
 class Registry {
  public:
   Registry(uv_loop_t* loop, const config::DaemonConfig& config);
@@ -58,9 +66,8 @@ class Registry {
 
   // Each entry's charged() (server/budget.hpp), by name.
   std::map<std::string, Holdings> charges() const;
-  // Budgets and use per device from those charges (a model's own state becomes JSON in
-  // server/status.hpp).
-  nlohmann::json devices_json(const std::map<std::string, Holdings>& charges) const;
+  // Budgets and use per device from those charges (server/status.hpp writes them).
+  std::map<std::string, DeviceUse> devices(const std::map<std::string, Holdings>& charges) const;
 
   // SIGTERM: refuse queued work, cancel loads; `idle()` says when in-flight work has ended.
   void begin_shutdown();

@@ -4,6 +4,7 @@
 
 #include "config/units.hpp"
 #include "server/budget.hpp"
+#include "server/json_out.hpp"
 #include "server/registry.hpp"
 #include "util/clock.hpp"
 
@@ -81,48 +82,66 @@ std::string holders(const Entry& entry) {
   return text;
 }
 
-json leases_json(const Entry& e) {
-  json leases = json::array();
-  for (const auto& [id, lease] : e.leases)
-    leases.push_back({{"id", lease.id}, {"pid", lease.pid}, {"uid", lease.uid}, {"device", lease.device},
-                      {"since", clock_text(lease.since, kTimeFormat)}, {"reserved", lease.reserved},
-                      {"peak", lease.peak ? json(*lease.peak) : json(nullptr)}});
-  return leases;
+namespace {
+
+// The parts a model's entry and its status line share, written once for both sinks
+// (server/json_out.hpp).
+
+// [{"id", "pid", "uid", "device", "since", "reserved", "peak"}]
+template <class Out>
+void write_leases(Out& out, const Entry& e) {
+  out.array();
+  for (const auto& [id, lease] : e.leases) {
+    out.object().field("id", lease.id).field("pid", lease.pid).field("uid", lease.uid).field("device", lease.device);
+    out.field("since", clock_text(lease.since, kTimeFormat)).field("reserved", lease.reserved).field("peak", lease.peak).end();
+  }
+  out.end();
 }
 
-json charge_json(const Holdings& charge) {
-  json out = json::object();
+// What a model counts against each device's budget, by part (server/budget.hpp's charged):
+// {"cpu": {"bytes": N, "parts": {"limit": N, "onload": N, ...}}}.
+template <class Out>
+void write_charge(Out& out, const Holdings& charge) {
+  out.object();
   for (const auto& [device, parts] : charge) {
     uint64_t bytes = 0;
     for (const auto& [part, n] : parts) bytes += n;
-    out[device] = {{"bytes", bytes}, {"parts", parts}};
+    out.key(device).object().field("bytes", bytes).key("parts").object();
+    for (const auto& [part, n] : parts) out.field(part, n);
+    out.end().end();
   }
-  return out;
+  out.end();
 }
 
-// The checkpoint's pages the model's weights view in host memory, and which other models view
-// them too (each byte counted once in the cpu budget): null when its weights view none.
-json views_json(const Entry& e) {
-  if (e.views.empty()) return nullptr;
-  json with = json::array();
+// The checkpoint's pages the model's weights view in host memory (not empty), and which other
+// models view them too (each byte counted once in the cpu budget).
+template <class Out>
+void write_views(Out& out, const Entry& e) {
   uint64_t shared = 0;
+  out.object().field("bytes", e.views.bytes()).key("with").array();
   if (e.registry) {
     const std::vector<const Entry*> all = e.registry->entries();
     for (const Entry* other : all)
-      if (other != &e && e.views.overlap(other->views)) with.push_back(other->name);
+      if (other != &e && e.views.overlap(other->views)) out.value(other->name);
     shared = viewed_by_others(e.views, all, &e);
   }
-  return {{"bytes", e.views.bytes()}, {"shared", shared}, {"with", with}};
+  out.end().field("shared", shared).end();
 }
 
-json weights_json(const Entry& e) {
-  if (!e.vram || !e.runtime) return nullptr;
-  return *e.vram;
+// One of those parts as a tree, for an entry.
+template <class Write>
+json tree_of(Write write) {
+  JsonTree tree;
+  write(tree);
+  return tree.take();
 }
+
+}  // namespace
 
 json entry_json(const Entry& e) {
   json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
-            {"charge", charge_json(charged(e))}, {"busy", e.busy}, {"queued", e.queue.size()}};
+            {"charge", tree_of([&](JsonTree& t) { write_charge(t, charged(e)); })}, {"busy", e.busy},
+            {"queued", e.queue.size()}};
   if (!e.reason.empty()) j["reason"] = e.reason;
   if (e.waiting_for_room) j["waiting_for_room"] = true;
   if (!e.config_error.empty()) j["config_error"] = e.config_error;
@@ -147,10 +166,10 @@ json entry_json(const Entry& e) {
     j["residency"] = {{"keep_alive", config::format_duration(e.keep_alive)}, {"pinned", c.residency.pinned},
                       {"preload", c.residency.preload}};
   }
-  if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
-  if (auto views = views_json(e); !views.is_null()) j["views"] = std::move(views);
+  if (e.vram && e.runtime) j["weights"] = *e.vram;
+  if (!e.views.empty()) j["views"] = tree_of([&](JsonTree& t) { write_views(t, e); });
   j["version"] = e.runtime ? json(e.version) : json(nullptr);
-  j["leases"] = leases_json(e);
+  j["leases"] = tree_of([&](JsonTree& t) { write_leases(t, e); });
   if (e.state == ModelState::Loading) j["progress"] = progress_json(e.progress);
   j["idle_seconds"] = e.last_used == Clock::time_point{} ? json(nullptr) : json(seconds_since(e.last_used));
   j["stats"] = {{"loads", e.loads}, {"load_seconds", e.load_seconds}, {"forwards", e.forwards},
@@ -159,20 +178,37 @@ json entry_json(const Entry& e) {
   return j;
 }
 
-json summary_json(const Entry& e, const Holdings& charge) {
-  json j = {{"name", e.name}, {"state", state_name(e.state)}, {"devices", e.bytes}, {"charge", charge_json(charge)},
-            {"busy", e.busy},
-            {"queued", e.queue.size()},
-            {"vram", e.config ? json({{"computation", e.config->vram.computation.device.str()},
-                                      {"offload", e.config->vram.offload.device.str()}})
-                              : json(nullptr)}};
-  if (e.waiting_for_room) j["waiting_for_room"] = true;
-  if (!e.reason.empty()) j["reason"] = e.reason;
-  j["version"] = e.runtime ? json(e.version) : json(nullptr);
-  j["leases"] = leases_json(e);
-  if (auto weights = weights_json(e); !weights.is_null()) j["weights"] = std::move(weights);
-  if (auto views = views_json(e); !views.is_null()) j["views"] = std::move(views);
-  return j;
+void write_summary(JsonOut& out, const Entry& e, const Holdings& charge) {
+  out.object().field("name", e.name).field("state", state_name(e.state)).key("devices").object();
+  for (const auto& [device, bytes] : e.bytes) out.field(device, bytes);
+  out.end().key("charge");
+  write_charge(out, charge);
+  out.field("busy", e.busy).field("queued", e.queue.size()).key("vram");
+  if (e.config)
+    out.object().field("computation", e.config->vram.computation.device.str())
+        .field("offload", e.config->vram.offload.device.str()).end();
+  else
+    out.value(nullptr);
+  if (e.waiting_for_room) out.field("waiting_for_room", true);
+  if (!e.reason.empty()) out.field("reason", e.reason);
+  out.key("version");
+  if (e.runtime) out.value(e.version);
+  else out.value(nullptr);
+  write_leases(out.key("leases"), e);
+  if (e.vram && e.runtime) out.field("weights", json(*e.vram));
+  if (!e.views.empty()) write_views(out.key("views"), e);
+  out.end();
+}
+
+void write_devices(JsonOut& out, const std::map<std::string, DeviceUse>& devices) {
+  out.object();
+  for (const auto& [device, d] : devices) {
+    out.key(device).object().field("budget", d.budget).field("used", d.used).field("releasing", d.releasing);
+    out.field("shared", d.shared).key("models").object();
+    for (const auto& [name, bytes] : d.models) out.field(name, bytes);
+    out.end().end();
+  }
+  out.end();
 }
 
 }  // namespace vramd::server

@@ -1,6 +1,6 @@
 // The one place the registry's state becomes JSON (docs/api.md): a model's entry
-// (GET /v1/models/NAME), its line in GET /v1/status, its weights' plan and counters, its leases,
-// a lease's manifest and a load's progress. Read on the loop thread only.
+// (GET /v1/models/NAME), its line in GET /v1/status and the devices there, its weights' plan and
+// counters, its leases, a lease's manifest and a load's progress. Read on the loop thread only.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "server/json_out.hpp"
 #include "server/registry.hpp"
 #include "weights/lease.hpp"
 
@@ -15,17 +16,11 @@ namespace vramd::server {
 
 // Everything about the model: state, config, the dry run's figures, weights, leases, progress, stats.
 nlohmann::json entry_json(const Entry& entry);
-// Its line in the daemon's status: state, devices, queue, placement, weights, leases; `charge`
-// is its charged() (server/budget.hpp), which the status counts once for the devices too.
-nlohmann::json summary_json(const Entry& entry, const Holdings& charge);
-// What a model counts against each device's budget, by part (server/budget.hpp's charged):
-// {"cpu": {"bytes": N, "parts": {"limit": N, "onload": N, ...}}}.
-nlohmann::json charge_json(const Holdings& charge);
-// Streamed or partitioned weights of a loaded model: the plan, bytes held, peak and streaming
-// counters (model/vram_stats.hpp); null otherwise.
-nlohmann::json weights_json(const Entry& entry);
-// [{"id", "pid", "uid", "device", "since"}]
-nlohmann::json leases_json(const Entry& entry);
+// GET /v1/status's parts, written as text (it is asked for often): a model's line (state,
+// devices, queue, placement, weights, leases; `charge` is its charged(), server/budget.hpp, which
+// the status counts once for the devices too), and the devices' budgets and use.
+void write_summary(JsonOut& out, const Entry& entry, const Holdings& charge);
+void write_devices(JsonOut& out, const std::map<std::string, DeviceUse>& devices);
 // "pid 42 (uid 1000, cpu, since 2026-12-01T12:00:01Z), ...": who holds the model's leases.
 std::string holders(const Entry& entry);
 nlohmann::json progress_json(const LoadProgress& progress);

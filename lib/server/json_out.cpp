@@ -1,0 +1,74 @@
+#include "server/json_out.hpp"
+
+#include <algorithm>
+
+#include "server/reply.hpp"
+
+namespace vramd::server {
+
+void JsonOut::separate() {
+  if (keyed_) {
+    keyed_ = false;
+    return;
+  }
+  if (open_.empty()) return;
+  if (!open_.back().empty) out_ += ',';
+  open_.back().empty = false;
+}
+
+JsonOut& JsonOut::open(char bracket) {
+  separate();
+  out_ += bracket;
+  open_.push_back({bracket == '{' ? '}' : ']', true});
+  return *this;
+}
+
+JsonOut& JsonOut::end() {
+  out_ += open_.back().close;
+  open_.pop_back();
+  return *this;
+}
+
+JsonOut& JsonOut::raw(std::string_view text) {
+  separate();
+  out_ += text;
+  return *this;
+}
+
+JsonOut& JsonOut::key(std::string_view key) {
+  value(key);
+  out_ += ':';
+  keyed_ = true;
+  return *this;
+}
+
+JsonOut& JsonOut::value(std::string_view text) {
+  // Nothing to escape, nothing that is not ASCII: as it is. Anything else as json_line writes it.
+  const bool plain = std::all_of(text.begin(), text.end(), [](char c) {
+    return c >= 0x20 && c < 0x7f && c != '"' && c != '\\';
+  });
+  if (!plain) return value(nlohmann::json(std::string(text)));
+  separate();
+  out_ += '"';
+  out_ += text;
+  out_ += '"';
+  return *this;
+}
+
+JsonOut& JsonOut::value(double d) { return value(nlohmann::json(d)); }
+
+JsonOut& JsonOut::value(const nlohmann::json& j) {
+  std::string line = json_line(j);
+  line.pop_back();  // its newline
+  return raw(line);
+}
+
+nlohmann::json& JsonTree::place(nlohmann::json v) {
+  if (open_.empty()) return root_ = std::move(v);
+  nlohmann::json& in = *open_.back();
+  if (in.is_object()) return in[key_] = std::move(v);
+  in.push_back(std::move(v));
+  return in.back();
+}
+
+}  // namespace vramd::server
