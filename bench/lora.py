@@ -12,14 +12,26 @@ measured in the same run on one checkpoint and two adapters:
     peft fused       the same, fused as vramd's weights are: unmerge the old adapter, load and
                      merge the new one, one forward
 
-and a forward's cost with adapters against the base's: vramd's median forward with an adapter in
-force, fused (its weights are W + s*B*A, computed once at the switch, so a forward pays nothing)
-and unfused, against peft's unfused forward (x*W + s*(x*A)*B at each call).
+Then (first, or alone with --only unet) a UNet2DConditionModel, served as architecture
+"weights" and managed in this process by vramd.manage, against diffusers on the same UNet and
+two kohya LoRA files:
 
-Every contender's first output is compared with peft's merge_and_unload() of the same adapter.
+    vramd.manage     Managed.set_loras: the process's own adapters replaced, then one forward
+    vramd followed   Client.set_loras on the served model, the managed module (follow=True)
+                     taking the new version (wait_update), then one forward
+    diffusers        load_lora_adapter + set_adapters (unfused); unfuse_lora, delete_adapters,
+                     load_lora_adapter, fuse_lora (fused); from_pretrained + the file fused (a
+                     reload), each then one forward
+
+each first output against diffusers' own fuse_lora of that file; and the forwards' cost.
+
+For the LLaMA, a forward's cost with adapters against the base's: vramd's median forward with an
+adapter in force, fused (its weights are W + s*B*A, computed once at the switch, so a forward
+pays nothing) and unfused, against peft's unfused forward (x*W + s*(x*A)*B at each call). Every
+LLaMA contender's first output is compared with peft's merge_and_unload() of the same adapter.
 
     .venv/bin/python bench/lora.py [--workdir /tmp/vramd-bench-lora] [--layers 8] [--rank 16]
-                                   [--repeat 5] [--json FILE]
+                                   [--repeat 5] [--only llama|unet] [--json FILE]
 
 The model: a LLaMA of hidden size 1024 and LAYERS layers, random weights saved in bfloat16 (so
 that a load reads and casts them) and computed in float32 by every contender; the
@@ -34,7 +46,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load
+from safetensors.torch import load, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -227,6 +239,198 @@ def memory_contenders(work, base, adapters, configs, batch):
     return figures
 
 
+def make_unet():
+    import diffusers
+    return diffusers.UNet2DConditionModel(
+        sample_size=32, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(128, 256, 256),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=256,
+        attention_head_dim=8, norm_num_groups=32).eval()
+
+
+def make_unet_files(work, rank):
+    """A UNet's folder (save_pretrained, float32) and two kohya LoRA files of rank RANK (alpha
+    RANK / 2) on every attention projection and every resnet's first convolution."""
+    folder = work / "unet"
+    if not (folder / "diffusion_pytorch_model.safetensors").exists():
+        torch.manual_seed(0)
+        make_unet().save_pretrained(folder)
+    state = load((folder / "diffusion_pytorch_model.safetensors").read_bytes())
+    suffixes = tuple(f"{p}.weight" for p in ("to_q", "to_k", "to_v", "to_out.0", "conv1"))
+    files = []
+    for seed in (1, 2):
+        path = work / f"kohya{seed}.safetensors"
+        if not path.exists():
+            g, kohya = torch.Generator().manual_seed(seed), {}
+            for name, weight in state.items():
+                if not name.endswith(suffixes):
+                    continue
+                key = "lora_unet_" + name[: -len(".weight")].replace(".", "_")
+                conv = weight.dim() == 4
+                kohya[f"{key}.lora_down.weight"] = torch.randn((rank, *weight.shape[1:]) if conv else (rank, weight.shape[1]), generator=g) * 0.05
+                kohya[f"{key}.lora_up.weight"] = torch.randn((weight.shape[0], rank, 1, 1) if conv else (weight.shape[0], rank), generator=g) * 0.05
+                kohya[f"{key}.alpha"] = torch.tensor(rank / 2)
+            save_file(kohya, path)
+        files.append(path)
+    return folder, files
+
+
+def unet_inputs():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(1, 4, 32, 32, generator=g), 10, torch.randn(1, 16, 256, generator=g)
+
+
+def diffusers_adapter(unet, path, name):
+    """diffusers' own way: the file read (lora_state_dict) and loaded as adapter `name`."""
+    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin
+    state, alphas = StableDiffusionLoraLoaderMixin.lora_state_dict(str(path))
+    unet.load_lora_adapter(state, network_alphas=alphas, prefix="unet", adapter_name=name)
+
+
+def diffusers_contenders(folder, files, scale, x, repeat):
+    """diffusers on the UNet in this process: a switch unfused (load_lora_adapter + set_adapters),
+    fused (unfuse_lora, delete_adapters, load_lora_adapter, fuse_lora) and a reload (from_pretrained
+    + the adapter fused), each to the first output; forwards of the base, fused and unfused."""
+    import diffusers
+    unet = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
+    out = {}
+    with torch.no_grad():
+        out["base forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
+        diffusers_adapter(unet, files[0], "a0")
+        unet.set_adapters(["a0"], weights=[scale])
+        out["unfused forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
+        names, alone, first = ["a0"], [], []
+        for i in range(repeat):
+            start = time.perf_counter()
+            diffusers_adapter(unet, files[(i + 1) % 2], f"s{i}")
+            unet.set_adapters([f"s{i}"], weights=[scale])
+            alone.append(time.perf_counter() - start)
+            got = unet(*x).sample
+            first.append(time.perf_counter() - start)
+            unet.delete_adapters(names.pop())
+            names.append(f"s{i}")
+        out.update({"switch alone": statistics.median(alone), "switch": statistics.median(first),
+                    "switch output": got, "switch file": files[repeat % 2]})
+        unet.fuse_lora(lora_scale=scale, adapter_names=names)
+        out["fused forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
+        alone, first = [], []
+        for i in range(repeat):
+            start = time.perf_counter()
+            unet.unfuse_lora()
+            unet.delete_adapters(names.pop())
+            diffusers_adapter(unet, files[i % 2], f"f{i}")
+            unet.fuse_lora(lora_scale=scale, adapter_names=[f"f{i}"])
+            alone.append(time.perf_counter() - start)
+            got = unet(*x).sample
+            first.append(time.perf_counter() - start)
+            names.append(f"f{i}")
+        out.update({"fused switch alone": statistics.median(alone), "fused switch": statistics.median(first),
+                    "fused switch output": got, "fused switch file": files[(repeat - 1) % 2]})
+        del unet
+        alone, first = [], []
+        for i in range(repeat):
+            start = time.perf_counter()
+            unet = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
+            diffusers_adapter(unet, files[i % 2], "r")
+            unet.fuse_lora(lora_scale=scale, adapter_names=["r"])
+            alone.append(time.perf_counter() - start)
+            got = unet(*x).sample
+            first.append(time.perf_counter() - start)
+        out.update({"reload alone": statistics.median(alone), "reload": statistics.median(first),
+                    "reload output": got, "reload file": files[(repeat - 1) % 2]})
+    return out
+
+
+def fused_witness(folder, path, scale, x):
+    """diffusers' output with the file fused at `scale`: what every contender's must equal."""
+    import diffusers
+    unet = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
+    diffusers_adapter(unet, path, "w")
+    unet.fuse_lora(lora_scale=scale, adapter_names=["w"])
+    with torch.no_grad():
+        return unet(*x).sample
+
+
+def vramd_unet_contenders(work, folder, files, scale, x, repeat):
+    """The UNet served as architecture "weights" (no family: it runs in the client) and managed
+    there by vramd.manage: its own adapters switched by Managed.set_loras, and the daemon's
+    switched by Client.set_loras while the module follows the model's versions."""
+    from accelerate import init_empty_weights
+    import vramd
+    work = work / "unet-serving"
+    models = work / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    served = f'checkpoint = "{folder / "diffusion_pytorch_model.safetensors"}"\narchitecture = "weights"\n'
+    (models / "unet.toml").write_text(served)
+    (models / "unet-daemon.toml").write_text(served + f'[[lora]]\npath = "{files[0]}"\nscale = {scale}\n')
+    with init_empty_weights():
+        module, following = make_unet(), make_unet()
+    out = {}
+    with serving(work, 'cpu = "8GiB"') as client, torch.no_grad():
+        with vramd.manage(module, "unet", client=client) as managed:
+            module(*x)
+            out["base forward"] = median_seconds(repeat, lambda: None, lambda: module(*x))
+            managed.set_loras([(files[0], scale)])
+            module(*x)
+            out["adapted forward"] = median_seconds(repeat, lambda: None, lambda: module(*x))
+            alone, first = [], []
+            for i in range(repeat):
+                start = time.perf_counter()
+                managed.set_loras([(files[(i + 1) % 2], scale)])
+                alone.append(time.perf_counter() - start)
+                got = module(*x).sample
+                first.append(time.perf_counter() - start)
+            out.update({"own switch alone": statistics.median(alone), "own switch": statistics.median(first),
+                        "own switch output": got, "own switch file": files[repeat % 2]})
+        with vramd.manage(following, "unet-daemon", client=client, follow=True) as managed:
+            following(*x)
+            alone, first = [], []
+            for i in range(repeat):
+                start = time.perf_counter()
+                client.set_loras("unet-daemon", [(files[(i + 1) % 2], scale)])
+                managed.wait_update()
+                alone.append(time.perf_counter() - start)
+                got = following(*x).sample
+                first.append(time.perf_counter() - start)
+            out.update({"daemon switch alone": statistics.median(alone), "daemon switch": statistics.median(first),
+                        "daemon switch output": got, "daemon switch file": files[repeat % 2]})
+    return out
+
+
+def unet_rows(work, rank, repeat):
+    """The UNet against diffusers, printed."""
+    scale = 0.75
+    folder, files = make_unet_files(work, rank)
+    x = unet_inputs()
+    v = vramd_unet_contenders(work, folder, files, scale, x, repeat)
+    d = diffusers_contenders(folder, files, scale, x, repeat)
+    witnesses = {f: fused_witness(folder, f, scale, x) for f in files}
+
+    def against(got, path):
+        return ((got - witnesses[path]).abs().max() / witnesses[path].abs().max()).item()
+
+    size = (folder / "diffusion_pytorch_model.safetensors").stat().st_size
+    print(f"UNet2DConditionModel, {size / 2**20:.0f} MiB in float32; kohya LoRA files of rank {rank} on every attention "
+          f"projection and resnet conv1 ({files[0].stat().st_size / 2**20:.1f} MiB), scale {scale}; median of {repeat}")
+    rows = [("vramd.manage, Managed.set_loras", v["own switch alone"], v["own switch"], v["own switch output"], v["own switch file"]),
+            ("vramd Client.set_loras, followed", v["daemon switch alone"], v["daemon switch"], v["daemon switch output"],
+             v["daemon switch file"]),
+            ("diffusers switch (unfused)", d["switch alone"], d["switch"], d["switch output"], d["switch file"]),
+            ("diffusers fused switch", d["fused switch alone"], d["fused switch"], d["fused switch output"], d["fused switch file"]),
+            ("diffusers reload, fused", d["reload alone"], d["reload"], d["reload output"], d["reload file"])]
+    print(f"  {'':34} {'the switch':>10} {'+ forward':>10}   first output against diffusers' fuse_lora")
+    for name, alone, first, got, path in rows:
+        print(f"  {name:34} {alone:8.3f} s {first:8.3f} s   {against(got, path):.1e} relative")
+    fastest = min(d["switch alone"], d["fused switch alone"], d["reload alone"])
+    print(f"vramd's switches against diffusers' fastest way ({fastest:.3f} s): Managed.set_loras "
+          f"{fastest / v['own switch alone']:.1f}x, Client.set_loras {fastest / v['daemon switch alone']:.1f}x faster")
+    print(f"forward: diffusers base {d['base forward']:.3f} s, fused {d['fused forward'] / d['base forward']:.2f}x, unfused "
+          f"{d['unfused forward'] / d['base forward']:.2f}x; vramd.manage base {v['base forward']:.3f} s, with its own "
+          f"adapter {v['adapted forward'] / v['base forward']:.2f}x")
+    return {f"unet vramd {k}": x for k, x in v.items() if isinstance(x, float)} | \
+        {f"unet diffusers {k}": x for k, x in d.items() if isinstance(x, float)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/vramd-bench-lora")
@@ -234,11 +438,17 @@ def main():
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--configs", type=int, default=3, help="configs with adapters of their own over one base")
+    parser.add_argument("--only", choices=["llama", "unet"], help="one model's rows (default: both)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    figures = unet_rows(work, args.rank, args.repeat) if args.only != "llama" else {}
+    if args.only == "unet":
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        return
     base, adapters = make(work, args.layers, args.rank)
     batch = inputs()
     v = vramd_contenders(work, base, adapters, batch, args.repeat)
@@ -271,15 +481,15 @@ def main():
           f"({v['adapted forward'] / v['base forward']:.2f}x), unfused {v['unfused forward']:.3f} s "
           f"({v['unfused forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.3f} s, unfused "
           f"{p['unfused forward']:.3f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
-    figures = memory_contenders(work, base, adapters, args.configs, batch)
+    memory = memory_contenders(work, base, adapters, args.configs, batch)
     size_bf16 = (base / "model.safetensors").stat().st_size
     print(f"host memory over one base of {size_bf16 / 2**20:.0f} MiB, the base's config and then configs unfused "
           f"with an adapter of their own, the daemon's Pss after a forward of each and what its cpu budget counts: " +
           ", ".join(f"{n} config{'s' if n != 1 else ''} {b / 2**20:.0f} MiB ({b / size_bf16:.2f}x), counted "
-                    f"{used / 2**20:.0f} MiB ({used / size_bf16:.2f}x)" for n, (b, used) in enumerate(figures, 1)))
+                    f"{used / 2**20:.0f} MiB ({used / size_bf16:.2f}x)" for n, (b, used) in enumerate(memory, 1)))
     if args.json:
-        figures = {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
-                   if isinstance(val, (int, float))}
+        figures |= {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
+                    if isinstance(val, (int, float))}
         Path(args.json).write_text(json.dumps(figures, indent=2))
 
 
