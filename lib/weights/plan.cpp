@@ -70,8 +70,11 @@ StreamPlan plan_streaming(std::span<const SlotBytes> slots, const config::ModelC
   for (size_t i = 0; i < slots.size(); ++i)
     if (!plan.resident[i] && !slots[i].host) largest_streamed = std::max(largest_streamed, slots[i].prepared + slots[i].copy);
   if (!fits && largest_streamed < largest) {
-    // Resident slots take their computation copies in that room too, as they compute.
-    stats.streaming = std::max(largest_copy, limit >= 3 * largest_streamed ? 2 * largest_streamed : largest_streamed);
+    // Resident slots take their computation copies in that room too, as they compute. Never
+    // more than was kept: what is resident was placed beside that (two of the streamed ones can
+    // be more than one of the largest, which a limit under three of those kept).
+    const uint64_t room = limit >= 3 * largest_streamed ? 2 * largest_streamed : largest_streamed;
+    stats.streaming = std::min(stats.streaming, std::max(largest_copy, room));
     place();
   }
   for (size_t i = 0; i < slots.size(); ++i)
