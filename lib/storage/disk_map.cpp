@@ -447,6 +447,14 @@ std::optional<std::pair<uint32_t, uint64_t>> DiskMap::locate(const void* p, uint
   return std::nullopt;
 }
 
+void DiskMap::unmap_pages_except(std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> keep) const {
+  for (uint32_t i = 0; i < impl_->handles.size(); ++i) {
+    auto& ranges = keep[i];
+    std::sort(ranges.begin(), ranges.end());
+    impl_->handles[i]->unmap_pages_except(ranges);
+  }
+}
+
 int DiskMap::descriptor(uint32_t file) const { return impl_->handles.at(file)->fd(); }
 
 }  // namespace vramd::storage

@@ -22,6 +22,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <map>
 #include <vector>
 
 #include "storage/dtype.hpp"
@@ -119,6 +120,9 @@ class DiskMap {
   // Where bytes [p, p + n) lie in the private mapping bytes() hands out: the file and the
   // offset in it; nullopt when they lie elsewhere.
   std::optional<std::pair<uint32_t, uint64_t>> locate(const void* p, uint64_t n) const;
+  // File::unmap_pages_except for each file mapped: `keep` holds, by file index, the byte ranges
+  // to keep mapped (in any order).
+  void unmap_pages_except(std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> keep) const;
   // The read-only descriptor of files()[file], valid while the map lives.
   int descriptor(uint32_t file) const;
   // Bytes of tensor data asked of the files so far, by reads and mappings alike (a mapping

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -58,8 +59,26 @@ int File::direct_fd() const {
 std::span<std::byte> File::mapping() const {
   std::call_once(map_once_, [this] {
     if (size_ > 0) map_ = std::make_unique<Mapping>(path_, fd_, 0, size_, true, lost_);
+    mapped_.store(true, std::memory_order_release);
   });
   return map_ ? std::span<std::byte>{map_->data(), map_->size()} : std::span<std::byte>{};
+}
+
+void File::unmap_pages_except(std::span<const std::pair<uint64_t, uint64_t>> keep) const {
+  if (!mapped_.load(std::memory_order_acquire) || !map_) return;
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  // Whole pages between the kept ranges (a page a kept range touches stays).
+  const auto drop = [&](uint64_t begin, uint64_t end) {
+    begin = (begin + page - 1) / page * page;
+    end = end >= map_->size() ? map_->size() : end / page * page;  // the last page, though partial
+    if (begin < end) ::madvise(map_->data() + begin, end - begin, MADV_DONTNEED);
+  };
+  uint64_t from = 0;
+  for (const auto& [begin, end] : keep) {
+    if (begin > from) drop(from, begin);
+    from = std::max(from, end);
+  }
+  drop(from, map_->size());
 }
 
 std::unique_ptr<Mapping> File::map_range(uint64_t offset, uint64_t n) const {

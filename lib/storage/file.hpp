@@ -57,6 +57,12 @@ class File {
   // The whole file, mapped privately on first use; writes to it never reach the file.
   std::span<std::byte> mapping() const;
 
+  // Takes the pages of mapping() out of this process, but those of the ranges `keep` ([begin,
+  // end) offsets, sorted): bytes read through it to be copied (converted, cast) and held by
+  // nothing since. They stay in the page cache, clean, for whoever reads them next; a later read
+  // through the mapping maps them again. Nothing to do where the file was never mapped.
+  void unmap_pages_except(std::span<const std::pair<uint64_t, uint64_t>> keep) const;
+
   // Bytes [offset, offset + n) in a read-only mapping made for them alone: nothing copied.
   // Read-ahead of the pages not cached yet starts now (MADV_WILLNEED); pages are mapped as they
   // are first touched. The bytes begin offset % page size into the mapping. Throws ReadFailure
@@ -74,6 +80,7 @@ class File {
   std::shared_ptr<std::atomic<bool>> lost_ = std::make_shared<std::atomic<bool>>(false);
   mutable std::once_flag map_once_;
   mutable std::unique_ptr<Mapping> map_;
+  mutable std::atomic<bool> mapped_{false};  // map_ is made
   mutable std::once_flag direct_once_;
   mutable int direct_fd_ = -1;
 };

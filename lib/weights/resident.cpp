@@ -84,6 +84,7 @@ ResidentWeights::ResidentWeights(model::Model& model, std::shared_ptr<Source> so
       packed_awake_(packed_awake(config)),
       packed_offload_(config::rests_for_clients(config) && packed_state(states_.offload, config)) {
   read_all(torch_device(awake_.device), storage::scalar_type(*awake_.dtype), packed_awake_, &options, &zero_copy);
+  unmap_copied();
   for (const auto& layer : model.layers()) layer->set_manager(this);
 }
 
@@ -193,9 +194,29 @@ uint64_t ResidentWeights::move_to(const config::DeviceState& state, bool packed)
   return bytes;
 }
 
-uint64_t ResidentWeights::sleep() { return move_to(states_.offload, packed_offload_); }
+uint64_t ResidentWeights::sleep() {
+  const uint64_t moved = move_to(states_.offload, packed_offload_);
+  unmap_copied();
+  return moved;
+}
 
-uint64_t ResidentWeights::wake() { return move_to(awake_, packed_awake_); }
+uint64_t ResidentWeights::wake() {
+  const uint64_t moved = move_to(awake_, packed_awake_);
+  unmap_copied();
+  return moved;
+}
+
+void ResidentWeights::unmap_copied() const {
+  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> keep;
+  for (const auto* parameter : model_.parameters()) {
+    const at::Tensor& value = parameter->value;
+    if (!value.defined() || !value.is_cpu()) continue;
+    const auto& storage = value.storage();
+    if (const auto found = source_->map.locate(storage.data(), storage.nbytes()))
+      keep[found->first].emplace_back(found->second, found->second + storage.nbytes());
+  }
+  source_->map.unmap_pages_except(std::move(keep));
+}
 
 std::optional<model::VramStats> ResidentWeights::stats() const { return std::nullopt; }
 

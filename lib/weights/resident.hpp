@@ -44,6 +44,9 @@ class ResidentWeights final : public Weights {
   uint64_t read_all(c10::Device device, c10::ScalarType dtype, bool packed, const model::LoadOptions* options,
                     size_t* zero_copy);
   uint64_t move_to(const config::DeviceState& state, bool packed);
+  // Takes the checkpoint's pages that were read to be copied (cast, converted) out of the
+  // daemon's mapping, once no weight views them (storage::DiskMap::unmap_pages_except).
+  void unmap_copied() const;
 
   model::Model& model_;
   std::shared_ptr<Source> source_;

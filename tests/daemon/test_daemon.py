@@ -701,6 +701,41 @@ def test_memory_stays_flat_over_a_soak(tmp_path, checkpoints):
         assert d.stop() == 0
 
 
+def mapped_rss(pid, path):
+    """Bytes of process `pid`'s mappings of the file `path` that are in its memory."""
+    total, counting = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            counting = line.endswith(" " + str(path))
+        elif counting and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_a_load_that_copies_the_checkpoint_leaves_none_of_its_pages_mapped(tmp_path, checkpoints):
+    """A config computed in another dtype than the file's reads each weight through the daemon's
+    mapping of the checkpoint to cast it: once loaded, those pages are no longer in the daemon's
+    memory (they stay in the page cache, which is no process's), as after a sleep and a wake. A
+    config of the file's own dtype keeps its weights as views of the mapping: those stay."""
+    d = Daemon(tmp_path, log_level="warn")
+    add_model(d, "cast", checkpoints["minilm"], 'dtype = "bfloat16"\n[vram]\noffload = { device = "disk" }')
+    add_model(d, "views", checkpoints["minilm"])
+    file = Path(checkpoints["minilm"]) / "model.safetensors"
+    size = file.stat().st_size
+    inputs = save(MINILM_INPUT)
+    with d.start():
+        pid = d.process.pid
+        for action in ("load", "offload", "load"):
+            assert request(d.sock, "POST", f"/v1/models/cast/{action}")[0] == 200
+            assert request(d.sock, "POST", "/v1/models/cast/forward", inputs)[0] == 200
+            assert mapped_rss(pid, file) < size // 50, (action, mapped_rss(pid, file), size)
+        assert request(d.sock, "POST", "/v1/models/views/forward", inputs)[0] == 200
+        # Its views, mapped as the forward reads them: all but the embedding rows it did not look up.
+        assert mapped_rss(pid, file) > size // 3, (mapped_rss(pid, file), size)
+        assert d.stop() == 0
+
+
 def soak(daemon):
     inputs = save(MINILM_INPUT)
 
