@@ -15,9 +15,9 @@ writes from transformers' rules (experts stacked, w1 and w3 concatenated, rename
     What holds the converted weights: the daemon's memfd (the materialised stacks, which every
     process maps), the checkpoint's pages the renames view (the model's `views.bytes`), and what
     the processes' own anonymous memory grew by in manage() (a copy of a weight would be there);
-    against the resting bytes, goal 1.1x. Printed beside it: the forward's buffers, each mapping's
-    proportional set size (the daemon's of the checkpoint is the experts the conversion read:
-    clean page cache, reclaimable).
+    against the resting bytes, goal 1.1x. Printed beside it: the forward's buffers, and the
+    proportional set size of the checkpoint's mappings (the daemon maps only what its weights
+    view: the pages a conversion read to copy are given back).
 
     .venv/bin/python bench/conversion.py [--workdir /tmp/vramd-bench-conversion] [--layers 4]
                                          [--experts 8] [--processes 3] [--repeat 3]
@@ -193,7 +193,7 @@ def main():
           f"experts they touched), the checkpoint's viewed pages {views / 2**20:.0f} MiB, the processes' own anonymous "
           f"memory grown by manage() {managing / 2**20:.2f} MiB: {held / resting:.3f}x the resting bytes (goal 1.1x). "
           f"Beside them: the forwards' buffers {forwarding / 2**20:.1f} MiB in all; the checkpoint's pages mapped, "
-          f"Pss: the daemon {daemon_file / 2**20:.0f} MiB (the experts the conversion read, clean page cache), "
+          f"Pss: the daemon {daemon_file / 2**20:.0f} MiB, "
           f"the processes {clients_file / 2**20:.0f} MiB; their logits against from_pretrained's {error:.1e}")
 
 
