@@ -201,8 +201,9 @@ def transformers_case():
 
 
 def hub_layout_cases():
-    """Mixtures of experts whose checkpoints transformers 5 converts as it loads them: Mixtral's
-    experts one tensor each (stacked and concatenated), GraniteMoE's renamed."""
+    """Mixtures of experts whose checkpoints transformers 5 converts as it loads them: Mixtral's,
+    Qwen2-MoE's, Qwen3-MoE's and OLMoE's experts one tensor each (stacked and concatenated),
+    GraniteMoE's renamed; and a Nomic BERT's fused Wqkv (chunked)."""
     transformers = pytest.importorskip("transformers")
     sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)
@@ -213,7 +214,16 @@ def hub_layout_cases():
     # Nomic's BERT: q, k and v stored fused in one Wqkv, which transformers chunks in three.
     nomic = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
                  max_position_embeddings=32)
+    # Qwen3-MoE (q and k normed per head, experts of their own size) and OLMoE (q and k normed
+    # whole), each stacked as Mixtral's are, with sizes of their own (rows of a multiple of 16
+    # bytes: transformers computes their experts with torch._grouped_mm, which needs them).
+    qwen3 = dict(vocab_size=80, hidden_size=24, intermediate_size=16, moe_intermediate_size=12, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=6, num_experts=5, num_experts_per_tok=2)
+    olmoe = dict(vocab_size=72, hidden_size=28, intermediate_size=20, num_hidden_layers=3, num_attention_heads=2,
+                 num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)
     return {"mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes)),
+            "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**qwen3)),
+            "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**olmoe)),
             "granitemoe": lambda: transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**sizes)),
             "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**qwen)),
             "nomic_bert": lambda: transformers.NomicBertModel(transformers.NomicBertConfig(**nomic))}
