@@ -56,6 +56,26 @@ from vram import serving  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
+def timed_switches(repeat, switch, forward, after=lambda i: None):
+    """REPEAT switches, each `switch(i)` then `forward()` (`after(i)` untimed after it): the
+    medians of the switch alone and to the end of its forward, and the last forward's output."""
+    alone, first = [], []
+    for i in range(repeat):
+        start = time.perf_counter()
+        switch(i)
+        alone.append(time.perf_counter() - start)
+        output = forward()
+        first.append(time.perf_counter() - start)
+        after(i)
+    return statistics.median(alone), statistics.median(first), output
+
+
+def record(out, name, timed, file):
+    """timed_switches' figures as `out`'s NAME alone, NAME, NAME output and the adapter's NAME file."""
+    alone, first, output = timed
+    out.update({f"{name} alone": alone, name: first, f"{name} output": output, f"{name} file": file})
+
+
 def make(work, layers, rank):
     """The checkpoint folder, and two adapter folders saved by peft."""
     import peft
@@ -169,16 +189,14 @@ def vramd_contenders(work, base, adapters, batch, repeat):
             written = answer["updated"]["tensors"]
         switched_to = adapters[repeat % 2]
         switched_logits = out["logits"]
-        reload, reload_alone = [], []
-        for i in range(repeat):
-            start = time.perf_counter()
+
+        def reload_with(i):
             client.unload("m")
             config.write_text(text + f'[[lora]]\npath = "{adapters[i % 2]}"\n')
             client.reload()
             client.load("m")
-            reload_alone.append(time.perf_counter() - start)
-            out = forward()
-            reload.append(time.perf_counter() - start)
+
+        reload_alone, reload, out = timed_switches(repeat, reload_with, forward)
         reloaded_to = adapters[(repeat - 1) % 2]
         # Unfused (fuse_lora = false): a switch replaces the factors alone.
         client.unload("m")
@@ -188,19 +206,14 @@ def vramd_contenders(work, base, adapters, batch, repeat):
         unfused()
         client.set_loras("u", [adapters[0]])
         unfused_forward = median_seconds(repeat, lambda: None, unfused)
-        unfused_switch, unfused_alone = [], []
-        for i in range(repeat):
-            start = time.perf_counter()
-            client.set_loras("u", [adapters[(i + 1) % 2]])
-            unfused_alone.append(time.perf_counter() - start)
-            out_u = unfused()
-            unfused_switch.append(time.perf_counter() - start)
-        return {"unfused forward": unfused_forward, "unfused switch": statistics.median(unfused_switch),
-                "unfused switch alone": statistics.median(unfused_alone), "unfused logits": out_u["logits"],
+        unfused_alone, unfused_switch, out_u = timed_switches(
+            repeat, lambda i: client.set_loras("u", [adapters[(i + 1) % 2]]), unfused)
+        return {"unfused forward": unfused_forward, "unfused switch": unfused_switch,
+                "unfused switch alone": unfused_alone, "unfused logits": out_u["logits"],
                 "unfused adapter": adapters[repeat % 2],"base forward": base_forward, "adapted forward": adapted_forward, "switch": statistics.median(switch),
                 "daemon switch": statistics.median(daemon_part), "weights written": written,
-                "reload": statistics.median(reload), "switch alone": statistics.median(switch_alone),
-                "reload alone": statistics.median(reload_alone), "switched logits": switched_logits, "switched adapter": switched_to,
+                "reload": reload, "switch alone": statistics.median(switch_alone),
+                "reload alone": reload_alone, "switched logits": switched_logits, "switched adapter": switched_to,
                 "reloaded logits": out["logits"], "reloaded adapter": reloaded_to}
 
 
@@ -299,45 +312,39 @@ def diffusers_contenders(folder, files, scale, x, repeat):
         diffusers_adapter(unet, files[0], "a0")
         unet.set_adapters(["a0"], weights=[scale])
         out["unfused forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
-        names, alone, first = ["a0"], [], []
-        for i in range(repeat):
-            start = time.perf_counter()
+        names = ["a0"]  # the adapters loaded
+
+        def switch(i):
             diffusers_adapter(unet, files[(i + 1) % 2], f"s{i}")
             unet.set_adapters([f"s{i}"], weights=[scale])
-            alone.append(time.perf_counter() - start)
-            got = unet(*x).sample
-            first.append(time.perf_counter() - start)
+
+        def drop_old(i):
             unet.delete_adapters(names.pop())
             names.append(f"s{i}")
-        out.update({"switch alone": statistics.median(alone), "switch": statistics.median(first),
-                    "switch output": got, "switch file": files[repeat % 2]})
+
+        forward = lambda: unet(*x).sample  # noqa: E731
+        record(out, "switch", timed_switches(repeat, switch, forward, drop_old), files[repeat % 2])
         unet.fuse_lora(lora_scale=scale, adapter_names=names)
         out["fused forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
-        alone, first = [], []
-        for i in range(repeat):
-            start = time.perf_counter()
+
+        def fused_switch(i):
             unet.unfuse_lora()
             unet.delete_adapters(names.pop())
             diffusers_adapter(unet, files[i % 2], f"f{i}")
             unet.fuse_lora(lora_scale=scale, adapter_names=[f"f{i}"])
-            alone.append(time.perf_counter() - start)
-            got = unet(*x).sample
-            first.append(time.perf_counter() - start)
-            names.append(f"f{i}")
-        out.update({"fused switch alone": statistics.median(alone), "fused switch": statistics.median(first),
-                    "fused switch output": got, "fused switch file": files[(repeat - 1) % 2]})
+
+        record(out, "fused switch", timed_switches(repeat, fused_switch, forward, lambda i: names.append(f"f{i}")),
+               files[(repeat - 1) % 2])
         del unet
-        alone, first = [], []
-        for i in range(repeat):
-            start = time.perf_counter()
-            unet = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
-            diffusers_adapter(unet, files[i % 2], "r")
-            unet.fuse_lora(lora_scale=scale, adapter_names=["r"])
-            alone.append(time.perf_counter() - start)
-            got = unet(*x).sample
-            first.append(time.perf_counter() - start)
-        out.update({"reload alone": statistics.median(alone), "reload": statistics.median(first),
-                    "reload output": got, "reload file": files[(repeat - 1) % 2]})
+        reloaded = {}
+
+        def reload(i):
+            reloaded["unet"] = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
+            diffusers_adapter(reloaded["unet"], files[i % 2], "r")
+            reloaded["unet"].fuse_lora(lora_scale=scale, adapter_names=["r"])
+
+        record(out, "reload", timed_switches(repeat, reload, lambda: reloaded["unet"](*x).sample),
+               files[(repeat - 1) % 2])
     return out
 
 
@@ -373,27 +380,17 @@ def vramd_unet_contenders(work, folder, files, scale, x, repeat):
             managed.set_loras([(files[0], scale)])
             module(*x)
             out["adapted forward"] = median_seconds(repeat, lambda: None, lambda: module(*x))
-            alone, first = [], []
-            for i in range(repeat):
-                start = time.perf_counter()
-                managed.set_loras([(files[(i + 1) % 2], scale)])
-                alone.append(time.perf_counter() - start)
-                got = module(*x).sample
-                first.append(time.perf_counter() - start)
-            out.update({"own switch alone": statistics.median(alone), "own switch": statistics.median(first),
-                        "own switch output": got, "own switch file": files[repeat % 2]})
+            record(out, "own switch", timed_switches(repeat, lambda i: managed.set_loras([(files[(i + 1) % 2], scale)]),
+                                                     lambda: module(*x).sample), files[repeat % 2])
         with vramd.manage(following, "unet-daemon", client=client, follow=True) as managed:
             following(*x)
-            alone, first = [], []
-            for i in range(repeat):
-                start = time.perf_counter()
+
+            def daemon_switch(i):
                 client.set_loras("unet-daemon", [(files[(i + 1) % 2], scale)])
                 managed.wait_update()
-                alone.append(time.perf_counter() - start)
-                got = following(*x).sample
-                first.append(time.perf_counter() - start)
-            out.update({"daemon switch alone": statistics.median(alone), "daemon switch": statistics.median(first),
-                        "daemon switch output": got, "daemon switch file": files[repeat % 2]})
+
+            record(out, "daemon switch", timed_switches(repeat, daemon_switch, lambda: following(*x).sample),
+                   files[repeat % 2])
     return out
 
 
