@@ -45,7 +45,7 @@ void push_json(lua_State* L, const nlohmann::json& value) {
   }
 }
 
-std::string read_script(const std::string& path) { return read_regular_file(path, kMaxConfigBytes); }
+std::string read_script(const std::string& path) { return read_regular_file(path, kMaxScriptBytes); }
 
 }  // namespace
 
