@@ -99,6 +99,8 @@ void print_models(const json& models, std::ostream& out) {
   for (size_t i = 0; i < models.size(); ++i) {
     const json& m = models[i];
     out << lines[i + 1] << '\n';
+    if (m.contains("derived_from"))
+      out << "    derived from " << printable(m["derived_from"].get<std::string>()) << " with a converter a client sent\n";
     if (m.contains("reason")) print_lines("", m["reason"].get<std::string>(), out);
     if (m.contains("config_error")) print_lines("edit not applied: ", m["config_error"].get<std::string>(), out);
     print_leases(m, out);

@@ -139,6 +139,14 @@ class Daemon {
     Entry* entry = registry_.find(route.model);
     if (!entry) return respond_error(*exchange, 404, "no model named " + quote(route.model) + "; GET /v1/models lists them");
     if (route.kind == Route::Kind::Model) return respond_json(*exchange, 200, entry_json(*entry));
+    if (route.action == "derive") {
+      // POST .../derive: {"converter": "<a Lua converter's text>"}.
+      const json body = json::parse(request.body, nullptr, false);
+      if (!body.is_object() || body.size() != 1 || !body.contains("converter") || !body["converter"].is_string())
+        return respond_error(*exchange, 400, "derive: expected {\"converter\": \"<a Lua converter's text>\"}");
+      return registry_.derive(*entry, body["converter"].get<std::string>(),
+                              [exchange](int status, const json& answer) { respond_json(*exchange, status, answer); });
+    }
 
     static const std::map<std::string, Job::Kind> actions = {
         {"load", Job::Kind::Load},       {"unload", Job::Kind::Unload}, {"offload", Job::Kind::Offload},

@@ -53,7 +53,12 @@ struct Lease {
 struct Entry {
   Registry* registry = nullptr;
   std::string name;
-  std::string file;
+  std::string file;          // empty for a derived model
+  // A model derived from another's config with a converter a client sent (POST .../derive,
+  // server/derive.cpp): the other's name and the converter's text. It has no file of its own and
+  // is removed when the other's config changes or goes.
+  std::string derived_from;
+  std::string derived_converter;
   std::string text;          // the file's content when last validated
   std::string serving_text;  // the content of the version in `config`
   std::optional<config::ModelConfig> config;

@@ -57,7 +57,7 @@ void Registry::scan(bool force, std::function<void()> done) {
   // or not a file at all.
   ConfigTexts known;
   for (auto& [name, entry] : entries_)
-    if (!entry->removed) known[entry->file] = entry->text;
+    if (!entry->removed && entry->derived_from.empty()) known[entry->file] = entry->text;
   ++validations_in_flight_;
   if (done) scan_done_.push_back(std::move(done));
   validator_.run([this, force, known = std::move(known), daemon = config_] {
@@ -92,7 +92,10 @@ Entry& Registry::add_entry(const std::string& name) {
 }
 
 void Registry::drop_entry(Entry& entry) {
-  for (auto& job : entry.queue) answer(job, 404, {{"error", "model " + quote(entry.name) + " was removed (" + entry.file + " is gone)"}});
+  const std::string why = entry.derived_from.empty() ? entry.file + " is gone" : "the config of " + quote(entry.derived_from) + ", which it is derived from, changed or went";
+  for (auto& job : entry.queue) answer(job, 404, {{"error", "model " + quote(entry.name) + " was removed (" + why + ")"}});
+  std::error_code ec;
+  if (!entry.derived_from.empty() && entry.config) fs::remove(entry.config->converter, ec);
   uv_close(reinterpret_cast<uv_handle_t*>(entry.keep_alive_timer), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
   log::info("removed " + entry.name);
   entries_.erase(entry.name);
@@ -103,7 +106,8 @@ void Registry::apply(ConfigFile v) {
   if (shutting_down_) return;
   Entry* current = nullptr;
   for (auto& [name, entry] : entries_)
-    if (entry->file == v.file && !entry->removed) current = entry.get();
+    if (entry->file == v.file && !entry->removed && entry->derived_from.empty()) current = entry.get();
+  if (current && (!v.exists || v.text != current->serving_text)) retire_derived(*current);
 
   if (!v.exists) {
     if (!current) return;
@@ -120,7 +124,8 @@ void Registry::apply(ConfigFile v) {
       return;
     }
     if (same && same->file != v.file) {
-      v.error = v.file + ": name " + quote(name) + " is already used by " + same->file;
+      v.error = v.file + ": name " + quote(name) + " is already used by " +
+                (same->derived_from.empty() ? same->file : "a model derived from " + quote(same->derived_from));
     } else {
       if (current && current->name != name) {
         apply(ConfigFile::gone(v.file));
@@ -371,6 +376,8 @@ void Registry::close() {
   close_and_delete(watcher_);
   close_and_delete(debounce_);
   mailbox_.close();
+  std::error_code ec;
+  if (!derived_folder_.empty()) fs::remove_all(derived_folder_, ec);
 }
 
 }  // namespace vramd::server

@@ -63,6 +63,11 @@ class Registry {
 
   // Requests; each answers its exchange.
   void submit(Entry& entry, Job job);
+  // POST /v1/models/BASE/derive (server/derive.cpp): a model of `base`'s config with `converter`
+  // (a Lua converter's text) as its converter, named BASE.derived-HASH and shared by every client
+  // that sends the same text, checked off the loop as a config is. `done` gets 200 and the model's
+  // object (with "created": whether this call made it), or a refusal naming what is wrong.
+  void derive(Entry& base, std::string converter, std::function<void(int, const nlohmann::json&)> done);
 
   // Each entry's charged() (server/budget.hpp), by name.
   std::map<std::string, Holdings> charges() const;
@@ -82,6 +87,11 @@ class Registry {
   void apply(ConfigFile file);
   Entry& add_entry(const std::string& name);
   void drop_entry(Entry& entry);
+  // `base`'s config changes or goes: the models derived from it go too, once their work and
+  // leases end (as a model whose file is gone does).
+  void retire_derived(const Entry& base);
+  // The daemon's own folder for the converters of derived models, made on first use.
+  std::string derived_folder();
 
   void pump(Entry& entry);
   void pump_waiting_for_room();  // after room was given back: a job ended, or values were freed
@@ -136,6 +146,8 @@ class Registry {
   bool rescan_after_drop_ = false;
   std::vector<std::function<void()>> scan_done_;
   uint64_t leases_made_ = 0;
+  std::string derived_folder_;  // removed by close()
+  uint64_t derivations_ = 0;    // each one's converter is a file of its own there
   std::shared_ptr<int> alive_ = std::make_shared<int>();  // lease connections outliving the registry see it gone
 };
 

@@ -34,7 +34,7 @@ Route to(Route::Kind kind, std::string endpoint) {
   return route;
 }
 
-constexpr std::array<const char*, 8> kActions = {"load", "unload", "offload", "onload", "forward", "lease", "weights", "loras"};
+constexpr std::array<const char*, 9> kActions = {"load", "unload", "offload", "onload", "forward", "lease", "weights", "loras", "derive"};
 
 }  // namespace
 
@@ -71,7 +71,7 @@ Route route(const Request& request) {
     route.action = action;
     return route;
   }
-  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward, lease, weights, loras");
+  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward, lease, weights, loras, derive");
 }
 
 }  // namespace vramd::server

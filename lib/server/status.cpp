@@ -142,6 +142,7 @@ json entry_json(const Entry& e) {
   json j = {{"name", e.name}, {"state", state_name(e.state)}, {"file", e.file}, {"devices", e.bytes},
             {"charge", tree_of([&](JsonTree& t) { write_charge(t, charged(e)); })}, {"busy", e.busy},
             {"queued", e.queue.size()}};
+  if (!e.derived_from.empty()) j["derived_from"] = e.derived_from;
   if (!e.reason.empty()) j["reason"] = e.reason;
   if (e.waiting_for_room) j["waiting_for_room"] = true;
   if (!e.config_error.empty()) j["config_error"] = e.config_error;

@@ -217,6 +217,18 @@ class Client:
         response = self._call("POST", target, json.dumps({"loras": items}).encode(), "application/json")
         return self._documented(response.body, _check_update, f"POST {target}")
 
+    def derive(self, name: str, converter: str) -> dict:
+        """A model of model `name`'s config with `converter` (a Lua converter's text:
+        scripts/converters/README.md) as its converter, reading the checkpoint's own names:
+        named NAME.derived-HASH, made once and shared by every client sending the same text, and
+        removed when `name`'s config changes or goes. vramd.manage sends transformers' own
+        load-time conversion this way. Returns the model's object, with `created` (whether this
+        call made it) and `derived_from`; a converter that fails on the checkpoint raises
+        DaemonError (400) with its error."""
+        target = _model_path(name, "derive")
+        response = self._call("POST", target, json.dumps({"converter": converter}).encode(), "application/json")
+        return self._documented(response.body, _check_model, f"POST {target}")
+
     def lease(self, name: str, device: str = "cpu", wait: bool = True,
               reserve: tuple[str, int] | None = None, follow: bool = False, in_place: bool = False) -> Lease:
         """Leases model `name`'s weights on `device` as read-only, zero-copy tensors, on a

@@ -93,7 +93,9 @@ def lua_converter(model, keys: list[str], where: str = "the checkpoint") -> str:
                                   f"{rule.target_patterns} is a kind of rule vramd.transformers_converter does not write")
     renamed: dict[str, str] = {}  # target -> source key
     merged: dict[str, tuple] = {}  # target -> (rule, {source pattern: [source keys]})
-    for key in keys:
+    # In one order whatever order the keys come in: the same checkpoint gives the same text (the
+    # daemon shares one derived model between the clients sending it).
+    for key in sorted(keys, key=_natural):
         name, used, pattern = convert_key(key, renamings, converters)
         if pattern is not None:
             _, groups = merged.setdefault(name, (used[-1], {}))

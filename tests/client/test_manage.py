@@ -1115,6 +1115,69 @@ def test_a_converter_written_from_transformers_rules_lets_its_module_be_managed(
     leases_end(daemon, f"{name}-converted")
 
 
+def test_clients_sending_the_same_rules_share_one_derived_model(daemon):
+    """Two clients deriving with the same converter get one model; the daemon holds it once."""
+    from vramd.transformers_converter import checkpoint_keys, lua_converter
+    text = lua_converter(empty(hub_layout_cases()["mixtral"]), checkpoint_keys(daemon["folder"] / "mixtral"))
+    with vramd.connect(daemon["sock"]) as a, vramd.connect(daemon["sock"]) as b:
+        first, second = a.derive("mixtral", text), b.derive("mixtral", text)
+        assert first["name"] == second["name"] and first["derived_from"] == "mixtral" and not second["created"]
+        assert [m["name"] for m in a.list() if m.get("derived_from") == "mixtral"] == [first["name"]]
+        loads = a.status(first["name"])["stats"]["loads"]
+        with a.lease(first["name"]) as one, b.lease(first["name"]) as two:
+            fused = "model.layers.0.mlp.experts.gate_up_proj"
+            assert one[fused].shape == (3, 16, 16) and torch.equal(one[fused], two[fused])  # w1 and w3, stacked, joined
+        assert a.status(first["name"])["stats"]["loads"] - loads <= 1  # one copy of the converted weights, for both
+    leases_end(daemon, first["name"])
+
+
+def test_a_derived_model_refuses_what_it_cannot_be_and_goes_with_its_base(daemon):
+    """Bad converters and bad bases are refused naming what is wrong, and nothing else is harmed;
+    a derived model goes when its base's config does, and its converter's file with it."""
+    d, sock = daemon["daemon"], daemon["sock"]
+    (d.models / "granitemoe-copy.toml").write_text((d.models / "granitemoe.toml").read_text())
+    from vramd.transformers_converter import checkpoint_keys, lua_converter
+    text = lua_converter(empty(hub_layout_cases()["granitemoe"]), checkpoint_keys(daemon["folder"] / "granitemoe"))
+    converters = lambda: sorted(Path(sock).parent.glob(f"{Path(sock).name}.derived-*/*.lua"))  # noqa: E731
+    with vramd.connect(sock) as client:
+        client.reload()
+        before = converters()
+        refusals = [("granitemoe-copy", "return {x = src['no.such.tensor']}", 400, r"derive 'granitemoe-copy': .*no\.such\.tensor"),
+                    ("granitemoe-copy", "return {", 400, r"derive 'granitemoe-copy': .*granitemoe-copy\.toml: converter: the converter sent:1: unexpected symbol near '<eof>'"),
+                    ("granitemoe-copy", "", 400, "the converter is empty"),
+                    ("no-such-model", text, 404, "no model named 'no-such-model'"),
+                    ("granitemoe-converted", text, 409, r"names a converter of its own \(.*granitemoe\.lua\)")]
+        for base, converter, status, message in refusals:
+            with pytest.raises(vramd.DaemonError) as refused:
+                client.derive(base, converter)
+            assert refused.value.status == status and re.search(message, str(refused.value)), refused.value
+        for body in (b"[]", b'{"converter": 3}', b'{"converter": "", "also": 1}', b"not json"):
+            status, answer = request(sock, "POST", "/v1/models/granitemoe-copy/derive", body)
+            assert status == 400 and b'derive: expected {\\"converter\\"' in answer, answer
+        assert converters() == before  # a refused converter leaves no file behind
+        made = client.derive("granitemoe-copy", text)
+        assert made["created"] and made["state"] == "unloaded" and len(converters()) == len(before) + 1
+        listed = vramctl(sock, "list")
+        assert re.search(rf"\n{re.escape(made['name'])} +unloaded .*\n    derived from granitemoe-copy with a converter "
+                         "a client sent\n", listed.stdout), listed.stdout
+        with pytest.raises(vramd.DaemonError, match="it is derived from 'granitemoe-copy' already") as refused:
+            client.derive(made["name"], text)
+        assert refused.value.status == 400
+        with client.lease(made["name"]) as leased:
+            assert "model.layers.1.block_sparse_moe.experts.gate_up_proj" in leased  # renamed
+            assert "model.layers.1.block_sparse_moe.input_linear.weight" not in leased
+        leases_end(daemon, made["name"])
+        # Its base's config goes: so does the derived model, with its converter's file.
+        (d.models / "granitemoe-copy.toml").unlink()
+        client.reload()  # the loaded derived model is unloaded first, then removed
+        wait_for(lambda: made["name"] not in [m["name"] for m in client.list()], what="the derived model to go")
+        names = [m["name"] for m in client.list()]
+        assert "granitemoe-copy" not in names and "granitemoe" in names and converters() == before
+        with pytest.raises(vramd.DaemonError) as refused:
+            client.status(made["name"])
+        assert refused.value.status == 404
+
+
 def test_a_rule_the_converter_cannot_express_is_named(daemon):
     """transformers' Interleave (a rule registered for a model type, here a Mixtral's config
     under a type of its own) has no converter expression: writing the converter fails naming it."""

@@ -1,0 +1,199 @@
+// Models derived from another's config with a converter a client sends (POST
+// /v1/models/BASE/derive): vramd.manage sends the Lua that does transformers' own load-time
+// conversion of a checkpoint (python/vramd/transformers_converter.py), so that a module whose
+// names and layouts are not the checkpoint's can lease them converted. The derived model is an
+// entry of its own, loaded once and leased by every client that sends the same text; its
+// converter runs in the sandbox every converter runs in (convert/lua_sandbox.hpp).
+#include <fcntl.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "server/catalog.hpp"
+#include "server/registry.hpp"
+#include "server/status.hpp"
+#include "util/error.hpp"
+#include "util/file.hpp"
+#include "util/format.hpp"
+#include "util/log.hpp"
+#include "weights/holdings.hpp"
+
+namespace vramd::server {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// A model's derived models at most: each is an entry with its own copy of the converted weights
+// once loaded, so a client cannot make them without end.
+constexpr size_t kMaxDerived = 16;
+
+// FNV-1a of the base's config and the converter: a name, not a proof; two texts whose names
+// collide are told apart by comparing the texts themselves.
+std::string digest(const std::string& base_text, const std::string& converter) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&](const std::string& s) {
+    for (const unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+    h = (h ^ 0xff) * 0x100000001b3ull;  // a separator no text of UTF-8 holds
+  };
+  mix(base_text);
+  mix(converter);
+  char out[17];
+  std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(h));
+  return std::string(out, 12);
+}
+
+void write_new_file(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) throw Error(path + ": " + std::strerror(errno));
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      throw Error(path + ": " + why);
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+}
+
+}  // namespace
+
+std::string Registry::derived_folder() {
+  if (!derived_folder_.empty()) return derived_folder_;
+  // Beside the socket, in the folder the daemon owns (only its user may enter the default one),
+  // named after the socket, which is this daemon's alone: what a daemon that crashed left there
+  // goes first.
+  const fs::path socket(config_.socket);
+  const fs::path parent = socket.has_parent_path() ? socket.parent_path() : fs::temp_directory_path();
+  const std::string prefix = socket.filename().string() + ".derived-";
+  std::error_code ec;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().filename().string().starts_with(prefix)) fs::remove_all(it->path(), ec);
+  std::string pattern = (parent / (prefix + "XXXXXX")).string();
+  if (!::mkdtemp(pattern.data()))
+    throw Error("cannot make a folder for derived models' converters in " + parent.string() + ": " + std::strerror(errno));
+  return derived_folder_ = pattern;
+}
+
+void Registry::derive(Entry& base, std::string converter, std::function<void(int, const json&)> done) {
+  const auto refuse = [&](int status, const std::string& message) { done(status, {{"error", message}}); };
+  const std::string what = "derive " + quote(base.name) + ": ";
+  if (shutting_down_) return refuse(503, "vramd is shutting down");
+  if (!base.derived_from.empty())
+    return refuse(400, what + "it is derived from " + quote(base.derived_from) + " already; derive from that model, "
+                                 "whose checkpoint's own names the converter reads");
+  if (base.removed) return refuse(404, what + "the model was removed");
+  if (!base.config || !base.dry)
+    return refuse(409, what + "its config is invalid: " + base.reason);
+  if (!base.config->converter.empty())
+    return refuse(409, what + "its config names a converter of its own (" + base.config->converter +
+                           "), and a derived model's converter reads the checkpoint's own names: serve the checkpoint "
+                           "from a config without one");
+  if (converter.empty()) return refuse(400, what + "the converter is empty");
+  if (converter.size() > kMaxScriptBytes)
+    return refuse(413, what + "the converter is " + format_bytes(converter.size()) + ", over the " +
+                           format_bytes(kMaxScriptBytes) + " a converter script may be");
+
+  const std::string name = base.name + ".derived-" + digest(base.serving_text, converter);
+  if (Entry* same = find(name)) {
+    if (same->derived_from == base.name && same->derived_converter == converter && !same->removed) {
+      json body = entry_json(*same);
+      body["created"] = false;
+      return done(200, body);
+    }
+    return refuse(409, what + "the model " + quote(name) + " is " +
+                           (same->removed ? "being removed; ask again once it is gone" : "another model's name"));
+  }
+  size_t derived = 0;
+  for (const auto& [n, e] : entries_) derived += e->derived_from == base.name && !e->removed;
+  if (derived >= kMaxDerived)
+    return refuse(409, what + "it has " + std::to_string(derived) + " derived models already, the most one model may "
+                           "have; unload and change its config to let them go");
+
+  std::string file;
+  try {
+    file = (fs::path(derived_folder()) / (std::to_string(++derivations_) + ".lua")).string();
+  } catch (const Error& e) {
+    return refuse(500, what + e.what());
+  }
+  // Checked on the validator's thread as a config is (server/catalog.hpp): the converter, the
+  // names it gives, the weights' plan and the budgets.
+  validator_.run([this, config = *base.config, name, file, converter, base_name = base.name, base_text = base.serving_text,
+                  daemon = config_, done = std::move(done), what]() mutable {
+    auto checked = std::make_shared<ConfigFile>();
+    checked->file = file;
+    try {
+      write_new_file(file, converter);
+      config.name = name;
+      config.converter = file;
+      auto dry = load::dry_run(config);
+      weights::check_budgets(config, dry, daemon);
+      checked->dry = std::move(dry);
+      checked->config = std::move(config);
+    } catch (const std::exception& e) {
+      // The file is the daemon's own and goes now: the client's text is "the converter sent".
+      checked->error = e.what();
+      for (size_t at; (at = checked->error.find(file)) != std::string::npos;)
+        checked->error.replace(at, file.size(), "the converter sent");
+      std::error_code ec;
+      fs::remove(file, ec);
+    }
+    mailbox_.post([this, checked, name, converter, base_name, base_text, done = std::move(done), what] {
+      const auto& finish = done;
+      const auto drop_file = [&] {
+        std::error_code ec;
+        fs::remove(checked->file, ec);
+      };
+      if (!checked->config) return finish(400, {{"error", what + checked->error}});
+      Entry* base = find(base_name);
+      if (shutting_down_ || !base || base->removed || base->serving_text != base_text) {
+        drop_file();
+        return finish(shutting_down_ ? 503 : 409,
+                      {{"error", shutting_down_ ? std::string("vramd is shutting down")
+                                                : what + "its config changed while the derived model was checked; ask again"}});
+      }
+      if (Entry* same = find(name)) {  // another client's request for the same text came first
+        drop_file();
+        if (same->derived_converter != converter || same->removed)
+          return finish(409, {{"error", what + "the model " + quote(name) + " is another model's name"}});
+        json body = entry_json(*same);
+        body["created"] = false;
+        return finish(200, body);
+      }
+      Entry& entry = add_entry(name);
+      entry.derived_from = base_name;
+      entry.derived_converter = converter;
+      entry.text = entry.serving_text = base_text;
+      entry.config = std::move(checked->config);
+      entry.dry = std::move(checked->dry);
+      entry.keep_alive = entry.config->residency.keep_alive;
+      log::info("derived " + name + " from " + base_name + ": " + entry.dry->architecture + ", " + entry.dry->dtype + ", " +
+                format_bytes(entry.dry->report.bytes) + ", " + std::to_string(entry.dry->report.tensors) + " tensors");
+      json body = entry_json(entry);
+      body["created"] = true;
+      finish(200, body);
+    });
+  });
+}
+
+void Registry::retire_derived(const Entry& base) {
+  std::vector<Entry*> derived;
+  for (auto& [name, e] : entries_)
+    if (e->derived_from == base.name && !e->removed) derived.push_back(e.get());
+  for (Entry* e : derived) {
+    log::info(e->name + ": the config of " + base.name + " changed; removing the model derived from it");
+    e->removed = true;
+    if (e->busy || e->runtime) submit(*e, Job(Job::Kind::Unload));
+    else drop_entry(*e);
+  }
+}
+
+}  // namespace vramd::server
