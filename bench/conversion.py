@@ -11,7 +11,9 @@ writes from transformers' rules (experts stacked, w1 and w3 concatenated, rename
     converts the same way as it loads), medians of REPEAT, page cache warm; and the bytes the
     conversion materialised (the model's resting bytes less those that are views of the file);
   * memory: PROCESSES processes each managing a MixtralForCausalLM built on the meta device from
-    the converted model (no limit: each computes on the leased values), after one forward each.
+    the model served as saved, with no converter (no limit: each computes on the leased values),
+    after one forward each: vramd.manage sends transformers' rules and the daemon derives the
+    converted model once (POST /v1/models/plain/derive), which every process leases.
     What holds the converted weights: the daemon's memfd (the materialised stacks, which every
     process maps), the checkpoint's pages the renames view (the model's `views.bytes`), and what
     the processes' own anonymous memory grew by in manage() (a copy of a weight would be there);
@@ -112,11 +114,11 @@ def holder(args):
     with init_empty_weights():
         module = transformers.MixtralForCausalLM(config(args)).eval()
     before = rollup(os.getpid())["Pss_Anon"]
-    with vramd.connect(args.sock) as client, vramd.manage(module, "converted", client=client), torch.no_grad():
+    with vramd.connect(args.sock) as client, vramd.manage(module, "plain", client=client) as done, torch.no_grad():
         managed = rollup(os.getpid())["Pss_Anon"]
         logits = module(torch.tensor(INPUT)).logits
         print(json.dumps({"anon_before": before, "anon_managed": managed, "anon_after": rollup(os.getpid())["Pss_Anon"],
-                          "logits": logits.flatten()[:8].tolist()}), flush=True)
+                          "logits": logits.flatten()[:8].tolist(), "model": done.lease.manifest["model"]}), flush=True)
         sys.stdin.readline()
 
 
@@ -152,9 +154,19 @@ def main():
         converted = load_seconds(client, "converted", args.repeat)
         plain = load_seconds(client, "plain", args.repeat)
         client.unload("plain")
-        model = client.status("converted")
-        resting = model["devices"]["cpu"]
-        views = model.get("views", {}).get("bytes", 0)
+        client.unload("converted")
+        # What vramd.manage does first for a module of the file as saved: the converter written
+        # from transformers' rules, and the daemon's check of the model it derives with it.
+        from accelerate import init_empty_weights
+        from vramd.transformers_converter import checkpoint_keys, lua_converter
+        with init_empty_weights():
+            empty = transformers.MixtralForCausalLM(config(args))
+        start = time.perf_counter()
+        text = lua_converter(empty, checkpoint_keys(folder))
+        written = time.perf_counter() - start
+        start = time.perf_counter()
+        made = client.derive("plain", text)
+        derive = time.perf_counter() - start
         hf = []
         for _ in range(args.repeat):
             start = time.perf_counter()
@@ -171,7 +183,12 @@ def main():
                      for _ in range(args.processes)]
         try:
             lines = [json.loads(p.stdout.readline()) for p in processes]
-            memfds = memfd_bytes(daemon_pid, "memfd:vramd:converted")
+            derived = {line["model"] for line in lines}
+            assert derived == {made["name"]}, (derived, made)  # one model the daemon derived, for all
+            model = client.status(derived.pop())
+            resting = model["devices"]["cpu"]
+            views = model.get("views", {}).get("bytes", 0)
+            memfds = memfd_bytes(daemon_pid, "memfd:vramd:" + model["name"])
             checkpoint = str(folder / "model.safetensors")
             daemon_file = mapped_pss(daemon_pid, [checkpoint])
             clients_file = sum(mapped_pss(p.pid, [checkpoint]) for p in processes)
@@ -185,10 +202,13 @@ def main():
     print(f"load: converted {converted:.3f} s, the same file unconverted {plain:.3f} s, transformers' from_pretrained "
           f"{statistics.median(hf):.3f} s; the conversion materialised {(resting - views) / 2**20:.0f} MiB "
           f"(resting {resting / 2**20:.0f} MiB, {views / 2**20:.0f} MiB of them views of the checkpoint)")
+    print(f"derive: the converter written from transformers' rules in {written:.3f} s ({len(text) / 1024:.0f} KiB of "
+          f"Lua), the derived model checked by the daemon in {derive:.3f} s")
     managing = sum(line["anon_managed"] - line["anon_before"] for line in lines)
     forwarding = sum(line["anon_after"] - line["anon_managed"] for line in lines)
     held = memfds + views + managing
-    print(f"{args.processes} processes managing it, after a forward each: the daemon's memfd {memfds / 2**20:.0f} MiB "
+    print(f"{args.processes} processes managing the file as saved, the daemon converting it once "
+          f"({model['name']}), after a forward each: the daemon's memfd {memfds / 2**20:.0f} MiB "
           f"(the materialised stacks, mapped by every process: their Pss of it {clients_memfd / 2**20:.0f} MiB, the "
           f"experts they touched), the checkpoint's viewed pages {views / 2**20:.0f} MiB, the processes' own anonymous "
           f"memory grown by manage() {managing / 2**20:.2f} MiB: {held / resting:.3f}x the resting bytes (goal 1.1x). "

@@ -1115,6 +1115,32 @@ def test_a_converter_written_from_transformers_rules_lets_its_module_be_managed(
     leases_end(daemon, f"{name}-converted")
 
 
+@pytest.mark.parametrize("name", list(hub_layout_cases()))
+def test_transformers_own_conversion_is_applied_by_the_daemon_for_a_managed_module(daemon, name):
+    """The checkpoint in the Hub's layout served as it is, with no converter: vramd.manage sends
+    transformers' rules for the module's model type, the daemon derives a model that applies them,
+    and the managed module, under a limit below its size, equals transformers' own from_pretrained
+    of the folder (float32)."""
+    import transformers
+    limit, size = daemon["references"][f"{name}-converted"]
+    assert limit < size
+    reference = getattr(transformers, type(hub_layout_cases()[name]()).__name__).from_pretrained(
+        daemon["folder"] / name, dtype=torch.float32).eval()
+    inputs = torch.tensor([[3, 5, 9, 33, 2, 60, 7, 11]])
+    with vramd.connect(daemon["sock"]) as client:
+        module = empty(hub_layout_cases()[name])
+        with vramd.manage(module, name, client=client, limit=limit) as managed, torch.no_grad():
+            derived = managed.lease.manifest["model"]
+            got = module(inputs)[0]
+            assert managed.stats()["peak"] <= limit
+        entry = client.status(derived)
+    assert derived.startswith(f"{name}.derived-") and entry["derived_from"] == name and entry["file"] == "", entry
+    with torch.no_grad():
+        expected = reference(inputs)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    leases_end(daemon, derived)
+
+
 def test_clients_sending_the_same_rules_share_one_derived_model(daemon):
     """Two clients deriving with the same converter get one model; the daemon holds it once."""
     from vramd.transformers_converter import checkpoint_keys, lua_converter
@@ -1204,23 +1230,31 @@ def test_a_rule_the_converter_cannot_express_is_named(daemon):
 ])
 def test_a_checkpoint_transformers_converts_as_it_loads_is_named_as_such(daemon, name, rules):
     """A model saved by transformers 5 in the Hub's layout lacks the names its module has until
-    transformers' load-time conversion (transformers.conversion_mapping) makes them: the
-    ManageError says so, naming the rules, and the module is left as it was."""
+    transformers' load-time conversion (transformers.conversion_mapping) makes them: with
+    convert=False the ManageError says so, naming the rules, and the module is left as it was."""
     module = empty(hub_layout_cases()[name])
     with vramd.connect(daemon["sock"]) as client:
         with pytest.raises(vramd.ManageError, match=r"6 without a leased tensor: .*; all of them are what transformers' "
                                                     rf"own conversion for model_type '{name}' makes of the leased names "
-                                                    rf"as it loads {rules}.*python -m vramd.transformers_converter") as refused:
-            vramd.manage(module, name, client=client)
+                                                    rf"as it loads {rules}.*, which vramd.manage applies \(in a model the "
+                                                    r"daemon derives\) unless given convert=False; .*python -m "
+                                                    r"vramd.transformers_converter") as refused:
+            vramd.manage(module, name, client=client, convert=False)
     assert "init_empty_weights" not in str(refused.value)
     assert all(p.is_meta for p in module.parameters())
     # Built on the meta device, its rotary buffers lack a tensor too: named apart, with their remedy.
     with torch.device("meta"):
         module = hub_layout_cases()[name]()
     with vramd.connect(daemon["sock"]) as client, pytest.raises(vramd.ManageError) as refused:
-        vramd.manage(module, name, client=client)
+        vramd.manage(module, name, client=client, convert=False)
     assert (f"8 without a leased tensor" in str(refused.value) and "6 of them (" in str(refused.value) and
             "; the other 2 (buffers made on the meta device" in str(refused.value)), refused.value
+    # Converted by the daemon, only the buffers are left to name.
+    with vramd.connect(daemon["sock"]) as client, pytest.raises(vramd.ManageError) as refused:
+        vramd.manage(module, name, client=client)
+    assert ("2 without a leased tensor" in str(refused.value) and "buffers made on the meta device" in str(refused.value)
+            and "transformers' own conversion" not in str(refused.value)), refused.value
+    assert all(p.is_meta for p in module.parameters())
     leases_end(daemon, name)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from .._units import format_bytes, format_exact, parse_size
 from ..client import Client, connect
 from ..lease import Lease
+from .conversion import converter_for
 from .errors import ManageError, _listed, _name
 from .hooks import _forward_methods, _Hooks
 from .lora import read_loras
@@ -168,7 +169,7 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
            dtype: torch.dtype | None = None, limit: int | str | None = None, units: list[str] | None = None,
            strict: bool = True, prefetch: bool | None = None, share: Managed | None = None,
            follow: bool = False, forward_methods: list[str] = (), progress: bool | None = None,
-           loras=()) -> Managed:
+           loras=(), convert: bool = True) -> Managed:
     """Fills `module` (built on the meta device) from a lease of vramd's model `model` and manages
     its weights: see the package's text (its __init__.py). `device`, `dtype` and `limit` default to the model's
     config ([vram] computation and limit), else the CPU, the leased dtype and no limit. `prefetch`
@@ -188,7 +189,11 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
     or .safetensors files (PEFT, diffusers or kohya keys): added to each weight they name as its
     unit is brought to the device, in float32 there, the leased weights unchanged (so processes
     leasing one model can each run it under adapters of their own); Managed.set_loras() replaces
-    them between forwards."""
+    them between forwards. `convert`: when `module` is a transformers model whose names are what
+    transformers' own load-time conversion (transformers.conversion_mapping: renames, experts stored
+    one tensor each merged into one) makes of the leased ones, have the daemon apply it: it derives a
+    model of `model`'s config with that conversion as its converter (Client.derive), converted once
+    in its memory and shared by every process asking for the same, and this leases that one."""
     room = _shared_room(share, device, limit) if share is not None else None
     own_client = client is None
     client = client or connect()
@@ -202,6 +207,21 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
         # one by the lease of the module that set it).
         reserve = (str(device), limit) if limit is not None and room is None else None
         lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
+        if convert:
+            try:
+                converter = converter_for(module, list(lease.state_dict), model)
+                if converter is not None:
+                    told(f"{type(module).__name__} takes transformers' conversion of {model!r}'s names: deriving a "
+                         "model that applies it")
+                    derived = client.derive(model, converter)
+            except BaseException:
+                lease.close()
+                raise
+            if converter is not None:
+                lease.close()
+                model = derived["name"]
+                told(f"{'derived' if derived['created'] else 'found'} {model!r}")
+                lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
         told(f"leased {len(lease.state_dict)} tensors, {format_bytes(lease.manifest['bytes'])} resting in the daemon's "
              "memory" + (f", {format_bytes(limit)} of {device} reserved" if reserve else ""))
         if dtype is None:

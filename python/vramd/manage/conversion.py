@@ -1,19 +1,45 @@
 """Whether the names a module lacks are what transformers makes of the leased ones as it loads:
 transformers 5 converts many checkpoints at load time by rules registered per model type
 (transformers.conversion_mapping: renames, and experts stacked one tensor per expert into
-one), which vramd.manage does not apply. A ManageError about missing tensors then says so."""
+one). vramd.manage then has the daemon apply them (converter_for: a converter it derives a model
+with, materialised once and shared), or, with convert=False, its ManageError says so."""
 from __future__ import annotations
 
 from torch import nn
 
-from ..transformers_converter import convert_key
-from .errors import _listed
+from ..transformers_converter import ConversionError, convert_key, lua_converter
+from .errors import ManageError, _listed
+
+
+def _transformers_model(module: nn.Module) -> bool:
+    """Whether `module` is a transformers PreTrainedModel, asked of its classes' names: importing
+    transformers' modeling code to ask isinstance would cost a process that has not tens of MB."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(module).__mro__)
+
+
+def converter_for(module: nn.Module, leased: list[str], model: str) -> str | None:
+    """The Lua converter that does transformers' own load-time conversion of the leased names,
+    when `module` lacks names that conversion makes of them (else None: the lease is used as it
+    is). A rule vramd's converters cannot express is a ManageError naming it."""
+    if not _transformers_model(module):
+        return None
+    names = set(leased)
+    missing = [name for name in module.state_dict(keep_vars=True) if name not in names]
+    if not missing or not conversion_hint(module, leased, missing)[1]:
+        return None
+    try:
+        return lua_converter(module, leased, f"model {model!r}")
+    except ConversionError as error:
+        raise ManageError(f"{error}; {type(module).__name__} needs transformers' conversion of the leased names, "
+                          "which vramd cannot apply: serve a checkpoint in the module's own names") from None
 
 
 def conversion_hint(module: nn.Module, leased: list[str], missing: list[str]) -> tuple[str | None, list[str]]:
     """A sentence naming the rules of transformers' own conversion that turn leased names into
     the missing ones, when the module is a transformers model whose type has such rules and
     they give at least one of them (else None), and the missing names they give."""
+    if not _transformers_model(module):
+        return None, []
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import WeightConverter, WeightRenaming, get_model_conversion_mapping
@@ -46,6 +72,6 @@ def conversion_hint(module: nn.Module, leased: list[str], missing: list[str]) ->
     which = "all of them are" if len(matched) == len(missing) else f"{len(matched)} of them ({_listed(matched)}) are"
     return (f"{which} what transformers' own conversion for model_type {model_type!r} makes of the leased names as "
             f"it loads ({'; '.join(described(r) for r in used.values())}), "
-            "which vramd.manage does not apply itself: write a converter that does the same with `python -m "
-            "vramd.transformers_converter CHECKPOINT_FOLDER -o converter.lua` and name it in the model's config "
-            "(converter = \"converter.lua\")"), matched
+            "which vramd.manage applies (in a model the daemon derives) unless given convert=False; or write a "
+            "converter that does the same with `python -m vramd.transformers_converter CHECKPOINT_FOLDER -o "
+            "converter.lua` and name it in the model's config (converter = \"converter.lua\")"), matched
