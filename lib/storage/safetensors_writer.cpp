@@ -10,6 +10,7 @@
 #include <set>
 
 #include "util/error.hpp"
+#include "util/file.hpp"
 #include "util/format.hpp"
 
 namespace vramd::storage {
@@ -25,17 +26,6 @@ std::vector<size_t> layout_order(std::span<const Tensor> tensors) {
     return bits_a != bits_b ? bits_a > bits_b : tensors[a].name < tensors[b].name;
   });
   return order;
-}
-
-void write_all(int fd, const void* data, size_t size, const std::string& path) {
-  const auto* cursor = static_cast<const char*>(data);
-  while (size > 0) {
-    ssize_t wrote = ::write(fd, cursor, size);
-    if (wrote < 0 && errno == EINTR) continue;
-    if (wrote < 0) fail(path, std::string("write failed: ") + std::strerror(errno));
-    cursor += wrote;
-    size -= static_cast<size_t>(wrote);
-  }
 }
 
 // The bytes a tensor of that dtype and shape holds; throws naming it when it cannot be stored.

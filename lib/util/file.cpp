@@ -81,4 +81,15 @@ std::string read_regular_file(const std::string& path, uint64_t max_bytes) {
   return bytes;
 }
 
+void write_all(int fd, const void* data, size_t size, const std::string& path) {
+  const auto* cursor = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t wrote = ::write(fd, cursor, size);
+    if (wrote < 0 && errno == EINTR) continue;
+    if (wrote < 0) fail(path, std::string("write failed: ") + std::strerror(errno));
+    cursor += wrote;
+    size -= static_cast<size_t>(wrote);
+  }
+}
+
 }  // namespace vramd

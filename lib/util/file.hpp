@@ -1,6 +1,7 @@
 // Reading a small file whole (configs, scripts, request bodies). Checkpoints go through DiskMap.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -28,5 +29,9 @@ OpenedFile open_regular_file(const std::string& path);
 // `max_bytes` is refused too. The bytes read are the file as one read saw it: a file that grows
 // while it is read is refused, one that shrinks is read short.
 std::string read_regular_file(const std::string& path, uint64_t max_bytes);
+
+// Writes all `size` bytes at `data` to `fd` (again after EINTR or a short write). Throws Error
+// "<path>: write failed: <why>".
+void write_all(int fd, const void* data, size_t size, const std::string& path);
 
 }  // namespace vramd
