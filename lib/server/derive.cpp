@@ -59,6 +59,19 @@ void write_new_file(const std::string& path, const std::string& text) {
   ::close(fd);
 }
 
+// A derive whose model's name `same` has already: that model, when it is the one asked for (the
+// same base and converter), else a refusal.
+void answer_existing(const Entry& same, const std::string& base, const std::string& converter, const std::string& what,
+                     const std::function<void(int, const json&)>& done) {
+  if (same.derived_from == base && same.derived_converter == converter && !same.removed) {
+    json body = entry_json(same);
+    body["created"] = false;
+    return done(200, body);
+  }
+  done(409, {{"error", what + "the model " + quote(same.name) + " is " +
+                           (same.removed ? "being removed; ask again once it is gone" : "another model's name")}});
+}
+
 }  // namespace
 
 std::string Registry::derived_folder() {
@@ -98,15 +111,7 @@ void Registry::derive(Entry& base, std::string converter, std::function<void(int
                            format_bytes(kMaxScriptBytes) + " a converter script may be");
 
   const std::string name = base.name + ".derived-" + digest(base.serving_text, converter);
-  if (Entry* same = find(name)) {
-    if (same->derived_from == base.name && same->derived_converter == converter && !same->removed) {
-      json body = entry_json(*same);
-      body["created"] = false;
-      return done(200, body);
-    }
-    return refuse(409, what + "the model " + quote(name) + " is " +
-                           (same->removed ? "being removed; ask again once it is gone" : "another model's name"));
-  }
+  if (const Entry* same = find(name)) return answer_existing(*same, base.name, converter, what, done);
   size_t derived = 0;
   for (const auto& [n, e] : entries_) derived += e->derived_from == base.name && !e->removed;
   if (derived >= kMaxDerived)
@@ -142,27 +147,17 @@ void Registry::derive(Entry& base, std::string converter, std::function<void(int
       fs::remove(file, ec);
     }
     mailbox_.post([this, checked, name, converter, base_name, base_text, done = std::move(done), what] {
-      const auto& finish = done;
-      const auto drop_file = [&] {
+      if (!checked->config) return done(400, {{"error", what + checked->error}});
+      const Entry* base = find(base_name);
+      const bool changed = !base || base->removed || base->serving_text != base_text;
+      const Entry* same = find(name);  // another client's request for the same text came first
+      if (shutting_down_ || changed || same) {
         std::error_code ec;
         fs::remove(checked->file, ec);
-      };
-      if (!checked->config) return finish(400, {{"error", what + checked->error}});
-      Entry* base = find(base_name);
-      if (shutting_down_ || !base || base->removed || base->serving_text != base_text) {
-        drop_file();
-        return finish(shutting_down_ ? 503 : 409,
-                      {{"error", shutting_down_ ? std::string("vramd is shutting down")
-                                                : what + "its config changed while the derived model was checked; ask again"}});
       }
-      if (Entry* same = find(name)) {  // another client's request for the same text came first
-        drop_file();
-        if (same->derived_converter != converter || same->removed)
-          return finish(409, {{"error", what + "the model " + quote(name) + " is another model's name"}});
-        json body = entry_json(*same);
-        body["created"] = false;
-        return finish(200, body);
-      }
+      if (shutting_down_) return done(503, {{"error", "vramd is shutting down"}});
+      if (changed) return done(409, {{"error", what + "its config changed while the derived model was checked; ask again"}});
+      if (same) return answer_existing(*same, base_name, converter, what, done);
       Entry& entry = add_entry(name);
       entry.derived_from = base_name;
       entry.derived_converter = converter;
@@ -174,7 +169,7 @@ void Registry::derive(Entry& base, std::string converter, std::function<void(int
                 format_bytes(entry.dry->report.bytes) + ", " + std::to_string(entry.dry->report.tensors) + " tensors");
       json body = entry_json(entry);
       body["created"] = true;
-      finish(200, body);
+      done(200, body);
     });
   });
 }
