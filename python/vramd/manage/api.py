@@ -207,21 +207,20 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
         # one by the lease of the module that set it).
         reserve = (str(device), limit) if limit is not None and room is None else None
         lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
-        if convert:
-            try:
-                converter = converter_for(module, list(lease.state_dict), model)
-                if converter is not None:
-                    told(f"{type(module).__name__} takes transformers' conversion of {model!r}'s names: deriving a "
-                         "model that applies it")
-                    derived = client.derive(model, converter)
-            except BaseException:
-                lease.close()
-                raise
+        try:
+            converter = converter_for(module, list(lease.state_dict), model) if convert else None
             if converter is not None:
-                lease.close()
-                model = derived["name"]
-                told(f"{'derived' if derived['created'] else 'found'} {model!r}")
-                lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
+                told(f"{type(module).__name__} takes transformers' conversion of {model!r}'s names: deriving a "
+                     "model that applies it")
+                derived = client.derive(model, converter)
+        except BaseException:
+            lease.close()
+            raise
+        if converter is not None:
+            lease.close()
+            model = derived["name"]
+            told(f"{'derived' if derived['created'] else 'found'} {model!r}")
+            lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
         told(f"leased {len(lease.state_dict)} tensors, {format_bytes(lease.manifest['bytes'])} resting in the daemon's "
              "memory" + (f", {format_bytes(limit)} of {device} reserved" if reserve else ""))
         if dtype is None:

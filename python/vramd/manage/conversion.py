@@ -41,11 +41,8 @@ def conversion_hint(module: nn.Module, leased: list[str], missing: list[str]) ->
     if not _transformers_model(module):
         return None, []
     try:
-        from transformers import PreTrainedModel
         from transformers.conversion_mapping import WeightConverter, WeightRenaming, get_model_conversion_mapping
-    except ImportError:  # transformers is not installed, or too old to convert at load time
-        return None, []
-    if not isinstance(module, PreTrainedModel):
+    except ImportError:  # transformers is too old to convert at load time
         return None, []
     try:
         transforms = get_model_conversion_mapping(module)
