@@ -104,13 +104,17 @@ class Registry {
 
   // Room on `device` for `bytes` more: true when it fits; false while evictions run or replaced
   // values are freed there, when they are needed for it (the entry is pumped again when they
-  // end); throws Error with the numbers when it cannot fit.
-  bool make_room(Entry& entry, const std::string& device, uint64_t bytes);
+  // end); throws Error with the numbers when it cannot fit. Evicting another frees what it holds
+  // that no other model does once the entry holds the views `after` its job.
+  bool make_room(Entry& entry, const std::string& device, uint64_t bytes, model::FileSpans after);
   // Room for what the entry will hold on each device (`expected`), less what it counts there
   // now, and for `extra` (a lease's room for its client), reserved for its next job: true once
-  // reserved; else as make_room. `views`: the checkpoint's pages a load will view
-  // (views_to_come), counted as the entry's from now on, and once where others view them too.
-  bool reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra = {}, const model::FileSpans& views = {});
+  // reserved; else as make_room. `views`: for a job that replaces the entry's weights, the views
+  // they will hold (a load's views_to_come, counted as the entry's from now on, and once where
+  // others hold them too; none for a sleep or a wake). Views it drops that others hold stay
+  // held: they free none of the room the job needs.
+  bool reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra = {},
+               std::optional<model::FileSpans> views = std::nullopt);
   // The sum of every entry's charge on each device, and the values being freed (releasing_): one
   // pass over the entries, so that a question asked of each entry (holder_on) is not one pass each.
   DeviceBytes used() const;

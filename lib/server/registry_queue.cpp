@@ -29,7 +29,7 @@ DeviceBytes Registry::used(const std::map<std::string, Holdings>& charges) const
   return total;
 }
 
-bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need) {
+bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need, model::FileSpans after) {
   const auto budget = config_.budgets.find(device);
   if (budget == config_.budgets.end()) return true;  // no budget: the device's own size is the limit
   const DeviceBytes use = used();
@@ -37,13 +37,16 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
   if (on(releasing_, device) && on(use, device) + need > budget->second) return false;
   std::vector<Holder> holders;
   const std::vector<const Entry*> all = entries();
+  const uint64_t shared = device == "cpu" ? shared_views(all) : 0;
+  // What evicting another frees, once the entry holds the views `after` its job.
+  model::FileSpans now = std::exchange(entry.views, after);
   for (const auto& [name, e] : entries_) {
     // Sleeping it must fit where it sleeps (on another device than the one asked for).
     const bool offload_fits =
         e->config && e->dry && fits(weights::totals(weights::asleep_holdings(*e->config, *e->dry)), use, config_.budgets);
     holders.push_back(holder_on(*e, device, offload_fits, viewed_by_others(e->views, all, e.get())));
   }
-  const uint64_t shared = device == "cpu" ? shared_views(all) : 0;
+  entry.views = std::move(now);
   const RoomPlan plan = plan_room({entry.name, device, need, budget->second, shared}, holders);
   if (!plan.error.empty()) throw Error(plan.error);
   for (const auto& eviction : plan.evictions) {
@@ -55,14 +58,18 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need)
   return plan.evictions.empty();
 }
 
-bool Registry::reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra, const model::FileSpans& views) {
-  const DeviceBytes need = room_to_reserve(expected, held_charges(entry), extra);
-  // The views it will hold count from now on, as its reservation does: pages others view already
-  // are counted once (used() then counts them in the room reserved and takes them off again).
-  model::FileSpans before = views.empty() ? entry.views : std::exchange(entry.views, views);
+bool Registry::reserve(Entry& entry, const DeviceBytes& expected, const DeviceBytes& extra, std::optional<model::FileSpans> views) {
+  // Of what it holds, a job that replaces its weights frees all but the views others hold too.
+  DeviceBytes have = held_charges(entry);
+  if (views) have["cpu"] -= std::min(have["cpu"], viewed_by_others(entry.views, entries(), &entry));
+  const DeviceBytes need = room_to_reserve(expected, have, extra);
+  // The views a load will hold count from now on, as its reservation does: pages others view
+  // already are counted once (used() then counts them in the room reserved and takes them off
+  // again). A sleep's or a wake's views count once it is done.
+  model::FileSpans before = views && !views->empty() ? std::exchange(entry.views, *views) : entry.views;
   try {
     for (const auto& [device, bytes] : need)
-      if (!make_room(entry, device, bytes)) {
+      if (!make_room(entry, device, bytes, views.value_or(entry.views))) {
         entry.views = std::move(before);
         return false;
       }
@@ -151,7 +158,9 @@ void Registry::pump(Entry& entry) {
     if (expected || !job.reserve.empty()) {
       try {
         const bool loads = !entry.runtime && job.loads();
-        if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve, loads ? views_to_come(entry) : model::FileSpans{})) {
+        std::optional<model::FileSpans> views;
+        if (expected) views = loads ? views_to_come(entry) : model::FileSpans{};
+        if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve, std::move(views))) {
           entry.waiting_for_room = true;
           return;
         }

@@ -200,6 +200,26 @@ def test_an_onload_tier_on_the_computation_device_counts_beside_the_limit(checkp
         assert d.stop() == 0
 
 
+def test_a_sleep_that_drops_views_another_model_holds_makes_room_for_its_copies(checkpoints, tmp_path):
+    # Found by a drawn seed: b viewed the checkpoint's pages a views too, so its whole charge was
+    # counted once; its sleep into bfloat16 copies freed none of it, and was let through as if it
+    # did. It must make room for what it adds (here, by unloading a, whose pages it then frees).
+    llama, size = checkpoints[0]["llama"], checkpoints[1]["llama"]
+    d = Daemon(tmp_path, budgets=f"cpu = {size * 13 // 10}", log_level="info")
+    (d.models / "a.toml").write_text(f'checkpoint = "{llama}"\n')
+    (d.models / "b.toml").write_text(f'checkpoint = "{llama}"\n[vram]\noffload = {{ device = "cpu", dtype = "bfloat16" }}\n')
+    with d.start():
+        for name in "ab":
+            assert request(d.sock, "POST", f"/v1/models/{name}/load")[0] == 200
+        cpu = check_invariant(d.sock, "load a and b")["devices"]["cpu"]
+        assert cpu["shared"] == cpu["models"]["a"] == cpu["models"]["b"], cpu
+        assert request(d.sock, "POST", "/v1/models/b/offload")[0] == 200
+        cpu = check_invariant(d.sock, "offload b")["devices"]["cpu"]
+        assert list(cpu["models"]) == ["b"], cpu  # half a's size, asleep
+        assert "making room for b on cpu: unload a" in d.log.read_text()
+        assert d.stop() == 0
+
+
 # The property test.
 
 def draw_config(rng, paths, sizes):
