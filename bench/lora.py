@@ -31,12 +31,15 @@ pays nothing) and unfused, against peft's unfused forward (x*W + s*(x*A)*B at ea
 LLaMA contender's first output is compared with peft's merge_and_unload() of the same adapter.
 
     .venv/bin/python bench/lora.py [--workdir /tmp/vramd-bench-lora] [--layers 8] [--rank 16]
-                                   [--repeat 5] [--only llama|unet] [--json FILE]
+                                   [--repeat 5] [--only llama|unet|memory] [--json FILE]
 
 The model: a LLaMA of hidden size 1024 and LAYERS layers, random weights saved in bfloat16 (so
 that a load reads and casts them) and computed in float32 by every contender; the
 adapters: rank RANK on q, k, v and o of every layer, random factors. Figures are medians of
-REPEAT runs (one process, page cache warm). See docs/benchmarks.md.
+REPEAT runs (one process, page cache warm). Last (or alone with --only memory), the daemon's
+host memory with several configs of the LLaMA loaded at once, each with an adapter of its own:
+in bfloat16 (views of the checkpoint's pages) and in float32 (copies the configs share). See
+docs/benchmarks.md.
 """
 import argparse
 import json
@@ -225,19 +228,20 @@ def pss(pid):
     raise RuntimeError("no Pss in smaps_rollup")
 
 
-def memory_contenders(work, base, adapters, configs, batch):
+def memory_contenders(work, base, adapters, configs, batch, dtype):
     """The daemon's memory with one config of the checkpoint loaded (no adapters), then with
-    CONFIGS more of it, each with an adapter of its own (fuse_lora = false), all in the stored
-    dtype (bfloat16) so that their weights are views of the checkpoint's page cache. Each is loaded
-    and runs one forward (which touches every weight) before the daemon's Pss is read, beside what
-    its cpu budget counts (`used`, each page several configs view counted once). Returns
-    (Pss, used) after each config."""
-    work = work / "memory"
+    CONFIGS more of it, each with an adapter of its own (fuse_lora = false), all in `dtype`: the
+    stored one (bfloat16), where their weights are views of the checkpoint's page cache, or
+    float32, where they are copies the configs share. Each is loaded and runs one forward (which
+    touches every weight) before the daemon's Pss is read, beside what its cpu budget counts
+    (`used`, each page or copy several configs hold counted once). Returns (Pss, used) after each
+    config."""
+    work = work / f"memory-{dtype}"
     models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
     for old in models.glob("*.toml"):
         old.unlink()
-    plain = f'checkpoint = "{base}"\n[residency]\nkeep_alive = "-1"\n'
+    plain = f'checkpoint = "{base}"\ndtype = "{dtype}"\n[residency]\nkeep_alive = "-1"\n'
     (models / "base.toml").write_text(plain)
     for i in range(configs):
         (models / f"c{i}.toml").write_text(plain.replace("[residency]", "fuse_lora = false\n[residency]") +
@@ -249,6 +253,21 @@ def memory_contenders(work, base, adapters, configs, batch):
         for name in ["base"] + [f"c{i}" for i in range(configs)]:
             client.forward(name, batch)
             figures.append((pss(pid) - before, client.status()["devices"]["cpu"]["used"]))
+    return figures
+
+
+def memory_rows(work, base, adapters, configs, batch, size):
+    """memory_contenders in the stored dtype (views) and in float32 (copies), printed; returns
+    their figures by dtype."""
+    figures = {}
+    for dtype, held in [("bfloat16", size), ("float32", 2 * size)]:
+        memory = memory_contenders(work, base, adapters, configs, batch, dtype)
+        figures[f"memory {dtype}"] = memory
+        print(f"host memory, computed in {dtype}, over one base held as {held / 2**20:.0f} MiB, the base's config and "
+              f"then configs unfused with an adapter of their own, the daemon's Pss after a forward of each and what "
+              f"its cpu budget counts: " +
+              ", ".join(f"{n} config{'s' if n != 1 else ''} {b / 2**20:.0f} MiB ({b / held:.2f}x), counted "
+                        f"{used / 2**20:.0f} MiB ({used / held:.2f}x)" for n, (b, used) in enumerate(memory, 1)))
     return figures
 
 
@@ -435,19 +454,26 @@ def main():
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--configs", type=int, default=3, help="configs with adapters of their own over one base")
-    parser.add_argument("--only", choices=["llama", "unet"], help="one model's rows (default: both)")
+    parser.add_argument("--only", choices=["llama", "unet", "memory"],
+                        help="one model's rows, or the LLaMA's host memory rows alone (default: all)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    figures = unet_rows(work, args.rank, args.repeat) if args.only != "llama" else {}
+    figures = unet_rows(work, args.rank, args.repeat) if args.only in (None, "unet") else {}
     if args.only == "unet":
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
         return
     base, adapters = make(work, args.layers, args.rank)
     batch = inputs()
+    size = sum(t.numel() * t.element_size() for t in load((base / "model.safetensors").read_bytes()).values())
+    if args.only == "memory":
+        figures |= memory_rows(work, base, adapters, args.configs, batch, size)
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        return
     v = vramd_contenders(work, base, adapters, batch, args.repeat)
     p = peft_contenders(base, adapters, batch, args.repeat)
     witnesses = {a: merged_logits(base, a, batch) for a in adapters}
@@ -456,7 +482,6 @@ def main():
         expected = witnesses[adapter]
         return (logits - expected).abs().max().item() / expected.abs().max().item()
 
-    size = sum(t.numel() * t.element_size() for t in load((base / "model.safetensors").read_bytes()).values())
     print(f"LLaMA, hidden 1024, {args.layers} layers, a bfloat16 checkpoint ({size / 2**20:.0f} MiB) computed in float32; adapters rank {args.rank} on "
           f"{', '.join(TARGETS)}; median of {args.repeat}; {torch.get_num_threads()} threads")
     rows = [("vramd switch", v["switch alone"], v["switch"], against(v["switched logits"], v["switched adapter"])),
@@ -478,12 +503,7 @@ def main():
           f"({v['adapted forward'] / v['base forward']:.2f}x), unfused {v['unfused forward']:.3f} s "
           f"({v['unfused forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.3f} s, unfused "
           f"{p['unfused forward']:.3f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
-    memory = memory_contenders(work, base, adapters, args.configs, batch)
-    size_bf16 = (base / "model.safetensors").stat().st_size
-    print(f"host memory over one base of {size_bf16 / 2**20:.0f} MiB, the base's config and then configs unfused "
-          f"with an adapter of their own, the daemon's Pss after a forward of each and what its cpu budget counts: " +
-          ", ".join(f"{n} config{'s' if n != 1 else ''} {b / 2**20:.0f} MiB ({b / size_bf16:.2f}x), counted "
-                    f"{used / 2**20:.0f} MiB ({used / size_bf16:.2f}x)" for n, (b, used) in enumerate(memory, 1)))
+    figures |= memory_rows(work, base, adapters, args.configs, batch, size)
     if args.json:
         figures |= {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
                     if isinstance(val, (int, float))}

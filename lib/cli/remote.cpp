@@ -306,7 +306,10 @@ int run_remote(client::Client& client, const std::string& command, const RemoteO
           const json& v = m["views"];
           std::string with;
           for (const auto& name : v["with"]) with += (with.empty() ? "" : ", ") + name.get<std::string>();
-          out << "    " << format_bytes(v["bytes"].get<uint64_t>()) << " are views of the checkpoint's pages"
+          const uint64_t copies = v.value("copies", uint64_t{0}), pages = v["bytes"].get<uint64_t>() - copies;
+          std::string held = pages ? format_bytes(pages) + " are views of the checkpoint's pages" : "";
+          if (copies) held += (held.empty() ? "" : ", ") + format_bytes(copies) + " are copies its configs can share";
+          out << "    " << held
               << (with.empty() ? "" : ", " + format_bytes(v["shared"].get<uint64_t>()) + " of them shared with " + with)
               << '\n';
         }

@@ -49,6 +49,13 @@ uint64_t FileSpans::overlap(const FileSpans& other) const {
   return total;
 }
 
+FileSpans FileSpans::named(std::string_view prefix, bool matching) const {
+  FileSpans out;
+  for (const auto& [file, ranges] : files_)
+    if (file.starts_with(prefix) == matching) out.files_.emplace(file, ranges);
+  return out;
+}
+
 std::string file_identity(int fd) {
   struct stat st {};
   if (fstat(fd, &st) != 0) return {};

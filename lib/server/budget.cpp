@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "storage/page_cache.hpp"
+#include "weights/copy_key.hpp"
 #include "weights/holdings.hpp"
 
 namespace vramd::server {
@@ -62,11 +63,16 @@ uint64_t viewed_by_others(const model::FileSpans& views, const std::vector<const
   return views.overlap(others);
 }
 
-model::FileSpans views_to_come(const Entry& e) {
+uint64_t shared_copies(const Entry& e, const std::vector<const Entry*>& entries) {
+  return viewed_by_others(e.views.named(weights::kCopySpan), entries, &e);
+}
+
+model::FileSpans views_to_come(const Entry& e, bool copies) {
   if (!e.dry || e.dry->views.empty()) return {};
+  const model::FileSpans& views = copies ? e.dry->views : e.dry->views.named(weights::kCopySpan, false);
   if (!e.dry->views_chosen && storage::choose_direct_io(e.dry->checkpoint_bytes, 0, storage::page_cache_room()).direct)
-    return {};  // the load will read around the page cache: its weights copies
-  return e.dry->views;
+    return views.named(weights::kCopySpan);  // the load will read around the page cache: copies alone
+  return views;
 }
 
 bool fits(const DeviceBytes& more, const DeviceBytes& used, const Budgets& budgets) {

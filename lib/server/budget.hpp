@@ -43,9 +43,15 @@ DeviceBytes lease_room(const Entry& entry);
 uint64_t shared_views(const std::vector<const Entry*>& entries);
 // The bytes of `views` that loaded models other than `self` view now.
 uint64_t viewed_by_others(const model::FileSpans& views, const std::vector<const Entry*>& entries, const Entry* self);
-// The views a load of the entry would hold (its dry run's), where its reads will go through the
-// page cache: direct_io = false, or "auto" with room in the cache for its checkpoint now.
-model::FileSpans views_to_come(const Entry& entry);
+// The bytes of the copies on the host that the entry's weights share with other loaded models
+// (weights/copy_key.hpp): what a lease on "cpu" packs into memory of its own that it can hand
+// over, while the others keep theirs (weights/lease_memory.cpp).
+uint64_t shared_copies(const Entry& entry, const std::vector<const Entry*>& entries);
+// The views a load of the entry would hold (its dry run's): the copies it would share with other
+// configs of the checkpoint (`copies`: none for a load that a lease on "cpu" packs), and the
+// checkpoint's pages where its reads go through the page cache (direct_io = false, or "auto"
+// with room in the cache for its checkpoint now).
+model::FileSpans views_to_come(const Entry& entry, bool copies = true);
 
 // Whether `more` fits beside `used` within every budget.
 bool fits(const DeviceBytes& more, const DeviceBytes& used, const Budgets& budgets);

@@ -151,16 +151,22 @@ void Registry::pump(Entry& entry) {
     // Room for what the job will hold: the weights in their computation state, or asleep on
     // the offload device. The budget counts it from now on (as reserved, then as held).
     // A lease may also hold room for what its managed client uses on its own device.
+    // A lease on the host packs the copies the model shares with others into memory of its own:
+    // room for those it holds now, and none of those a load for it would share counted on.
     std::optional<DeviceBytes> expected;
     if (job.needs_weights() && !resident) expected = weights::totals(weights::awake_holdings(*entry.config, *entry.dry, entry.runtime ? entry.vram : std::nullopt));
     else if (job.kind == Job::Kind::Offload && entry.state == ModelState::Ready)
       expected = weights::totals(weights::asleep_holdings(*entry.config, *entry.dry));
-    if (expected || !job.reserve.empty()) {
+    const bool packs = job.kind == Job::Kind::Lease && job.device == "cpu";
+    DeviceBytes extra = job.reserve;
+    if (packs && entry.runtime)
+      if (const uint64_t copies = shared_copies(entry, entries())) extra["cpu"] += copies;
+    if (expected || !extra.empty()) {
       try {
         const bool loads = !entry.runtime && job.loads();
         std::optional<model::FileSpans> views;
-        if (expected) views = loads ? views_to_come(entry) : model::FileSpans{};
-        if (!reserve(entry, expected.value_or(DeviceBytes{}), job.reserve, std::move(views))) {
+        if (expected) views = loads ? views_to_come(entry, !packs) : model::FileSpans{};
+        if (!reserve(entry, expected.value_or(DeviceBytes{}), extra, std::move(views))) {
           entry.waiting_for_room = true;
           return;
         }

@@ -7,6 +7,7 @@
 #include "server/json_out.hpp"
 #include "server/registry.hpp"
 #include "util/clock.hpp"
+#include "weights/copy_key.hpp"
 
 namespace vramd::server {
 using nlohmann::json;
@@ -113,12 +114,14 @@ void write_charge(Out& out, const Holdings& charge) {
   out.end();
 }
 
-// The checkpoint's pages the model's weights view in host memory (not empty), and which other
-// models view them too (each byte counted once in the cpu budget).
+// The checkpoint's pages the model's weights view in host memory and the copies they share
+// with other configs of the checkpoint (not empty), and which other models hold them too (each
+// byte counted once in the cpu budget).
 template <class Out>
 void write_views(Out& out, const Entry& e) {
   uint64_t shared = 0;
-  out.object().field("bytes", e.views.bytes()).key("with").array();
+  out.object().field("bytes", e.views.bytes()).field("copies", e.views.named(weights::kCopySpan).bytes());
+  out.key("with").array();
   if (e.registry) {
     const std::vector<const Entry*> all = e.registry->entries();
     for (const Entry* other : all)

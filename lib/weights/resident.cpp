@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <utility>
 
 #include "convert/expr.hpp"
@@ -14,6 +16,7 @@
 #include "storage/disk_map.hpp"
 #include "storage/tensor_io.hpp"
 #include "util/format.hpp"
+#include "weights/copy_key.hpp"
 #include "weights/lease.hpp"
 #include "weights/source.hpp"
 
@@ -60,17 +63,85 @@ class FileNames {
   std::map<uint32_t, std::string> names_;
 };
 
+// The copies of checkpoint tensors resident weights hold in host memory, by their CopyKeys,
+// process-wide: configs of one checkpoint loaded later take the copy of a weight they hold
+// alike instead of reading their own (LoRA variants of one base, configs that differ in their
+// limits or names). Held weakly: a copy lives while a weight holds it. A value about to be
+// written in place is forgotten first, so that no later load takes the written bytes.
+class SharedCopies {
+ public:
+  static SharedCopies& process() {
+    static SharedCopies copies;
+    return copies;
+  }
+
+  at::Tensor find(const std::string& key) {
+    std::lock_guard lock(mutex_);
+    const auto found = copies_.find(key);
+    if (found == copies_.end()) return {};
+    auto held = found->second.lock();
+    return held ? at::Tensor(std::move(held)) : at::Tensor();
+  }
+
+  // Keeps `value` under `key`, unless a copy another load made meanwhile is kept there.
+  void keep(const std::string& key, const at::Tensor& value) {
+    std::lock_guard lock(mutex_);
+    if (copies_.size() >= sweep_at_) {
+      std::erase_if(copies_, [](const auto& copy) { return copy.second.expired(); });
+      sweep_at_ = 2 * copies_.size() + 1024;
+    }
+    auto [kept, fresh] = copies_.try_emplace(key, value.getIntrusivePtr());
+    if (!fresh && kept->second.expired()) kept->second = Weak(value.getIntrusivePtr());
+  }
+
+  // Of `values` (key, value), which are the copies kept under their keys.
+  std::vector<bool> kept(const std::vector<std::pair<const std::string*, const at::Tensor*>>& values) {
+    std::vector<bool> out(values.size());
+    std::lock_guard lock(mutex_);
+    for (size_t i = 0; i < values.size(); ++i) {
+      const auto found = copies_.find(*values[i].first);
+      out[i] = found != copies_.end() && !found->second.expired() &&
+               found->second._unsafe_get_target() == values[i].second->unsafeGetTensorImpl();
+    }
+    return out;
+  }
+
+  void forget(const at::Tensor& value) {
+    std::lock_guard lock(mutex_);
+    std::erase_if(copies_, [&](const auto& copy) { return copy.second._unsafe_get_target() == value.unsafeGetTensorImpl(); });
+  }
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  std::mutex mutex_;
+  std::unordered_map<std::string, Weak> copies_;
+  size_t sweep_at_ = 1024;
+};
+
+// Whether a weight read as `held` on the host from `source` would be a copy that configs of its
+// checkpoint can share: not a view of its pages (`views`: where read_all takes them) and not
+// changed by a fused adapter of this config's.
+bool shareable(const Source& source, const Assignment& a, c10::ScalarType held, bool views) {
+  return !a.patch && !(views && viewable(source, a, held));
+}
+
 }  // namespace
 
 model::FileSpans ResidentWeights::planned_views(const model::Model& model, const Source& source,
                                                 const config::ModelConfig& config) {
   model::FileSpans spans;
   const config::DeviceState awake = awake_state(model, config);
-  if (source.direct || !awake.device.is_cpu()) return spans;  // read around the page cache, or off the host
+  if (!awake.device.is_cpu()) return spans;
+  const bool views = !source.direct;  // else read around the page cache, into copies
   FileNames files(source.map);
-  for (const auto& a : source.assignments)
-    if (const auto* info = viewable(source, a, held_dtype(a, storage::scalar_type(*awake.dtype), packed_awake(config))))
+  CopyKeys keys(source.map);
+  for (const auto& a : source.assignments) {
+    const c10::ScalarType held = held_dtype(a, storage::scalar_type(*awake.dtype), packed_awake(config));
+    if (shareable(source, a, held, views))
+      spans.add(copy_span(keys(*a.expr, c10::toString(held), "cpu")), 0, held_bytes(a, held));
+    else if (const auto* info = views ? viewable(source, a, held) : nullptr)
       spans.add(files(info->file), info->offset, info->offset + info->nbytes);
+  }
   return spans;
 }
 
@@ -109,6 +180,8 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, bo
   for (const auto& a : source_->assignments) progress.bytes_total += held_bytes(a, held_dtype(a, dtype, packed));
   const bool views = zero_copy_ && device.is_cpu() && !source_->direct;  // views are read through the page cache
   const auto& map = source_->map;
+  CopyKeys keys(map);
+  copies_.clear();
   auto done = [&](const Assignment& a) {
     progress.bytes_done += a.parameter->value.nbytes();
     progress.tensors_done++;
@@ -141,7 +214,21 @@ uint64_t ResidentWeights::read_all(c10::Device device, c10::ScalarType dtype, bo
       if ((group_bytes += a.parameter->value.nbytes()) >= kGroupBytes) read_group();
       continue;
     }
+    std::string key;
+    if (device.is_cpu() && shareable(*source_, a, held, views)) {
+      key = keys(*a.expr, c10::toString(held), "cpu");
+      if (at::Tensor copy = SharedCopies::process().find(key); copy.defined()) {
+        a.parameter->value = std::move(copy);
+        copies_.push_back({&a, std::move(key)});
+        done(a);
+        continue;
+      }
+    }
     const at::Tensor value = source_->read(a, device, held, views);
+    if (!key.empty() && !shared_view(value)) {
+      SharedCopies::process().keep(key, value);
+      copies_.push_back({&a, std::move(key)});
+    }
     if (zero_copy && views && a.expr->op == convert::Expr::Op::Source &&
         value.const_data_ptr() == map.bytes(map.at(a.expr->source, a.expr->shard)).first.data())
       ++*zero_copy;
@@ -230,6 +317,11 @@ model::FileSpans ResidentWeights::views() const {
     if (!found) continue;  // a view of other shared memory (a lease's region, an update's memfd)
     spans.add(files(found->first), found->second, found->second + value.nbytes());
   }
+  std::vector<std::pair<const std::string*, const at::Tensor*>> copies;
+  for (const auto& copy : copies_) copies.emplace_back(&copy.key, &copy.assignment->parameter->value);
+  const std::vector<bool> kept = SharedCopies::process().kept(copies);
+  for (size_t i = 0; i < copies.size(); ++i)
+    if (kept[i]) spans.add(copies_[i].span, 0, copies[i].second->nbytes());
   return spans;
 }
 
@@ -310,8 +402,12 @@ void ResidentWeights::update(const std::string& model, const WeightUpdate& updat
   writes.clear();
   for (size_t i = 0; i < values.size(); ++i) {
     at::Tensor& now = values[i].first->value;
-    if (fresh[i].defined()) replaced_.push_back(std::exchange(now, std::move(fresh[i])));
-    else writes.emplace_back(now, sources[i]);
+    if (fresh[i].defined()) {
+      replaced_.push_back(std::exchange(now, std::move(fresh[i])));
+    } else {
+      SharedCopies::process().forget(now);  // no config loaded later takes the new values for the checkpoint's
+      writes.emplace_back(now, sources[i]);
+    }
     updated_.insert(values[i].first);
   }
   write_values(writes);
@@ -320,9 +416,10 @@ void ResidentWeights::update(const std::string& model, const WeightUpdate& updat
 std::shared_ptr<void> ResidentWeights::take_replaced(std::map<std::string, uint64_t>& bytes) {
   if (replaced_.empty()) return {};
   // At most what dropping them frees: each value whose storage nothing else in the daemon
-  // holds (a view of a mapping or a region counts, though the pages may stay with the others).
+  // holds (a view of a mapping or a region counts, though the pages may stay with the others;
+  // a copy another config shares does not).
   for (const auto& value : replaced_)
-    if (value.storage().use_count() == 1) bytes[value.device().str()] += value.nbytes();
+    if (value.use_count() == 1 && value.storage().use_count() == 1) bytes[value.device().str()] += value.nbytes();
   return std::make_shared<std::vector<at::Tensor>>(std::exchange(replaced_, {}));
 }
 

@@ -1,6 +1,8 @@
 // Resident weights: every weight in its computation state (device and dtype) while the model is
 // awake, each op using its layer's own values. On the CPU, weights whose checkpoint bytes
-// already have the right dtype and alignment are views of the file's mapping, not copies. A model
+// already have the right dtype and alignment are views of the file's mapping, not copies, and
+// the copies (cast, converted) are shared with every config of the checkpoint that holds that
+// weight alike and is loaded in the daemon meanwhile (weights/copy_key.hpp). A model
 // that rests for its clients (config::rests_for_clients) holds them in its onload state's dtype
 // on the host instead (GGUF blocks packed, as the state's `packed` says), for the leases its
 // clients manage.
@@ -10,10 +12,15 @@
 #include <cstdint>
 #include <memory>
 #include <set>
+#include <string>
+#include <vector>
 
+#include "weights/copy_key.hpp"
 #include "weights/weights.hpp"
 
 namespace vramd::weights {
+
+struct Assignment;
 
 class ResidentWeights final : public Weights {
  public:
@@ -59,6 +66,14 @@ class ResidentWeights final : public Weights {
   // Parameters an update gave values no checkpoint holds: asleep on disk, they stay on the host.
   std::set<const model::Parameter*> updated_;
   std::vector<at::Tensor> replaced_;  // the values before an update, until take_replaced
+  // The weights read_all read into copies that configs of the checkpoint share (CopyKeys), and
+  // the spans views() names them by where they still hold that copy.
+  struct Copy {
+    const Assignment* assignment;
+    std::string key;
+    std::string span = copy_span(key);
+  };
+  std::vector<Copy> copies_;
 };
 
 }  // namespace vramd::weights

@@ -107,7 +107,8 @@ class Weights : public model::LayerWeights {
   // Bytes of weights held on each device ("cpu", "cuda:0"); nothing for weights on disk.
   virtual std::map<std::string, uint64_t> bytes_by_device() const = 0;
   // The checkpoint's bytes that weights held now are views of (pages of the page cache, counted
-  // in bytes_by_device as well): none where every value is a copy.
+  // in bytes_by_device as well), and the copies on the host they share with other configs of
+  // the checkpoint (spans named weights::copy_span): none where every value is a copy of its own.
   virtual model::FileSpans views() const { return {}; }
 
   // Throws NotLeasable (weights/lease.hpp) naming `model` and what to change in its config,
@@ -139,8 +140,10 @@ class Weights : public model::LayerWeights {
 // Throws the Error make_weights would for a [vram] table it cannot honour.
 std::optional<model::VramStats> plan_weights(const model::Model& model, const Source& source,
                                              const config::ModelConfig& config);
-// The checkpoint's bytes that make_weights would hold as views of the file's pages (views()
-// once loaded), where its reads go through the page cache as `source` says.
+// The checkpoint's bytes that make_weights would hold as views of the file's pages, where its
+// reads go through the page cache as `source` says, and the copies on the host it would share
+// with other configs of the checkpoint, each a span of its own (weights/copy_key.hpp): views()
+// once loaded.
 model::FileSpans planned_views(const model::Model& model, const Source& source, const config::ModelConfig& config);
 
 // Reads `model`'s weights from `source` as `config` says, reporting progress through `options`

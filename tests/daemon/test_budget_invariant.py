@@ -220,6 +220,28 @@ def test_a_sleep_that_drops_views_another_model_holds_makes_room_for_its_copies(
         assert d.stop() == 0
 
 
+def test_a_lease_makes_room_for_the_copies_its_model_shares(checkpoints, tmp_path):
+    # Configs that cast hold one copy of each weight; a lease of one packs its own, which it hands
+    # over while the others keep theirs: room made first (here, by unloading b).
+    llama, size = checkpoints[0]["llama"], checkpoints[1]["llama"]
+    d = Daemon(tmp_path, budgets=f"cpu = {size * 13 // 10}", log_level="info")
+    (d.models / "b.toml").write_text(f'checkpoint = "{llama}"\n[vram]\noffload = {{ device = "cpu", dtype = "bfloat16" }}\n')
+    (d.models / "c.toml").write_text(f'checkpoint = "{llama}"\ndtype = "bfloat16"\n')
+    (d.models / "w.toml").write_text(f'architecture = "weights"\ncheckpoint = "{llama}"\ndtype = "bfloat16"\n')
+    with d.start():
+        assert request(d.sock, "POST", "/v1/models/b/load")[0] == 200
+        assert request(d.sock, "POST", "/v1/models/b/offload")[0] == 200
+        for name in ("c", "w"):
+            assert request(d.sock, "POST", f"/v1/models/{name}/load")[0] == 200
+        cpu = check_invariant(d.sock, "load c and w")["devices"]["cpu"]
+        assert sorted(cpu["models"]) == ["b", "c", "w"] and cpu["shared"] == cpu["models"]["c"], cpu
+        with vramd.connect(d.sock) as client, client.lease("w") as weights:
+            cpu = check_invariant(d.sock, "lease w")["devices"]["cpu"]
+            assert len(weights) > 0 and sorted(cpu["models"]) == ["c", "w"] and cpu["shared"] == 0, cpu
+            assert "making room for w on cpu: unload b" in d.log.read_text()
+        assert d.stop() == 0
+
+
 # The property test.
 
 def draw_config(rng, paths, sizes):

@@ -397,15 +397,22 @@ def test_edits_a_lease_holds_back_take_effect_once_and_the_file_has_the_last_wor
     assert model(s, "tiny")["state"] == "ready" and "config_error" not in model(s, "tiny")
 
 
-# Read into copies of their own: configs of one checkpoint whose weights view its pages hold them
-# once (tests/parity/test_lora.py, test_configs_of_one_checkpoint_count_its_pages_once).
-COPIES = "[vram]\ndirect_io = true\n"
+@pytest.fixture(scope="module")
+def minilms(checkpoints, tmp_path_factory):
+    """Three copies of MiniLM, a checkpoint of its own for each model: configs of one checkpoint
+    hold its weights once (tests/parity/test_lora.py), which would leave their budget unspent."""
+    folder = tmp_path_factory.mktemp("minilms")
+    for name in ("a", "b", "c"):
+        (folder / name).mkdir()
+        for file in ("config.json", "model.safetensors"):
+            shutil.copyfile(checkpoints["minilm"] / file, folder / name / file)
+    return folder
 
 
-def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoints):
+def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, minilms):
     d = Daemon(tmp_path, budgets='cpu = "180MiB"')  # two MiniLMs (86.6 MiB each) fit, three do not
     for name in ("a", "b", "c"):
-        add_model(d, name, checkpoints["minilm"], COPIES)
+        add_model(d, name, minilms / name)
     with d.start():
         s = d.sock
         for name in ("a", "b"):
@@ -419,7 +426,7 @@ def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoi
 
         # Pinned models are never evicted: then the load fails with the numbers.
         for name in ("a", "c"):
-            (d.models / f"{name}.toml").write_text(f'checkpoint = "{checkpoints["minilm"]}"\n[residency]\npinned = true\n{COPIES}')
+            (d.models / f"{name}.toml").write_text(f'checkpoint = "{minilms / name}"\n[residency]\npinned = true\n')
         request(s, "POST", "/v1/reload")
         forward(s, "a", MINILM_INPUT)
         forward(s, "c", MINILM_INPUT)
@@ -438,10 +445,10 @@ def test_budget_unloads_idle_models_least_recently_used_first(tmp_path, checkpoi
         assert d.stop() == 0
 
 
-def test_budget_offloads_before_unloading(tmp_path, checkpoints):
+def test_budget_offloads_before_unloading(tmp_path, minilms):
     d = Daemon(tmp_path, budgets='cpu = "100MiB"')
-    add_model(d, "sleeper", checkpoints["minilm"], COPIES + 'offload = { device = "disk" }')
-    add_model(d, "other", checkpoints["minilm"], COPIES)
+    add_model(d, "sleeper", minilms / "a", '[vram]\noffload = { device = "disk" }')
+    add_model(d, "other", minilms / "b")
     with d.start():
         forward(d.sock, "sleeper", MINILM_INPUT)
         forward(d.sock, "other", MINILM_INPUT)

@@ -35,3 +35,19 @@ TEST_CASE("file spans overlap only where one file's ranges meet") {
   both.add(b);
   CHECK(both.bytes() == a.bytes() + b.bytes() - a.overlap(b));
 }
+
+TEST_CASE("file spans name the files whose names begin with a prefix") {
+  FileSpans spans;
+  spans.add("copy:1", 0, 10);
+  spans.add("copy:2", 0, 20);
+  spans.add("8:1", 0, 100);
+  FileSpans copies;
+  copies.add("copy:1", 0, 10);
+  copies.add("copy:2", 0, 20);
+  CHECK(spans.named("copy:") == copies);
+  CHECK(spans.named("copy:").bytes() == 30);
+  CHECK(spans.named("none").empty());
+  FileSpans pages;
+  pages.add("8:1", 0, 100);
+  CHECK(spans.named("copy:", false) == pages);
+}

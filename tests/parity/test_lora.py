@@ -425,8 +425,8 @@ def test_configs_of_one_checkpoint_count_its_pages_once(lora, tmp_path):
         assert_close(forward("b"), merged_outputs(checkpoint, lora["inputs"], [(mlp, 1.0)]))
         a, b = model(d.sock, "a"), model(d.sock, "b")
         assert a["state"] == "ready" and a["stats"]["loads"] == 1, a  # b's load evicted nothing
-        assert a["views"] == {"bytes": base, "shared": base, "with": ["b"]}, a
-        assert b["views"] == {"bytes": base, "shared": base, "with": ["a"]}, b
+        assert a["views"] == {"bytes": base, "copies": 0, "shared": base, "with": ["b"]}, a
+        assert b["views"] == {"bytes": base, "copies": 0, "shared": base, "with": ["a"]}, b
         adapters = sum(x["bytes"] for m in (a, b) for x in m["loras"])
         held = cpu()
         assert held["shared"] == base and held["used"] == sum(held["models"].values()) - base, held
@@ -438,7 +438,7 @@ def test_configs_of_one_checkpoint_count_its_pages_once(lora, tmp_path):
         assert_close(forward("c"), merged_outputs(checkpoint, lora["inputs"], [(attention, 1.0)]))
         c = model(d.sock, "c")
         own = stored_bytes(checkpoint / "model.safetensors", ["q_proj", "v_proj"])
-        assert c["views"] == {"bytes": base - own, "shared": base - own, "with": ["a", "b"]}, c
+        assert c["views"] == {"bytes": base - own, "copies": 0, "shared": base - own, "with": ["a", "b"]}, c
         assert cpu()["shared"] == 2 * base - own and all(model(d.sock, n)["state"] == "ready" for n in "ab")
         # Unloaded, a and b share nothing more: c is charged its whole weights.
         for name in "ab":
@@ -446,6 +446,57 @@ def test_configs_of_one_checkpoint_count_its_pages_once(lora, tmp_path):
         c, held = model(d.sock, "c"), cpu()
         assert c["views"]["with"] == [] and c["views"]["shared"] == 0 and held["shared"] == 0, (c, held)
         assert held["used"] == c["charge"]["cpu"]["bytes"], (c, held)
+
+
+def test_configs_that_cast_share_one_copy_of_the_base(lora, tmp_path):
+    """Configs of a float32 checkpoint that compute in bfloat16, each with an unfused adapter of
+    its own, hold one bfloat16 copy of the base between them: counted once by the cpu budget
+    (which has room for one copy and a bit), and computing what each computes from a copy of its
+    own. An update of one of them leaves the others' weights as the checkpoint has them, whether
+    it is written beside the copy they share or into one it holds alone."""
+    attention, mlp = lora["folders"]["attention"], lora["folders"]["mlp"]
+    checkpoint = lora["witness"] / "model"
+    copy = stored_bytes(checkpoint / "model.safetensors") // 2  # every tensor float32, held as bfloat16
+    d = Daemon(tmp_path, budgets=f'cpu = "{copy * 13 // 10240}KiB"')
+    for name, folder in [("a", attention), ("b", mlp), ("c", mlp)]:
+        (d.models / f"{name}.toml").write_text(f'checkpoint = "{checkpoint}"\ndtype = "bfloat16"\nfuse_lora = false\n'
+                                               f'[[lora]]\npath = "{folder}"\n')
+    inputs = save(lora["inputs"])
+    norm = next(n for n in load_file(checkpoint / "model.safetensors") if n.endswith("norm.weight"))
+
+    def forward(name):
+        status, out = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
+        assert status == 200, out
+        return load(out)["logits"]
+
+    def update(name):
+        status, body = request(d.sock, "POST", f"/v1/models/{name}/weights", save({norm: torch.full((64,), 3.0)}))
+        assert status == 200, body
+
+    with d.start():
+        alone = forward("a")  # read into copies of its own
+        assert alone.dtype == torch.bfloat16
+        assert model(d.sock, "a")["views"] == {"bytes": copy, "copies": copy, "shared": 0, "with": []}
+        assert request(d.sock, "POST", "/v1/models/a/unload")[0] == 200
+        b = forward("b")
+        assert torch.equal(forward("a"), alone)  # a's weights now b's copies
+        a_model, b_model = model(d.sock, "a"), model(d.sock, "b")
+        assert b_model["state"] == "ready" and b_model["stats"]["loads"] == 1, b_model  # a's load evicted nothing
+        assert a_model["views"] == {"bytes": copy, "copies": copy, "shared": copy, "with": ["b"]}, a_model
+        held = get_json(d.sock, "/v1/status")["devices"]["cpu"]
+        adapters = sum(x["bytes"] for m in (a_model, b_model) for x in m["loras"])
+        assert held["shared"] == copy and held["used"] <= 1.15 * (copy + adapters), held
+        shown = vramctl("status", "--socket", d.sock)
+        assert shown.returncode == 0 and "are copies its configs can share, " in shown.stdout, shown
+        # Updated while b holds the copy too: written beside it, b's weights stay the checkpoint's.
+        update("a")
+        assert not torch.equal(forward("a"), alone) and torch.equal(forward("b"), b)
+        assert model(d.sock, "a")["views"]["copies"] == copy - 64 * 2  # the norm's copy its own now
+        # Updated while it holds the copy alone: written into it, and c, loaded next, reads its own.
+        assert request(d.sock, "POST", "/v1/models/a/unload")[0] == 200
+        update("b")
+        assert not torch.equal(forward("b"), b)
+        assert torch.equal(forward("c"), b)
 
 
 @pytest.mark.parametrize("fuse", ["true", "false"])
