@@ -30,11 +30,12 @@ def _natural(key: str) -> list:
 
 
 def _lua(text: str) -> str:
-    """A Lua string literal of `text` (decimal escapes for what is not printable ASCII)."""
+    """A Lua string literal of `text` (three-digit decimal escapes for what is not printable ASCII,
+    so that a digit after one is not read as part of it)."""
     out = []
     for byte in text.encode():
         char = chr(byte)
-        out.append(f"\\{byte}" if byte < 32 or byte > 126 or char in "\\\"" else char)
+        out.append(f"\\{byte:03d}" if byte < 32 or byte > 126 or char in "\\\"" else char)
     return '"' + "".join(out) + '"'
 
 

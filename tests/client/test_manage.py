@@ -1212,6 +1212,21 @@ def test_a_derived_model_refuses_what_it_cannot_be_and_goes_with_its_base(daemon
         assert refused.value.status == 404
 
 
+def test_names_a_written_converter_quotes_reach_the_sandbox_as_they_are(tmp_path):
+    """The string literals vramd.transformers_converter writes: a quote, a backslash, a control
+    byte or UTF-8 followed by a digit must not run into its escape (a\\34 then 1 is a\\341)."""
+    from vramd.transformers_converter import _lua
+    keys = ['a"1', "b\\2", "\u00e93", "tab\t4", "plain.5"]
+    save_file({k: torch.full((2,), float(i)) for i, k in enumerate(keys)}, tmp_path / "names.safetensors")
+    (tmp_path / "names.lua").write_text("local out = {}\n" + "".join(
+        f"out[{_lua(f't{i}')}] = src[{_lua(k)}]\n" for i, k in enumerate(keys)) + "return out\n")
+    (tmp_path / "names.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "names.safetensors"}"\n'
+                                         f'converter = "{tmp_path / "names.lua"}"\n')
+    shown = json.loads(vramctl(tmp_path / "none.sock", "convert", tmp_path / "names.toml", "--json").stdout)
+    assert {t: v["expression"] for t, v in shown["tensors"].items()} == {
+        f"t{i}": "src[" + repr(k).replace("\\t", "\\x09") + "]" for i, k in enumerate(keys)}, shown
+
+
 def test_a_rule_the_converter_cannot_express_is_named(daemon):
     """transformers' Interleave (a rule registered for a model type, here a Mixtral's config
     under a type of its own) has no converter expression: writing the converter fails naming it."""
