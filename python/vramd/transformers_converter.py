@@ -29,9 +29,14 @@ def _natural(key: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
+_PLAIN = re.compile(r'[ !#-\[\]-~]*')  # printable ASCII but for the quote and the backslash
+
+
 def _lua(text: str) -> str:
     """A Lua string literal of `text` (three-digit decimal escapes for what is not printable ASCII,
     so that a digit after one is not read as part of it)."""
+    if _PLAIN.fullmatch(text):  # nearly every tensor name: no escape to look for byte by byte
+        return f'"{text}"'
     out = []
     for byte in text.encode():
         char = chr(byte)
@@ -53,6 +58,16 @@ def convert_key(key: str, renamings: list, converters: list) -> tuple[str, list,
         if pattern is not None:
             return target, used + [rule], pattern
     return key, used, None
+
+
+def conversion_rules(model) -> tuple[list, list, list]:
+    """transformers' rules for `model`'s type (conversion_mapping), in order: its renamings, its
+    converters, and rules of any other kind."""
+    from transformers.conversion_mapping import WeightConverter, WeightRenaming, get_model_conversion_mapping
+    transforms = get_model_conversion_mapping(model)
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)],
+            [t for t in transforms if not isinstance(t, (WeightRenaming, WeightConverter))])
 
 
 def checkpoint_keys(folder: Path) -> list[str]:
@@ -80,16 +95,16 @@ def empty_model(folder: Path):
         return model_class(config)
 
 
-def lua_converter(model, keys: list[str], where: str = "the checkpoint") -> str:
+def lua_converter(model, keys: list[str], where: str = "the checkpoint", converted: dict | None = None) -> str:
     """The converter's text for a transformers `model` (its class and config; its weights may be
-    on the meta device) over a checkpoint holding `keys`."""
-    from transformers.conversion_mapping import (Chunk, Concatenate, MergeModulelist, Transpose, WeightConverter,
-                                                 WeightRenaming, get_model_conversion_mapping)
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    for rule in transforms:  # a kind of rule this does not know would be a silent wrong name
-        if not isinstance(rule, (WeightRenaming, WeightConverter)) and any(rule.rename_source_key(k)[1] for k in keys):
+    on the meta device) over a checkpoint holding `keys`. `converted`: convert_key of each key
+    with conversion_rules(model), where the caller has it already."""
+    from transformers.conversion_mapping import Chunk, Concatenate, MergeModulelist, Transpose
+    renamings, converters, others = conversion_rules(model)
+    if converted is None:
+        converted = {key: convert_key(key, renamings, converters) for key in keys}
+    for rule in others:  # a kind of rule this does not know would be a silent wrong name
+        if any(rule.rename_source_key(k)[1] for k in keys):
             raise ConversionError(f"{where}: transformers' {type(rule).__name__} {rule.source_patterns} -> "
                                   f"{rule.target_patterns} is a kind of rule vramd.transformers_converter does not write")
     renamed: dict[str, str] = {}  # target -> source key
@@ -97,7 +112,7 @@ def lua_converter(model, keys: list[str], where: str = "the checkpoint") -> str:
     # In one order whatever order the keys come in: the same checkpoint gives the same text (the
     # daemon shares one derived model between the clients sending it).
     for key in sorted(keys, key=_natural):
-        name, used, pattern = convert_key(key, renamings, converters)
+        name, used, pattern = converted[key]
         if pattern is not None:
             _, groups = merged.setdefault(name, (used[-1], {}))
             groups.setdefault(pattern, []).append(key)
@@ -115,7 +130,7 @@ def lua_converter(model, keys: list[str], where: str = "the checkpoint") -> str:
         # Several targets (a fused q, k and v split in three): the first pattern's name, and the
         # others' in its place, as transformers expands them.
         targets = [target.replace(rule.target_patterns[0], pattern) for pattern in rule.target_patterns]
-        values = {p: [f"src[{_lua(k)}]" for k in sorted(groups[p], key=_natural)] for p in rule.source_patterns if p in groups}
+        values = {p: [f"src[{_lua(k)}]" for k in groups[p]] for p in rule.source_patterns if p in groups}  # in key order
         chunks = None
         for op in rule.operations:
             if isinstance(op, MergeModulelist):

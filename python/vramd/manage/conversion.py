@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..transformers_converter import ConversionError, convert_key, lua_converter
+from ..transformers_converter import ConversionError, conversion_rules, convert_key, lua_converter
 from .errors import ManageError, _listed
 
 
@@ -25,34 +25,36 @@ def converter_for(module: nn.Module, leased: list[str], model: str) -> str | Non
         return None
     names = set(leased)
     missing = [name for name in module.state_dict(keep_vars=True) if name not in names]
-    if not missing or not conversion_hint(module, leased, missing)[1]:
+    converted = {}
+    if not missing or not conversion_hint(module, leased, missing, converted)[1]:
         return None
     try:
-        return lua_converter(module, leased, f"model {model!r}")
+        return lua_converter(module, leased, f"model {model!r}", converted)
     except ConversionError as error:
         raise ManageError(f"{error}; {type(module).__name__} needs transformers' conversion of the leased names, "
                           "which vramd cannot apply: serve a checkpoint in the module's own names") from None
 
 
-def conversion_hint(module: nn.Module, leased: list[str], missing: list[str]) -> tuple[str | None, list[str]]:
+def conversion_hint(module: nn.Module, leased: list[str], missing: list[str],
+                    converted: dict | None = None) -> tuple[str | None, list[str]]:
     """A sentence naming the rules of transformers' own conversion that turn leased names into
     the missing ones, when the module is a transformers model whose type has such rules and
-    they give at least one of them (else None), and the missing names they give."""
+    they give at least one of them (else None), and the missing names they give. `converted`
+    takes convert_key of each leased name, for lua_converter."""
     if not _transformers_model(module):
         return None, []
     try:
-        from transformers.conversion_mapping import WeightConverter, WeightRenaming, get_model_conversion_mapping
+        from transformers.conversion_mapping import WeightConverter
     except ImportError:  # transformers is too old to convert at load time
         return None, []
     try:
-        transforms = get_model_conversion_mapping(module)
+        renamings, converters, _ = conversion_rules(module)
     except Exception:  # noqa: BLE001 - a model whose mapping cannot be made has none to suggest
         return None, []
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converted = {} if converted is None else converted
     produced, used = set(), {}
     for key in leased:
-        name, rules, _ = convert_key(key, renamings, converters)
+        name, rules, _ = converted[key] = convert_key(key, renamings, converters)
         produced.add(name)
         for rule in rules:
             used.setdefault(id(rule), rule)
