@@ -71,8 +71,8 @@ class FileNames {
 class SharedCopies {
  public:
   static SharedCopies& process() {
-    static SharedCopies copies;
-    return copies;
+    static auto* copies = new SharedCopies;  // never destroyed: no weak pointer is let go after LibTorch's statics
+    return *copies;
   }
 
   at::Tensor find(const std::string& key) {
