@@ -134,11 +134,13 @@ class Daemon {
       case Route::Kind::Reload: return registry_.scan(true, [this, exchange] { respond_json(*exchange, 200, models()); });
       case Route::Kind::List: return respond_json(*exchange, 200, models());
       case Route::Kind::Model:
+      case Route::Kind::Remove:
       case Route::Kind::Action: break;
     }
     Entry* entry = registry_.find(route.model);
     if (!entry) return respond_error(*exchange, 404, "no model named " + quote(route.model) + "; GET /v1/models lists them");
     if (route.kind == Route::Kind::Model) return respond_json(*exchange, 200, entry_json(*entry));
+    if (route.kind == Route::Kind::Remove) return registry_.remove(*entry, exchange);
     if (route.action == "derive") {
       // POST .../derive: {"converter": "<a Lua converter's text>"}.
       const json body = json::parse(request.body, nullptr, false);

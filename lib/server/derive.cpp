@@ -174,6 +174,20 @@ void Registry::derive(Entry& base, std::string converter, std::function<void(int
   });
 }
 
+void Registry::remove(Entry& entry, std::shared_ptr<Exchange> exchange) {
+  Job asked(Job::Kind::Unload, exchange);
+  if (entry.derived_from.empty())
+    return answer(asked, 409, {{"error", "model " + quote(entry.name) + " is the config file " + entry.file +
+                                             "'s: remove that file to remove the model (DELETE removes models made "
+                                             "by POST /v1/models/NAME/derive)"}});
+  entry.removal_watchers.push_back(std::move(exchange));
+  if (entry.removed) return;  // going already: answered with the others
+  log::info(entry.name + ": removing it, as DELETE asked");
+  entry.removed = true;
+  if (entry.busy || entry.runtime) submit(entry, Job(Job::Kind::Unload));
+  else drop_entry(entry);
+}
+
 void Registry::retire_derived(const Entry& base) {
   std::vector<Entry*> derived;
   for (auto& [name, e] : entries_)

@@ -87,7 +87,8 @@ struct Entry {
   Clock::time_point last_used{};
   std::optional<std::chrono::milliseconds> keep_alive;
   uv_timer_t* keep_alive_timer = nullptr;
-  bool removed = false;  // its file is gone: unload, then drop the entry
+  bool removed = false;  // its file is gone (derived: DELETE asked): unload, then drop the entry
+  std::vector<std::shared_ptr<Exchange>> removal_watchers;  // the DELETEs answered once it is dropped
   // While any lease is held the model is never evicted, unloaded, offloaded or replaced.
   std::map<uint64_t, Lease> leases;
 

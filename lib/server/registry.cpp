@@ -92,8 +92,14 @@ Entry& Registry::add_entry(const std::string& name) {
 }
 
 void Registry::drop_entry(Entry& entry) {
-  const std::string why = entry.derived_from.empty() ? entry.file + " is gone" : "the config of " + quote(entry.derived_from) + ", which it is derived from, changed or went";
+  const std::string why = !entry.derived_from.empty() && !entry.removal_watchers.empty() ? "a DELETE asked for it"
+                          : entry.derived_from.empty() ? entry.file + " is gone"
+                                                       : "the config of " + quote(entry.derived_from) + ", which it is derived from, changed or went";
   for (auto& job : entry.queue) answer(job, 404, {{"error", "model " + quote(entry.name) + " was removed (" + why + ")"}});
+  for (auto& watcher : entry.removal_watchers) {
+    Job asked(Job::Kind::Unload, watcher);
+    answer(asked, 200, {{"name", entry.name}, {"state", "removed"}});
+  }
   std::error_code ec;
   if (!entry.derived_from.empty() && entry.config) fs::remove(entry.config->converter, ec);
   uv_close(reinterpret_cast<uv_handle_t*>(entry.keep_alive_timer), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });

@@ -68,6 +68,9 @@ class Registry {
   // that sends the same text, checked off the loop as a config is. `done` gets 200 and the model's
   // object (with "created": whether this call made it), or a refusal naming what is wrong.
   void derive(Entry& base, std::string converter, std::function<void(int, const nlohmann::json&)> done);
+  // DELETE /v1/models/NAME: a derived model goes, once its work and leases end (as when its
+  // base's config changes), and `exchange` is answered then; a model of a config file is a 409.
+  void remove(Entry& entry, std::shared_ptr<Exchange> exchange);
 
   // Each entry's charged() (server/budget.hpp), by name.
   std::map<std::string, Holdings> charges() const;

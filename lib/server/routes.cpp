@@ -57,8 +57,10 @@ Route route(const Request& request) {
   }
   if (parts.size() < 3 || parts.size() > 4 || parts[1] != "models")
     return refused(404, "unknown", "no such endpoint: " + what() + " (see docs/api.md)");
-  if (parts.size() == 3) {
-    Route model = only("GET", to(Route::Kind::Model, "model"));
+  if (parts.size() == 3) {  // GET, or DELETE of a derived model
+    if (request.method != "GET" && request.method != "DELETE")
+      return refused(405, "model", what() + ": use GET (or DELETE, to remove a derived model)");
+    Route model = to(request.method == "GET" ? Route::Kind::Model : Route::Kind::Remove, request.method == "GET" ? "model" : "remove");
     model.model = parts[2];
     return model;
   }

@@ -9,10 +9,10 @@
 namespace vramd::server {
 
 struct Route {
-  enum class Kind { Metrics, Health, Status, Reload, List, Model, Action, Refused };
+  enum class Kind { Metrics, Health, Status, Reload, List, Model, Remove, Action, Refused };
   Kind kind = Kind::Refused;
   std::string endpoint;  // the requests counter's label: "health", "list", "load", "unknown", ...
-  std::string model;     // Model and Action: the name in the path, as sent
+  std::string model;     // Model, Remove and Action: the name in the path, as sent
   std::string action;    // Action: "load", "unload", "offload", "onload", "forward" or "lease"
   int status = 0;        // Refused: 404 or 405
   std::string error;     // Refused: why, with the request's own text escaped (valid UTF-8)

@@ -229,6 +229,12 @@ class Client:
         response = self._call("POST", target, json.dumps({"converter": converter}).encode(), "application/json")
         return self._documented(response.body, _check_model, f"POST {target}")
 
+    def remove(self, name: str) -> dict:
+        """Removes model `name`, made by derive(), once the requests queued before it are done and
+        its leases have ended: {"name": name, "state": "removed"}. A model of a config file raises
+        DaemonError (409): remove its file instead."""
+        return self._json("DELETE", _model_path(name), _check_model)
+
     def lease(self, name: str, device: str = "cpu", wait: bool = True,
               reserve: tuple[str, int] | None = None, follow: bool = False, in_place: bool = False) -> Lease:
         """Leases model `name`'s weights on `device` as read-only, zero-copy tensors, on a

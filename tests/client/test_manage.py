@@ -1212,6 +1212,42 @@ def test_a_derived_model_refuses_what_it_cannot_be_and_goes_with_its_base(daemon
         assert refused.value.status == 404
 
 
+def test_a_derived_model_is_removed_by_delete_once_its_leases_end(daemon):
+    """DELETE /v1/models/NAME (Client.remove) removes a model derived with a client's converter:
+    at once when idle, after its lease when leased, its converter's file with it; the base and a
+    model of a config file stay (the latter is a 409 naming its file)."""
+    sock = daemon["sock"]
+    from vramd.transformers_converter import checkpoint_keys, lua_converter
+    text = lua_converter(empty(hub_layout_cases()["mixtral"]), checkpoint_keys(daemon["folder"] / "mixtral"))
+    converters = lambda: set(Path(sock).parent.glob(f"{Path(sock).name}.derived-*/*.lua"))  # noqa: E731
+    with vramd.connect(sock) as client, vramd.connect(sock) as other:
+        before = converters()
+        idle = client.derive("mixtral", text + "-- removed while idle\n")
+        assert client.remove(idle["name"]) == {"name": idle["name"], "state": "removed"}
+        assert converters() == before and idle["name"] not in [m["name"] for m in client.list()]
+        leased = client.derive("mixtral", text + "-- removed once its lease ends\n")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with client.lease(leased["name"]) as weights:
+                removal = pool.submit(other.remove, leased["name"])
+                # The removal waits behind the lease (its unload queued), refusing new work meanwhile.
+                wait_for(lambda: get_json(sock, f"/v1/models/{leased['name']}")["queued"] >= 1, what="the removal's unload")
+                with pytest.raises(vramd.DaemonError, match="was removed") as refused:
+                    client.load(leased["name"])
+                assert refused.value.status == 404 and "model.layers.0.mlp.experts.gate_up_proj" in weights
+            assert removal.result(timeout=120) == {"name": leased["name"], "state": "removed"}
+        assert converters() == before
+        status, body = request(sock, "GET", f"/v1/models/{leased['name']}")
+        assert status == 404, body
+        status, body = request(sock, "PUT", "/v1/models/mixtral")
+        assert status == 405 and b"use GET (or DELETE, to remove a derived model)" in body, body
+        for name, code, message in [("mixtral", 409, r"is the config file .*mixtral\.toml's: remove that file"),
+                                    ("no-such-model", 404, "no model named 'no-such-model'")]:
+            with pytest.raises(vramd.DaemonError, match=message) as refused:
+                client.remove(name)
+            assert refused.value.status == code
+        assert client.status("mixtral")["state"] in ("ready", "unloaded")
+
+
 def test_names_a_written_converter_quotes_reach_the_sandbox_as_they_are(tmp_path):
     """The string literals vramd.transformers_converter writes: a quote, a backslash, a control
     byte or UTF-8 followed by a digit must not run into its escape (a\\34 then 1 is a\\341)."""
