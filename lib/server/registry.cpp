@@ -96,15 +96,17 @@ void Registry::drop_entry(Entry& entry) {
                           : entry.derived_from.empty() ? entry.file + " is gone"
                                                        : "the config of " + quote(entry.derived_from) + ", which it is derived from, changed or went";
   for (auto& job : entry.queue) answer(job, 404, {{"error", "model " + quote(entry.name) + " was removed (" + why + ")"}});
-  for (auto& watcher : entry.removal_watchers) {
-    Job asked(Job::Kind::Unload, watcher);
-    answer(asked, 200, {{"name", entry.name}, {"state", "removed"}});
-  }
   std::error_code ec;
   if (!entry.derived_from.empty() && entry.config) fs::remove(entry.config->converter, ec);
   uv_close(reinterpret_cast<uv_handle_t*>(entry.keep_alive_timer), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
   log::info("removed " + entry.name);
+  const json removed = {{"name", entry.name}, {"state", "removed"}};
+  const auto watchers = std::move(entry.removal_watchers);
   entries_.erase(entry.name);
+  for (const auto& watcher : watchers) {  // once it is gone, its converter's file too
+    Job asked(Job::Kind::Unload, watcher);
+    answer(asked, 200, removed);
+  }
   if (std::exchange(rescan_after_drop_, false)) scan(false);
 }
 
