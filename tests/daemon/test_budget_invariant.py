@@ -200,14 +200,25 @@ def test_an_onload_tier_on_the_computation_device_counts_beside_the_limit(checkp
         assert d.stop() == 0
 
 
+# A config of the float32 LLaMA that sleeps in bfloat16 on the host.
+SLEEPS_IN_BFLOAT16 = '[vram]\noffload = { device = "cpu", dtype = "bfloat16" }\n'
+
+
+def llamas_on_a_tight_budget(checkpoints, tmp_path, configs):
+    """A daemon with room on the host for 1.3 of the float32 LLaMA, and configs of it: by name,
+    the lines after its checkpoint."""
+    llama, size = checkpoints[0]["llama"], checkpoints[1]["llama"]
+    d = Daemon(tmp_path, budgets=f"cpu = {size * 13 // 10}", log_level="info")
+    for name, text in configs.items():
+        (d.models / f"{name}.toml").write_text(f'checkpoint = "{llama}"\n{text}')
+    return d
+
+
 def test_a_sleep_that_drops_views_another_model_holds_makes_room_for_its_copies(checkpoints, tmp_path):
     # Found by a drawn seed: b viewed the checkpoint's pages a views too, so its whole charge was
     # counted once; its sleep into bfloat16 copies freed none of it, and was let through as if it
     # did. It must make room for what it adds (here, by unloading a, whose pages it then frees).
-    llama, size = checkpoints[0]["llama"], checkpoints[1]["llama"]
-    d = Daemon(tmp_path, budgets=f"cpu = {size * 13 // 10}", log_level="info")
-    (d.models / "a.toml").write_text(f'checkpoint = "{llama}"\n')
-    (d.models / "b.toml").write_text(f'checkpoint = "{llama}"\n[vram]\noffload = {{ device = "cpu", dtype = "bfloat16" }}\n')
+    d = llamas_on_a_tight_budget(checkpoints, tmp_path, {"a": "", "b": SLEEPS_IN_BFLOAT16})
     with d.start():
         for name in "ab":
             assert request(d.sock, "POST", f"/v1/models/{name}/load")[0] == 200
@@ -223,11 +234,8 @@ def test_a_sleep_that_drops_views_another_model_holds_makes_room_for_its_copies(
 def test_a_lease_makes_room_for_the_copies_its_model_shares(checkpoints, tmp_path):
     # Configs that cast hold one copy of each weight; a lease of one packs its own, which it hands
     # over while the others keep theirs: room made first (here, by unloading b).
-    llama, size = checkpoints[0]["llama"], checkpoints[1]["llama"]
-    d = Daemon(tmp_path, budgets=f"cpu = {size * 13 // 10}", log_level="info")
-    (d.models / "b.toml").write_text(f'checkpoint = "{llama}"\n[vram]\noffload = {{ device = "cpu", dtype = "bfloat16" }}\n')
-    (d.models / "c.toml").write_text(f'checkpoint = "{llama}"\ndtype = "bfloat16"\n')
-    (d.models / "w.toml").write_text(f'architecture = "weights"\ncheckpoint = "{llama}"\ndtype = "bfloat16"\n')
+    d = llamas_on_a_tight_budget(checkpoints, tmp_path, {"b": SLEEPS_IN_BFLOAT16, "c": 'dtype = "bfloat16"\n',
+                                                        "w": 'architecture = "weights"\ndtype = "bfloat16"\n'})
     with d.start():
         assert request(d.sock, "POST", "/v1/models/b/load")[0] == 200
         assert request(d.sock, "POST", "/v1/models/b/offload")[0] == 200

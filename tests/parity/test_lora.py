@@ -91,6 +91,14 @@ def run(lora, path):
     return load_file(output)
 
 
+def served_forward(d, name, inputs):
+    """The outputs of a forward of model `name` on the running daemon `d`; `inputs`: a
+    safetensors body."""
+    status, out = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
+    assert status == 200, out
+    return load(out)
+
+
 def assert_close(got, expected):
     for name, value in expected.items():
         assert hf_models.close(got[name], value), (name, hf_models.relative_error(got[name], value))
@@ -289,9 +297,7 @@ def test_a_loaded_model_switches_adapters_without_a_reload_from_each_client(lora
     expected_rs = merged_outputs(lora["witness"] / "model", lora["inputs"], [(lora["folders"]["rslora"], 1.0)])
 
     def forward():
-        status, body = request(d.sock, "POST", "/v1/models/m/forward", inputs)
-        assert status == 200, body
-        return load(body)
+        return served_forward(d, "m", inputs)
 
     with d.start(), vramd.connect(d.sock) as c:
         assert torch.equal(forward()["logits"], base["logits"])
@@ -413,9 +419,7 @@ def test_configs_of_one_checkpoint_count_its_pages_once(lora, tmp_path):
     inputs = save(lora["inputs"])
 
     def forward(name):
-        status, out = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
-        assert status == 200, out
-        return load(out)
+        return served_forward(d, name, inputs)
 
     def cpu():
         return get_json(d.sock, "/v1/status")["devices"]["cpu"]
@@ -465,9 +469,7 @@ def test_configs_that_cast_share_one_copy_of_the_base(lora, tmp_path):
     norm = next(n for n in load_file(checkpoint / "model.safetensors") if n.endswith("norm.weight"))
 
     def forward(name):
-        status, out = request(d.sock, "POST", f"/v1/models/{name}/forward", inputs)
-        assert status == 200, out
-        return load(out)["logits"]
+        return served_forward(d, name, inputs)["logits"]
 
     def update(name):
         status, body = request(d.sock, "POST", f"/v1/models/{name}/weights", save({norm: torch.full((64,), 3.0)}))
