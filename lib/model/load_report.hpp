@@ -38,6 +38,23 @@ struct LoadReport {
   double plan_seconds = 0, load_seconds = 0;  // index + converter + build; reading
 };
 
+// A unit of residency for a client's manager: one weight-holding module and its tensors.
+struct ManagedUnit {
+  std::string name;                  // the module: "down_blocks.0.resnets.1.conv1"
+  std::vector<std::string> tensors;  // its tensors' names, as in the manifest
+  uint64_t resting = 0;              // bytes as leased (the onload dtype, or packed GGUF blocks)
+  uint64_t computed = 0;             // bytes in the computation dtype
+};
+
+// For a model that rests for its clients (config::rests_for_clients): where and in which dtype
+// its clients compute, the limit each may hold there, and its units.
+struct ManagedPlan {
+  std::string device;  // the computation device: "cuda:0", "cpu"
+  std::string dtype;   // the computation dtype
+  std::optional<uint64_t> limit;
+  std::vector<ManagedUnit> units;
+};
+
 struct DryRun {
   std::string architecture;
   std::string dtype;  // of weights and activations once loaded
@@ -52,6 +69,10 @@ struct DryRun {
   FileSpans views;
   bool views_chosen = false;
   uint64_t checkpoint_bytes = 0;  // of every tensor in the checkpoint's index
+  // What a lease would hand over (GET /v1/models/NAME/plan), found without loading: every
+  // tensor's name, in the manifest's order, and for a model that rests for its clients its plan.
+  std::vector<std::string> names;
+  std::optional<ManagedPlan> plan;
 };
 
 // Neither the model config nor a config.json beside the checkpoint names an architecture.

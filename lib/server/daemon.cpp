@@ -141,6 +141,12 @@ class Daemon {
     if (!entry) return respond_error(*exchange, 404, "no model named " + quote(route.model) + "; GET /v1/models lists them");
     if (route.kind == Route::Kind::Model) return respond_json(*exchange, 200, entry_json(*entry));
     if (route.kind == Route::Kind::Remove) return registry_.remove(*entry, exchange);
+    if (route.action == "plan") {  // from the config's dry run: nothing is loaded or held
+      if (entry->removed) return respond_error(*exchange, 404, "model " + quote(entry->name) + " was removed");
+      if (!entry->config || !entry->dry)
+        return respond_error(*exchange, 409, "model " + quote(entry->name) + " is invalid: " + entry->reason);
+      return respond_json(*exchange, 200, dry_plan_json(*entry));
+    }
     if (route.action == "derive") {
       // POST .../derive: {"converter": "<a Lua converter's text>"}.
       const json body = json::parse(request.body, nullptr, false);

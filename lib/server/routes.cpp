@@ -34,7 +34,8 @@ Route to(Route::Kind kind, std::string endpoint) {
   return route;
 }
 
-constexpr std::array<const char*, 9> kActions = {"load", "unload", "offload", "onload", "forward", "lease", "weights", "loras", "derive"};
+constexpr std::array<const char*, 10> kActions = {"load",   "unload",  "offload", "onload", "forward",
+                                                   "lease", "weights", "loras",   "derive", "plan"};
 
 }  // namespace
 
@@ -66,14 +67,16 @@ Route route(const Request& request) {
   }
   for (const char* action : kActions) {
     if (parts[3] != action) continue;
-    // A lease is POSTed; GET shows its manifest alone (curl can read it).
+    // A lease is POSTed; GET shows its manifest alone (curl can read it). A plan is only read.
     const bool get_too = parts[3] == "lease" && request.method == "GET";
-    Route route = get_too ? to(Route::Kind::Action, action) : only("POST", to(Route::Kind::Action, action));
+    Route route = parts[3] == "plan" ? only("GET", to(Route::Kind::Action, action))
+                  : get_too          ? to(Route::Kind::Action, action)
+                                     : only("POST", to(Route::Kind::Action, action));
     route.model = parts[2];
     route.action = action;
     return route;
   }
-  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward, lease, weights, loras, derive");
+  return refused(404, "unknown", "no such action " + quote(parts[3]) + " on a model: load, unload, offload, onload, forward, lease, weights, loras, derive, plan");
 }
 
 }  // namespace vramd::server

@@ -13,7 +13,7 @@ struct Route {
   Kind kind = Kind::Refused;
   std::string endpoint;  // the requests counter's label: "health", "list", "load", "unknown", ...
   std::string model;     // Model, Remove and Action: the name in the path, as sent
-  std::string action;    // Action: "load", "unload", "offload", "onload", "forward" or "lease"
+  std::string action;    // Action: "load", "unload", ... "plan" (routes.cpp kActions)
   int status = 0;        // Refused: 404 or 405
   std::string error;     // Refused: why, with the request's own text escaped (valid UTF-8)
 };

@@ -65,14 +65,21 @@ json manifest_json(const weights::Manifest& manifest, const std::string& model, 
   }
   json out = {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
               {"bytes", manifest.bytes}, {"version", manifest.version}, {"regions", regions}, {"tensors", tensors}};
-  if (const auto& plan = manifest.plan) {
-    json units = json::array();
-    for (const auto& u : plan->units)
-      units.push_back({{"name", u.name}, {"tensors", u.tensors}, {"resting", u.resting}, {"computed", u.computed}});
-    out["plan"] = {{"device", plan->device}, {"dtype", plan->dtype},
-                   {"limit", plan->limit ? json(*plan->limit) : json(nullptr)}, {"units", units}};
-  }
+  if (manifest.plan) out["plan"] = plan_json(*manifest.plan);
   return out;
+}
+
+json plan_json(const weights::ManagedPlan& plan) {
+  json units = json::array();
+  for (const auto& u : plan.units)
+    units.push_back({{"name", u.name}, {"tensors", u.tensors}, {"resting", u.resting}, {"computed", u.computed}});
+  return {{"device", plan.device}, {"dtype", plan.dtype}, {"limit", plan.limit ? json(*plan.limit) : json(nullptr)},
+          {"units", units}};
+}
+
+json dry_plan_json(const Entry& entry) {
+  const model::DryRun& dry = *entry.dry;
+  return {{"model", entry.name}, {"names", dry.names}, {"plan", dry.plan ? plan_json(*dry.plan) : json(nullptr)}};
 }
 
 std::string holders(const Entry& entry) {

@@ -26,5 +26,10 @@ std::string holders(const Entry& entry);
 nlohmann::json progress_json(const LoadProgress& progress);
 // What a client maps: regions in the order their descriptors travel, and every tensor's place.
 nlohmann::json manifest_json(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease);
+// A managed model's plan (docs/api.md, lease): {"device", "dtype", "limit", "units"}.
+nlohmann::json plan_json(const weights::ManagedPlan& plan);
+// GET /v1/models/NAME/plan: what a lease would hand over, from the config's dry run (nothing
+// loaded): {"model", "names", "plan"}. The entry's config is valid.
+nlohmann::json dry_plan_json(const Entry& entry);
 
 }  // namespace vramd::server

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "config/model_config.hpp"
+#include "model/load_report.hpp"
 #include "util/cuda_vmm.hpp"
 #include "util/error.hpp"
 #include "weights/shared_region.hpp"
@@ -52,22 +53,8 @@ struct LeaseTensor {
   std::vector<int64_t> unpacked_shape;
 };
 
-// A unit of residency for a client's manager: one weight-holding module and its tensors.
-struct ManagedUnit {
-  std::string name;                  // the module: "down_blocks.0.resnets.1.conv1"
-  std::vector<std::string> tensors;  // its tensors' names, as in the manifest
-  uint64_t resting = 0;              // bytes as leased (the onload dtype, or packed GGUF blocks)
-  uint64_t computed = 0;             // bytes in the computation dtype
-};
-
-// For a model that rests for its clients (config::rests_for_clients): where and in which dtype
-// its clients compute, the limit each may hold there, and its units.
-struct ManagedPlan {
-  std::string device;  // the computation device: "cuda:0", "cpu"
-  std::string dtype;   // the computation dtype
-  std::optional<uint64_t> limit;
-  std::vector<ManagedUnit> units;
-};
+using model::ManagedPlan;
+using model::ManagedUnit;
 
 struct Manifest {
   std::string device = "cpu";
@@ -80,7 +67,7 @@ struct Manifest {
 
 // The plan of a model that rests for its clients, from its layers, the source that fills them
 // (an integer tensor computes in its own dtype) and config: of a loaded model, or of one built
-// without weights (resting bytes then in the model's dtype).
+// without weights (a dry run: resting bytes then as the onload state will hold them).
 ManagedPlan managed_plan(const model::Model& model, const Source& source, const config::ModelConfig& config);
 
 // The shared memory of one loaded model, kept beside it for as long as it is loaded.

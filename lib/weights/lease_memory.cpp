@@ -154,13 +154,20 @@ ManagedPlan managed_plan(const model::Model& model, const Source& source, const 
   ManagedPlan plan{config.vram.computation.device.str(), convert::dtype_torch_name(storage::dtype_of(dtype)),
                    config.vram.limit, {}};
   std::map<const model::Parameter*, uint64_t> computed;  // in the computation dtype, an integer in its own
-  for (const auto& a : source.assignments) computed[a.parameter] = held_bytes(a, held_dtype(a, dtype, /*packed=*/false));
+  std::map<const model::Parameter*, uint64_t> resting;   // as the onload state holds it, for a model not loaded
+  const c10::ScalarType onload = state_dtype(config.vram.onload.dtype, model.dtype());
+  const bool packed = packed_state(config.vram.onload, config);
+  for (const auto& a : source.assignments) {
+    computed[a.parameter] = held_bytes(a, held_dtype(a, dtype, /*packed=*/false));
+    resting[a.parameter] = held_bytes(a, held_dtype(a, onload, packed));
+  }
   for (const auto& layer : model.layers()) {
     ManagedUnit unit{layer->path(), {}, 0, 0};
     for (const auto& p : layer->parameters()) {
       unit.tensors.push_back(p.name);
       if (p.tied || !p.value.defined()) continue;
-      unit.resting += p.value.nbytes();
+      const auto held = resting.find(&p);
+      unit.resting += p.value.is_meta() && held != resting.end() ? held->second : p.value.nbytes();
       const auto bytes = computed.find(&p);
       unit.computed += bytes != computed.end() ? bytes->second : static_cast<uint64_t>(p.elements()) * c10::elementSize(dtype);
     }

@@ -249,10 +249,16 @@ class Client:
         return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}", reserve=reserve,
                              follow=follow, in_place=in_place)
 
+    def plan(self, name: str) -> dict:
+        """What a lease of model `name` would hand over, from its config's check, loading nothing
+        (GET /v1/models/NAME/plan): {"model", "names" (every tensor a lease's manifest lists, in
+        its order), "plan" (for a model that rests for the clients that manage it, else None)}."""
+        return self._json("GET", _model_path(name, "plan"), _check_plan)
+
     def lease_plan(self, name: str) -> dict:
-        """What a lease of model `name` would hand over, without holding it: the manifest's `plan`
-        (for a model that rests for the clients that manage it), or {}."""
-        return self._json("GET", _model_path(name, "lease"), _check_manifest_head).get("plan") or {}
+        """The `plan` a lease of model `name` would carry (for a model that rests for the clients
+        that manage it), or {}: from plan(), so nothing is loaded."""
+        return self.plan(name).get("plan") or {}
 
     # One boundary for every request.
 
@@ -388,8 +394,10 @@ def _check_models(body) -> None:
         _check_model(model)
 
 
-def _check_manifest_head(body) -> None:
+def _check_plan(body) -> None:
     _shape.field(body, "model", str)
+    if not all(isinstance(name, str) for name in _shape.field(body, "names", list)):
+        raise _shape.NotAsDocumented("'names' is not a list of strings")
     if body.get("plan") is not None:
         _shape.field(body, "plan", dict)
 

@@ -1128,17 +1128,59 @@ def test_transformers_own_conversion_is_applied_by_the_daemon_for_a_managed_modu
         daemon["folder"] / name, dtype=torch.float32).eval()
     inputs = torch.tensor([[3, 5, 9, 33, 2, 60, 7, 11]])
     with vramd.connect(daemon["sock"]) as client:
+        leases_end(daemon, name)
+        loads = client.unload(name)["stats"]["loads"]
         module = empty(hub_layout_cases()[name])
         with vramd.manage(module, name, client=client, limit=limit) as managed, torch.no_grad():
             derived = managed.lease.manifest["model"]
             got = module(inputs)[0]
             assert managed.stats()["peak"] <= limit
+            # The base's names came from its plan: only the derived model was loaded.
+            base = client.status(name)
+            assert base["state"] == "unloaded" and base["stats"]["loads"] == loads, base
         entry = client.status(derived)
     assert derived.startswith(f"{name}.derived-") and entry["derived_from"] == name and entry["file"] == "", entry
     with torch.no_grad():
         expected = reference(inputs)[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     leases_end(daemon, derived)
+
+
+@pytest.mark.parametrize("name", ["toy-bfloat16", "toy-float8_e4m3fn", "toy-gguf", "toy-gguf-unpacked", "chain",
+                                  "opt", "mixtral", "mixtral-converted"])
+def test_the_plan_is_what_a_lease_hands_over_and_loads_nothing(daemon, name):
+    """GET /v1/models/NAME/plan, from the config's check: the names a lease's manifest lists, in
+    its order, and the plan it carries (resting bytes as held: cast, packed GGUF blocks), with
+    the model not loaded for it."""
+    with vramd.connect(daemon["sock"]) as client:
+        leases_end(daemon, name)
+        client.unload(name)
+        loads = client.status(name)["stats"]["loads"]
+        planned = client.plan(name)
+        assert client.status(name)["state"] == "unloaded" and client.status(name)["stats"]["loads"] == loads
+        lease = client.lease(name)
+        with lease:
+            manifest = lease.manifest
+        assert planned == {"model": name, "names": [t["name"] for t in manifest["tensors"]], "plan": manifest["plan"]}
+    leases_end(daemon, name)
+
+
+def test_a_plan_of_what_is_not_a_model_is_refused(daemon):
+    status, answer = request(daemon["sock"], "POST", "/v1/models/chain/plan")
+    assert status == 405 and json.loads(answer)["error"] == "POST '/v1/models/chain/plan': use GET", answer
+    status, answer = request(daemon["sock"], "GET", "/v1/models/nothing/plan")
+    assert status == 404 and "no model named 'nothing'" in json.loads(answer)["error"], answer
+    (daemon["daemon"].models / "broken.toml").write_text('checkpoint = "/nowhere.safetensors"\narchitecture = "weights"\n')
+    try:
+        with vramd.connect(daemon["sock"]) as client:
+            client.reload()
+            with pytest.raises(vramd.DaemonError, match=r"^GET /v1/models/broken/plan: model 'broken' is "
+                                                        r"invalid: .*nowhere.safetensors") as refused:
+                client.plan("broken")
+            assert refused.value.status == 409
+    finally:
+        (daemon["daemon"].models / "broken.toml").unlink()
+        get_json(daemon["sock"], "/v1/models")
 
 
 def test_clients_sending_the_same_rules_share_one_derived_model(daemon):

@@ -200,27 +200,23 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
     told = _Told(model, progress)
     try:
         told(f"leasing from vramd at {client.socket_path}")
-        plan = client.lease_plan(model)
+        # The names and plan a lease would carry, from the config's check: the model is loaded
+        # only by the lease below, and only the one this module takes (a derived one, converted).
+        answer = client.plan(model)
+        plan = answer.get("plan") or {}
         device = room.device if room else _device(device or plan.get("device") or "cpu")
         limit = room.limit if room else parse_size(limit) if limit is not None else plan.get("limit")
         # The limit is held in the daemon's budget for the device while the lease lasts (a shared
         # one by the lease of the module that set it).
         reserve = (str(device), limit) if limit is not None and room is None else None
-        lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
-        try:
-            converter = converter_for(module, list(lease.state_dict), model) if convert else None
-            if converter is not None:
-                told(f"{type(module).__name__} takes transformers' conversion of {model!r}'s names: deriving a "
-                     "model that applies it")
-                derived = client.derive(model, converter)
-        except BaseException:
-            lease.close()
-            raise
+        converter = converter_for(module, answer["names"], model) if convert else None
         if converter is not None:
-            lease.close()
+            told(f"{type(module).__name__} takes transformers' conversion of {model!r}'s names: deriving a "
+                 "model that applies it")
+            derived = client.derive(model, converter)
             model = derived["name"]
             told(f"{'derived' if derived['created'] else 'found'} {model!r}")
-            lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
+        lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
         told(f"leased {len(lease.state_dict)} tensors, {format_bytes(lease.manifest['bytes'])} resting in the daemon's "
              "memory" + (f", {format_bytes(limit)} of {device} reserved" if reserve else ""))
         if dtype is None:
