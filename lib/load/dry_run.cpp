@@ -18,7 +18,9 @@ DryModel dry_run_model(const config::ModelConfig& config) {
                     .weights = weights::plan_weights(*prepared.model, *source, config),
                     .views = weights::planned_views(*prepared.model, *source, config),
                     .views_chosen = config.vram.direct_io.has_value(),
-                    .checkpoint_bytes = source->map.total_bytes()};
+                    .checkpoint_bytes = source->map.total_bytes(),
+                    .names = {},
+                    .plan = std::nullopt};
   // The manifest's names (weights/lease_memory.cpp's describe): every parameter the checkpoint
   // fills, a tied one where the one it is tied to is filled.
   std::set<const model::Parameter*> filled;
