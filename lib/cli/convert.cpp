@@ -9,6 +9,7 @@
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
 #include "hparams/hyperparams.hpp"
+#include "load/conversion.hpp"
 #include "storage/safetensors_writer.hpp"
 #include "storage/tensor_io.hpp"
 #include "storage/disk_map.hpp"
@@ -21,8 +22,7 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
   auto model = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   auto map = config::open_checkpoint(model);
   for (const auto& warning : map.warnings()) err << "warning: " << printable(warning) << '\n';
-  auto plan = model.converter.empty() ? convert::identity_plan(map)
-                                      : convert::run_converter(model.converter, map, hparams::Hyperparams::for_model(model, map).json());
+  auto plan = load::conversion_plan(model, map, hparams::Hyperparams::for_model(model, map));
   for (const auto& line : plan.printed) err << "print: " << line << '\n';
   if (!options.output.empty()) {
     // One tensor in memory at a time, read into fresh memory (not the file's mapping), so that

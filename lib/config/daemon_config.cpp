@@ -103,6 +103,10 @@ DaemonConfig load_daemon_config(const std::string& path) {
   };
   folders("converters", config.converters);
   folders("architectures", config.architectures);
+  if (auto python = root.string("python")) {
+    if (python->empty()) root.bad_value("python", "names no program");
+    else config.python = python->find('/') == std::string::npos ? *python : resolve(*python);
+  }
   if (auto tcp = root.string("tcp")) {
     const auto colon = tcp->rfind(':');
     in_addr address{};

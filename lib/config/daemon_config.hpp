@@ -37,6 +37,9 @@ struct DaemonConfig {
   std::string models;                   // folder of model configs
   std::vector<std::string> converters;  // folders converter scripts may come from
   std::vector<std::string> architectures;  // folders of family files beside the shipped ones
+  // The Python that writes transformers' conversion as a converter (converter = "transformers"):
+  // one with vramd's package and transformers 5; a path, or a name looked up on PATH.
+  std::string python = "python3";
   std::string log_level = "info";       // error | warn | info | debug
   std::string log_file;                 // also log here (appended); empty: stderr (the journal) only
   std::map<std::string, uint64_t> budgets;  // device ("cpu", "cuda:0") -> bytes

@@ -223,6 +223,7 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
                                "a name is 1-128 ASCII letters, digits, '-', '_' or '.', starting with a letter or digit");
   config.architecture = root.string("architecture").value_or("");
   config.architecture_folders = daemon.architectures;
+  config.python = daemon.python;
   if (config.architecture.ends_with(".toml")) {  // a family file of the user's
     if (auto found = find_script(config.architecture, folder, daemon.architectures))
       config.architecture = *found;
@@ -258,7 +259,13 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   const bool gguf = config.checkpoint.size() == 1 && config.checkpoint[0].ends_with(".gguf");
   auto converter = root.string("converter");
   if (!converter && gguf && config.architecture != "weights") converter = "gguf.lua";
-  if (converter && !converter->empty()) {  // "": the checkpoint's own names, a GGUF file's too
+  if (converter && *converter == kTransformersConverter) {
+    if (gguf)
+      root.bad_value("converter", "transformers' rules apply to the names of a checkpoint saved by transformers, and a "
+                                  "GGUF file holds llama.cpp's: leave the converter out (gguf.lua is GGUF's default) or "
+                                  "serve the model's safetensors");
+    config.converter = kTransformersConverter;
+  } else if (converter && !converter->empty()) {  // "": the checkpoint's own names, a GGUF file's too
     const auto found = find_script(*converter, folder, daemon.converters);
     if (!found) {
       const std::string searched = searched_text(*converter, folder, daemon.converters);

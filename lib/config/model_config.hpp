@@ -67,6 +67,10 @@ struct LoraConfig {
   bool operator==(const LoraConfig&) const = default;
 };
 
+// converter = "transformers": transformers' own load-time conversion for the model type of
+// config.json, written as a converter by the daemon's Python (load/transformers_rules.hpp).
+inline constexpr const char* kTransformersConverter = "transformers";
+
 struct ModelConfig {
   std::string path;  // the file read
   std::string name;
@@ -77,7 +81,8 @@ struct ModelConfig {
   std::vector<std::string> checkpoint;  // absolute paths or globs
   std::string prefix;
   bool keep_prefix = false;
-  std::string converter;  // absolute path of the Lua script, or empty
+  std::string converter;  // absolute path of the Lua script, kTransformersConverter, or empty
+  std::string python;     // the daemon's (DaemonConfig::python), for kTransformersConverter
   Dtype dtype;            // the weights' dtype once loaded
   bool strict = true;     // missing or unexpected keys fail the load
   VramConfig vram;

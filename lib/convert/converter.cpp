@@ -51,7 +51,11 @@ std::string read_script(const std::string& path) { return read_regular_file(path
 
 ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& map, const std::string& arch_json,
                              const SandboxLimits& limits) {
-  const std::string code = read_script(script_path);
+  return run_converter_code(read_script(script_path), script_path, map, arch_json, limits);
+}
+
+ConversionPlan run_converter_code(const std::string& code, const std::string& script_path, const storage::DiskMap& map,
+                                  const std::string& arch_json, const SandboxLimits& limits) {
   LuaSandbox sandbox(limits);
   lua_State* L = sandbox.state();
 

@@ -27,6 +27,9 @@ struct ConversionPlan {
 // where they apply).
 ConversionPlan run_converter(const std::string& script_path, const storage::DiskMap& source,
                              const std::string& arch_json = "{}", const SandboxLimits& limits = {});
+// The same for a script's text, `script_path` naming it in messages.
+ConversionPlan run_converter_code(const std::string& code, const std::string& script_path, const storage::DiskMap& source,
+                                  const std::string& arch_json = "{}", const SandboxLimits& limits = {});
 
 // The plan without a converter: every source key as itself.
 ConversionPlan identity_plan(const storage::DiskMap& source);

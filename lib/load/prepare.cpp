@@ -9,6 +9,7 @@
 #include <set>
 
 #include "convert/converter.hpp"
+#include "load/conversion.hpp"
 #include "family/catalog.hpp"
 #include "hparams/hyperparams.hpp"
 #include "load/lora.hpp"
@@ -57,10 +58,10 @@ Prepared prepare(const config::ModelConfig& config) {
                          ", weights) or put a config.json with model_type in " + folder);
 
   const auto plan = [&] {
-    if (config.converter.empty()) return convert::identity_plan(map);
     try {
-      return convert::run_converter(config.converter, map, hyperparams.json());
+      return conversion_plan(config, map, hyperparams);
     } catch (const Error& e) {
+      if (config.converter == config::kTransformersConverter) throw;  // names the config's key already
       fail(where, std::string("converter: ") + e.what());
     }
   }();

@@ -9,6 +9,7 @@
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
 #include "hparams/hyperparams.hpp"
+#include "load/conversion.hpp"
 #include "load/names.hpp"
 #include "storage/file.hpp"
 #include "storage/safetensors_header.hpp"
@@ -162,8 +163,7 @@ UpdateCheckpoint open_update(const LoadedModel& loaded, const config::ModelConfi
   auto plan = [&] {
     if (config.converter.empty()) return convert::identity_plan(map);
     try {
-      const hparams::Hyperparams hyperparams = hparams::Hyperparams::for_model(config, loaded.source->map);
-      return convert::run_converter(config.converter, map, hyperparams.json());
+      return conversion_plan(config, map, hparams::Hyperparams::for_model(config, loaded.source->map));
     } catch (const Error& e) {
       throw BadUpdate(where + ": converter " + config.converter + ": " + e.what());
     }

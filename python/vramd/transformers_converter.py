@@ -5,7 +5,8 @@ one), read from transformers itself and written out for this checkpoint's keys.
 
     python -m vramd.transformers_converter CHECKPOINT_FOLDER [-o converter.lua]
 
-Then `converter = "converter.lua"` in the model's config gives the daemon, its leases and
+Then `converter = "converter.lua"` in the model's config (or `converter = "transformers"`, which
+has the daemon run this for the config's own checkpoint) gives the daemon, its leases and
 `vramd.manage` the names and layouts of the transformers module (a Mixtral's or a Qwen2-MoE's
 fused experts, a GraniteMoE's renamed ones), each converted weight computed as it is read.
 A rule vramd's converters cannot express is an error naming it; a model type with no rules
@@ -82,15 +83,25 @@ def checkpoint_keys(folder: Path) -> list[str]:
     return keys
 
 
-def empty_model(folder: Path):
-    """The transformers model of the folder's config.json (its first `architectures` class), on the meta device."""
+def empty_model(folder: Path | None, values: dict | None = None, where: str | None = None):
+    """The transformers model of the folder's config.json (or of `values`, such a file's
+    contents, from `where`: what vramd read there, with a config's [arch] over it), its first
+    `architectures` class, on the meta device."""
     import torch
     import transformers
-    config = transformers.AutoConfig.from_pretrained(folder)
+    where = where or str(folder / "config.json")
+    if values is None:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    else:
+        values = dict(values)
+        try:
+            config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        except (KeyError, ValueError) as error:
+            raise ConversionError(f"{where}: transformers knows no configuration for it ({error})") from None
     names = getattr(config, "architectures", None) or []
     model_class = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
     if model_class is None:
-        raise ConversionError(f"{folder / 'config.json'}: no architectures entry names a transformers class ({names})")
+        raise ConversionError(f"{where}: no architectures entry names a transformers class ({names})")
     with torch.device("meta"):
         return model_class(config)
 
@@ -163,12 +174,23 @@ def lua_converter(model, keys: list[str], where: str = "the checkpoint", convert
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("checkpoint", type=Path, help="a folder with config.json and its safetensors files")
+    parser.add_argument("checkpoint", type=Path, nargs="?", help="a folder with config.json and its safetensors files")
     parser.add_argument("-o", "--output", type=Path, help="the converter's file (default: standard output)")
+    parser.add_argument("--stdin", action="store_true",
+                        help='read {"config": config.json\'s values, "keys": the checkpoint\'s names, "where": '
+                             'the folder or file to name in errors} as JSON on standard input instead (the daemon '
+                             'does, for converter = "transformers")')
     args = parser.parse_args(argv)
+    if (args.checkpoint is None) == (not args.stdin):
+        parser.error("give a checkpoint folder or --stdin")
     try:
-        text = lua_converter(empty_model(args.checkpoint), checkpoint_keys(args.checkpoint), str(args.checkpoint))
-    except (ConversionError, OSError, ValueError) as error:
+        if args.stdin:
+            asked = json.load(sys.stdin)
+            where = asked.get("where", "the checkpoint")
+            text = lua_converter(empty_model(None, asked["config"], where), asked["keys"], where)
+        else:
+            text = lua_converter(empty_model(args.checkpoint), checkpoint_keys(args.checkpoint), str(args.checkpoint))
+    except (ConversionError, OSError, ValueError, KeyError) as error:
         print(f"vramd.transformers_converter: {error}", file=sys.stderr)
         return 1
     if args.output:

@@ -229,10 +229,16 @@ def hub_layout_cases():
             "nomic_bert": lambda: transformers.NomicBertModel(transformers.NomicBertConfig(**nomic))}
 
 
+# Hub-layout cases also served with converter = "transformers": stacked and joined experts,
+# renames, and a chunk.
+TRANSFORMERS_CONVERTED = ("mixtral", "granitemoe", "nomic_bert")
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     folder = tmp_path_factory.mktemp("manage")
-    d = Daemon(folder, budgets='cpu = "2GiB"')
+    # The Python that writes converter = "transformers": this one, with vramd and transformers.
+    d = Daemon(folder, extra=f'python = "{sys.executable}"', budgets='cpu = "2GiB"')
     references = {}
     torch.manual_seed(0)
     toy = Toy().eval()
@@ -279,6 +285,9 @@ def daemon(tmp_path_factory):
         (d.models / f"{name}-converted.toml").write_text(
             f'converter = "{folder / f"{name}.lua"}"\n' + served(folder / name, "float32", limit))
         references[f"{name}-converted"] = (limit, weights_bytes(model))
+        if name in TRANSFORMERS_CONVERTED:  # the daemon runs that Python itself
+            (d.models / f"{name}-transformers.toml").write_text('converter = "transformers"\n' +
+                                                                served(folder / name, "float32", limit))
     with d.start():
         yield {"daemon": d, "sock": d.sock, "folder": folder, "references": references, "makers": makers,
                "gguf": kinds, "gguf_values": values}
@@ -1181,6 +1190,90 @@ def test_a_plan_of_what_is_not_a_model_is_refused(daemon):
     finally:
         (daemon["daemon"].models / "broken.toml").unlink()
         get_json(daemon["sock"], "/v1/models")
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS_CONVERTED)
+def test_converter_transformers_in_a_config_serves_transformers_own_names(daemon, name):
+    """converter = "transformers": the daemon has its Python write transformers' rules for
+    config.json's model type over the checkpoint's names. Its plan, its leases and vramctl
+    convert have the module's own names; managed under a limit below its size (no derive), the
+    module equals transformers' own from_pretrained of the folder (float32)."""
+    import transformers
+    model = f"{name}-transformers"
+    limit, size = daemon["references"][f"{name}-converted"]
+    reference = getattr(transformers, type(hub_layout_cases()[name]()).__name__).from_pretrained(
+        daemon["folder"] / name, dtype=torch.float32).eval()
+    module = empty(hub_layout_cases()[name])
+    shown = json.loads(vramctl(daemon["sock"], "convert", daemon["daemon"].models / f"{model}.toml", "--json",
+                               "--daemon-config", daemon["daemon"].config).stdout)
+    inputs = torch.tensor([[4, 5, 9, 33, 2, 60, 7, 11]])
+    with vramd.connect(daemon["sock"]) as client:
+        planned = client.plan(model)["names"]
+        assert set(planned) == set(shown["tensors"]) and set(planned) <= set(module.state_dict()), planned
+        with vramd.manage(module, model, client=client, limit=limit) as managed, torch.no_grad():
+            assert managed.lease.manifest["model"] == model  # nothing derived: the names are the module's
+            got = module(inputs)[0]
+            assert managed.stats()["peak"] <= limit < size
+    with torch.no_grad():
+        expected = reference(inputs)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    leases_end(daemon, model)
+
+
+def test_converter_transformers_takes_an_update_in_the_checkpoints_layout(daemon, tmp_path):
+    """An update of a converter = "transformers" model, saved as transformers saves it, is
+    converted as the checkpoint was: the lease then holds the new model's fused experts."""
+    import transformers
+    torch.manual_seed(9)
+    changed = hub_layout_cases()["mixtral"]().eval()
+    changed.save_pretrained(tmp_path, safe_serialization=True)
+    fused = transformers.MixtralForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    with vramd.connect(daemon["sock"]) as client:
+        client.load("mixtral-transformers")
+        client.update("mixtral-transformers", str(tmp_path / "model.safetensors"))
+        with client.lease("mixtral-transformers") as state_dict:
+            for key in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                        "model.layers.0.self_attn.q_proj.weight"):
+                assert torch.equal(state_dict[key], fused[key]), key
+    leases_end(daemon, "mixtral-transformers")
+
+
+def test_converter_transformers_refusals_name_the_key_and_the_remedy(daemon, tmp_path):
+    """vramctl check of converter = "transformers" configs (the daemon's checks are the same):
+    a Python without vramd's package, one that is not there, a checkpoint without config.json,
+    a GGUF file; and a model type transformers has no rules for keeps every name."""
+    import venv
+    venv.create(tmp_path / "bare", with_pip=False)  # a real Python, without vramd's package
+    folder = daemon["folder"]
+    (tmp_path / "no-config").mkdir()
+    (tmp_path / "no-config" / "model.safetensors").symlink_to(folder / "mixtral" / "model.safetensors")
+    cases = {
+        "bare": (folder / "mixtral", tmp_path / "bare" / "bin" / "python",
+                 r"converter = \"transformers\": .*bare/bin/python -m vramd\.transformers_converter failed \(status 1\): "
+                 r".*No module named 'vramd'.*\(python in the daemon's config names a Python with vramd's package and "
+                 r"transformers 5: docs/config\.md\)"),
+        "missing": (folder / "mixtral", tmp_path / "nowhere" / "python",
+                    r"converter = \"transformers\": cannot run .*nowhere/python: No such file or directory"),
+        "no-config": (tmp_path / "no-config", sys.executable,
+                      r"converter = \"transformers\": transformers' rules are chosen by config\.json's model_type: no "
+                      r"config\.json in .*no-config"),
+        "gguf": (folder / "toy.gguf", sys.executable,
+                 r"converter = 'transformers': transformers' rules apply to the names of a checkpoint saved by "
+                 r"transformers, and a GGUF file holds llama\.cpp's"),
+    }
+    for case, (checkpoint, python, message) in cases.items():
+        (tmp_path / f"{case}.vramd.toml").write_text(f'python = "{python}"\n')
+        (tmp_path / f"{case}.toml").write_text(f'checkpoint = "{checkpoint}"\narchitecture = "weights"\n'
+                                               'converter = "transformers"\n')
+        checked = vramctl(daemon["sock"], "check", tmp_path / f"{case}.toml", "--daemon-config",
+                          tmp_path / f"{case}.vramd.toml", check=False)
+        assert checked.returncode != 0 and re.search(rf"{case}\.toml:3:\d+: {message}", checked.stdout), checked.stdout
+    # OPT: transformers converts nothing as it loads it, so every name stays the checkpoint's.
+    (tmp_path / "opt.toml").write_text(f'checkpoint = "{folder / "opt"}"\narchitecture = "weights"\n'
+                                       'converter = "transformers"\n')
+    shown = json.loads(vramctl(daemon["sock"], "convert", tmp_path / "opt.toml", "--json", "--daemon-config",
+                               daemon["daemon"].config).stdout)
+    assert shown["tensors"] and all(v["expression"] == f"src[{t!r}]" for t, v in shown["tensors"].items()), shown
 
 
 def test_clients_sending_the_same_rules_share_one_derived_model(daemon):

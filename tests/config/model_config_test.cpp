@@ -200,6 +200,15 @@ TEST_CASE("a missing checkpoint or converter and a syntax error are reported") {
   auto odd_script = dir.write("b2.toml", "checkpoint = \"w\"\nconverter = \"gone\\n.lua\"\n");
   CHECK(problems_of(odd_script, default_daemon_config()) ==
         odd_script + ":2:13: converter = 'gone\\x0a.lua': no such script (looked for " + dir / "gone\\x0a.lua" + ")");
+  // "transformers" is no script: the daemon's Python writes it (load/conversion.hpp).
+  auto daemon = default_daemon_config();
+  daemon.python = "/opt/venv/bin/python";
+  const auto transformers = load_model_config(dir.write("t.toml", "checkpoint = \"w\"\nconverter = \"transformers\"\n"), daemon);
+  CHECK(transformers.converter == kTransformersConverter);
+  CHECK(transformers.python == "/opt/venv/bin/python");
+  auto gguf = dir.write("t2.toml", "checkpoint = \"m.gguf\"\nconverter = \"transformers\"\n");
+  CHECK_THAT(problems_of(gguf, daemon), Catch::StartsWith(gguf + ":2:13: converter = 'transformers': transformers' rules "
+                                                                 "apply to the names of a checkpoint saved by transformers"));
   auto syntax = dir.write("c.toml", "name = \"unterminated\n");
   CHECK_THAT(problems_of(syntax, default_daemon_config()), Catch::StartsWith(syntax + ":1:"));
   // The parser quotes what it saw, which may hold a newline or any control character: one line.
@@ -234,6 +243,13 @@ keep_alive = "30s"
   CHECK(daemon.log_level == "debug");
   CHECK(daemon.budgets == std::map<std::string, uint64_t>{{"cpu", 16ull << 30}, {"cuda:0", 70ull << 30}, {"cuda:1", 1ull << 30}});
   CHECK(daemon.keep_alive == std::chrono::seconds(30));
+  CHECK(daemon.python == "python3");  // converter = "transformers"'s, looked up on PATH
+
+  // A python with a slash is a path beside the file; a bare name is looked up on PATH.
+  CHECK(load_daemon_config(dir.write("venv.toml", "python = \"../venv/bin/python\"\n")).python ==
+        (dir.path().parent_path() / "venv/bin/python").string());
+  CHECK(load_daemon_config(dir.write("named.toml", "python = \"python3.11\"\n")).python == "python3.11");
+  CHECK_THROWS_WITH(load_daemon_config(dir.write("none.toml", "python = \"\"\n")), Catch::Contains("python = '': names no program"));
 
   // A folder to look in that is not there is a typo, named with where it was looked for.
   auto typo = dir.write("typo.toml", "architectures = [\"famlies\"]\n");
