@@ -1276,6 +1276,31 @@ def test_converter_transformers_refusals_name_the_key_and_the_remedy(daemon, tmp
     assert shown["tensors"] and all(v["expression"] == f"src[{t!r}]" for t, v in shown["tensors"].items()), shown
 
 
+def test_a_gguf_file_of_such_a_model_is_refused_naming_its_names(daemon, tmp_path):
+    """A Mixtral written as llama.cpp writes one, served with its own names: transformers'
+    conversion has nothing to read there, and the ManageError says whose names they are."""
+    sys.path.insert(0, str(ROOT / "tests" / "storage"))
+    from test_gguf import llama_gguf
+    torch.manual_seed(2)
+    llama_gguf(tmp_path / "mixtral.gguf", hub_layout_cases()["mixtral"]().eval())
+    (daemon["daemon"].models / "mixtral-gguf.toml").write_text(
+        f'checkpoint = "{tmp_path / "mixtral.gguf"}"\narchitecture = "weights"\ndtype = "float32"\n'
+        '[vram]\nonload = { device = "cpu", dtype = "float32" }\nlimit = "1MiB"\n')
+    try:
+        with vramd.connect(daemon["sock"]) as client:
+            client.reload()
+            module = empty(hub_layout_cases()["mixtral"])
+            with pytest.raises(vramd.ManageError, match=r"does not fit MixtralForCausalLM: .* without a leased tensor: "
+                                                        r".*; the leased names are a GGUF file's own \(llama\.cpp's, "
+                                                        r"such as 'blk\.0\.attn_q\.weight'\), .*serve the model's "
+                                                        r"safetensors"):
+                vramd.manage(module, "mixtral-gguf", client=client)
+            assert all(p.is_meta for p in module.parameters())
+    finally:
+        leases_end(daemon, "mixtral-gguf")
+        (daemon["daemon"].models / "mixtral-gguf.toml").unlink()
+
+
 def test_clients_sending_the_same_rules_share_one_derived_model(daemon):
     """Two clients deriving with the same converter get one model; the daemon holds it once."""
     from vramd.transformers_converter import checkpoint_keys, lua_converter
@@ -1431,7 +1456,8 @@ def test_a_checkpoint_transformers_converts_as_it_loads_is_named_as_such(daemon,
         with pytest.raises(vramd.ManageError, match=r"6 without a leased tensor: .*; all of them are what transformers' "
                                                     rf"own conversion for model_type '{name}' makes of the leased names "
                                                     rf"as it loads {rules}.*, which vramd.manage applies \(in a model the "
-                                                    r"daemon derives\) unless given convert=False; .*python -m "
+                                                    r"daemon derives\) unless given convert=False; or name it in the "
+                                                    r"model's config, converter = \"transformers\", .*python -m "
                                                     r"vramd.transformers_converter") as refused:
             vramd.manage(module, name, client=client, convert=False)
     assert "init_empty_weights" not in str(refused.value)

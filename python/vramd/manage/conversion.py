@@ -71,6 +71,7 @@ def conversion_hint(module: nn.Module, leased: list[str], missing: list[str],
     which = "all of them are" if len(matched) == len(missing) else f"{len(matched)} of them ({_listed(matched)}) are"
     return (f"{which} what transformers' own conversion for model_type {model_type!r} makes of the leased names as "
             f"it loads ({'; '.join(described(r) for r in used.values())}), "
-            "which vramd.manage applies (in a model the daemon derives) unless given convert=False; or write a "
-            "converter that does the same with `python -m vramd.transformers_converter CHECKPOINT_FOLDER -o "
-            "converter.lua` and name it in the model's config (converter = \"converter.lua\")"), matched
+            "which vramd.manage applies (in a model the daemon derives) unless given convert=False; or name it "
+            "in the model's config, converter = \"transformers\", for the daemon's leases and tools to see it too "
+            "(or a converter file written by `python -m vramd.transformers_converter CHECKPOINT_FOLDER -o "
+            "converter.lua`)"), matched

@@ -61,7 +61,11 @@ class _Plan:
         if missing:
             hint, converted = conversion_hint(self.module, list(leased), missing)
             problems.append(f"{len(missing)} without a leased tensor: " + _listed(missing) + (f"; {hint}" if hint else ""))
-            if len(converted) < len(missing):
+            if hint is None and any(name.startswith("blk.") for name in leased):
+                problems[-1] += ("; the leased names are a GGUF file's own (llama.cpp's, such as 'blk.0.attn_q.weight'), "
+                                 "which transformers' load-time conversion does not read and vramd.manage does not "
+                                 "convert: serve the model's safetensors (as save_pretrained writes them)")
+            elif len(converted) < len(missing):
                 problems[-1] += ((f"; the other {len(missing) - len(converted)}" if hint else "") +
                                  " (buffers made on the meta device: build the module with accelerate.init_empty_weights(), "
                                  "which leaves buffers real, or lease a checkpoint that holds them)")
