@@ -1189,7 +1189,7 @@ def test_a_plan_of_what_is_not_a_model_is_refused(daemon):
             assert refused.value.status == 409
     finally:
         (daemon["daemon"].models / "broken.toml").unlink()
-        get_json(daemon["sock"], "/v1/models")
+        request(daemon["sock"], "POST", "/v1/reload")
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS_CONVERTED)
@@ -1276,6 +1276,45 @@ def test_converter_transformers_refusals_name_the_key_and_the_remedy(daemon, tmp
     assert shown["tensors"] and all(v["expression"] == f"src[{t!r}]" for t, v in shown["tensors"].items()), shown
 
 
+def test_a_dcp_folder_of_such_a_model_is_converted_the_same_way(daemon, tmp_path):
+    """The Mixtral's tensors in the Hub's layout saved by torch.distributed.checkpoint, config.json
+    beside them: managed with the daemon deriving the conversion, and served with converter =
+    "transformers", the module equals from_pretrained of the safetensors folder (float32)."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from safetensors.torch import load_file
+    folder = daemon["folder"] / "mixtral"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(load_file(folder / "model.safetensors"), checkpoint_id=tmp_path / "dcp")
+    shutil.copy(folder / "config.json", tmp_path / "dcp" / "config.json")
+    limit, size = daemon["references"]["mixtral-converted"]
+    for name, converter in (("mixtral-dcp", ""), ("mixtral-dcp-transformers", 'converter = "transformers"\n')):
+        (daemon["daemon"].models / f"{name}.toml").write_text(converter + served(tmp_path / "dcp", "float32", limit))
+    reference = transformers.MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    inputs = torch.tensor([[8, 5, 9, 33, 2, 60, 7]])
+    with torch.no_grad():
+        expected = reference(inputs)[0]
+    try:
+        with vramd.connect(daemon["sock"]) as client:
+            client.reload()
+            for name in ("mixtral-dcp", "mixtral-dcp-transformers"):
+                module = empty(hub_layout_cases()["mixtral"])
+                with vramd.manage(module, name, client=client, limit=limit) as managed, torch.no_grad():
+                    leased = managed.lease.manifest["model"]
+                    assert leased.startswith("mixtral-dcp.derived-") if name == "mixtral-dcp" else leased == name
+                    got = module(inputs)[0]
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+                leases_end(daemon, leased)
+    finally:
+        for name in ("mixtral-dcp", "mixtral-dcp-transformers"):
+            (daemon["daemon"].models / f"{name}.toml").unlink()
+        request(daemon["sock"], "POST", "/v1/reload")
+
+
 def test_a_gguf_file_of_such_a_model_is_refused_naming_its_names(daemon, tmp_path):
     """A Mixtral written as llama.cpp writes one, served with its own names: transformers'
     conversion has nothing to read there, and the ManageError says whose names they are."""
@@ -1299,6 +1338,7 @@ def test_a_gguf_file_of_such_a_model_is_refused_naming_its_names(daemon, tmp_pat
     finally:
         leases_end(daemon, "mixtral-gguf")
         (daemon["daemon"].models / "mixtral-gguf.toml").unlink()
+        request(daemon["sock"], "POST", "/v1/reload")
 
 
 def test_clients_sending_the_same_rules_share_one_derived_model(daemon):
