@@ -1,7 +1,9 @@
 // Models derived from another's config with a converter a client sends (POST
 // /v1/models/BASE/derive): vramd.manage sends the Lua that does transformers' own load-time
 // conversion of a checkpoint (python/vramd/transformers_converter.py), so that a module whose
-// names and layouts are not the checkpoint's can lease them converted. The derived model is an
+// names and layouts are not the checkpoint's can lease them converted. Over a base whose config
+// names a converter (gguf.lua: a GGUF file's names made Hugging Face's), the sent one reads
+// that converter's results (chained). The derived model is an
 // entry of its own, loaded once and leased by every client that sends the same text; its
 // converter runs in the sandbox every converter runs in (convert/lua_sandbox.hpp).
 #include <fcntl.h>
@@ -59,6 +61,36 @@ void write_new_file(const std::string& path, const std::string& text) {
   ::close(fd);
 }
 
+// `text` as a Lua string literal: every byte but printable ASCII, the quote and the backslash as a
+// three-digit escape.
+std::string lua_literal(const std::string& text) {
+  std::string out = "\"";
+  for (const unsigned char c : text) {
+    if (c >= 32 && c < 127 && c != '"' && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      char escape[5];
+      std::snprintf(escape, sizeof escape, "\\%03u", c);
+      out += escape;
+    }
+  }
+  return out + "\"";
+}
+
+// The converter of a base whose config names one, then the one a client sent over its results:
+// the base's script runs as a function of the checkpoint's `src`, and the sent one sees the
+// table it returns as its `src` (index it by name, iterate it with pairs). A client computes the
+// sent converter from the names it leased or planned, which are the base converter's. A name the
+// base's converter does not give is an error, as src[name] of a checkpoint is: a plain table's
+// nil would drop the target that reads it without a word.
+std::string chained(const std::string& base_path, const std::string& base, const std::string& sent) {
+  // The base's first line is the file's first: its errors keep their line numbers.
+  return "local src = setmetatable((function(src) " + base + "\nend)(src), {__index = function(_, name)\n"
+         "  error(\"the base's converter (\" .. " + lua_literal(base_path) +
+         " .. \") gives no tensor named '\" .. tostring(name) .. \"'\", 2)\n"
+         "end})\n-- Above: the converter of the base's config. Below: the one a client sent, over its results.\n" + sent;
+}
+
 // A derive whose model's name `same` has already: that model, when it is the one asked for (the
 // same base and converter), else a refusal.
 void answer_existing(const Entry& same, const std::string& base, const std::string& converter, const std::string& what,
@@ -101,10 +133,9 @@ void Registry::derive(Entry& base, std::string converter, std::function<void(int
   if (base.removed) return refuse(404, what + "the model was removed");
   if (!base.config || !base.dry)
     return refuse(409, what + "its config is invalid: " + base.reason);
-  if (!base.config->converter.empty())
-    return refuse(409, what + "its config names a converter of its own (" + base.config->converter +
-                           "), and a derived model's converter reads the checkpoint's own names: serve the checkpoint "
-                           "from a config without one");
+  if (base.config->converter == config::kTransformersConverter)
+    return refuse(409, what + "its config names transformers' conversion (converter = \"transformers\") already, so "
+                           "its names are the transformers module's: lease it as it is");
   if (converter.empty()) return refuse(400, what + "the converter is empty");
   if (converter.size() > kMaxScriptBytes)
     return refuse(413, what + "the converter is " + format_bytes(converter.size()) + ", over the " +
@@ -131,7 +162,12 @@ void Registry::derive(Entry& base, std::string converter, std::function<void(int
     auto checked = std::make_shared<ConfigFile>();
     checked->file = file;
     try {
-      write_new_file(file, converter);
+      const std::string text = config.converter.empty() ? converter
+                               : chained(config.converter, read_regular_file(config.converter, kMaxScriptBytes), converter);
+      if (text.size() > kMaxScriptBytes)
+        throw Error("the converter sent and the base's (" + config.converter + ") are " + format_bytes(text.size()) +
+                    " together, over the " + format_bytes(kMaxScriptBytes) + " a converter script may be");
+      write_new_file(file, text);
       config.name = name;
       config.converter = file;
       auto dry = load::dry_run(config);

@@ -219,7 +219,8 @@ class Client:
 
     def derive(self, name: str, converter: str) -> dict:
         """A model of model `name`'s config with `converter` (a Lua converter's text:
-        scripts/converters/README.md) as its converter, reading the checkpoint's own names:
+        scripts/converters/README.md) as its converter, reading the names `name` serves (the
+        checkpoint's own, or those of the converter its config names, chained before it):
         named NAME.derived-HASH, made once and shared by every client sending the same text, and
         removed when `name`'s config changes or goes. vramd.manage sends transformers' own
         load-time conversion this way. Returns the model's object, with `created` (whether this

@@ -1315,16 +1315,25 @@ def test_a_dcp_folder_of_such_a_model_is_converted_the_same_way(daemon, tmp_path
         request(daemon["sock"], "POST", "/v1/reload")
 
 
-def test_a_gguf_file_of_such_a_model_is_refused_naming_its_names(daemon, tmp_path):
-    """A Mixtral written as llama.cpp writes one, served with its own names: transformers'
-    conversion has nothing to read there, and the ManageError says whose names they are."""
+def test_a_gguf_file_of_such_a_model_is_converted_after_gguf_lua_or_refused_naming_its_names(daemon, tmp_path):
+    """A Mixtral written as llama.cpp writes one (stacked experts, Meta's rotary rows). Served
+    with its own names, transformers' conversion has nothing to read: the ManageError says whose
+    names they are. Served with gguf.lua (Hugging Face's names, one tensor per expert), the
+    daemon derives the conversion over gguf.lua's results, and the managed module equals the
+    transformers model the file was written from (float32)."""
     sys.path.insert(0, str(ROOT / "tests" / "storage"))
     from test_gguf import llama_gguf
     torch.manual_seed(2)
-    llama_gguf(tmp_path / "mixtral.gguf", hub_layout_cases()["mixtral"]().eval())
-    (daemon["daemon"].models / "mixtral-gguf.toml").write_text(
-        f'checkpoint = "{tmp_path / "mixtral.gguf"}"\narchitecture = "weights"\ndtype = "float32"\n'
-        '[vram]\nonload = { device = "cpu", dtype = "float32" }\nlimit = "1MiB"\n')
+    model = hub_layout_cases()["mixtral"]().eval()
+    llama_gguf(tmp_path / "mixtral.gguf", model)
+    limit, size = daemon["references"]["mixtral-converted"]
+    for name, converter in (("mixtral-gguf", ""), ("mixtral-gguf-lua", f'converter = "{ROOT / "scripts/converters/gguf.lua"}"\n')):
+        (daemon["daemon"].models / f"{name}.toml").write_text(
+            f'checkpoint = "{tmp_path / "mixtral.gguf"}"\narchitecture = "weights"\ndtype = "float32"\n{converter}'
+            f'[vram]\nonload = {{ device = "cpu", dtype = "float32" }}\nlimit = {limit}\n')
+    inputs = torch.tensor([[6, 5, 9, 33, 2, 60, 7]])
+    with torch.no_grad():
+        expected = model(inputs)[0]
     try:
         with vramd.connect(daemon["sock"]) as client:
             client.reload()
@@ -1335,9 +1344,16 @@ def test_a_gguf_file_of_such_a_model_is_refused_naming_its_names(daemon, tmp_pat
                                                         r"safetensors"):
                 vramd.manage(module, "mixtral-gguf", client=client)
             assert all(p.is_meta for p in module.parameters())
+            with vramd.manage(module, "mixtral-gguf-lua", client=client, limit=limit) as managed, torch.no_grad():
+                derived = managed.lease.manifest["model"]
+                assert derived.startswith("mixtral-gguf-lua.derived-"), derived
+                got = module(inputs)[0]
+                assert managed.stats()["peak"] <= limit < size
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            leases_end(daemon, "mixtral-gguf", derived)
     finally:
-        leases_end(daemon, "mixtral-gguf")
-        (daemon["daemon"].models / "mixtral-gguf.toml").unlink()
+        for name in ("mixtral-gguf", "mixtral-gguf-lua"):
+            (daemon["daemon"].models / f"{name}.toml").unlink()
         request(daemon["sock"], "POST", "/v1/reload")
 
 
@@ -1372,7 +1388,11 @@ def test_a_derived_model_refuses_what_it_cannot_be_and_goes_with_its_base(daemon
                     ("granitemoe-copy", "return {", 400, r"derive 'granitemoe-copy': .*granitemoe-copy\.toml: converter: the converter sent:1: unexpected symbol near '<eof>'"),
                     ("granitemoe-copy", "", 400, "the converter is empty"),
                     ("no-such-model", text, 404, "no model named 'no-such-model'"),
-                    ("granitemoe-converted", text, 409, r"names a converter of its own \(.*granitemoe\.lua\)")]
+                    # Over a base with a converter, the sent one reads that converter's names.
+                    ("granitemoe-converted", text, 400, r"the base's converter \(.*granitemoe\.lua\) gives no tensor "
+                                                        r"named 'model\.layers\.0\.block_sparse_moe\.input_linear\.weight'"),
+                    ("granitemoe-transformers", text, 409, r"names transformers' conversion \(converter = "
+                                                           r"\"transformers\"\) already")]
         for base, converter, status, message in refusals:
             with pytest.raises(vramd.DaemonError) as refused:
                 client.derive(base, converter)
