@@ -10,6 +10,9 @@ writes from transformers' rules (experts stacked, w1 and w3 concatenated, rename
     (every tensor a view) and against transformers' own from_pretrained of the folder (which
     converts the same way as it loads), medians of REPEAT, page cache warm; and the bytes the
     conversion materialised (the model's resting bytes less those that are views of the file);
+  * converter = "transformers": the same config naming transformers' conversion instead of the
+    written file: the time the daemon's check of it takes (its Python writing the converter),
+    and its load;
   * memory: PROCESSES processes each managing a MixtralForCausalLM built on the meta device from
     the model served as saved, with no converter (no limit: each computes on the leased values),
     after one forward each: vramd.manage sends transformers' rules and the daemon derives the
@@ -150,11 +153,21 @@ def main():
     folder = make(work, args)
     size = (folder / "model.safetensors").stat().st_size
     (folder / "model.safetensors").read_bytes()  # warm the page cache for every contender
-    with serving(work, 'cpu = "16GiB"') as client:
+    (work / "models" / "rules.toml").unlink(missing_ok=True)
+    with serving(work, 'cpu = "16GiB"', extra=f'python = "{sys.executable}"') as client:
         converted = load_seconds(client, "converted", args.repeat)
         plain = load_seconds(client, "plain", args.repeat)
         client.unload("plain")
         client.unload("converted")
+        # converter = "transformers": the daemon's Python writes the converter as it checks the config.
+        (work / "models" / "rules.toml").write_text((work / "models" / "converted.toml").read_text().replace(
+            f'converter = "{work / "mixtral.lua"}"', 'converter = "transformers"'))
+        start = time.perf_counter()
+        client.reload()
+        checked = time.perf_counter() - start
+        assert client.status("rules")["state"] == "unloaded", client.status("rules")
+        rules = load_seconds(client, "rules", args.repeat)
+        client.unload("rules")
         # What vramd.manage does first for a module of the file as saved: the converter written
         # from transformers' rules, and the daemon's check of the model it derives with it.
         from accelerate import init_empty_weights
@@ -202,6 +215,8 @@ def main():
     print(f"load: converted {converted:.3f} s, the same file unconverted {plain:.3f} s, transformers' from_pretrained "
           f"{statistics.median(hf):.3f} s; the conversion materialised {(resting - views) / 2**20:.0f} MiB "
           f"(resting {resting / 2**20:.0f} MiB, {views / 2**20:.0f} MiB of them views of the checkpoint)")
+    print(f"converter = \"transformers\": the config checked in {checked:.2f} s (the daemon's Python writing the "
+          f"converter), then loaded in {rules:.3f} s")
     print(f"derive: the converter written from transformers' rules in {written:.3f} s ({len(text) / 1024:.0f} KiB of "
           f"Lua), the derived model checked by the daemon in {derive:.3f} s")
     managing = sum(line["anon_managed"] - line["anon_before"] for line in lines)

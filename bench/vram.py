@@ -107,14 +107,15 @@ def answering(daemon, sock, log):
 
 
 @contextlib.contextmanager
-def serving(work, budgets, binary=ROOT / "build" / "bin" / "vramd"):
+def serving(work, budgets, binary=ROOT / "build" / "bin" / "vramd", extra=""):
     """A vramd daemon serving the model folder WORK/models (its log WORK/vramd.log) under the
-    [budgets] entries `budgets`, and a client connected to it, until the block ends."""
+    [budgets] entries `budgets` (and the daemon config's lines `extra`), and a client connected
+    to it, until the block ends."""
     sys.path.insert(0, str(ROOT / "python"))
     import vramd
     sock = work / "vramd.sock"
     sock.unlink(missing_ok=True)
-    (work / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n[budgets]\n{budgets}\n')
+    (work / "vramd.toml").write_text(f'socket = "{sock}"\nmodels = "models"\n{extra}\n[budgets]\n{budgets}\n')
     with open(work / "vramd.log", "wb") as log:
         daemon = subprocess.Popen([binary, "--config", str(work / "vramd.toml")], stdout=log, stderr=subprocess.STDOUT)
         try:
