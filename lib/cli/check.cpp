@@ -8,7 +8,6 @@
 #include "convert/converter.hpp"
 #include "load/conversion.hpp"
 #include "load/dry_run.hpp"
-#include "hparams/hyperparams.hpp"
 #include "storage/disk_map.hpp"
 #include "util/error.hpp"
 #include "util/format.hpp"
@@ -54,7 +53,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
       } catch (const model::NoArchitecture&) {
         verdict.warnings.push_back(path + ": no architecture, so vramd cannot load it; checked the index and converter only");
         if (!model.converter.empty()) try {
-            auto plan = load::conversion_plan(model, map, hparams::Hyperparams::for_model(model, map));
+            auto plan = load::conversion_plan(model, map);
             verdict.tensors = plan.tensors.size();
             verdict.bytes = 0;
             for (const auto& conversion : plan.tensors)

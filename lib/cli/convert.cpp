@@ -8,7 +8,6 @@
 #include "config/model_config.hpp"
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
-#include "hparams/hyperparams.hpp"
 #include "load/conversion.hpp"
 #include "storage/safetensors_writer.hpp"
 #include "storage/tensor_io.hpp"
@@ -22,7 +21,7 @@ void convert(const ConvertOptions& options, std::ostream& out, std::ostream& err
   auto model = config::load_model_config(options.config, config::find_daemon_config(options.daemon_config));
   auto map = config::open_checkpoint(model);
   for (const auto& warning : map.warnings()) err << "warning: " << printable(warning) << '\n';
-  auto plan = load::conversion_plan(model, map, hparams::Hyperparams::for_model(model, map));
+  auto plan = load::conversion_plan(model, map);
   for (const auto& line : plan.printed) err << "print: " << line << '\n';
   if (!options.output.empty()) {
     // One tensor in memory at a time, read into fresh memory (not the file's mapping), so that

@@ -95,4 +95,9 @@ convert::ConversionPlan conversion_plan(const config::ModelConfig& config, const
   }
 }
 
+convert::ConversionPlan conversion_plan(const config::ModelConfig& config, const storage::DiskMap& map) {
+  if (config.converter.empty()) return convert::identity_plan(map);
+  return conversion_plan(config, map, hparams::Hyperparams::for_model(config, map));
+}
+
 }  // namespace vramd::load

@@ -18,6 +18,9 @@ namespace vramd::load {
 // "transformers" the config's converter key and what the Python said.
 convert::ConversionPlan conversion_plan(const config::ModelConfig& config, const storage::DiskMap& map,
                                         const hparams::Hyperparams& hyperparams);
+// The same, with the hyperparameters read from `map` only where a converter needs them (a
+// checkpoint without a config.json or known metadata converts under converter = "").
+convert::ConversionPlan conversion_plan(const config::ModelConfig& config, const storage::DiskMap& map);
 
 // The Lua text "transformers" stands for, over `map`'s names: written by config.python once per
 // process for the same names, hyperparameters and Python (a later call reads it from memory).
