@@ -66,11 +66,14 @@ void Connection::close() {
 }
 
 std::string Connection::head(int status, std::string_view content_type, size_t length, bool chunked) const {
-  std::string head = "HTTP/1.1 " + std::to_string(status) + " " + status_text(status) + "\r\nContent-Type: " +
-                     std::string(content_type) + "\r\n";
-  head += chunked ? "Transfer-Encoding: chunked\r\n" : "Content-Length: " + std::to_string(length) + "\r\n";
-  if (!keep_alive_) head += "Connection: close\r\n";
-  return head + "\r\n";
+  std::string head;
+  head.reserve(128);
+  head.append("HTTP/1.1 ").append(std::to_string(status)).append(" ").append(status_text(status));
+  head.append("\r\nContent-Type: ").append(content_type).append("\r\n");
+  if (chunked) head.append("Transfer-Encoding: chunked\r\n");
+  else head.append("Content-Length: ").append(std::to_string(length)).append("\r\n");
+  if (!keep_alive_) head.append("Connection: close\r\n");
+  return head.append("\r\n");
 }
 
 void Connection::write_head(int status, std::string_view content_type, size_t length, bool chunked) {
@@ -85,13 +88,18 @@ void Connection::write_response(int status, std::string_view content_type, std::
 void Connection::write_raw(std::string data, std::string head) {
   if (closing_ || (data.empty() && head.empty())) return;
   auto* request = new WriteRequest{{}, std::move(head), std::move(data)};
-  std::vector<uv_buf_t> bufs;  // uv_buf_t holds an unsigned length: 1 GiB pieces
-  if (!request->head.empty()) bufs.push_back(uv_buf_init(request->head.data(), static_cast<unsigned>(request->head.size())));
-  for (size_t at = 0; at < request->data.size(); at += size_t{1} << 30)
-    bufs.push_back(uv_buf_init(request->data.data() + at,
-                               static_cast<unsigned>(std::min(request->data.size() - at, size_t{1} << 30))));
+  // uv_buf_t holds an unsigned length: 1 GiB pieces. An answer under 3 GiB needs no vector.
+  constexpr size_t kPiece = size_t{1} << 30;
+  const size_t pieces = !request->head.empty() + (request->data.size() + kPiece - 1) / kPiece;
+  std::array<uv_buf_t, 4> few;
+  std::vector<uv_buf_t> many(pieces > few.size() ? pieces : 0);
+  uv_buf_t* bufs = many.empty() ? few.data() : many.data();
+  size_t n = 0;
+  if (!request->head.empty()) bufs[n++] = uv_buf_init(request->head.data(), static_cast<unsigned>(request->head.size()));
+  for (size_t at = 0; at < request->data.size(); at += kPiece)
+    bufs[n++] = uv_buf_init(request->data.data() + at, static_cast<unsigned>(std::min(request->data.size() - at, kPiece)));
   request->req.data = this;
-  if (uv_write(&request->req, stream(), bufs.data(), static_cast<unsigned>(bufs.size()), on_written) != 0) {
+  if (uv_write(&request->req, stream(), bufs, static_cast<unsigned>(n), on_written) != 0) {
     delete request;
     close();
   }
@@ -102,6 +110,8 @@ std::shared_ptr<Channel> Connection::upgrade(const std::string& bytes, const std
   if (!is_unix_ || !send_with_fds(bytes, fds)) return nullptr;
   upgraded_ = true;
   exchange_.reset();
+  disarm();
+  checking_hang_up_ = false;
   uv_timer_stop(&timer_);
   on_upgrade_end_ = std::move(on_end);
   on_upgrade_data_ = std::move(on_data);
@@ -156,7 +166,16 @@ void Connection::finish_exchange() {
 }
 
 void Connection::arm(std::chrono::milliseconds timeout) {
-  uv_timer_start(&timer_, on_timeout, static_cast<uint64_t>(timeout.count()), 0);
+  const uint64_t now = uv_now(server_.loop_);
+  deadline_ = now + static_cast<uint64_t>(timeout.count());
+  if (checking_hang_up_ || !uv_is_active(reinterpret_cast<uv_handle_t*>(&timer_)) || timer_due_ > deadline_)
+    start_timer(deadline_ - now);
+}
+
+void Connection::start_timer(uint64_t timeout, uint64_t repeat) {
+  checking_hang_up_ = repeat != 0;
+  timer_due_ = uv_now(server_.loop_) + timeout;
+  uv_timer_start(&timer_, on_timeout, timeout, repeat);
 }
 
 void Connection::close_after_writes() {
@@ -190,7 +209,7 @@ bool Connection::feed(const char* data, size_t size) {
   // answered later pauses reading below, one answered at once goes on without a pause, which
   // would cost two epoll changes a request).
   keep_alive_ = parser_.keep_alive();
-  uv_timer_stop(&timer_);
+  disarm();
   pending_.assign(data + step.consumed, size - step.consumed);
   Request request = parser_.take();
   request.peer = peer_;
@@ -210,7 +229,8 @@ bool Connection::feed(const char* data, size_t size) {
   // Answered later (a job): the socket is not read meanwhile, so look for the client hanging up.
   if (exchange_ == exchange) {
     pause_reading();
-    uv_timer_start(&timer_, on_timeout, kHangUpCheck.count(), kHangUpCheck.count());
+    disarm();
+    start_timer(kHangUpCheck.count(), kHangUpCheck.count());
   }
   return true;
 }
@@ -267,6 +287,12 @@ void Connection::on_written(uv_write_t* req, int status) {
 void Connection::on_timeout(uv_timer_t* timer) {
   auto* self = static_cast<Connection*>(timer->data);
   if (self->upgraded_) return;
+  if (!self->checking_hang_up_) {  // the deadline may have moved since the timer was started
+    const uint64_t now = uv_now(self->server_.loop_);
+    if (self->deadline_ == 0) return;
+    if (now < self->deadline_) return self->start_timer(self->deadline_ - now);
+    self->deadline_ = 0;
+  }
   if (self->exchange_) {
     if (self->hung_up()) {
       log::debug(self->peer_ + " hung up before its answer");

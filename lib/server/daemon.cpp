@@ -122,7 +122,7 @@ class Daemon {
 
   void handle(std::shared_ptr<Exchange> exchange) {
     const Request& request = exchange->request();
-    log::debug(request.peer + ": " + request.method + " " + quote(request.path));
+    if (log::enabled(log::Level::Debug)) log::debug(request.peer + ": " + request.method + " " + quote(request.path));
     const Route route = server::route(request);
     requests_[route.endpoint]++;
     switch (route.kind) {
@@ -355,6 +355,7 @@ class Daemon {
   std::string status() const {
     const auto charges = registry_.charges();  // each counted once, for its model and the devices
     std::string text;
+    text.reserve(1024);  // one model's status is about 400 bytes
     JsonOut out(text);
     out.object().field("version", VRAMD_VERSION).field("pid", pid_);
     out.field("uptime_seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());

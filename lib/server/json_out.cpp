@@ -1,6 +1,8 @@
 #include "server/json_out.hpp"
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 
 #include "server/reply.hpp"
 
@@ -55,7 +57,18 @@ JsonOut& JsonOut::value(std::string_view text) {
   return *this;
 }
 
-JsonOut& JsonOut::value(double d) { return value(nlohmann::json(d)); }
+JsonOut& JsonOut::value(double d) {
+  if (!std::isfinite(d)) return raw("null");  // as nlohmann writes it
+  // The shortest text that reads back as `d`, with ".0" on a whole number as nlohmann writes it
+  // (so that a reader sees a float, not an int).
+  char text[40];
+  char* end = std::to_chars(text, text + sizeof text - 2, d).ptr;
+  if (std::none_of(text, end, [](char c) { return c == '.' || c == 'e'; })) {
+    *end++ = '.';
+    *end++ = '0';
+  }
+  return raw(std::string_view(text, static_cast<size_t>(end - text)));
+}
 
 JsonOut& JsonOut::value(const nlohmann::json& j) {
   std::string line = json_line(j);

@@ -20,7 +20,7 @@ namespace vramd::server {
 
 class JsonOut {
  public:
-  explicit JsonOut(std::string& out) : out_(out) {}
+  explicit JsonOut(std::string& out) : out_(out) { open_.reserve(16); }
 
   JsonOut& object() { return open('{'); }
   JsonOut& array() { return open('['); }

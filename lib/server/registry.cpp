@@ -77,6 +77,7 @@ Entry* Registry::find(const std::string& name) {
 
 std::vector<const Entry*> Registry::entries() const {
   std::vector<const Entry*> out;
+  out.reserve(entries_.size());
   for (const auto& [name, entry] : entries_) out.push_back(entry.get());
   return out;
 }

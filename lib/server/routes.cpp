@@ -47,7 +47,7 @@ Route route(const Request& request) {
     if (request.method == method) return route;
     return refused(405, route.endpoint, what() + ": use " + method);
   };
-  if (parts == std::vector<std::string>{"metrics"}) return only("GET", to(Route::Kind::Metrics, "metrics"));
+  if (parts.size() == 1 && parts[0] == "metrics") return only("GET", to(Route::Kind::Metrics, "metrics"));
   if (parts.empty() || parts[0] != "v1")
     return refused(404, "unknown", "no such endpoint: " + what() + " (the API is under /v1; see docs/api.md)");
   if (parts.size() == 2) {

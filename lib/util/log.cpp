@@ -48,8 +48,10 @@ void open_file(const std::string& path) {
   file = fd;
 }
 
+bool enabled(Level level) { return level <= threshold.load(std::memory_order_relaxed); }
+
 void write(Level level, const std::string& message) {
-  if (level > threshold.load()) return;
+  if (!enabled(level)) return;
   static const char* names[] = {"error", "warn", "info", "debug"};
   static const char* priorities[] = {"<3>", "<4>", "<6>", "<7>"};  // syslog's err, warning, info, debug
   static const bool journal = stderr_is_journal();

@@ -16,6 +16,8 @@ void set_level(std::string_view level);  // "error" | "warn" | "info" | "debug"
 // Error naming the file when it cannot be opened.
 void open_file(const std::string& path);
 void write(Level level, const std::string& message);
+// Whether a line at `level` is written: for messages that cost building on a hot path.
+bool enabled(Level level);
 
 inline void error(const std::string& message) { write(Level::Error, message); }
 inline void warn(const std::string& message) { write(Level::Warn, message); }

@@ -57,3 +57,16 @@ TEST_CASE("JsonOut and JsonTree write a lone value and nested empties") {
   tree.array().array().end().object().end().end();
   CHECK(tree.take() == nlohmann::json::parse("[[],{}]"));
 }
+
+TEST_CASE("JsonOut writes a double as text that reads back as the same float") {
+  for (const double d : {0.0, -0.0, 1.0, 1e15, 1e16, 123456.789, 0.025618684, 5e-324, 1.7976931348623157e308,
+                         -3.0, 2.5e-7, 4503599627370497.0}) {
+    INFO(d);
+    std::string written;
+    JsonOut(written).value(d);
+    const auto back = nlohmann::json::parse(written);
+    CHECK(back.is_number_float());
+    CHECK(std::signbit(back.get<double>()) == std::signbit(d));
+    CHECK(back.get<double>() == d);
+  }
+}
