@@ -14,17 +14,21 @@ namespace {
 
 // `packed`: the block type whose bytes the sources are read as (packed_type() accepted the
 // expression), so a reshape takes the packed shape of its result.
+// `changed`: sources whose values are not as stored (evaluate()).
 at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMode mode,
-                 std::optional<storage::DType> packed) {
-  auto input = [&](size_t i) { return value(*expr.inputs.at(i), map, mode, packed); };
+                 std::optional<storage::DType> packed, const SourceValue& changed) {
+  auto input = [&](size_t i) { return value(*expr.inputs.at(i), map, mode, packed, changed); };
   auto all = [&] {
     std::vector<at::Tensor> tensors;
-    for (const auto& part : expr.inputs) tensors.push_back(value(*part, map, mode, packed));
+    for (const auto& part : expr.inputs) tensors.push_back(value(*part, map, mode, packed, changed));
     return tensors;
   };
   const std::optional<c10::ScalarType> read_as = packed ? std::optional(c10::kByte) : std::nullopt;
   switch (expr.op) {
-    case Expr::Op::Source: return storage::load_tensor(map, map.at(expr.source, expr.shard), {.dtype = read_as, .mode = mode});
+    case Expr::Op::Source:
+      if (changed)
+        if (at::Tensor own = changed(expr); own.defined()) return own;
+      return storage::load_tensor(map, map.at(expr.source, expr.shard), {.dtype = read_as, .mode = mode});
     case Expr::Op::Zeros: return at::zeros(expr.shape, at::TensorOptions().dtype(storage::scalar_type(expr.dtype)));
     case Expr::Op::Transpose: return input(0).transpose(expr.args[0], expr.args[1]);
     case Expr::Op::Permute: return input(0).permute(expr.args);
@@ -34,7 +38,7 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
       // data is aligned, but a tensor that is not (a DCP chunk inside its archive) is copied,
       // and the copy would read every row.
       const Expr& from = *expr.inputs.at(0);
-      if (expr.args[0] == 0 && !packed && from.op == Expr::Op::Source) {
+      if (expr.args[0] == 0 && !packed && !changed && from.op == Expr::Op::Source) {
         storage::TensorInfo rows = map.at(from.source, from.shard);
         if (storage::dtype_block(rows.dtype) == 1 && !rows.shape.empty() && rows.shape[0] > 0) {
           const uint64_t row = rows.nbytes / static_cast<uint64_t>(rows.shape[0]);
@@ -47,7 +51,7 @@ at::Tensor value(const Expr& expr, const storage::DiskMap& map, storage::ReadMod
       return input(0).narrow(expr.args[0], expr.args[1], expr.args[2]);
     }
     case Expr::Op::Cat:
-      if (expr.args[0] == 0 && !packed) {  // sources as stored, one after another: read in place
+      if (expr.args[0] == 0 && !packed && !changed) {  // sources as stored, one after another: read in place
         std::vector<const storage::TensorInfo*> parts;
         for (const auto& part : expr.inputs) {
           const auto* info = part->op == Expr::Op::Source ? &map.at(part->source, part->shard) : nullptr;
@@ -96,8 +100,9 @@ bool moves_rows(const Expr& expr, int64_t rank) {
 
 }  // namespace
 
-at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode) {
-  return value(expr, source, mode, std::nullopt).contiguous();
+at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode,
+                    const SourceValue& changed) {
+  return value(expr, source, mode, std::nullopt, changed).contiguous();
 }
 
 std::optional<storage::DType> packed_type(const Expr& expr, const storage::DiskMap& source) {
@@ -119,7 +124,7 @@ at::Tensor evaluate_packed(const Expr& expr, const storage::DiskMap& source, sto
   const auto type = packed_type(expr, source);
   if (!type) throw Error("the value of " + expr.describe() + " cannot stay packed: it reads no GGUF block type, "
                          "or its operations split the rows of blocks");
-  return value(expr, source, mode, type).contiguous();
+  return value(expr, source, mode, type, {}).contiguous();
 }
 
 }  // namespace vramd::convert

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <optional>
 
 #include "convert/expr.hpp"
@@ -15,8 +16,12 @@ namespace vramd::convert {
 // the file mapping, so only the pages an expression touches are read: a narrow() of a fused
 // weight reads its slice and no more. Works the same each time it is called, so weights can
 // be re-read from disk on every use. With ReadMode::Copy sources are read into fresh memory
-// instead, so the result never points into the file.
-at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode = storage::ReadMode::Auto);
+// instead, so the result never points into the file. `changed`, where given, is asked for each
+// source's value first: a defined tensor is used in place of the stored one (a LoRA adapter's
+// terms fused into it, weights/source.cpp), an undefined one means read it as stored.
+using SourceValue = std::function<at::Tensor(const Expr& source)>;
+at::Tensor evaluate(const Expr& expr, const storage::DiskMap& source, storage::ReadMode mode = storage::ReadMode::Auto,
+                    const SourceValue& changed = {});
 
 // The GGUF block type in which the expression's value can stay packed: every source it reads
 // holds that type, and every op moves whole rows (none touches the last dimension, along which

@@ -188,6 +188,13 @@ const Parameter* weight_of(const model::Layer& layer) {
 
 std::string shape_of(const at::Tensor& tensor) { return format_shape(tensor.sizes().vec()); }
 
+// A checkpoint tensor's stored shape and the weights whose expressions read it.
+struct SourceReaders {
+  std::vector<int64_t> shape;
+  bool sharded = false;  // split across files: read in slices
+  std::vector<Parameter*> parameters;
+};
+
 }  // namespace
 
 LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& model,
@@ -203,6 +210,22 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
     for (const Parameter& parameter : layer->parameters()) layer_of[&parameter] = layer.get();
   std::vector<std::string> all_names;
   for (const Parameter* parameter : model.parameters()) all_names.push_back(parameter->name);
+  // The checkpoint's tensors and the weights whose expressions read them, for adapters that name
+  // the checkpoint's modules where a converter stacks or joins them (made when first needed).
+  std::map<std::string, SourceReaders> reads_of;
+  const auto readers_of = [&](const std::string& key) -> const SourceReaders* {
+    if (reads_of.empty())
+      for (const auto& assignment : assignments)
+        assignment.expr->for_each_source([&](const convert::Expr& s) {
+          SourceReaders& readers = reads_of[s.source];
+          readers.shape = s.shape;
+          readers.sharded = readers.sharded || s.shards != 1;
+          if (std::find(readers.parameters.begin(), readers.parameters.end(), assignment.parameter) == readers.parameters.end())
+            readers.parameters.push_back(assignment.parameter);
+        });
+    const auto it = reads_of.find(key);
+    return it == reads_of.end() ? nullptr : &it->second;
+  };
 
   for (size_t index = 0; index < loras.size(); ++index) {
     const auto& lora = loras[index];
@@ -254,11 +277,26 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
       };
       std::map<std::string, std::vector<std::string>> unmatched;  // by component
       std::set<std::string> matched_components;
-      std::vector<std::pair<std::string, Parameter*>> found;
+      // What each module changes: a weight of the model, or else a checkpoint tensor the
+      // converter reads (the key it is read by).
+      struct Target {
+        std::string module;
+        Parameter* parameter = nullptr;
+        std::string source;
+        const SourceReaders* readers = nullptr;
+      };
+      const auto source_of = [&](const std::string& module) -> std::pair<std::string, const SourceReaders*> {
+        if (kohya) return {};
+        for (const std::string& key : {module + ".weight", module.substr(module.find('.') + 1) + ".weight"})
+          if (const SourceReaders* readers = readers_of(key)) return {key, readers};
+        return {};
+      };
+      std::vector<Target> found;
       for (const auto& [module, pair] : pairs) {
         Parameter* parameter = find(module);
-        if (parameter) {
-          found.emplace_back(module, parameter);
+        auto [source, readers] = parameter ? std::pair<std::string, const SourceReaders*>() : source_of(module);
+        if (parameter || readers) {
+          found.push_back({module, parameter, source, readers});
           matched_components.insert(component_of(module, kohya));
         } else {
           unmatched[component_of(module, kohya)].push_back(module);
@@ -285,26 +323,39 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
         set.warnings.push_back(where + ": " + counted(skipped, "module") + " of components this model lacks skipped");
 
       model::AdapterReport adapter{lora.path, lora.scale, peft ? "peft" : kohya ? "kohya" : "diffusers", 0, 0};
-      for (const auto& [module, parameter] : found) {
+      for (const auto& [module, parameter, source, readers] : found) {
         const Pair& pair = pairs[module];
         const std::string& key = pair.down_key.empty() ? pair.up_key : pair.down_key;
         if (pair.down_key.empty() || pair.up_key.empty())
           throw BadAdapter(quote(key) + " has no " + (pair.down_key.empty() ? "down (lora_A)" : "up (lora_B)") + " factor beside it");
-        if (parameter->tied)
-          throw BadAdapter(quote(key) + " changes " + quote(parameter->name) + ", which is tied to " + quote(parameter->tied->name) +
-                           ": an update of one would change both");
-        if (!assigned.count(parameter))
-          throw BadAdapter(quote(key) + " changes " + quote(parameter->name) + ", which the checkpoint does not fill");
+        const std::vector<Parameter*> changed = parameter ? std::vector{parameter} : readers->parameters;
+        for (const Parameter* weight : changed) {
+          if (weight->tied)
+            throw BadAdapter(quote(key) + " changes " + quote(weight->name) + ", which is tied to " + quote(weight->tied->name) +
+                             ": an update of one would change both");
+          if (!assigned.count(weight))
+            throw BadAdapter(quote(key) + " changes " + quote(weight->name) + ", which the checkpoint does not fill");
+        }
+        if (!parameter) {
+          const std::string makes = quote(source) + ", which the converter makes into " + quote(changed.front()->name) +
+                                    (changed.size() > 1 ? " and " + counted(changed.size() - 1, "more") : "");
+          if (readers->sharded)
+            throw BadAdapter(quote(key) + " changes the checkpoint's " + makes +
+                             ", split across files: vramd adapts such a tensor only whole");
+          if (unfused)
+            throw BadAdapter(quote(key) + " changes the checkpoint's " + makes + ": only fused (fuse_lora = true) adds it "
+                             "there, before the conversion");
+        }
         if (peft && !targeted(peft->target_modules, module))
           throw BadAdapter(quote(key) + ": module " + quote(module) + " is not among adapter_config.json's target_modules");
         const storage::ReadOptions as_float{.dtype = c10::kFloat, .mode = storage::ReadMode::Copy};
         at::Tensor down = storage::load_tensor(map, pair.down_key, as_float);
         at::Tensor up = storage::load_tensor(map, pair.up_key, as_float);
-        const auto& shape = parameter->shape;
-        const model::Layer* layer = layer_of.count(parameter) ? layer_of.at(parameter) : nullptr;
+        const auto& shape = parameter ? parameter->shape : readers->shape;
+        const model::Layer* layer = parameter && layer_of.count(parameter) ? layer_of.at(parameter) : nullptr;
         // GPT-2's Conv1D holds its weight as [in, out]: the update is transposed (peft's fan_in_fan_out).
         const bool conv1d = layer && layer->kind() == model::LayerKind::Conv1D;
-        const std::string names_it = quote(key) + " (for " + quote(parameter->name) + ", " + format_shape(shape) + ")";
+        const std::string names_it = quote(key) + " (for " + quote(parameter ? parameter->name : source) + ", " + format_shape(shape) + ")";
         if (pair.embedding) {
           if (shape.size() != 2 || down.dim() != 2 || up.dim() != 2 || down.size(1) != shape[0] || up.size(0) != shape[1])
             throw BadAdapter(names_it + ": an embedding's factors are [r, " + std::to_string(shape.empty() ? 0 : shape[0]) +
@@ -347,7 +398,17 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
                                    layer->kind() != model::LayerKind::Embedding) || weight_of(*layer) != parameter))
           throw BadAdapter(names_it + ": computed unfused (fuse_lora = false) only on the weight of a linear or embedding "
                            "layer the model computes; fuse_lora = true adds it to the weight instead");
-        patches[parameter].terms.push_back({down, up, lora.scale * alpha / per_rank, pair.embedding || conv1d});
+        const model::LoraTerms::Term term{down, up, lora.scale * alpha / per_rank, pair.embedding || conv1d};
+        if (parameter) {
+          patches[parameter].terms.push_back(term);
+        } else {
+          for (const Parameter* reader : changed) {
+            auto& sources = patches[reader].sources;
+            auto it = std::find_if(sources.begin(), sources.end(), [&](const auto& s) { return s.key == source; });
+            if (it == sources.end()) it = sources.insert(sources.end(), {source, {}});
+            it->terms.push_back(term);
+          }
+        }
         adapter.modules += 1;
         adapter.bytes += down.nbytes() + up.nbytes();
       }

@@ -16,6 +16,9 @@
 // base_model.model., unet., transformer. or text_encoder. is taken off where the rest names a
 // module. A file for several models (a UNet's and its text encoder's keys) changes the modules
 // of this one: a component none of whose modules are this model's is skipped, with a warning.
+// A module that is none of the model's but a checkpoint tensor a converter joins into weights
+// (experts.N.w1 stacked into experts.gate_up_proj) takes its terms there, before the expression
+// (model::LoraTerms::sources): fused only.
 // Linear, Conv2d (LoCon) and Embedding updates; DoRA, LoHa, LoKr, bias and full-difference keys
 // and other PEFT types are refused naming the format.
 #pragma once

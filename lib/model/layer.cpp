@@ -62,7 +62,7 @@ std::vector<at::Tensor> Layer::weights() const {
   return values;
 }
 
-at::Tensor LoraTerms::fused(const at::Tensor& value) const {
+at::Tensor LoraTerms::fused(const std::vector<Term>& terms, const at::Tensor& value) {
   at::Tensor out = value.to(c10::kFloat, /*non_blocking=*/false, /*copy=*/true);
   for (const auto& term : terms) {
     at::Tensor delta = term.up.flatten(1).mm(term.down.flatten(1)).mul_(term.factor);
@@ -70,12 +70,6 @@ at::Tensor LoraTerms::fused(const at::Tensor& value) const {
     out.add_(delta.reshape(out.sizes()));
   }
   return out;
-}
-
-uint64_t LoraTerms::bytes() const {
-  uint64_t bytes = 0;
-  for (const auto& term : terms) bytes += term.down.nbytes() + term.up.nbytes();
-  return bytes;
 }
 
 // As peft computes an unfused adapter: the output plus up(down(x)) times the factor (an

@@ -59,10 +59,19 @@ struct LoraTerms {
     bool transposed = false;  // the weight is [in, out] (an embedding's, GPT-2's Conv1D): the update transposed
   };
   std::vector<Term> terms;
+  // Terms on a checkpoint tensor the weight's expression reads, where the adapter names the
+  // checkpoint's module and a converter stacks or joins it into this weight (a Mixtral's
+  // experts.0.w1 into experts.gate_up_proj): fused into that tensor as it is read, before the
+  // expression, so the weight is the conversion of the adapted tensors.
+  struct OnSource {
+    std::string key;  // the checkpoint's tensor, "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    std::vector<Term> terms;
+  };
+  std::vector<OnSource> sources;
   // `value` (the weight in any floating dtype, on the CPU) plus every term, a new float32 tensor,
   // in peft's order: each product times its factor, then added.
-  at::Tensor fused(const at::Tensor& value) const;
-  uint64_t bytes() const;  // of the terms' tensors
+  at::Tensor fused(const at::Tensor& value) const { return fused(terms, value); }
+  static at::Tensor fused(const std::vector<Term>& terms, const at::Tensor& value);
 };
 
 struct Parameter {

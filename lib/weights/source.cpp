@@ -70,9 +70,20 @@ at::Tensor Source::read(const Assignment& a, c10::Device device, c10::ScalarType
   at::Tensor value;
   if (a.patch) {
     if (dtype == kPacked) throw Error(where + ": " + a.parameter->name + " is changed by its adapters, so it is never held packed");
-    value = a.patch->fused(a.expr->op == convert::Expr::Op::Source
-                               ? storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = c10::kFloat, .mode = storage::ReadMode::Auto})
-                               : convert::evaluate(*a.expr, map, storage::ReadMode::Auto))
+    const auto as_float = [&](const convert::Expr& s) {
+      return storage::load_tensor(map, map.at(s.source, s.shard), {.dtype = c10::kFloat, .mode = storage::ReadMode::Auto});
+    };
+    // Terms on checkpoint tensors the expression reads: fused into each as it is read (every
+    // source in float32, so that the expression joins values of one dtype).
+    const auto adapted = [&](const convert::Expr& s) {
+      for (const auto& [key, terms] : a.patch->sources)
+        if (key == s.source) return model::LoraTerms::fused(terms, as_float(s));
+      return as_float(s);
+    };
+    value = a.patch->fused(a.expr->op == convert::Expr::Op::Source && a.patch->sources.empty()
+                               ? as_float(*a.expr)
+                               : convert::evaluate(*a.expr, map, storage::ReadMode::Auto,
+                                                   a.patch->sources.empty() ? convert::SourceValue() : adapted))
                 .to(dtype);
   } else if (a.expr->op == convert::Expr::Op::Source)
     value = storage::load_tensor(map, map.at(a.expr->source, a.expr->shard), {.dtype = dtype, .mode = mode});

@@ -702,3 +702,121 @@ def test_a_client_refuses_a_pattern_that_is_no_regular_expression(tmp_path):
     terms = read_loras([(folder, 0.5)], module)["0.weight"]
     assert [(d.shape, u.shape, f, t) for d, u, f, t in terms] == [((2, 4), (3, 2), 0.5, False)]
 
+
+
+# --- An adapter on a mixture of experts' experts ----------------------------------------------------
+
+def module_tree(state):
+    """A module holding a Linear for every 2-D weight of `state`, under the checkpoint's names,
+    for peft to adapt and merge: Mixtral adapters name the Hub layout's experts.N.w1/w2/w3, which
+    transformers 5's MixtralForCausalLM fuses into experts.gate_up_proj and down_proj."""
+    root = torch.nn.Module()
+    for name, value in state.items():
+        if not name.endswith(".weight") or value.dim() != 2:
+            continue
+        *path, leaf = name[: -len(".weight")].split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        linear = torch.nn.Linear(value.shape[1], value.shape[0], bias=False)
+        linear.weight.data.copy_(value)
+        module.add_module(leaf, linear)
+    return root
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A Mixtral saved as on the Hub (per-expert tensors), a peft adapter on every expert's w1, w2
+    and w3 and on q_proj, and the witness: transformers' from_pretrained of the checkpoint with
+    peft's merge_and_unload() of the adapter written into it."""
+    import peft
+    import transformers
+    out = tmp_path_factory.mktemp("moe")
+    witness = hf_models.make("mixtral", "float32", out)
+    state = load_file(witness / "model" / "model.safetensors")
+    torch.manual_seed(5)
+    adapted = peft.get_peft_model(module_tree(state), peft.LoraConfig(
+        r=3, lora_alpha=6, target_modules=["w1", "w2", "w3", "q_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.3)
+    adapted.save_pretrained(out / "adapter")
+    merged = hf_models.save_beside(witness, {**state, **adapted.merge_and_unload().state_dict()}, out / "merged")
+    inputs = load_file(witness / "inputs.safetensors")
+    expected = hf_models.outputs(transformers.MixtralForCausalLM.from_pretrained(
+        merged.parent, dtype=torch.float32).eval(), inputs)
+    base = load_file(witness / "expected.safetensors")
+    assert not hf_models.close(expected["logits"], base["logits"]), "the adapter changed nothing"
+    (out / "vramd.toml").write_text('[budgets]\ncpu = "8GiB"\n')
+    return {"out": out, "witness": witness, "adapter": out / "adapter", "inputs": inputs, "expected": expected,
+            "base": base}
+
+
+MOE_STREAMED = '[vram]\noffload = { device = "disk" }\nonload = { device = "disk" }\nlimit = "300KiB"\n'
+
+
+@pytest.mark.parametrize("vram", ["", MOE_STREAMED], ids=["resident", "streamed"])
+@pytest.mark.parametrize("fuse", ["true", "false"])
+def test_an_adapter_on_a_mixtures_experts_equals_peft_merge(moe, vram, fuse):
+    """vramd's Mixtral family holds each expert's w1, w2 and w3 as the checkpoint names them: the
+    adapter's terms go to each expert, fused or unfused, resident or streamed under a limit below
+    one layer's experts."""
+    path = moe["out"] / f"mixtral-{fuse}-{bool(vram)}.toml"
+    path.write_text(f'name = "m"\ncheckpoint = "{moe["witness"] / "model"}"\nfuse_lora = {fuse}\n{vram}\n'
+                    f'[[lora]]\npath = "{moe["adapter"]}"\n')
+    assert_close(run({"out": moe["out"], "witness": moe["witness"]}, path), moe["expected"])
+
+
+def test_an_adapter_on_the_hub_layouts_experts_reaches_transformers_fused_experts(moe, tmp_path):
+    """Served with converter = "transformers" (experts.N.w1/w3 stacked and joined into
+    gate_up_proj), the adapter naming the checkpoint's experts is fused into those tensors before
+    the conversion: a transformers 5 Mixtral managed under a limit below its size equals
+    transformers' own from_pretrained of peft's merge. A switch to [] gives the base's values bit
+    for bit and back; unfused, such an adapter is refused naming the checkpoint's tensor and
+    what the converter makes of it."""
+    from accelerate import init_empty_weights
+    import transformers
+    import vramd
+    d = Daemon(tmp_path / "daemon", extra=f'python = "{sys.executable}"')
+    served = f'checkpoint = "{moe["witness"] / "model"}"\narchitecture = "weights"\nconverter = "transformers"\n'
+    lora = f'[[lora]]\npath = "{moe["adapter"]}"\n'
+    (d.models / "experts.toml").write_text(served + lora)
+    (d.models / "plain.toml").write_text(served)
+    (d.models / "unfused.toml").write_text(served + "fuse_lora = false\n" + lora)
+    config = transformers.AutoConfig.from_pretrained(moe["witness"] / "model")
+    with init_empty_weights():
+        module = transformers.MixtralForCausalLM(config).eval()
+    sizes = [sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in module.modules()]
+    limit = max(sum(sizes) // 3, 2 * max(sizes))
+    assert limit < sum(sizes)
+    inputs = {k: moe["inputs"][k] for k in ("input_ids", "attention_mask")}
+
+    def forward(m):
+        return hf_models.outputs(m, inputs)
+
+    with d.start(), vramd.connect(d.sock) as client, torch.no_grad():
+        with vramd.manage(module, "experts", client=client, limit=limit, follow=True) as managed:
+            assert_close(forward(module), moe["expected"])
+            assert managed.stats()["peak"] <= limit
+            assert [a["path"] for a in client.set_loras("experts", [])["loras"]] == []
+            managed.wait_update(timeout=60)
+            cleared = forward(module)
+            client.set_loras("experts", [(moe["adapter"], 1.0)])
+            managed.wait_update(timeout=60)
+            assert_close(forward(module), moe["expected"])
+        with init_empty_weights():
+            plain = transformers.MixtralForCausalLM(config).eval()
+        with vramd.manage(plain, "plain", client=client, limit=limit):
+            base = forward(plain)
+        for name in base:
+            assert torch.equal(cleared[name], base[name]), name
+        assert_close(base, moe["base"])
+        status, answer = request(d.sock, "POST", "/v1/models/unfused/load")
+        assert status >= 400, answer
+        reason = model(d.sock, "unfused").get("reason", "")
+        assert ("'model.layers.0.block_sparse_moe.experts.0.w1.weight', which the converter makes into "
+                "'model.layers.0.mlp.experts.gate_up_proj'") in reason and "fuse_lora = true" in reason, reason
+        assert model(d.sock, "experts")["state"] == "ready"  # the others serve on
