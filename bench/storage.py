@@ -5,12 +5,14 @@
 Prints each figure and its ratio. Timings are taken inside each process (Python's perf_counter,
 vramd's steady_clock), best of --repeat, page cache warm unless the row says cold. Cold rows
 evict the file from the page cache with posix_fadvise(DONTNEED) first, and are compared with
-`dd iflag=direct` on the same file. See docs/benchmarks.md.
+the disk's bound on the same file: fio's O_DIRECT io_uring reads where fio is installed, else
+`dd iflag=direct`. See docs/benchmarks.md.
 """
 import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -86,7 +88,7 @@ def warm(path):
 
 def dd_direct_seconds(path, jobs=1):
     """`jobs` dd processes at once, each reading its share of the file with O_DIRECT (bs=16M):
-    the disk's bound with as many requests in flight (fio is not among this machine's packages)."""
+    the disk's bound with as many requests in flight, where fio is not installed."""
     blocks = -(-path.stat().st_size // (16 << 20))
     share = -(-blocks // jobs)
     start = time.perf_counter()
@@ -96,6 +98,53 @@ def dd_direct_seconds(path, jobs=1):
     if any(r.wait() for r in readers):
         raise RuntimeError("dd failed")
     return time.perf_counter() - start
+
+
+def fio_direct_seconds(path, jobs=1, depth=16, block="8M", hugetlbfs=None):
+    """fio reading the file with O_DIRECT through io_uring, `jobs` jobs each on its share with
+    `depth` requests of `block` in flight (vramd's O_DIRECT reads keep 16 of 8 MiB), its buffers
+    of huge pages from `hugetlbfs` where given: the disk's bound. The seconds its throughput
+    gives for the whole file, fio's start left out."""
+    size = path.stat().st_size
+    share = -(-size // jobs // (1 << 20)) << 20
+    memory = [f"--iomem=mmaphuge:{hugetlbfs}/vramd-bench-fio"] if hugetlbfs else []
+    out = subprocess.run(["fio", "--name=bound", f"--filename={path}", "--readonly", "--rw=read", "--direct=1",
+                          "--ioengine=io_uring", f"--bs={block}", f"--iodepth={depth}", f"--numjobs={jobs}",
+                          f"--size={share}", f"--offset_increment={share}", "--group_reporting", *memory,
+                          "--output-format=json"], check=True, capture_output=True, text=True).stdout
+    read = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    return size / read["bw_bytes"]
+
+
+def hugetlbfs_with(pages):
+    """A hugetlbfs mount with at least `pages` free huge pages of 2 MiB, or None."""
+    meminfo = Path("/proc/meminfo").read_text()
+    free = int(re.search(r"HugePages_Free:\s+(\d+)", meminfo).group(1))
+    if free < pages or "Hugepagesize:       2048 kB" not in meminfo:
+        return None
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    return next((fields[1] for fields in mounts if fields[2] == "hugetlbfs"), None)
+
+
+def disk_bounds(model):
+    """The disk's bound rows of a cold round: fio (io_uring, O_DIRECT) at vramd's depth with one
+    job and with four, its buffers of 4 KiB pages and, where hugetlbfs has room, of huge pages
+    (a request of 4 KiB pages is split at the device's segment limit: 254 of them, 1 MiB, on a
+    virtio disk; vramd's buffers are huge pages); else dd with one and 16."""
+    if not shutil.which("fio"):
+        print("fio is not installed (apt-get install fio): dd's O_DIRECT reads stand for the disk's bound", flush=True)
+        return {"dd O_DIRECT, 1 job": lambda: dd_direct_seconds(model),
+                "dd O_DIRECT, 16 jobs": lambda: dd_direct_seconds(model, 16)}
+    bounds = {"fio O_DIRECT io_uring, 1 job x 16": lambda: fio_direct_seconds(model),
+              "fio O_DIRECT io_uring, 4 jobs x 16": lambda: fio_direct_seconds(model, 4)}
+    huge = hugetlbfs_with(4 * 16 * 4 + 8)  # 4 jobs' 16 buffers of 8 MiB
+    if huge:
+        bounds["fio ..., 1 job x 16, huge pages"] = lambda: fio_direct_seconds(model, hugetlbfs=huge)
+        bounds["fio ..., 4 jobs x 16, huge pages"] = lambda: fio_direct_seconds(model, 4, hugetlbfs=huge)
+    else:
+        print("no hugetlbfs with 264 free huge pages: fio's buffers are of 4 KiB pages alone "
+              "(echo 264 > /proc/sys/vm/nr_hugepages; mount -t hugetlbfs none /dev/hugepages)", flush=True)
+    return bounds
 
 
 PEERS = ["runai", "fastsafetensors", "safetensors"]
@@ -111,38 +160,48 @@ def peer_seconds(which, path):
 def interleaved(model, rounds):
     """vramd and the fastest loaders people pick instead, round by round (each read in a fresh
     process, the file evicted first for the cold rows, read once just before for the warm ones),
-    with dd's O_DIRECT bound of one and of 16 jobs in each cold round. Returns, by row, the
-    seconds of each round."""
+    with the disk's bound (disk_bounds) in each cold round. Returns, by row, the seconds of each
+    round, and the names of the bound's rows."""
     contenders = {
         "vramd load_tensors, page cache": lambda: ours("read", model, 1, "bulk")["seconds"][0],
         "vramd load_tensors, O_DIRECT": lambda: ours("read", model, 1, "bulk-direct")["seconds"][0],
+        # The same reads into memory faulted in before (as a daemon's is, reused), and the reads
+        # alone into 16 buffers of 8 MiB reused (as fio's are).
+        "vramd O_DIRECT, memory faulted in": lambda: ours("read", model, 1, "staged-direct")["seconds"][0],
+        "vramd O_DIRECT, the reads alone": lambda: ours("read", model, 1, "staged-huge")["seconds"][0],
         **{peer: (lambda peer=peer: peer_seconds(peer, model)) for peer in PEERS},
     }
-    bounds = {"dd O_DIRECT, 1 job": lambda: dd_direct_seconds(model), "dd O_DIRECT, 16 jobs": lambda: dd_direct_seconds(model, 16)}
+    bounds = disk_bounds(model)
+    # What the destination's fresh memory costs, no read: each contender but vramd's two staged
+    # rows faults in as much (on a VM that hands freed memory back to its host, slowly).
+    faults = {"fresh memory faulted in, huge pages": lambda: ours("read", model, 1, "fault-huge")["seconds"][0],
+              "fresh memory faulted in, 4 KiB pages": lambda: ours("read", model, 1, "fault-pages")["seconds"][0]}
     cold_rows, warm_rows = {}, {}
     for _ in range(rounds):
-        for name, run in {**bounds, **contenders}.items():
+        for name, run in {**bounds, **faults, **contenders}.items():
             evict(model)
             cold_rows.setdefault(name, []).append(run())
         for name, run in contenders.items():
+            if "O_DIRECT" in name:
+                continue  # reads around the page cache: as cold
             warm(model)
             warm_rows.setdefault(name, []).append(run())
-    return cold_rows, warm_rows
+    return cold_rows, warm_rows, list(bounds)
 
 
-def print_interleaved(cold, warm, size):
+def print_interleaved(cold, warm, bounds, size):
     gib = size / 2**30
     for title, table in (("cold (page cache evicted before each read)", cold), ("warm (file in the page cache)", warm)):
         rounds = len(next(iter(table.values())))
         print(f"\n{title}: GiB/s in each of {rounds} rounds; ratios of each round's figure", flush=True)
         for name, seconds in table.items():
             peers = [min(table[p][i] for p in PEERS) for i in range(rounds)]
-            bound = [min(cold["dd O_DIRECT, 1 job"][i], cold["dd O_DIRECT, 16 jobs"][i]) for i in range(rounds)]
-            line = f"  {name:34s} " + " ".join(f"{gib / s:5.2f}" for s in seconds)
+            bound = [min(cold[b][i] for b in bounds) for i in range(rounds)]
+            line = f"  {name:40s} " + " ".join(f"{gib / s:5.2f}" for s in seconds)
             if name.startswith("vramd"):
                 line += "   against the fastest peer " + " ".join(f"{p / s:.2f}x" for s, p in zip(seconds, peers))
                 if table is cold:
-                    line += ", against dd's best " + " ".join(f"{b / s:.2f}x" for s, b in zip(seconds, bound))
+                    line += ", against the disk's bound " + " ".join(f"{b / s:.2f}x" for s, b in zip(seconds, bound))
             print(line, flush=True)
 
 

@@ -16,6 +16,9 @@
 //                                (the reads alone: read_staged into 16 buffers of 8 MiB, faulted
 //                                 in before the clock starts, of 4 KiB pages, as LibTorch's
 //                                 pinned memory is, or of huge pages; nothing copied out)
+//           fault-huge | fault-pages
+//                                (no read: fresh memory of the checkpoint's size faulted in,
+//                                 of huge pages as load_tensors' arena is, or of 4 KiB pages)
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <sys/mman.h>
@@ -101,6 +104,18 @@ int run(int argc, char** argv) {
       auto start = Clock::now();
       auto map = DiskMap::open(path);
       std::vector<at::Tensor> loaded;
+      if (mode == "fault-huge" || mode == "fault-pages") {
+        const uint64_t size = map.total_bytes();
+        void* memory = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (memory == MAP_FAILED) throw std::runtime_error("mmap failed");
+        ::madvise(memory, size, mode == "fault-huge" ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+        start = Clock::now();
+        if (::madvise(memory, size, 23 /* MADV_POPULATE_WRITE, Linux 5.14 */) != 0) std::memset(memory, 0, size);
+        times.push_back(seconds_since(start));
+        ::munmap(memory, size);
+        bytes = size;
+        continue;
+      }
       if (mode == "staged-pages" || mode == "staged-huge") {
         DiscardingPool pool(mode == "staged-huge");
         std::vector<DiskMap::Staged> ranges;
