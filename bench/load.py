@@ -1,5 +1,7 @@
 """Loading benchmark: time to ready and peak memory for a ~1B-parameter LLaMA-shaped bfloat16
-checkpoint (random weights), vramd against transformers and accelerate, same file, same run.
+checkpoint (random weights), vramd against transformers and accelerate, and against the fastest
+loaders (runai-model-streamer, fastsafetensors: bench/peer_read.py's reads put into a model made
+without weights, load_state_dict(assign=True)), same file, same run.
 
     .venv/bin/python bench/load.py [--workdir /tmp/vramd-bench] [--repeat 3] [--tokens 32]
 
@@ -89,6 +91,15 @@ def python_contender(kind, folder, tokens, repeat):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model = accelerate.load_checkpoint_and_dispatch(model, str(folder / "model.safetensors"), device_map={"": "cpu"},
                                                         dtype=torch.bfloat16)
+    else:  # a fast loader's tensors put into a model made without weights, as vLLM's loaders do
+        import accelerate
+        import peer_read
+        peer_read.imports(kind)
+        start = time.perf_counter()  # the loader's imports left out, as transformers' are
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with accelerate.init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.load_state_dict(peer_read.read(kind, str(folder / "model.safetensors")), assign=True)
     ready = time.perf_counter() - start
     loaded_peak = peak_rss()
     model.eval()
@@ -129,7 +140,7 @@ def main():
     size = warm_checkpoint(folder)
     results = {"vramd": vramd_contender(folder, args.tokens, args.repeat, workdir),
                "vramd --copy": vramd_contender(folder, args.tokens, args.repeat, workdir, "--copy")}
-    for kind in ["transformers", "transformers-device-map", "accelerate"]:
+    for kind in ["transformers", "transformers-device-map", "accelerate", "runai", "fastsafetensors"]:
         out = subprocess.run([sys.executable, __file__, "--workdir", str(workdir), "--repeat", str(args.repeat),
                               "--tokens", str(args.tokens), "--contender", kind],
                              check=True, capture_output=True, text=True, timeout=1800)
