@@ -776,7 +776,8 @@ def test_an_adapter_on_the_hub_layouts_experts_reaches_transformers_fused_expert
     the conversion: a transformers 5 Mixtral managed under a limit below its size equals
     transformers' own from_pretrained of peft's merge. A switch to [] gives the base's values bit
     for bit and back; unfused, such an adapter is refused naming the checkpoint's tensor and
-    what the converter makes of it."""
+    what the converter makes of it, and so is it as the client's own (manage(loras=)), saying
+    that the daemon applies it."""
     from accelerate import init_empty_weights
     import transformers
     import vramd
@@ -811,6 +812,9 @@ def test_an_adapter_on_the_hub_layouts_experts_reaches_transformers_fused_expert
             plain = transformers.MixtralForCausalLM(config).eval()
         with vramd.manage(plain, "plain", client=client, limit=limit):
             base = forward(plain)
+        # The client's own adapters name the module's weights: this one is the daemon's to apply.
+        with pytest.raises(vramd.ManageError, match=r"experts\.0\.w1' is not the module's .*give the served model its \[\[lora\]\]"):
+            vramd.manage(plain, "plain", client=client, limit=limit, loras=[(moe["adapter"], 1.0)])
         for name in base:
             assert torch.equal(cleared[name], base[name]), name
         assert_close(base, moe["base"])

@@ -90,7 +90,10 @@ def read_loras(loras, module: nn.Module) -> dict[str, list[tuple]]:
                 layer = modules.get(target) if target else None
                 weight = getattr(layer, "weight", None) if layer is not None else None
                 if not isinstance(weight, torch.Tensor):
-                    raise ManageError(f"module {name!r} is not the module's (or has no weight)")
+                    raise ManageError(f"module {name!r} is not the module's (or has no weight); an adapter on "
+                                      "the checkpoint's modules where a converter joins them (a Mixtral's "
+                                      "experts.N.w1 stacked into experts.gate_up_proj) is the daemon's to apply: "
+                                      "give the served model its [[lora]] instead")
                 embedding = "embedding down" in pair or "embedding up" in pair
                 down, up = pair.get("embedding down" if embedding else "down"), pair.get("embedding up" if embedding else "up")
                 if down is None or up is None:
