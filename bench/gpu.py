@@ -33,6 +33,11 @@ contender runs in a fresh process.
   lease       through the daemon, in a fresh process: a complete state dict on the device from a
               lease of the loaded model against safetensors' load_file(device=DEVICE), seconds
               and the device memory the client's own process grew by
+  fast_loaders  on a GPU (issue #70): the whole checkpoint on the device by instanttensor,
+              runai-model-streamer and fastsafetensors (nogds), each in a fresh process, against
+              vramctl run's load (all resident), from the page cache and cold, in turn; vramd's
+              rate against the pinned copy's bound (copy_bound) and the disk's (scripts/gpu-check's
+              loaders step: --only read_bound_bytes_per_second,copy_bound,fast_loaders)
 
 With --device cpu the same steps run on the CPU where they mean something (not GPU figures), and
 the report lists the others as skipped, with the reason. The streaming peers are accelerate and
@@ -220,6 +225,76 @@ def state_dict_contender(folder, device, sock):
             "bytes": sum(t.numel() * t.element_size() for t in state_dict.values())}
 
 
+# The fastest loaders serving stacks use (issue #70), each timed putting the whole checkpoint on
+# the device: installed from bench/requirements.txt (scripts/pack-offline packs them).
+FAST_LOADERS = ("instanttensor", "runai", "fastsafetensors")
+
+
+def fast_loader_contender(which, folder, device):
+    """`which` putting every tensor of the checkpoint on `device` in this fresh process, its imports
+    and the CUDA context made first (the parent warms the page cache or drops it): seconds to the
+    last tensor there. instanttensor: safe_open(device=N), its tensors owned; runai-model-streamer:
+    SafetensorsStreamer.stream_file(device=...); fastsafetensors: SafeTensorsFileLoader(nogds=True)
+    and copy_files_to_device(). A loader that cannot be imported here is reported as such."""
+    import torch
+    path = str(Path(folder) / "model.safetensors")
+    torch.zeros(1, device=device)
+    try:
+        if which == "instanttensor":
+            from instanttensor import safe_open
+        elif which == "runai":
+            from runai_model_streamer import SafetensorsStreamer
+        else:
+            from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+    except Exception as e:  # not installed, or built for another torch
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+    start = time.perf_counter()
+    if which == "instanttensor":
+        with safe_open(path, framework="pt", device=torch.device(device).index or 0) as f:
+            tensors = dict(f.tensors())
+    elif which == "runai":
+        tensors = {}
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_file(path, device=device)
+            for name, tensor in streamer.get_tensors():
+                tensors[name] = tensor.clone()  # its buffer is reused for the next ones
+    else:
+        loader = SafeTensorsFileLoader(SingleGroup(), device, nogds=True)
+        loader.add_filenames({0: [path]})
+        buffer = loader.copy_files_to_device()
+        tensors = {name: buffer.get_tensor(name) for name in buffer.key_to_rank_lidx}
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    on_device = {t.device.type for t in tensors.values()} == {torch.device(device).type}
+    return {"seconds": seconds, "tensors": len(tensors), "on_device": on_device,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def fast_loaders(args, workdir, folder):
+    """Each fast loader and vramd (vramctl run's load onto the device, all resident) to the whole
+    checkpoint on the device, from the page cache (read just before) and cold (dropped just
+    before), in turn."""
+    path = folder / "model.safetensors"
+    resident = f'computation = {{ device = "{args.device}" }}\n'
+    figures = {}
+    for kind in ("warm", "cold"):
+        for which in (*FAST_LOADERS, "vramd"):
+            if kind == "warm":
+                subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+            else:
+                drop_page_cache(path)
+            try:
+                if which == "vramd":
+                    stats = vramctl_run(workdir, folder, f"ready-{kind}", resident, args)
+                    figures[f"vramd_{kind}"] = {"seconds": stats["plan_seconds"] + stats["load_seconds"]}
+                else:
+                    figures[f"{which}_{kind}"] = contender(f"fast-{which}", args, folder)
+            except Exception as e:  # one loader's failure is reported beside the others' figures
+                figures[f"{which}_{kind}"] = {"error": str(e)}
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # warm again for the others
+    return figures
+
+
 CONTENDERS = {
     "lease": lambda a: state_dict_contender(a.folder, a.device, a.socket),
     "load-file": lambda a: state_dict_contender(a.folder, a.device, ""),
@@ -229,6 +304,7 @@ CONTENDERS = {
     "diffsynth-disk": lambda a: diffsynth_contender(a.folder, a.device, "disk", a.tokens, a.forwards, a.limit),
     "transformers-ready": lambda a: transformers_ready_contender(a.folder, a.device),
     "copy-bound": lambda a: copy_bound_contender(a.folder, a.device),
+    **{f"fast-{which}": (lambda a, which=which: fast_loader_contender(which, a.folder, a.device)) for which in FAST_LOADERS},
 }
 
 
@@ -432,13 +508,16 @@ def run(args):
         step("accelerate_cpu", lambda: contender("accelerate-cpu", args, folder))
         step("diffsynth_host", lambda: contender("diffsynth-cpu", args, folder, limit=limit))
         step("copy_bound", lambda: contender("copy-bound", args, folder))
+        step("fast_loaders", lambda: fast_loaders(args, workdir, folder))
     else:
-        why = "no CUDA device: "
-        skip["vramd_host"] = why + "streaming from host memory to a GPU"
-        skip["vramd_host_float8"] = why + "float8 onload computed in bfloat16 on a GPU"
-        skip["accelerate_cpu"] = why + "accelerate's CPU offload computes on a GPU"
-        skip["copy_bound"] = why + "the pinned host-to-GPU copy bound"
-        skip["diffsynth_host"] = why + "DiffSynth-Studio's host offload computes on a GPU"
+        for name, why in (("vramd_host", "streaming from host memory to a GPU"),
+                          ("vramd_host_float8", "float8 onload computed in bfloat16 on a GPU"),
+                          ("accelerate_cpu", "accelerate's CPU offload computes on a GPU"),
+                          ("copy_bound", "the pinned host-to-GPU copy bound"),
+                          ("diffsynth_host", "DiffSynth-Studio's host offload computes on a GPU"),
+                          ("fast_loaders", "instanttensor, runai-model-streamer and fastsafetensors to a GPU")):
+            if not args.only or name in args.only:
+                skip[name] = "no CUDA device: " + why
     results["summary"] = summarise(results)
     return results
 
@@ -446,7 +525,7 @@ def run(args):
 # What run() measures, in its order: --only picks from these.
 STEPS = ("resident", "vramd_disk", "vramd_disk_direct", "vramd_disk_buffered", "accelerate_disk", "diffsynth_disk",
          "read_bound_bytes_per_second", "staged_reads", "transformers_ready", "daemon", "vramd_host",
-         "vramd_host_float8", "accelerate_cpu", "diffsynth_host", "copy_bound")
+         "vramd_host_float8", "accelerate_cpu", "diffsynth_host", "copy_bound", "fast_loaders")
 
 
 def ok(results, *names):
@@ -457,6 +536,35 @@ def ok(results, *names):
 def shrank(grown):
     """How the device's free memory changed, from the bytes a process grew it by."""
     return f"shrank by {grown / 2**20:.1f} MiB" if grown >= 0 else f"grew by {-grown / 2**20:.1f} MiB"
+
+
+def fast_loader_lines(r):
+    """Time to the whole checkpoint on the device, vramd against each fast loader, from the page
+    cache against the pinned copy's bound and cold against the disk's read bound."""
+    lines, f = [], r["fast_loaders"]
+    bounds = {"warm": ("the pinned copy's", r.get("copy_bound", {}).get("bytes_per_second") if ok(r, "copy_bound") else None),
+              "cold": ("the disk's read", r.get("read_bound_bytes_per_second") if ok(r, "read_bound_bytes_per_second") else None)}
+    for kind, (bound_name, bound) in bounds.items():
+        ours = f.get(f"vramd_{kind}", {})
+        if "seconds" not in ours:
+            lines.append(f"FAILED fast loaders, vramd {kind}: {(ours.get('error') or '?').strip().splitlines()[-1]}")
+            continue
+        rate = r["checkpoint_bytes"] / ours["seconds"]
+        parts, fastest = [], None
+        for which in FAST_LOADERS:
+            theirs = f.get(f"{which}_{kind}", {})
+            if "seconds" in theirs:
+                parts.append(f"{which} {theirs['seconds']:.3f} s ({theirs['seconds'] / ours['seconds']:.2f}x"
+                             f"{'' if theirs.get('on_device') else ', NOT all on the device'})")
+                fastest = min(fastest or theirs["seconds"], theirs["seconds"])
+            else:
+                why = theirs.get("unavailable") or (theirs.get("error") or "?").strip().splitlines()[-1]
+                parts.append(f"{which} not run ({why})")
+        against = f", {rate / bound:.0%} of {bound_name} bound ({bound / 1e9:.2f} GB/s)" if bound else ""
+        versus = f"; vramd {fastest / ours['seconds']:.2f}x the fastest" if fastest else ""
+        lines.append(f"ready on {r['device']} ({'page cache' if kind == 'warm' else 'cold'}): vramd {ours['seconds']:.3f} s "
+                     f"({rate / 1e9:.2f} GB/s{against}), {', '.join(parts)}{versus}")
+    return lines
 
 
 def summarise(r):
@@ -522,6 +630,8 @@ def summarise(r):
         lines.append(f"a state dict on {r['device']} in a fresh process: lease {a['seconds']:.4f} s, load_file "
                      f"{b['seconds']:.4f} s ({b['seconds'] / a['seconds']:.1f}x), of a {a['bytes'] / 2**20:.1f} MiB "
                      f"model{memory}")
+    if ok(r, "fast_loaders"):
+        lines += fast_loader_lines(r)
     if ok(r, "sleep_wake"):
         s = r["sleep_wake"]
         lines.append(f"sleep/wake (offload to {s['offload_to']}): {s['sleep_seconds_per_gib']:.4f} s/GiB to sleep, "

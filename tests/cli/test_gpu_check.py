@@ -59,7 +59,8 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
         assert "error" not in figures[step], (step, figures[step])
     assert 0 < figures["vramd_disk"]["vram"]["peak"] <= figures["limit"]
     assert figures["vramd_disk_direct"]["vram"]["bytes_streamed"] > 0
-    assert set(figures["skipped"]) == {"vramd_host", "vramd_host_float8", "accelerate_cpu", "copy_bound", "diffsynth_host"}
+    assert set(figures["skipped"]) == {"vramd_host", "vramd_host_float8", "accelerate_cpu", "copy_bound", "diffsynth_host",
+                                       "fast_loaders"}
     for name, why in figures["skipped"].items():
         assert f"- skipped {name}: {why}" in report
     assert any(line.startswith("streaming from disk: vramd ") and "accelerate" in line and "DiffSynth" in line
@@ -115,8 +116,16 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert sd15["results"]["vramd"]["managed"]["pinned_bytes"] == 0, sd15
     assert any(line.startswith("- vramd against diffusers: forward ") and " first output " in line
                for line in report.split("## A new process's first output")[1].splitlines()), report
+    # The loaders step on the CPU: the disk's read bound alone, the GPU's loaders skipped saying why.
+    loaders = json.loads((out / "loaders.json").read_text())
+    assert loaders["read_bound_bytes_per_second"] > 0 and set(loaders["skipped"]) == {"copy_bound", "fast_loaders"}, loaders
+    bound = loaders["read_bound_bytes_per_second"] / 1e9
+    assert ("## The fastest loaders onto the device (bench/gpu.py's fast_loaders)\n\n"
+            f"On cpu, LLaMA-shaped {loaders['checkpoint_bytes'] / 2**30:.2f} GiB bfloat16; the disk's read bound {bound:.2f} GB/s.\n\n"
+            "- skipped copy_bound: no CUDA device: the pinned host-to-GPU copy bound\n"
+            "- skipped fast_loaders: no CUDA device: instanttensor, runai-model-streamer and fastsafetensors to a GPU\n") in report, report
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
-                "update.log", "manage.log", "hooks.log", "sd15.log"):
+                "update.log", "manage.log", "hooks.log", "sd15.log", "loaders.log"):
         assert (out / log).exists(), log
     assert not list(temporary.glob("vramd-*")), list(temporary.iterdir())  # the daemon's socket folder, say
 
@@ -203,7 +212,7 @@ def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
     refused = subprocess.run(check + ["--steps", "update,bench", tmp_path / "refused"], capture_output=True, text=True,
                              timeout=60)
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert "--steps names no step: bench (steps: tests,manage,update,sd15,moe,gpu)" in refused.stderr
+    assert "--steps names no step: bench (steps: tests,manage,update,sd15,moe,loaders,gpu)" in refused.stderr
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "out"
     out.mkdir()
@@ -215,7 +224,7 @@ def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
     assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
     for title in ("CUDA tests", "A managed module (bench/manage.py, bench/hooks.py)", "Mixture of experts (bench/moe.py)",
                   "A new process's first output, Stable Diffusion 1.5's UNet (bench/manage.py)",
-                  "Benchmarks (bench/gpu.py)"):
+                  "The fastest loaders onto the device (bench/gpu.py's fast_loaders)", "Benchmarks (bench/gpu.py)"):
         assert f"## {title}\n\n- not run (--steps update)\n" in report, report
     assert {path.name for path in out.iterdir()} == {"environment.txt", "update.json", "update.log", "report.md"}
 
