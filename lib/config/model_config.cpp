@@ -260,11 +260,16 @@ ModelConfig load_model_config(const std::string& path, const std::string& text, 
   auto converter = root.string("converter");
   if (!converter && gguf && config.architecture != "weights") converter = "gguf.lua";
   if (converter && *converter == kTransformersConverter) {
-    if (gguf)
-      root.bad_value("converter", "transformers' rules apply to the names of a checkpoint saved by transformers, and a "
-                                  "GGUF file holds llama.cpp's: leave the converter out (gguf.lua is GGUF's default) or "
-                                  "serve the model's safetensors");
     config.converter = kTransformersConverter;
+    // transformers' rules read Hugging Face's names, which gguf.lua makes of llama.cpp's.
+    if (gguf) {
+      if (const auto found = find_script("gguf.lua", folder, daemon.converters))
+        config.converter_first = *found;
+      else
+        root.bad_value("converter", "transformers' rules read Hugging Face's names, which the shipped converter "
+                                    "gguf.lua makes of a GGUF file's, and none of the daemon's converter folders holds "
+                                    "it (looked for " + searched_text("gguf.lua", folder, daemon.converters) + ")");
+    }
   } else if (converter && !converter->empty()) {  // "": the checkpoint's own names, a GGUF file's too
     const auto found = find_script(*converter, folder, daemon.converters);
     if (!found) {

@@ -68,7 +68,8 @@ struct LoraConfig {
 };
 
 // converter = "transformers": transformers' own load-time conversion for the model type of
-// config.json, written as a converter by the daemon's Python (load/transformers_rules.hpp).
+// config.json (a GGUF file's metadata), written as a converter by the daemon's Python
+// (load/conversion.hpp).
 inline constexpr const char* kTransformersConverter = "transformers";
 
 struct ModelConfig {
@@ -82,6 +83,9 @@ struct ModelConfig {
   std::string prefix;
   bool keep_prefix = false;
   std::string converter;  // absolute path of the Lua script, kTransformersConverter, or empty
+  // Under kTransformersConverter for a GGUF file: the absolute path of gguf.lua, which makes its
+  // names Hugging Face's for transformers' rules to read (run first, convert/chain.hpp); else empty.
+  std::string converter_first;
   std::string python;     // the daemon's (DaemonConfig::python), for kTransformersConverter
   Dtype dtype;            // the weights' dtype once loaded
   bool strict = true;     // missing or unexpected keys fail the load

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
+#include "convert/chain.hpp"
 #include "util/error.hpp"
 #include "util/file.hpp"
 #include "util/format.hpp"
@@ -28,10 +29,10 @@ std::string last_line(const std::string& text) {
   return text.substr(start == std::string::npos ? 0 : start + 1, end - (start == std::string::npos ? 0 : start + 1) + 1);
 }
 
-}  // namespace
-
-std::string transformers_converter(const config::ModelConfig& config, const storage::DiskMap& map,
-                                   const hparams::Hyperparams& hyperparams) {
+// transformers' rules for config.json's model type over `keys`, as a converter's text, written by
+// config.python (a later call with the same inputs reads it from memory).
+std::string rules_text(const config::ModelConfig& config, const std::vector<std::string>& keys,
+                       const hparams::Hyperparams& hyperparams) {
   const std::string where = config::where(config, "converter");
   const std::string what = "converter = \"transformers\": ";
   const nlohmann::json arch = nlohmann::json::parse(hyperparams.json());
@@ -40,13 +41,6 @@ std::string transformers_converter(const config::ModelConfig& config, const stor
                     (hyperparams.origin().starts_with("no ") ? hyperparams.origin()
                                                              : hyperparams.origin() + " has no model_type") +
                     " (save_pretrained writes a config.json that has one beside the checkpoint)");
-  nlohmann::json keys = nlohmann::json::array();
-  std::string_view previous;
-  for (const auto& tensor : map.tensors()) {  // a name in several files (shards) once
-    if (!keys.empty() && tensor.name() == previous) continue;
-    keys.push_back(std::string(tensor.name()));
-    previous = tensor.name();
-  }
   const std::string input = nlohmann::json{{"config", arch}, {"keys", keys}, {"where", hyperparams.origin()}}.dump(
       -1, ' ', false, nlohmann::json::error_handler_t::replace);
 
@@ -80,6 +74,23 @@ std::string transformers_converter(const config::ModelConfig& config, const stor
   std::lock_guard lock(mutex);
   if (written->size() >= kCached) written->clear();
   return (*written)[key] = std::move(result.out);
+}
+
+}  // namespace
+
+std::string transformers_converter(const config::ModelConfig& config, const storage::DiskMap& map,
+                                   const hparams::Hyperparams& hyperparams) {
+  std::vector<std::string> keys;
+  if (config.converter_first.empty()) {
+    for (const auto& tensor : map.tensors())  // a name in several files (shards) once
+      if (keys.empty() || tensor.name() != keys.back()) keys.emplace_back(tensor.name());
+    return rules_text(config, keys, hyperparams);
+  }
+  // A GGUF file: transformers' rules over the names gguf.lua makes of llama.cpp's.
+  const std::string first = read_regular_file(config.converter_first, kMaxScriptBytes);
+  for (const auto& tensor : convert::run_converter_code(first, config.converter_first, map, hyperparams.json()).tensors)
+    keys.push_back(tensor.target);
+  return convert::chained(config.converter_first, first, rules_text(config, keys, hyperparams));
 }
 
 convert::ConversionPlan conversion_plan(const config::ModelConfig& config, const storage::DiskMap& map,

@@ -2,7 +2,8 @@
 // (scripts/converters/README.md), or converter = "transformers": transformers' own load-time
 // conversion for the model type of config.json (transformers.conversion_mapping: renames,
 // experts stored one tensor each merged into one), which the daemon's Python writes as a Lua
-// converter for this checkpoint's names (python -m vramd.transformers_converter --stdin).
+// converter for this checkpoint's names (python -m vramd.transformers_converter --stdin); for a
+// GGUF file, for the Hugging Face names gguf.lua makes of llama.cpp's.
 #pragma once
 
 #include <string>
@@ -22,8 +23,9 @@ convert::ConversionPlan conversion_plan(const config::ModelConfig& config, const
 // checkpoint without a config.json or known metadata converts under converter = "").
 convert::ConversionPlan conversion_plan(const config::ModelConfig& config, const storage::DiskMap& map);
 
-// The Lua text "transformers" stands for, over `map`'s names: written by config.python once per
-// process for the same names, hyperparameters and Python (a later call reads it from memory).
+// The Lua text "transformers" stands for, over `map`'s names (a GGUF file's: over those gguf.lua
+// makes of them, gguf.lua chained before it): written by config.python once per process for the
+// same names, hyperparameters and Python (a later call reads it from memory).
 std::string transformers_converter(const config::ModelConfig& config, const storage::DiskMap& map,
                                    const hparams::Hyperparams& hyperparams);
 

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "convert/chain.hpp"
 #include "server/catalog.hpp"
 #include "server/registry.hpp"
 #include "server/status.hpp"
@@ -59,36 +60,6 @@ void write_new_file(const std::string& path, const std::string& text) {
     throw;
   }
   ::close(fd);
-}
-
-// `text` as a Lua string literal: every byte but printable ASCII, the quote and the backslash as a
-// three-digit escape.
-std::string lua_literal(const std::string& text) {
-  std::string out = "\"";
-  for (const unsigned char c : text) {
-    if (c >= 32 && c < 127 && c != '"' && c != '\\') {
-      out += static_cast<char>(c);
-    } else {
-      char escape[5];
-      std::snprintf(escape, sizeof escape, "\\%03u", c);
-      out += escape;
-    }
-  }
-  return out + "\"";
-}
-
-// The converter of a base whose config names one, then the one a client sent over its results:
-// the base's script runs as a function of the checkpoint's `src`, and the sent one sees the
-// table it returns as its `src` (index it by name, iterate it with pairs). A client computes the
-// sent converter from the names it leased or planned, which are the base converter's. A name the
-// base's converter does not give is an error, as src[name] of a checkpoint is: a plain table's
-// nil would drop the target that reads it without a word.
-std::string chained(const std::string& base_path, const std::string& base, const std::string& sent) {
-  // The base's first line is the file's first: its errors keep their line numbers.
-  return "local src = setmetatable((function(src) " + base + "\nend)(src), {__index = function(_, name)\n"
-         "  error(\"the base's converter (\" .. " + lua_literal(base_path) +
-         " .. \") gives no tensor named '\" .. tostring(name) .. \"'\", 2)\n"
-         "end})\n-- Above: the converter of the base's config. Below: the one a client sent, over its results.\n" + sent;
 }
 
 // A derive whose model's name `same` has already: that model, when it is the one asked for (the
@@ -163,7 +134,8 @@ void Registry::derive(Entry& base, std::string converter, std::function<void(int
     checked->file = file;
     try {
       const std::string text = config.converter.empty() ? converter
-                               : chained(config.converter, read_regular_file(config.converter, kMaxScriptBytes), converter);
+                               : convert::chained("the base's converter (" + config.converter + ")",
+                                                  read_regular_file(config.converter, kMaxScriptBytes), converter);
       if (text.size() > kMaxScriptBytes)
         throw Error("the converter sent and the base's (" + config.converter + ") are " + format_bytes(text.size()) +
                     " together, over the " + format_bytes(kMaxScriptBytes) + " a converter script may be");

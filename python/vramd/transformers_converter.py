@@ -86,7 +86,8 @@ def checkpoint_keys(folder: Path) -> list[str]:
 def empty_model(folder: Path | None, values: dict | None = None, where: str | None = None):
     """The transformers model of the folder's config.json (or of `values`, such a file's
     contents, from `where`: what vramd read there, with a config's [arch] over it), its first
-    `architectures` class, on the meta device."""
+    `architectures` class (where `values` name none, as a GGUF file's do not, its causal LM), on
+    the meta device."""
     import torch
     import transformers
     where = where or str(folder / "config.json")
@@ -99,6 +100,14 @@ def empty_model(folder: Path | None, values: dict | None = None, where: str | No
         except (KeyError, ValueError) as error:
             raise ConversionError(f"{where}: transformers knows no configuration for it ({error})") from None
     names = getattr(config, "architectures", None) or []
+    if not names and values is not None:
+        # A GGUF file's metadata, which names no class: llama.cpp's files hold causal LMs.
+        try:
+            with torch.device("meta"):
+                return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError as error:
+            raise ConversionError(f"{where}: no architectures entry, and no causal LM of model type "
+                                  f"{config.model_type!r} ({error})") from None
     model_class = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
     if model_class is None:
         raise ConversionError(f"{where}: no architectures entry names a transformers class ({names})")

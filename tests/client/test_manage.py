@@ -237,8 +237,10 @@ TRANSFORMERS_CONVERTED = ("mixtral", "granitemoe", "nomic_bert")
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     folder = tmp_path_factory.mktemp("manage")
-    # The Python that writes converter = "transformers": this one, with vramd and transformers.
-    d = Daemon(folder, extra=f'python = "{sys.executable}"', budgets='cpu = "2GiB"')
+    # The Python that writes converter = "transformers": this one, with vramd and transformers;
+    # the shipped converters, as configs/vramd.toml names them (gguf.lua).
+    d = Daemon(folder, extra=f'python = "{sys.executable}"\nconverters = ["{ROOT / "scripts" / "converters"}"]',
+               budgets='cpu = "2GiB"')
     references = {}
     torch.manual_seed(0)
     toy = Toy().eval()
@@ -1241,7 +1243,7 @@ def test_converter_transformers_takes_an_update_in_the_checkpoints_layout(daemon
 def test_converter_transformers_refusals_name_the_key_and_the_remedy(daemon, tmp_path):
     """vramctl check of converter = "transformers" configs (the daemon's checks are the same):
     a Python without vramd's package, one that is not there, a checkpoint without config.json,
-    a GGUF file; and a model type transformers has no rules for keeps every name."""
+    a GGUF file where no gguf.lua is found to read it first; and a model type transformers has no rules for keeps every name."""
     import venv
     venv.create(tmp_path / "bare", with_pip=False)  # a real Python, without vramd's package
     folder = daemon["folder"]
@@ -1257,9 +1259,12 @@ def test_converter_transformers_refusals_name_the_key_and_the_remedy(daemon, tmp
         "no-config": (tmp_path / "no-config", sys.executable,
                       r"converter = \"transformers\": transformers' rules are chosen by config\.json's model_type: no "
                       r"config\.json in .*no-config"),
+        # A GGUF file's names are made Hugging Face's by gguf.lua first, which this daemon's
+        # config (no converters folder) does not have.
         "gguf": (folder / "toy.gguf", sys.executable,
-                 r"converter = 'transformers': transformers' rules apply to the names of a checkpoint saved by "
-                 r"transformers, and a GGUF file holds llama\.cpp's"),
+                 r"converter = 'transformers': transformers' rules read Hugging Face's names, which the shipped "
+                 r"converter gguf\.lua makes of a GGUF file's, and none of the daemon's converter folders holds it "
+                 r"\(looked for .*gguf\.lua\)"),
     }
     for case, (checkpoint, python, message) in cases.items():
         (tmp_path / f"{case}.vramd.toml").write_text(f'python = "{python}"\n')
@@ -1319,15 +1324,19 @@ def test_a_gguf_file_of_such_a_model_is_converted_after_gguf_lua_or_refused_nami
     """A Mixtral written as llama.cpp writes one (stacked experts, Meta's rotary rows). Served
     with its own names, transformers' conversion has nothing to read: the ManageError says whose
     names they are. Served with gguf.lua (Hugging Face's names, one tensor per expert), the
-    daemon derives the conversion over gguf.lua's results, and the managed module equals the
-    transformers model the file was written from (float32)."""
+    daemon derives the conversion over gguf.lua's results; served with converter =
+    "transformers", the daemon chains gguf.lua and transformers' rules itself (its metadata's
+    model type, no derive). Either way the managed module equals the transformers model the file
+    was written from (float32)."""
     sys.path.insert(0, str(ROOT / "tests" / "storage"))
     from test_gguf import llama_gguf
     torch.manual_seed(2)
     model = hub_layout_cases()["mixtral"]().eval()
     llama_gguf(tmp_path / "mixtral.gguf", model)
     limit, size = daemon["references"]["mixtral-converted"]
-    for name, converter in (("mixtral-gguf", ""), ("mixtral-gguf-lua", f'converter = "{ROOT / "scripts/converters/gguf.lua"}"\n')):
+    configs = {"mixtral-gguf": "", "mixtral-gguf-lua": f'converter = "{ROOT / "scripts/converters/gguf.lua"}"\n',
+               "mixtral-gguf-transformers": 'converter = "transformers"\n'}
+    for name, converter in configs.items():
         (daemon["daemon"].models / f"{name}.toml").write_text(
             f'checkpoint = "{tmp_path / "mixtral.gguf"}"\narchitecture = "weights"\ndtype = "float32"\n{converter}'
             f'[vram]\nonload = {{ device = "cpu", dtype = "float32" }}\nlimit = {limit}\n')
@@ -1350,9 +1359,17 @@ def test_a_gguf_file_of_such_a_model_is_converted_after_gguf_lua_or_refused_nami
                 got = module(inputs)[0]
                 assert managed.stats()["peak"] <= limit < size
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            leases_end(daemon, "mixtral-gguf", derived)
+            planned = client.plan("mixtral-gguf-transformers")["names"]
+            assert "model.layers.1.mlp.experts.gate_up_proj" in planned and set(planned) <= set(model.state_dict())
+            module = empty(hub_layout_cases()["mixtral"])
+            with vramd.manage(module, "mixtral-gguf-transformers", client=client, limit=limit) as managed, torch.no_grad():
+                assert managed.lease.manifest["model"] == "mixtral-gguf-transformers"  # nothing derived
+                got = module(inputs)[0]
+                assert managed.stats()["peak"] <= limit < size
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            leases_end(daemon, "mixtral-gguf", derived, "mixtral-gguf-transformers")
     finally:
-        for name in ("mixtral-gguf", "mixtral-gguf-lua"):
+        for name in configs:
             (daemon["daemon"].models / f"{name}.toml").unlink()
         request(daemon["sock"], "POST", "/v1/reload")
 

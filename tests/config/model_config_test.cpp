@@ -206,9 +206,20 @@ TEST_CASE("a missing checkpoint or converter and a syntax error are reported") {
   const auto transformers = load_model_config(dir.write("t.toml", "checkpoint = \"w\"\nconverter = \"transformers\"\n"), daemon);
   CHECK(transformers.converter == kTransformersConverter);
   CHECK(transformers.python == "/opt/venv/bin/python");
+  CHECK(transformers.converter_first.empty());
+  // A GGUF file's names are made Hugging Face's by gguf.lua first, where the converter folders
+  // hold it.
   auto gguf = dir.write("t2.toml", "checkpoint = \"m.gguf\"\nconverter = \"transformers\"\n");
-  CHECK_THAT(problems_of(gguf, daemon), Catch::StartsWith(gguf + ":2:13: converter = 'transformers': transformers' rules "
-                                                                 "apply to the names of a checkpoint saved by transformers"));
+  CHECK(problems_of(gguf, daemon) ==
+        gguf + ":2:13: converter = 'transformers': transformers' rules read Hugging Face's names, which the shipped "
+               "converter gguf.lua makes of a GGUF file's, and none of the daemon's converter folders holds it (looked "
+               "for " + dir / "gguf.lua" + ")");
+  std::filesystem::create_directories(dir / "scripts");
+  dir.write("scripts/gguf.lua", "return {}\n");
+  daemon.converters = {dir / "scripts"};
+  const auto chained = load_model_config(gguf, daemon);
+  CHECK(chained.converter == kTransformersConverter);
+  CHECK(chained.converter_first == dir / "scripts/gguf.lua");
   auto syntax = dir.write("c.toml", "name = \"unterminated\n");
   CHECK_THAT(problems_of(syntax, default_daemon_config()), Catch::StartsWith(syntax + ":1:"));
   // The parser quotes what it saw, which may hold a newline or any control character: one line.

@@ -3,6 +3,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "convert/chain.hpp"
 #include "convert/converter.hpp"
 #include "convert/evaluate.hpp"
 #include "convert/lua_pattern.hpp"
@@ -123,6 +124,31 @@ TEST_CASE("a converter that returns the wrong thing names the script and the tar
   CHECK(f.error_of("return { ['w\\255\\n'] = src['h.0.ln.weight'] }") ==
         path + ": target 'w\\xff\\x0a' is not valid UTF-8, as safetensors and vramd's replies need");
   CHECK(f.error_of("while true do end") == path + ":1: ran past its time limit of 5000 ms");
+}
+
+TEST_CASE("a chained converter reads the first one's results and names a target the first does not give") {
+  Fixture f;
+  const std::string first = "local out = {}\nfor name, t in src:items() do out['first.' .. name] = t end\nreturn out";
+  const auto plan = run_converter_code(chained("the first (a \"q\".lua)", first, "return { w = src['first.h.0.ln.weight'] }"),
+                                       "chain.lua", f.map());
+  REQUIRE(plan.tensors.size() == 1);
+  CHECK(plan.tensors[0].target == "w");
+  CHECK(plan.unused == std::vector<std::string>{"h.0.attn.c_attn.bias", "h.0.attn.c_attn.weight"});
+  try {
+    run_converter_code(chained("the first (a \"q\".lua)", first, "return { w = src['h.0.ln.weight'] }"), "chain.lua", f.map());
+    FAIL("no error");
+  } catch (const Error& e) {
+    // Where the second reads it: its first line is the chained text's eighth.
+    CHECK(std::string(e.what()) == "chain.lua:8: the first (a \"q\".lua) gives no tensor named 'h.0.ln.weight'");
+  }
+  // The first's errors keep its line numbers.
+  try {
+    run_converter_code(chained("the first", "local x = 1\nerror('bad line')", "return {}"), "chain.lua", f.map());
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) == "chain.lua:2: bad line");
+  }
+  CHECK(lua_literal("a\"\\\n\xc3\xa9" "1") == "\"a\\034\\092\\010\\195\\1691\"");
 }
 
 TEST_CASE("rename applies the first matching rule") {
