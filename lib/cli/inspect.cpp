@@ -6,6 +6,7 @@
 #include <ostream>
 
 #include "storage/disk_map.hpp"
+#include "util/error.hpp"
 #include "util/format.hpp"
 #include "util/utf8.hpp"
 
@@ -128,6 +129,11 @@ void print_text(const DiskMap& map, std::ostream& out) {
 }  // namespace
 
 void inspect(const InspectOptions& options, std::ostream& out, std::ostream& err) {
+  // A model config is no checkpoint: its names, converted, are another command's.
+  for (const auto& source : options.sources)
+    if (source.ends_with(".toml"))
+      fail(source, "is a model config, not a checkpoint: `vramctl convert " + source +
+                       "` shows the tensors its converter makes, `vramctl check` checks it whole");
   auto map = DiskMap::open(options.sources, {.prefix = options.prefix, .strip_prefix = !options.keep_prefix, .shards = true});
   for (const auto& warning : map.warnings()) err << "warning: " << printable(warning) << '\n';
   if (options.json)

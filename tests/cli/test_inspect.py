@@ -222,3 +222,16 @@ def test_the_reference_refuses_each_malformed_file_but_the_two_we_are_stricter_o
     path = tmp_path / f"{case}.safetensors"
     path.write_bytes(data)
     assert reference_refuses(path) == (case not in STRICTER_THAN_REFERENCE)
+
+
+def test_a_model_config_given_to_inspect_is_pointed_to_convert(tmp_path):
+    """A model config is no checkpoint: inspect says which command shows its converted names,
+    instead of reading its text as a safetensors header."""
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    config = tmp_path / "model.toml"
+    config.write_text(f'checkpoint = "{tmp_path / "model.safetensors"}"\n')
+    result = vramctl("inspect", config)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (f"vramctl inspect: {config}: is a model config, not a checkpoint: `vramctl convert {config}` "
+                             "shows the tensors its converter makes, `vramctl check` checks it whole\n"), result.stderr
+    assert "w" in vramctl("convert", config).stdout
