@@ -496,6 +496,12 @@ std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, con
       throw weights::NotUpdatable("model " + quote(config.name) + " holds " + quote(assignment.parameter->name) +
                                   " as packed GGUF blocks, which an adapter cannot change in place: give the model its "
                                   "adapters in its config ([[lora]]), where such weights are unpacked at load");
+    changes.emplace_back(&assignment, next);
+    // Read from the checkpoint at each use (streamed from disk): its next read applies the new set.
+    if (loaded.weights->rereads(*assignment.parameter)) {
+      update.reread.push_back(assignment.parameter);
+      continue;
+    }
     weights::Assignment with = assignment;
     with.patch = next;
     // As stored (its expression's dtype) where no adapter changes it: cast into its state as a load does.
@@ -504,10 +510,9 @@ std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, con
     const c10::ScalarType dtype = as_stored ? storage::scalar_type(stored) : c10::kFloat;
     update.values.emplace_back(assignment.parameter, loaded.source->read(with, c10::kCPU, dtype, true));
     report.bytes += static_cast<uint64_t>(assignment.parameter->elements()) * c10::elementSize(dtype);
-    changes.emplace_back(&assignment, std::move(next));
   }
   report.tensors = changes.size();
-  if (!update.values.empty()) loaded.weights->update(config.name, update);
+  if (!update.values.empty() || !update.reread.empty()) loaded.weights->update(config.name, update);
   for (auto& [assignment, next] : changes) assignment->patch = std::move(next);
   loaded.report.adapters = set.adapters;
   return std::move(set.adapters);

@@ -69,6 +69,7 @@ class StreamedWeights final : public Weights {
   std::map<std::string, uint64_t> bytes_by_device() const override;
   void check_leasable(const std::string& model, const std::string& device) const override;
   void update(const std::string& model, const WeightUpdate& update) override;
+  bool rereads(const model::Parameter& parameter) const override;
   bool start_trace() override;
   std::vector<VramEvent> take_trace() override;
 
@@ -94,6 +95,7 @@ class StreamedWeights final : public Weights {
   void count_streamed_locked(const Slot& slot, const std::vector<at::Tensor>& tensors);
   void give_back_locked(std::vector<at::Tensor>& tensors);
   void note_locked(const Slot& slot, const char* kind);
+  void evict_locked(Slot& slot);  // a Ready slot not in use: its tensors go, its next use prepares it anew
   static std::string describe(const model::VramStats& stats, const config::ModelConfig& config, c10::ScalarType prepared,
                               c10::ScalarType dtype, const std::string& direct_why);
 

@@ -28,6 +28,13 @@ void StreamedWeights::note_locked(const Slot& slot, const char* kind) {
     trace_.push_back({seconds_since(*trace_start_), in_use_, slot.layer, kind});
 }
 
+void StreamedWeights::evict_locked(Slot& slot) {
+  slot.tensors.clear();
+  slot.state = Slot::State::Away;
+  in_use_ -= slot.bytes;
+  note_locked(slot, "evict");
+}
+
 // Makes room for `bytes` more on the computation device: drops spare buffers, then (for an op
 // that needs them now) prefetched slots, furthest ahead first, then waits for loads under way.
 // A prefetch (`needed` null) neither evicts nor waits. Without a limit every slot is prepared and
@@ -51,10 +58,7 @@ bool StreamedWeights::reserve_locked(std::unique_lock<std::mutex>& lock, uint64_
         if (*it != needed && (*it)->state == Slot::State::Ready && !(*it)->resident && (*it)->expected == expected)
           victim = *it;
     if (victim) {
-      victim->tensors.clear();
-      victim->state = Slot::State::Away;
-      in_use_ -= victim->bytes;
-      note_locked(*victim, "evict");
+      evict_locked(*victim);
       continue;
     }
     changed_.wait(lock);

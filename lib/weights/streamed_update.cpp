@@ -51,12 +51,22 @@ void StreamedWeights::update(const std::string& model, const WeightUpdate& updat
     values.push_back(update.in_place ? value : value.contiguous().clone());
   if (update.check) update.check();
 
+  for (const Parameter* parameter : update.reread)
+    for (auto [it, end] = homes.equal_range(parameter); it != end; ++it)
+      if (!it->second.first->from_disk)
+        throw Error("model " + quote(model) + ": " + quote(parameter->name) + " rests in layer " +
+                    quote(it->second.first->layer->path()) + ", which is not re-read at each use");
+
   std::unique_lock lock(mutex_);
-  updated_ = true;
+  updated_ = updated_ || !update.values.empty();
   changed_.wait(lock, [&] {
     return prefetch_queue_.empty() &&
            std::none_of(slots_.begin(), slots_.end(), [](auto& s) { return s->state == Slot::State::Loading; });
   });
+  // Read before (prefetched for the next forward): the next use reads it anew.
+  for (const Parameter* parameter : update.reread)
+    for (auto [it, end] = homes.equal_range(parameter); it != end; ++it)
+      if (Slot* slot = it->second.first; slot->state == Slot::State::Ready) evict_locked(*slot);
   std::vector<std::pair<at::Tensor, at::Tensor>> writes;
   for (size_t v = 0; v < values.size(); ++v)
     for (auto [it, end] = homes.equal_range(update.values[v].first); it != end; ++it) {
@@ -65,15 +75,22 @@ void StreamedWeights::update(const std::string& model, const WeightUpdate& updat
         writes.emplace_back(slot->tensors[i], values[v]);
       } else {
         writes.emplace_back(slot->held[i], values[v]);
-        if (slot->state == Slot::State::Ready) {
-          slot->tensors.clear();
-          slot->state = Slot::State::Away;
-          in_use_ -= slot->bytes;
-          note_locked(*slot, "evict");
-        }
+        if (slot->state == Slot::State::Ready) evict_locked(*slot);
       }
     }
   write_values(writes);
+}
+
+bool StreamedWeights::rereads(const Parameter& parameter) const {
+  std::lock_guard lock(mutex_);
+  bool held = false;
+  for (const auto& slot : slots_)
+    for (const Assignment* part : slot->parts)
+      if (part && part->parameter == &parameter) {
+        if (!slot->from_disk) return false;
+        held = true;
+      }
+  return held;
 }
 
 void StreamedWeights::check_leasable(const std::string& model, const std::string&) const {

@@ -75,6 +75,10 @@ struct WeightUpdate {
   // Called once every value has been read, before any weight takes one; throws to leave them
   // as they were (a checkpoint cut short under its mapping: storage::MappingLost).
   std::function<void()> check;
+  // Weights whose source changed (their adapters: a switch) and that are read from it anew at
+  // each use wherever they are held (Weights::rereads): they take no value, and what holds a
+  // value read before drops it, so that the next use reads the new one.
+  std::vector<const model::Parameter*> reread;
 };
 
 // An update needs more fresh memory than WeightUpdate::room: bytes by device.
@@ -118,6 +122,10 @@ class Weights : public model::LayerWeights {
   // New values for some of the weights, as one step (the model's jobs do not overlap it).
   // Throws NotUpdatable naming `model` and what to change.
   virtual void update(const std::string& model, const WeightUpdate& update) = 0;
+  // Whether every copy of `parameter` is read from the checkpoint anew at each use (a layer
+  // streamed from disk), so that a change of how it is read (its adapters) needs no value:
+  // WeightUpdate::reread. Between the model's jobs, as update() is.
+  virtual bool rereads(const model::Parameter&) const { return false; }
   // The values updates replaced, which the weights no longer use and hold until this is called: owned
   // by the pointer returned (freed with it, wherever the caller chooses), their bytes by device
   // added to `bytes`; null when there are none.
