@@ -76,10 +76,12 @@ void place_loras(model::Model& model);
 // new set read and checked whole, then every weight either set changes takes its value anew (the
 // checkpoint's plus the new terms, or the checkpoint's alone) as one update (weights::Weights::
 // update: the version goes up, a forward runs wholly on one set); unfused, each layer's terms are
-// replaced and no weight is written. Returns the new set's adapters;
-// `report` counts the weights written. Throws BadUpdate (a bad adapter: nothing changed),
-// weights::NotUpdatable (weights that cannot take an update: layers streamed from disk, packed
-// blocks) and weights::UpdateNeedsRoom, each with the adapters in force kept.
+// replaced and no weight is written. A weight read from the checkpoint at each use (a layer
+// streamed from disk) is not written either: its next read applies the new set. Returns the
+// new set's adapters; `report` counts the weights either set changes and the bytes written.
+// Throws BadUpdate (a bad adapter: nothing changed), weights::NotUpdatable (weights that cannot
+// take an update: packed blocks) and weights::UpdateNeedsRoom, each with the adapters in force
+// kept.
 std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, const config::ModelConfig& config,
                                                const std::vector<config::LoraConfig>& loras, const UpdateSpace& space,
                                                UpdateReport& report);
