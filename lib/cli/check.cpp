@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <sstream>
 
 #include "config/daemon_config.hpp"
 #include "config/model_config.hpp"
@@ -26,10 +27,22 @@ struct Verdict {
   std::vector<std::string> warnings;
   std::string architecture;  // "bert, Float" once the dry run passed
   std::string plan;          // streamed weights' plan
+  std::vector<std::string> loras;  // each adapter, what it changes and where it is added
 };
 
+// An adapter as check shows it: its file and scale, what it changes, and where it is added.
+std::string lora_line(const model::AdapterReport& adapter, const config::ModelConfig& model) {
+  const char* where = model.fuse_lora                             ? "added to the weights as they are read"
+                      : config::clients_apply_adapters(model) ? "applied by the clients that manage it"
+                                                              : "computed beside each layer's op";
+  std::ostringstream line;  // the scale as vramctl lora prints it
+  line << adapter.path << " at scale " << adapter.scale << " (" << adapter.format << ", " << counted(adapter.modules, "weight")
+       << "): " << where;
+  return line.str();
+}
+
 Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
-  Verdict verdict{path, {}, {}, 0, 0, {}, {}, {}};
+  Verdict verdict{path, {}, {}, 0, 0, {}, {}, {}, {}};
   try {
     auto model = config::load_model_config(path, daemon);
     verdict.name = model.name;
@@ -46,6 +59,7 @@ Verdict check_one(const std::string& path, const config::DaemonConfig& daemon) {
         verdict.bytes = dry.report.bytes;
         verdict.architecture = dry.architecture + ", " + dry.dtype;
         if (dry.weights) verdict.plan = dry.weights->plan;
+        for (const auto& adapter : dry.report.adapters) verdict.loras.push_back(lora_line(adapter, model));
         for (const auto& name : dry.report.missing)
           verdict.warnings.push_back(path + ": missing (strict = false): " + escape_invalid_utf8(name));
         for (const auto& name : dry.report.unexpected)
@@ -89,6 +103,7 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
       results.push_back({{"path", verdict.path}, {"ok", verdict.problems.empty()}, {"name", verdict.name},
                          {"architecture", verdict.architecture}, {"tensors", verdict.tensors}, {"bytes", verdict.bytes},
                          {"plan", verdict.plan.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(verdict.plan)},
+                         {"loras", verdict.loras},
                          {"problems", verdict.problems}, {"warnings", verdict.warnings}});
       continue;
     }
@@ -97,6 +112,7 @@ int check(const CheckOptions& options, std::ostream& out, std::ostream& err) {
       out << "ok    " << path << ": model " << quote(verdict.name) << ", " << counted(verdict.tensors, "tensor") << ", "
           << format_bytes(verdict.bytes) << (verdict.architecture.empty() ? "" : " (" + verdict.architecture + ")") << '\n';
       if (!verdict.plan.empty()) out << "      plan: " << printable(verdict.plan) << '\n';
+      for (const auto& lora : verdict.loras) out << "      lora: " << printable(lora) << '\n';
     } else {
       out << "FAIL  " << path << '\n';
       for (const auto& problem : verdict.problems) out << "      " << printable(problem) << '\n';

@@ -173,6 +173,8 @@ bool rests_for_clients(const ModelConfig& config) {
                                               vram.onload.dtype != vram.computation.dtype || vram.onload.packed == true);
 }
 
+bool clients_apply_adapters(const ModelConfig& config) { return config.architecture == "weights" && !config.fuse_lora; }
+
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon) {
   return load_model_config(path, read_regular_file(path, kMaxConfigBytes), daemon);
 }

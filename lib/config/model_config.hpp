@@ -111,6 +111,11 @@ std::string where(const ModelConfig& config, std::string_view key);
 // (python/vramd/manage/), each streaming them through its own device under the limit.
 bool rests_for_clients(const ModelConfig& config);
 
+// A "weights" model with fuse_lora = false: the daemon checks its adapters and keeps its weights
+// the checkpoint's; the clients that manage it add the adapters as they prepare each unit
+// (python/vramd/manage/lora.py), from the list a lease's manifest carries (`loras`).
+bool clients_apply_adapters(const ModelConfig& config);
+
 // Relative paths are resolved against the file's folder (a converter also against the daemon's
 // converter folders). Throws Error listing every problem, each with file, line and column.
 ModelConfig load_model_config(const std::string& path, const DaemonConfig& daemon);

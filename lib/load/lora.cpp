@@ -197,8 +197,13 @@ struct SourceReaders {
 
 }  // namespace
 
+Applied applied(const config::ModelConfig& config) {
+  if (config.fuse_lora) return Applied::Fused;
+  return config::clients_apply_adapters(config) ? Applied::ByClients : Applied::Unfused;
+}
+
 LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& model,
-                   const std::vector<weights::Assignment>& assignments, bool unfused,
+                   const std::vector<weights::Assignment>& assignments, Applied applied,
                    const std::function<std::string(size_t)>& where_of) {
   LoraSet set;
   std::set<const Parameter*> assigned;
@@ -342,7 +347,7 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
           if (readers->sharded)
             throw BadAdapter(quote(key) + " changes the checkpoint's " + makes +
                              ", split across files: vramd adapts such a tensor only whole");
-          if (unfused)
+          if (applied != Applied::Fused)
             throw BadAdapter(quote(key) + " changes the checkpoint's " + makes + ": only fused (fuse_lora = true) adds it "
                              "there, before the conversion");
         }
@@ -394,7 +399,7 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
           alpha = value.item<double>();
         }
         const double per_rank = peft && peft->rslora ? std::sqrt(static_cast<double>(rank)) : static_cast<double>(rank);
-        if (unfused && (!layer || (layer->kind() != model::LayerKind::Linear && !conv1d &&
+        if (applied == Applied::Unfused && (!layer || (layer->kind() != model::LayerKind::Linear && !conv1d &&
                                    layer->kind() != model::LayerKind::Embedding) || weight_of(*layer) != parameter))
           throw BadAdapter(names_it + ": computed unfused (fuse_lora = false) only on the weight of a linear or embedding "
                            "layer the model computes; fuse_lora = true adds it to the weight instead");
@@ -425,12 +430,12 @@ void attach_loras(const config::ModelConfig& config, model::Model& model, std::v
                   model::LoadReport& report) {
   if (config.lora.empty()) return;
   const std::string where = config::where(config, "lora");
-  LoraSet set = read_loras(config.lora, model, assignments, !config.fuse_lora,
+  LoraSet set = read_loras(config.lora, model, assignments, applied(config),
                            [&](size_t index) { return where + ": [[lora]] " + std::to_string(index + 1); });
-  if (config.fuse_lora) {
+  if (applied(config) == Applied::Fused) {
     for (auto& assignment : assignments)
       if (auto it = set.patches.find(assignment.parameter); it != set.patches.end()) assignment.patch = it->second;
-  } else {
+  } else if (applied(config) == Applied::Unfused) {
     for (const auto& layer : model.layers())
       if (auto it = set.patches.find(weight_of(*layer)); it != set.patches.end())
         layer->set_lora(it->second);  // on the CPU until place_loras
@@ -464,10 +469,15 @@ std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, con
   auto& assignments = loaded.source->assignments;
   LoraSet set;
   try {
-    set = read_loras(loras, *loaded.model, assignments, !config.fuse_lora,
+    set = read_loras(loras, *loaded.model, assignments, applied(config),
                      [](size_t index) { return "loras[" + std::to_string(index) + "]"; });
   } catch (const BadAdapter& e) {
     throw BadUpdate(std::string(e.what()) + "; the adapters in force are kept");
+  }
+  if (applied(config) == Applied::ByClients) {  // the clients take the new set with the next version
+    report.tensors = set.patches.size();
+    loaded.report.adapters = set.adapters;
+    return std::move(set.adapters);
   }
   if (!config.fuse_lora) {  // unfused: each layer's terms replaced, no weight written
     std::vector<std::pair<model::Layer*, std::shared_ptr<const model::LoraTerms>>> changes;

@@ -54,17 +54,23 @@ struct LoraSet {
   std::vector<std::string> warnings;  // components of a file skipped
 };
 
-// Reads `loras` for `model`, whose weights `assignments` fill; `where_of(i)` names the i-th in
-// messages. Throws BadAdapter naming it and the key.
-// `unfused`: for layers that compute them beside their weight (config.fuse_lora false), which only
-// linear and embedding layers do.
+// Where a model's adapters are added: to its weights as they are read (fuse_lora = true); beside
+// each layer's op (fuse_lora = false), which only linear and embedding layers compute; or, for a
+// "weights" model with fuse_lora = false, by the clients that manage it (config::
+// clients_apply_adapters), the daemon only checking them and holding none.
+enum class Applied { Fused, Unfused, ByClients };
+Applied applied(const config::ModelConfig& config);
+
+// Reads `loras` for `model`, whose weights `assignments` fill, to be applied as `applied` says;
+// `where_of(i)` names the i-th in messages. Throws BadAdapter naming it and the key.
 LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& model,
-                   const std::vector<weights::Assignment>& assignments, bool unfused,
+                   const std::vector<weights::Assignment>& assignments, Applied applied,
                    const std::function<std::string(size_t)>& where_of);
 
 // Reads every adapter of config.lora and attaches each weight's terms to its assignment, in
 // config order (fuse_lora = false: to the layer that computes them, on the CPU until
-// place_loras); report.adapters says what each changes. Throws BadAdapter.
+// place_loras; applied by clients: to nothing); report.adapters says what each changes. Throws
+// BadAdapter.
 void attach_loras(const config::ModelConfig& config, model::Model& model, std::vector<weights::Assignment>& assignments,
                   model::LoadReport& report);
 
@@ -76,7 +82,8 @@ void place_loras(model::Model& model);
 // new set read and checked whole, then every weight either set changes takes its value anew (the
 // checkpoint's plus the new terms, or the checkpoint's alone) as one update (weights::Weights::
 // update: the version goes up, a forward runs wholly on one set); unfused, each layer's terms are
-// replaced and no weight is written. A weight read from the checkpoint at each use (a layer
+// replaced and no weight is written; applied by clients, nothing changes here but the set in
+// force, which the leases' next manifests list. A weight read from the checkpoint at each use (a layer
 // streamed from disk) is not written either: its next read applies the new set. Returns the
 // new set's adapters; `report` counts the weights either set changes and the bytes written.
 // Throws BadUpdate (a bad adapter: nothing changed), weights::NotUpdatable (weights that cannot

@@ -289,10 +289,16 @@ class Daemon {
   }
 
   // POST .../lease: an optional JSON object {"device": "cpu", "wait": true, "follow": false,
-  // "in_place": false, "reserve": {"device": "cuda:0", "bytes": N}}; GET: the manifest alone.
+  // "in_place": false, "adapters": false, "reserve": {"device": "cuda:0", "bytes": N}}; GET: the
+  // manifest alone (?device=cpu&adapters=true).
   static void read_lease_request(const Request& request, Job& job) {
     job.hold = request.method == "POST";
     if (auto it = request.query.find("device"); it != request.query.end()) job.device = it->second;
+    if (auto it = request.query.find("adapters"); it != request.query.end()) {
+      if (it->second != "true" && it->second != "false")
+        throw Error("lease: adapters=" + quote(it->second) + ": expected true or false");
+      job.adapters = it->second == "true";
+    }
     if (request.body.empty()) return;
     const json body = json::parse(request.body, nullptr, false);
     if (!body.is_object()) throw Error("a lease's body must be a JSON object such as {\"device\": \"cpu\"}");
@@ -301,10 +307,11 @@ class Daemon {
       else if (key == "wait" && value.is_boolean()) job.wait = value.get<bool>();
       else if (key == "follow" && value.is_boolean()) job.follow = value.get<bool>();
       else if (key == "in_place" && value.is_boolean()) job.in_place = value.get<bool>();
-      else if (key == "device" || key == "wait" || key == "follow" || key == "in_place")
+      else if (key == "adapters" && value.is_boolean()) job.adapters = value.get<bool>();
+      else if (key == "device" || key == "wait" || key == "follow" || key == "in_place" || key == "adapters")
         throw Error("lease: " + key + " must be a " + (key == "device" ? "string" : "boolean"));
       else if (key == "reserve") read_reservation(value, job);
-      else throw Error("lease: unknown key " + quote(key) + " (device, wait, follow, in_place, reserve)");
+      else throw Error("lease: unknown key " + quote(key) + " (device, wait, follow, in_place, adapters, reserve)");
     }
     if (!job.hold && (job.follow || job.in_place))
       throw Error(std::string("lease: ") + (job.in_place ? "in_place" : "follow") +

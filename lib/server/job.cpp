@@ -65,7 +65,7 @@ void act(Job& job, Outcome& outcome) {
       break;
     case Job::Kind::Lease:
       try {
-        outcome.manifest = std::make_shared<weights::Manifest>(runtime.lease(job.device));
+        outcome.manifest = std::make_shared<weights::Manifest>(runtime.lease(job.device, job.adapters || job.refresh));
       } catch (const BadInput& error) {
         outcome.status = 400;
         outcome.error = error.what();

@@ -36,6 +36,7 @@ struct Job {
   // Update: the weights in a lease's GPU memory take their values there, as every lease held
   // takes updates so (or none is held).
   bool in_place = false;
+  bool adapters = false;               // lease: its client applies the adapters the manifest lists
   std::optional<uint64_t> refresh;     // lease: the daemon's own, for following lease `refresh`
   std::string device = "cpu";          // lease: where the client wants the weights
   // Lease: what its client will use on a device, in that budget. Update: the room its new values

@@ -139,6 +139,12 @@ void Registry::pump(Entry& entry) {
         break;
       case Job::Kind::Lease:
         if (const auto clash = in_place_clash(entry, job)) { done_now(409, {{"error", *clash}}); continue; }
+        if (job.in_place && entry.config && config::clients_apply_adapters(*entry.config)) {
+          done_now(409, {{"error", "model " + quote(entry.name) + " has its LoRA adapters applied by its clients, and a lease "
+                                   "that follows in place is sent version numbers alone, not the adapters in force: "
+                                   "lease with follow instead"}});
+          continue;
+        }
         break;
       case Job::Kind::Replace:
         if (!entry.replacement) { done_as_it_is(); continue; }  // the edit was taken back

@@ -147,12 +147,18 @@ std::string Runtime::forward(std::string_view safetensors, const std::atomic<boo
                                               {"version", std::to_string(impl_->version)}});
 }
 
-weights::Manifest Runtime::lease(const std::string& device) {
+weights::Manifest Runtime::lease(const std::string& device, bool applies_adapters) {
   // Spelled as the manifest and the leases list will spell it: "cuda" is not taken for "cuda:0".
   const auto parsed = config::Device::parse(device);
   if (!parsed || parsed->is_disk() || parsed->str() != device)
     throw BadInput("device " + quote(device) + ": expected \"cpu\" or \"cuda:N\"");
-  if (!impl_->config.fuse_lora && !impl_->loaded.report.adapters.empty())
+  const bool by_clients = config::clients_apply_adapters(impl_->config);
+  if (by_clients && !applies_adapters)
+    throw weights::NotLeasable("model " + quote(impl_->config.name) + " has its LoRA adapters applied by the clients that "
+                               "manage it (architecture \"weights\", fuse_lora = false), and this lease did not say it "
+                               "applies them: vramd.manage does; a lease with \"adapters\": true gets them listed in "
+                               "its manifest (loras); fuse_lora = true hands the adapted values");
+  if (!by_clients && !impl_->config.fuse_lora && !impl_->loaded.report.adapters.empty())
     throw weights::NotLeasable("model " + quote(impl_->config.name) + " computes its LoRA adapters beside its weights at each "
                                "op (fuse_lora = false), which a lease of the weights alone would leave out: fuse_lora = true "
                                "hands the adapted values");
@@ -160,6 +166,7 @@ weights::Manifest Runtime::lease(const std::string& device) {
   auto manifest = impl_->lease_memory.share(impl_->loaded, impl_->config.name, *parsed);
   if (config::rests_for_clients(impl_->config)) manifest.plan = weights::managed_plan(*impl_->loaded.model, *impl_->loaded.source, impl_->config);
   manifest.version = impl_->version;
+  if (by_clients) manifest.loras = impl_->config.lora;
   impl_->check_mappings();
   return manifest;
 }

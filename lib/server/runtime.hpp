@@ -107,9 +107,11 @@ class Runtime {
   std::string forward(std::string_view safetensors, const std::atomic<bool>* cancel = nullptr);
 
   // A lease's manifest on `device`: every weight in memory a client can map (weights/lease.hpp),
-  // waking an offloaded model first. Throws BadInput for a device leases cannot use,
-  // weights::NotLeasable for a model whose weights cannot all be shared.
-  weights::Manifest lease(const std::string& device);
+  // waking an offloaded model first; `applies_adapters`: the client adds the adapters the
+  // manifest lists (config::clients_apply_adapters), which such a model's every lease must.
+  // Throws BadInput for a device leases cannot use, weights::NotLeasable for a model whose
+  // weights cannot all be shared, or whose adapters the client would leave out.
+  weights::Manifest lease(const std::string& device, bool applies_adapters);
 
   struct Updated {
     size_t tensors = 0;

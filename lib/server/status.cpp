@@ -66,6 +66,10 @@ json manifest_json(const weights::Manifest& manifest, const std::string& model, 
   json out = {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
               {"bytes", manifest.bytes}, {"version", manifest.version}, {"regions", regions}, {"tensors", tensors}};
   if (manifest.plan) out["plan"] = plan_json(*manifest.plan);
+  if (manifest.loras) {
+    out["loras"] = json::array();
+    for (const auto& lora : *manifest.loras) out["loras"].push_back({{"path", lora.path}, {"scale", lora.scale}});
+  }
   return out;
 }
 

@@ -25,6 +25,7 @@ const config::Device kCpu = config::Device::named("cpu");
 // The factors of the model's LoRA adapters while it is loaded: in host memory (fused), or on the
 // computation device in its dtype (unfused; counted at float32's size, never less).
 void add_adapters(Holdings& to, const config::ModelConfig& config, const model::DryRun& dry) {
+  if (config::clients_apply_adapters(config)) return;  // the clients hold them
   for (const auto& adapter : dry.report.adapters)
     add(to, config.fuse_lora ? kCpu : config.vram.computation.device, "adapters", adapter.bytes);
 }

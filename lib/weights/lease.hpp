@@ -63,6 +63,9 @@ struct Manifest {
   std::vector<LeaseTensor> tensors;
   std::optional<ManagedPlan> plan;  // a model that rests for its clients
   uint64_t version = 0;             // of the weights handed over (server::Runtime::version)
+  // The adapters its clients apply (config::clients_apply_adapters), in order; none for another
+  // model, whose weights are handed over adapted.
+  std::optional<std::vector<config::LoraConfig>> loras;
 };
 
 // The plan of a model that rests for its clients, from its layers, the source that fills them

@@ -237,7 +237,8 @@ class Client:
         return self._json("DELETE", _model_path(name), _check_model)
 
     def lease(self, name: str, device: str = "cpu", wait: bool = True,
-              reserve: tuple[str, int] | None = None, follow: bool = False, in_place: bool = False) -> Lease:
+              reserve: tuple[str, int] | None = None, follow: bool = False, in_place: bool = False,
+              adapters: bool = False) -> Lease:
         """Leases model `name`'s weights on `device` as read-only, zero-copy tensors, on a
         connection of its own; see Lease. `wait`: wait for the model to load rather than refuse.
         `reserve`: (device, bytes) this process will use there, held in the daemon's budget for
@@ -245,10 +246,12 @@ class Client:
         ends. `follow`: the daemon sends each new version of the weights after an update, which
         Lease.wait_update() takes. `in_place` (on cuda:N): updates write into the memory this
         lease maps, at the same addresses, and Lease.wait_update() says when; refused (409) while
-        a lease that keeps its values is held, and the other way round."""
+        a lease that keeps its values is held, and the other way round. `adapters`: this process adds
+        the LoRA adapters Lease.loras lists, which a "weights" model served with fuse_lora = false
+        leaves to its clients (its leases are refused, 409, without it); vramd.manage does."""
         sock = open_socket(self.socket_path, self.timeout)
         return request_lease(sock, name, device, wait, where=f"vramd at {self.socket_path}", reserve=reserve,
-                             follow=follow, in_place=in_place)
+                             follow=follow, in_place=in_place, adapters=adapters)
 
     def plan(self, name: str) -> dict:
         """What a lease of model `name` would hand over, from its config's check, loading nothing

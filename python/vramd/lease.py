@@ -80,6 +80,13 @@ class Lease:
         """The version of the weights in `state_dict` (the daemon's count of updates, from 1)."""
         return self.manifest.get("version", 0)
 
+    @property
+    def loras(self) -> list[tuple[str, float]]:
+        """The LoRA adapters the client is to add to these weights, (path, scale) in order: those of
+        a "weights" model served with fuse_lora = false, whose clients apply them (a lease taken
+        with adapters=True; vramd.manage does). [] where the weights are handed over adapted."""
+        return [(lora["path"], float(lora["scale"])) for lora in self.manifest.get("loras", [])]
+
     def wait_update(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Waits for the daemon to send a new version's manifest (a lease taken with follow=True),
         maps it and makes `state_dict` its tensors; returns it. The tensors of the version
@@ -143,7 +150,7 @@ class Lease:
 
 def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: bool = True,
                   where: str = "vramd", reserve: tuple[str, int] | None = None, follow: bool = False,
-                  in_place: bool = False) -> Lease:
+                  in_place: bool = False, adapters: bool = False) -> Lease:
     """Asks for a lease of model `name` on `sock`, a fresh connection to a trusted server, which
     the Lease then owns (closed here on any error). `where` names the server in messages."""
     target = f"/v1/models/{quote(name, safe='')}/lease"
@@ -157,6 +164,8 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
             body["follow"] = True
         if in_place:
             body["in_place"] = True
+        if adapters:
+            body["adapters"] = True
         send_request(sock, "POST", target, json.dumps(body).encode(), "application/json")
         reader = Reader(sock, fds)  # every read from here on keeps the descriptors passed beside the bytes
         response = read_head(reader)
@@ -272,6 +281,11 @@ def _check_manifest(manifest) -> tuple[list[dict], list[dict], int | None]:
         _shape.natural(t, "offset", at)
         if "packed" in t:
             _check_packed(t, at)
+    if "loras" in manifest:
+        for i, lora in enumerate(_shape.objects(manifest, "loras", where)):
+            _shape.field(lora, "path", str, f"{where}loras[{i}]'s ")
+            if not isinstance(lora.get("scale"), (int, float)) or isinstance(lora.get("scale"), bool):
+                raise _shape.NotAsDocumented(f"{where}loras[{i}]'s scale is not a number")
     return regions, tensors, ordinal
 
 

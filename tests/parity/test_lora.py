@@ -279,11 +279,19 @@ def test_kohya_conv_and_linear_adapters_reach_a_lease_and_another_components_key
     (tmp_path / "vramd.toml").write_text('[budgets]\ncpu = "1GiB"\n')
     result = vramctl("check", tmp_path / "flat.toml", "--daemon-config", tmp_path / "vramd.toml")
     assert result.returncode != 0 and "2-D adapter on a convolution" in result.stdout + result.stderr, result
-    # Unfused, only the linear and embedding layers a model computes take an adapter.
+    result = vramctl("check", d.models / "unet.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode == 0 and (f"lora: {tmp_path / 'kohya.safetensors'} at scale 0.5 (kohya, 2 weights): added to "
+                                       "the weights as they are read") in result.stdout, result
+    # Unfused, a "weights" model's adapters are its clients' to apply: checked all the same.
     (tmp_path / "unfused.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "unet.safetensors"}"\n'
                                            f'fuse_lora = false\n[[lora]]\npath = "{tmp_path / "kohya.safetensors"}"\n')
     result = vramctl("check", tmp_path / "unfused.toml", "--daemon-config", tmp_path / "vramd.toml")
-    assert result.returncode != 0 and "computed unfused (fuse_lora = false)" in result.stdout + result.stderr, result
+    assert result.returncode == 0 and (f"lora: {tmp_path / 'kohya.safetensors'} at scale 1 (kohya, 2 weights): applied by "
+                                       "the clients that manage it") in result.stdout, result
+    (tmp_path / "unfused.toml").write_text(f'architecture = "weights"\ncheckpoint = "{tmp_path / "unet.safetensors"}"\n'
+                                           f'fuse_lora = false\n[[lora]]\npath = "{tmp_path / "flat.safetensors"}"\n')
+    result = vramctl("check", tmp_path / "unfused.toml", "--daemon-config", tmp_path / "vramd.toml")
+    assert result.returncode != 0 and "2-D adapter on a convolution" in result.stdout + result.stderr, result
 
 
 def test_a_loaded_model_switches_adapters_without_a_reload_from_each_client(lora, tmp_path):
@@ -654,6 +662,72 @@ def test_managed_modules_apply_adapters_of_their_own_over_one_lease_and_switch_b
     # The daemon's model holds no adapter: they were this process's.
     with d.start():
         assert model(d.sock, "unet")["loras"] == []
+
+
+def test_a_weights_model_served_unfused_leaves_its_adapters_to_the_clients_that_manage_it(unet, tmp_path):
+    """architecture "weights" with fuse_lora = false: the daemon checks the adapters and holds the
+    checkpoint's weights as they are, charging no adapter; a lease must say it applies them (409
+    otherwise) and gets them listed; vramd.manage adds them as each unit comes in, equal to
+    diffusers' fuse_lora. A switch (Client.set_loras) reaches a module that follows at its next
+    wait_update(), [] giving the base's outputs bit for bit; two such configs with different
+    files hold the base once."""
+    import vramd
+    d = Daemon(tmp_path / "daemon")
+    files, expected = unet["files"], unet["expected"]
+    for name, file in (("first", files[0]), ("second", files[1])):
+        (d.models / f"{name}.toml").write_text('fuse_lora = false\n' + unet["served"] +
+                                               f'[[lora]]\npath = "{file}"\nscale = 0.5\n')
+    (d.models / "plain.toml").write_text(unet["served"])
+    checkpoint = load_file(str(unet["files"][0]).replace("kohya0.safetensors", "unet.safetensors"))
+
+    def close(got, want):
+        return hf_models.relative_error(got, want) <= 1e-5
+
+    with d.start(), vramd.connect(d.sock) as client, torch.no_grad():
+        with pytest.raises(vramd.DaemonError, match=r"has its LoRA adapters applied by the clients that manage it "
+                                                    r".*vramd\.manage does") as refused:
+            client.lease("first")
+        assert refused.value.status == 409
+        assert request(d.sock, "GET", "/v1/models/first/lease")[0] == 409
+        status, answer = request(d.sock, "GET", "/v1/models/first/lease?adapters=true")
+        assert status == 200 and json.loads(answer)["loras"] == [{"path": str(files[0]), "scale": 0.5}], answer
+        with client.lease("first", adapters=True) as state_dict:  # the checkpoint's weights, unadapted
+            assert state_dict.keys() == checkpoint.keys()
+            assert all(torch.equal(state_dict[k], v) for k, v in checkpoint.items())
+        served = model(d.sock, "first")
+        assert [a["path"] for a in served["loras"]] == [str(files[0])], served
+        assert "adapters" not in served["charge"]["cpu"]["parts"], served  # its clients hold them
+
+        plain = managed_unet()
+        with vramd.manage(plain, "plain", client=client):
+            base = plain(*unet["input"]).sample
+        module = managed_unet()
+        with vramd.manage(module, "first", client=client, follow=True) as managed:
+            assert managed.served_loras == [(str(files[0]), 0.5)] and managed.loras == []
+            assert close(module(*unet["input"]).sample, expected[0])
+            assert managed.stats()["peak"] <= unet["limit"]
+            answer = client.set_loras("first", [(files[1], 0.5)])
+            assert answer["version"] == 2 and answer["updated"]["bytes"] == 0, answer
+            assert managed.wait_update(timeout=60) == 2 and managed.served_loras == [(str(files[1]), 0.5)]
+            assert close(module(*unet["input"]).sample, expected[1])
+            client.set_loras("first", [])
+            managed.wait_update(timeout=60)
+            assert torch.equal(module(*unet["input"]).sample, base)
+            # Its own adapters go after the served ones. The served file here also holds a text
+            # encoder's keys (kohya's lora_te_), which the client skips as the daemon does.
+            both = tmp_path / "both.safetensors"
+            save_file({**load_file(files[0]), "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.ones(2, 4),
+                       "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.ones(4, 2)}, both)
+            client.set_loras("first", [(both, 0.5)])
+            managed.wait_update(timeout=60)
+            managed.set_loras([(files[1], 0.0)])
+            assert managed.loras == [(str(files[1]), 0.0)]
+            assert close(module(*unet["input"]).sample, expected[0])
+        # The two configs view one checkpoint's pages: counted once.
+        client.load("second")
+        cpu = get_json(d.sock, "/v1/status")["devices"]["cpu"]
+        assert cpu["shared"] > 0 and cpu["models"]["first"] > 0 and cpu["models"]["second"] > 0, cpu
+        assert cpu["used"] < cpu["models"]["first"] + cpu["models"]["second"], cpu
 
 
 def test_weights_prepared_in_float8_take_the_adapter_before_their_rounding(lora):

@@ -18,7 +18,7 @@ from ..lease import Lease
 from .conversion import converter_for
 from .errors import ManageError, _listed, _name
 from .hooks import _forward_methods, _Hooks
-from .lora import read_loras
+from .lora import merged, read_loras, served_loras
 from .plan import _Plan
 from .streams import _Streams
 from .unit import _Residency, _Room, _Unit
@@ -67,7 +67,10 @@ class Managed(_Plan, _Hooks, _Residency, _Streams, _Versions):
         self._next: dict[_Unit, _Unit] = {}
         self._thread_local = threading.local()  # .previous: the unit this thread ran last
         self._loras = [_lora_item(lora) for lora in loras]
-        self._lora = read_loras(self._loras, module)  # weight name -> its terms
+        self._own = read_loras(self._loras, module)  # weight name -> the terms of this process's own adapters
+        # The adapters the daemon's model leaves to its clients, applied before those.
+        self._served, self._served_items = served_loras(lease, module), lease.loras
+        self._lora = merged(self._served, self._own)
         self._units = self._plan(units, strict)
         unmanaged = sorted(set(self._lora) - {slot.name for unit in self._units for slot in unit.slots})
         if unmanaged:
@@ -216,7 +219,7 @@ def manage(module: nn.Module, model: str, *, client: Client | None = None, devic
             derived = client.derive(model, converter)
             model = derived["name"]
             told(f"{'derived' if derived['created'] else 'found'} {model!r}")
-        lease = client.lease(model, device="cpu", reserve=reserve, follow=follow)
+        lease = client.lease(model, device="cpu", reserve=reserve, follow=follow, adapters=True)
         told(f"leased {len(lease.state_dict)} tensors, {format_bytes(lease.manifest['bytes'])} resting in the daemon's "
              "memory" + (f", {format_bytes(limit)} of {device} reserved" if reserve else ""))
         if dtype is None:

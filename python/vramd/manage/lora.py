@@ -61,17 +61,20 @@ def _pattern(patterns: dict, module: str):
     return None
 
 
-def read_loras(loras, module: nn.Module) -> dict[str, list[tuple]]:
+def read_loras(loras, module: nn.Module, where: str = "loras") -> dict[str, list[tuple]]:
     """Each (path, scale) of `loras` (or a path alone: scale 1.0) read and checked whole against
     `module`: the weights it changes by name, each with its terms (down, up, factor, transposed),
-    float32 on the CPU. Raises ManageError naming the adapter and key."""
+    float32 on the CPU. The keys of a kohya file's component none of whose modules are the
+    module's (a text encoder's, lora_te_, beside a UNet's) are skipped, as the daemon skips them.
+    Raises ManageError naming the adapter (`where`[N]) and key."""
     modules = dict(module.named_modules())
     underscored = {name.replace(".", "_"): name for name in modules}
     terms: dict[str, list[tuple]] = {}
+    names = where
     for index, lora in enumerate(loras):
         path, scale = (lora, 1.0) if isinstance(lora, (str, os.PathLike)) else lora
         path = os.fspath(path)
-        where = f"loras[{index}], {path}"
+        where = f"{names}[{index}], {path}"
         try:
             tensors, peft = _open(path)
             pairs: dict[str, dict] = {}
@@ -84,9 +87,18 @@ def read_loras(loras, module: nn.Module) -> dict[str, list[tuple]]:
                     raise ManageError(f"{key!r} is no LoRA key (lora_A/lora_B, lora_down/lora_up or alpha)")
                 name = key[: -len(suffix[0])].removeprefix("base_model.model.")
                 pairs.setdefault(name, {})[suffix[1]] = value
+            targets = {name: (underscored.get(name.split("_", 2)[2]) if name.startswith("lora_") and name.count("_") >= 2
+                              else name if name in modules else name.split(".", 1)[1] if "." in name else None)
+                       for name in pairs}
+            found = {name.split("_", 2)[1] for name, target in targets.items() if target and name.startswith("lora_")}
+            skipped = {name for name in pairs
+                       if name.startswith("lora_") and name.count("_") >= 2 and name.split("_", 2)[1] not in found}
+            if pairs and len(skipped) == len(pairs):
+                raise ManageError(f"module {next(iter(pairs))!r} is not the module's, nor any other of the file's")
             for name, pair in pairs.items():
-                target = (underscored.get(name.split("_", 2)[2]) if name.startswith("lora_") and name.count("_") >= 2
-                          else name if name in modules else name.split(".", 1)[1] if "." in name else None)
+                target = targets[name]
+                if name in skipped:
+                    continue  # another component's (kohya's lora_te_ beside lora_unet_)
                 layer = modules.get(target) if target else None
                 weight = getattr(layer, "weight", None) if layer is not None else None
                 if not isinstance(weight, torch.Tensor):
@@ -139,3 +151,22 @@ def adapted(value: torch.Tensor, terms: list[tuple]) -> torch.Tensor:
         delta = (up.flatten(1) @ down.flatten(1)) * factor
         value += (delta.T if transposed else delta).reshape(value.shape)
     return value
+
+
+def merged(*term_sets: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
+    """Terms of several sets in order: each weight's terms of the first set, then the next's."""
+    out: dict[str, list[tuple]] = {}
+    for terms in term_sets:
+        for name, listed in terms.items():
+            out.setdefault(name, []).extend(listed)
+    return out
+
+
+def served_loras(lease, module: nn.Module) -> dict[str, list[tuple]]:
+    """The terms of the adapters the leased model leaves to its clients (Lease.loras: a "weights"
+    model served with fuse_lora = false), read here as the daemon read them. ManageError naming
+    the model and the adapter."""
+    try:
+        return read_loras(lease.loras, module, where="its loras")
+    except ManageError as e:
+        raise ManageError(f"model {lease.manifest.get('model')!r}'s adapters, which its clients apply: {e}") from None

@@ -8,7 +8,7 @@ import time
 
 from .._units import format_bytes, format_exact
 from .errors import ManageError, _listed, _name
-from .lora import read_loras
+from .lora import merged, read_loras, served_loras
 
 
 def _lora_item(lora) -> tuple[str, float]:
@@ -49,8 +49,16 @@ class _Versions:
 
     @property
     def loras(self) -> list[tuple[str, float]]:
-        """The LoRA adapters this process applies (manage(..., loras=), set_loras): (path, scale) each."""
+        """The LoRA adapters this process applies of its own (manage(..., loras=), set_loras):
+        (path, scale) each."""
         return list(self._loras)
+
+    @property
+    def served_loras(self) -> list[tuple[str, float]]:
+        """The adapters the served model leaves to its clients ("weights" with fuse_lora = false: its
+        config's [[lora]], or the set Client.set_loras put in force), which this process applies
+        before its own, as of the version its units bring."""
+        return list(self._served_items)
 
     def set_loras(self, loras, timeout: float | None = None) -> None:
         """Replaces the LoRA adapters this process applies ([] for none: the leased weights as they
@@ -64,25 +72,31 @@ class _Versions:
         if self._calls.get(me) or self._running.get(me):
             raise ManageError(f"set_loras() of {self!r} from inside its forward: call it between forwards")
         items = [_lora_item(lora) for lora in loras]
-        terms = read_loras(items, self.module)
+        own = read_loras(items, self.module)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._between_forwards(deadline, timeout, "set_loras:", "the adapters in force are kept")
+            self._adapt(merged(self._served, own), "set_loras:", "the adapters in force are kept")
+            self._loras, self._own = items, own
+
+    def _adapt(self, terms: dict, what: str, kept: str) -> None:
+        """Under the lock, between forwards: the slots whose terms change take `terms`, the units
+        holding them dropping their copies; where that would need more than the limit, or changes
+        a weight no unit manages, ManageError, the terms in force kept."""
         slots = {slot.name: slot for slot in self._slots}
         unmanaged = sorted(set(terms) - set(slots))
         if unmanaged:
-            raise ManageError(f"set_loras: {_listed(unmanaged)} changed by the adapters, which no unit manages")
-        deadline = None if timeout is None else time.monotonic() + timeout
+            raise ManageError(f"{what} {_listed(unmanaged)} changed by the adapters, which no unit manages")
         changed = {slots[name] for name in set(terms) | {n for n, slot in slots.items() if slot.lora}}
-        with self._lock:
-            self._between_forwards(deadline, timeout, "set_loras:", "the adapters in force are kept")
-            units = [unit for unit in self._units if changed & set(unit.slots)]
-            self._drop_copies(units)
-            before = {slot: slot.lora for slot in changed}
-            self._take_loras({slot: terms.get(slot.name) for slot in changed}, units)
-            if self.limit is not None and self._least > self.limit:  # an adapted weight viewed in place before
-                least = self._least
-                self._take_loras(before, units)
-                raise ManageError(f"set_loras: the adapted weights need copies, {format_exact(least)} at once, more "
-                                  f"than the limit of {format_bytes(self.limit)}: the adapters in force are kept")
-            self._loras = items
+        units = [unit for unit in self._units if changed & set(unit.slots)]
+        self._drop_copies(units)
+        before = {slot: slot.lora for slot in changed}
+        self._take_loras({slot: terms.get(slot.name) for slot in changed}, units)
+        if self.limit is not None and self._least > self.limit:  # an adapted weight viewed in place before
+            least = self._least
+            self._take_loras(before, units)
+            raise ManageError(f"{what} the adapted weights need copies, {format_exact(least)} at once, more than the "
+                              f"limit of {format_bytes(self.limit)}: {kept}")
 
     def _take_loras(self, terms: dict, units) -> None:
         """Under the lock: each slot's terms, and the units' bytes and the least limit they make."""
@@ -115,16 +129,21 @@ class _Versions:
         if self._arrived is None:
             self._arrived = self.lease.wait_update(timeout)
         state_dict = self._arrived
+        what = f"version {self.lease.version} of {self.lease.manifest['model']!r}"
+        # A switch of the adapters the model leaves to its clients: read whole first.
+        served_items = self.lease.loras
+        served = self._served if served_items == self._served_items else served_loras(self.lease, self.module)
         with self._lock:
-            self._between_forwards(deadline, timeout, f"version {self.lease.version} of "
-                                   f"{self.lease.manifest['model']!r} came, but", "the next wait_update() takes it")
+            self._between_forwards(deadline, timeout, f"{what} came, but", "the next wait_update() takes it")
             self._drop_copies(self._units)
             changed = [f"{slot.name!r} is {list(new.shape)} {_name(new.dtype)}, {list(slot.rest.shape)} "
                        f"{_name(slot.rest.dtype)} before" for slot in self._slots
                        if ((new := state_dict[slot.name]).shape, new.dtype) != (slot.rest.shape, slot.rest.dtype)]
             if changed:  # never from an update, which keeps shapes and dtypes
-                raise ManageError(f"version {self.lease.version} of {self.lease.manifest['model']!r}: "
-                                  f"{', '.join(changed)}")
+                raise ManageError(f"{what}: {', '.join(changed)}")
+            if served is not self._served:
+                self._adapt(merged(served, self._own), f"{what}:", "the version before is kept")
+                self._served, self._served_items = served, served_items
             self._unpin()  # before the version before is unmapped
             for slot in self._slots:
                 slot.rest = state_dict[slot.name]
