@@ -19,6 +19,8 @@ two kohya LoRA files:
     vramd.manage     Managed.set_loras: the process's own adapters replaced, then one forward
     vramd followed   Client.set_loras on the served model, the managed module (follow=True)
                      taking the new version (wait_update), then one forward
+    vramd clients    the same on the model served with fuse_lora = false, whose adapters its
+                     clients apply: the daemon writes nothing, the module reads the new file
     diffusers        load_lora_adapter + set_adapters (unfused); unfuse_lora, delete_adapters,
                      load_lora_adapter, fuse_lora (fused); from_pretrained + the file fused (a
                      reload), each then one forward
@@ -388,7 +390,9 @@ def vramd_unet_contenders(work, folder, files, scale, x, repeat):
     models.mkdir(parents=True, exist_ok=True)
     served = f'checkpoint = "{folder / "diffusion_pytorch_model.safetensors"}"\narchitecture = "weights"\n'
     (models / "unet.toml").write_text(served)
-    (models / "unet-daemon.toml").write_text(served + f'[[lora]]\npath = "{files[0]}"\nscale = {scale}\n')
+    adapter = f'[[lora]]\npath = "{files[0]}"\nscale = {scale}\n'
+    (models / "unet-daemon.toml").write_text(served + adapter)
+    (models / "unet-clients.toml").write_text(served + "fuse_lora = false\n" + adapter)
     with init_empty_weights():
         module, following = make_unet(), make_unet()
     out = {}
@@ -401,15 +405,15 @@ def vramd_unet_contenders(work, folder, files, scale, x, repeat):
             out["adapted forward"] = median_seconds(repeat, lambda: None, lambda: module(*x))
             record(out, "own switch", timed_switches(repeat, lambda i: managed.set_loras([(files[(i + 1) % 2], scale)]),
                                                      lambda: module(*x).sample), files[repeat % 2])
-        with vramd.manage(following, "unet-daemon", client=client, follow=True) as managed:
-            following(*x)
+        for name, model in (("daemon switch", "unet-daemon"), ("clients switch", "unet-clients")):
+            with vramd.manage(following, model, client=client, follow=True) as managed:
+                following(*x)
 
-            def daemon_switch(i):
-                client.set_loras("unet-daemon", [(files[(i + 1) % 2], scale)])
-                managed.wait_update()
+                def daemon_switch(i):
+                    client.set_loras(model, [(files[(i + 1) % 2], scale)])
+                    managed.wait_update()
 
-            record(out, "daemon switch", timed_switches(repeat, daemon_switch, lambda: following(*x).sample),
-                   files[repeat % 2])
+                record(out, name, timed_switches(repeat, daemon_switch, lambda: following(*x).sample), files[repeat % 2])
     return out
 
 
@@ -431,15 +435,18 @@ def unet_rows(work, rank, repeat):
     rows = [("vramd.manage, Managed.set_loras", v["own switch alone"], v["own switch"], v["own switch output"], v["own switch file"]),
             ("vramd Client.set_loras, followed", v["daemon switch alone"], v["daemon switch"], v["daemon switch output"],
              v["daemon switch file"]),
+            ("vramd Client.set_loras, clients apply", v["clients switch alone"], v["clients switch"],
+             v["clients switch output"], v["clients switch file"]),
             ("diffusers switch (unfused)", d["switch alone"], d["switch"], d["switch output"], d["switch file"]),
             ("diffusers fused switch", d["fused switch alone"], d["fused switch"], d["fused switch output"], d["fused switch file"]),
             ("diffusers reload, fused", d["reload alone"], d["reload"], d["reload output"], d["reload file"])]
-    print(f"  {'':34} {'the switch':>10} {'+ forward':>10}   first output against diffusers' fuse_lora")
+    print(f"  {'':38} {'the switch':>10} {'+ forward':>10}   first output against diffusers' fuse_lora")
     for name, alone, first, got, path in rows:
-        print(f"  {name:34} {alone:8.3f} s {first:8.3f} s   {against(got, path):.1e} relative")
+        print(f"  {name:38} {alone:8.3f} s {first:8.3f} s   {against(got, path):.1e} relative")
     fastest = min(d["switch alone"], d["fused switch alone"], d["reload alone"])
     print(f"vramd's switches against diffusers' fastest way ({fastest:.3f} s): Managed.set_loras "
-          f"{fastest / v['own switch alone']:.1f}x, Client.set_loras {fastest / v['daemon switch alone']:.1f}x faster")
+          f"{fastest / v['own switch alone']:.1f}x, Client.set_loras {fastest / v['daemon switch alone']:.1f}x, "
+          f"Client.set_loras with clients applying {fastest / v['clients switch alone']:.1f}x faster")
     print(f"forward: diffusers base {d['base forward']:.3f} s, fused {d['fused forward'] / d['base forward']:.2f}x, unfused "
           f"{d['unfused forward'] / d['base forward']:.2f}x; vramd.manage base {v['base forward']:.3f} s, with its own "
           f"adapter {v['adapted forward'] / v['base forward']:.2f}x")

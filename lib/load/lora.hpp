@@ -83,9 +83,10 @@ void place_loras(model::Model& model);
 // checkpoint's plus the new terms, or the checkpoint's alone) as one update (weights::Weights::
 // update: the version goes up, a forward runs wholly on one set); unfused, each layer's terms are
 // replaced and no weight is written; applied by clients, nothing changes here but the set in
-// force, which the leases' next manifests list. A weight read from the checkpoint at each use (a layer
-// streamed from disk) is not written either: its next read applies the new set. Returns the
-// new set's adapters; `report` counts the weights either set changes and the bytes written.
+// force, which the leases' next manifests list. A weight read from the checkpoint at each use
+// (a layer streamed from disk) is not written either: its next read applies the new set.
+// Returns the new set's adapters; `report` counts the weights either set changes and the bytes
+// written.
 // Throws BadUpdate (a bad adapter: nothing changed), weights::NotUpdatable (weights that cannot
 // take an update: packed blocks) and weights::UpdateNeedsRoom, each with the adapters in force
 // kept.
