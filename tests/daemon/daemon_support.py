@@ -223,7 +223,10 @@ class Daemon:
         self.process = subprocess.Popen([VRAMD, "--config", str(self.config)], stdout=self.log_file,
                                         stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         if wait:
-            wait_for(self.healthy, what=f"vramd to serve (log: {self.log})")
+            # It serves once every config is checked, which for converter = "transformers" runs
+            # Python (seconds each, more on a loaded machine); `healthy` fails at once if it exits,
+            # so the timeout only bounds a daemon that hangs.
+            wait_for(self.healthy, timeout=300, what=f"vramd to serve (log: {self.log})")
         return self
 
     def healthy(self):
