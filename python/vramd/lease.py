@@ -59,9 +59,10 @@ class Lease:
 
     def __init__(self, sock: socket.socket, manifest: dict, state_dict: dict[str, torch.Tensor], regions: list,
                  reader: Reader | None = None, fds: list[int] | None = None, where: str = "vramd",
-                 in_place: bool = False):
+                 in_place: bool = False, identities: list | None = None):
         self._sock = sock
         self._regions = [region for region in regions if region is not None]
+        self._identities = identities  # of the regions mapped (host memory), to know a version in the same ones
         self._reader, self._fds, self._where = reader, fds, where
         self.manifest = manifest
         self.state_dict = state_dict
@@ -89,7 +90,9 @@ class Lease:
 
     def wait_update(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Waits for the daemon to send a new version's manifest (a lease taken with follow=True),
-        maps it and makes `state_dict` its tensors; returns it. The tensors of the version
+        maps it and makes `state_dict` its tensors; returns it (the same `state_dict` where the new
+        version lists the same tensors in the regions held already: a switch of the adapters a
+        model leaves to its clients). The tensors of the version
         before stay readable for as long as something holds them. For a lease taken with
         in_place=True, waits for the line saying that an update has written its values into
         `state_dict`'s memory, and returns the same `state_dict`. Raises TimeoutError after
@@ -104,7 +107,8 @@ class Lease:
                 self.manifest = {**self.manifest, "version": _receive_in_place(self._reader, self._fds, self.version)}
                 mappings = None
             else:
-                self.manifest, self.state_dict, mappings = _receive_manifest(self._reader, self._fds)
+                self.manifest, self.state_dict, mappings, self._identities = _receive_manifest(
+                    self._reader, self._fds, (self.manifest, self.state_dict, self._identities))
         except TimeoutError:
             raise
         except BaseException as e:
@@ -174,7 +178,7 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
             raise refusal(response, request)
         if response.headers.get("upgrade", "").lower() != UPGRADE:
             raise ProtocolError(f"switched to {response.headers.get('upgrade')!r}, not {UPGRADE!r}")
-        manifest, state_dict, mappings = _receive_manifest(reader, fds)
+        manifest, state_dict, mappings, identities = _receive_manifest(reader, fds)
     except BaseException as e:
         for fd in fds:  # passed beside a refusal
             os.close(fd)
@@ -185,13 +189,18 @@ def request_lease(sock: socket.socket, name: str, device: str = "cpu", wait: boo
             raise
         raise failure from None
     if follow or in_place:
-        return Lease(sock, manifest, state_dict, mappings, reader, fds, where, in_place)
+        return Lease(sock, manifest, state_dict, mappings, reader, fds, where, in_place, identities)
     return Lease(sock, manifest, state_dict, mappings)
 
 
-def _receive_manifest(reader: Reader, fds: list[int]) -> tuple[dict, dict[str, torch.Tensor], list]:
+def _receive_manifest(reader: Reader, fds: list[int], held: tuple | None = None) -> tuple:
     """The next manifest line and its descriptors (which `reader` collects into `fds`), checked
-    and mapped: the manifest, its state dict and the mappings. The descriptors are closed."""
+    and mapped: the manifest, its state dict, the mappings and the regions' identities (host
+    memory: device, inode and length; None on a GPU). The descriptors are closed. `held`: the
+    manifest, state dict and identities of the version the lease holds; where the new one lists
+    the same tensors in the same regions (a switch of the adapters a model leaves to its
+    clients writes no weight), its state dict is that one and nothing is mapped again (the
+    mappings None)."""
     try:
         line = reader.until(b"\n", MANIFEST_LIMIT)
         try:
@@ -202,10 +211,15 @@ def _receive_manifest(reader: Reader, fds: list[int]) -> tuple[dict, dict[str, t
         if len(fds) != len(regions):
             raise ProtocolError(f"sent {len(fds)} file descriptors for a manifest of {len(regions)} regions")
         lengths = [_length(region, fd, i) for i, (region, fd) in enumerate(zip(regions, fds))]
+        identities = None if ordinal is not None else \
+            [(info.st_dev, info.st_ino, length) for info, length in zip(map(os.fstat, fds), lengths)]
+        if held is not None and identities is not None and identities == held[2] and \
+                (manifest["device"], manifest["tensors"]) == (held[0]["device"], held[0]["tensors"]):
+            return manifest, held[1], None, identities
         for t in tensors:  # every check before the first mapping
             _check_bounds(t, lengths)
         mappings = _map_all(regions, fds, lengths, ordinal)
-        return manifest, {t["name"]: _view(t, mappings, manifest["device"]) for t in tensors}, mappings
+        return manifest, {t["name"]: _view(t, mappings, manifest["device"]) for t in tensors}, mappings, identities
     finally:
         for fd in fds:  # a mapping outlives its descriptor
             os.close(fd)

@@ -708,7 +708,9 @@ def test_a_weights_model_served_unfused_leaves_its_adapters_to_the_clients_that_
             assert managed.stats()["peak"] <= unet["limit"]
             answer = client.set_loras("first", [(files[1], 0.5)])
             assert answer["version"] == 2 and answer["updated"]["bytes"] == 0, answer
+            leased = managed.lease.state_dict
             assert managed.wait_update(timeout=60) == 2 and managed.served_loras == [(str(files[1]), 0.5)]
+            assert managed.lease.state_dict is leased  # the same weights: nothing mapped again
             assert close(module(*unet["input"]).sample, expected[1])
             client.set_loras("first", [])
             managed.wait_update(timeout=60)
