@@ -193,9 +193,15 @@ def test_a_following_lease_gets_each_new_version_on_its_connection(served):
                               ("POST", b'{"in_place": 1}', "in_place must be a boolean"),
                               ("GET", b'{"in_place": true, "device": "cuda:0"}', "in_place sends each new version"),
                               ("POST", b'{"in_place": true, "device": "cuda:0", "follow": false}',
-                               "in_place follows updates: leave out follow=false")]:
+                               "in_place follows updates: leave out follow=false"),
+                              ("POST", b'{"adapters": "yes"}', "adapters must be a boolean"),
+                              ("POST", b'{"adapter": true}', "unknown key 'adapter' (device, wait, follow, in_place, "
+                                                             "adapters, reserve)")]:
         status, answer = request(sock, method, "/v1/models/m/lease", body)
         assert status == 400 and why in json.loads(answer)["error"], answer
+    status, answer = request(sock, "GET", "/v1/models/m/lease?adapters=maybe")
+    assert status == 400 and "lease: adapters='maybe': expected true or false" in json.loads(answer)["error"], answer
+    with vramd.connect(sock) as client:
         assert equal(client.forward("m", served["inputs"]), served["before"])
 
 
