@@ -61,20 +61,24 @@ def _pattern(patterns: dict, module: str):
     return None
 
 
-def read_loras(loras, module: nn.Module, where: str = "loras") -> dict[str, list[tuple]]:
+def _component(name: str) -> str | None:
+    """The component of a kohya module name (lora_unet_..., lora_te_...: "unet", "te"), else None."""
+    return name.split("_", 2)[1] if name.startswith("lora_") and name.count("_") >= 2 else None
+
+
+def read_loras(loras, module: nn.Module, label: str = "loras") -> dict[str, list[tuple]]:
     """Each (path, scale) of `loras` (or a path alone: scale 1.0) read and checked whole against
     `module`: the weights it changes by name, each with its terms (down, up, factor, transposed),
     float32 on the CPU. The keys of a kohya file's component none of whose modules are the
     module's (a text encoder's, lora_te_, beside a UNet's) are skipped, as the daemon skips them.
-    Raises ManageError naming the adapter (`where`[N]) and key."""
+    Raises ManageError naming the adapter (`label`[N]) and key."""
     modules = dict(module.named_modules())
     underscored = {name.replace(".", "_"): name for name in modules}
     terms: dict[str, list[tuple]] = {}
-    names = where
     for index, lora in enumerate(loras):
         path, scale = (lora, 1.0) if isinstance(lora, (str, os.PathLike)) else lora
         path = os.fspath(path)
-        where = f"{names}[{index}], {path}"
+        where = f"{label}[{index}], {path}"
         try:
             tensors, peft = _open(path)
             pairs: dict[str, dict] = {}
@@ -87,12 +91,11 @@ def read_loras(loras, module: nn.Module, where: str = "loras") -> dict[str, list
                     raise ManageError(f"{key!r} is no LoRA key (lora_A/lora_B, lora_down/lora_up or alpha)")
                 name = key[: -len(suffix[0])].removeprefix("base_model.model.")
                 pairs.setdefault(name, {})[suffix[1]] = value
-            targets = {name: (underscored.get(name.split("_", 2)[2]) if name.startswith("lora_") and name.count("_") >= 2
+            targets = {name: (underscored.get(name.split("_", 2)[2]) if _component(name)
                               else name if name in modules else name.split(".", 1)[1] if "." in name else None)
                        for name in pairs}
-            found = {name.split("_", 2)[1] for name, target in targets.items() if target and name.startswith("lora_")}
-            skipped = {name for name in pairs
-                       if name.startswith("lora_") and name.count("_") >= 2 and name.split("_", 2)[1] not in found}
+            found = {_component(name) for name, target in targets.items() if target and _component(name)}
+            skipped = {name for name in pairs if _component(name) and _component(name) not in found}
             if pairs and len(skipped) == len(pairs):
                 raise ManageError(f"module {next(iter(pairs))!r} is not the module's, nor any other of the file's")
             for name, pair in pairs.items():
@@ -167,6 +170,6 @@ def served_loras(lease, module: nn.Module) -> dict[str, list[tuple]]:
     model served with fuse_lora = false), read here as the daemon read them. ManageError naming
     the model and the adapter."""
     try:
-        return read_loras(lease.loras, module, where="its loras")
+        return read_loras(lease.loras, module, label="its loras")
     except ManageError as e:
         raise ManageError(f"model {lease.manifest.get('model')!r}'s adapters, which its clients apply: {e}") from None
