@@ -430,12 +430,13 @@ void attach_loras(const config::ModelConfig& config, model::Model& model, std::v
                   model::LoadReport& report) {
   if (config.lora.empty()) return;
   const std::string where = config::where(config, "lora");
-  LoraSet set = read_loras(config.lora, model, assignments, applied(config),
+  const Applied how = applied(config);
+  LoraSet set = read_loras(config.lora, model, assignments, how,
                            [&](size_t index) { return where + ": [[lora]] " + std::to_string(index + 1); });
-  if (applied(config) == Applied::Fused) {
+  if (how == Applied::Fused) {
     for (auto& assignment : assignments)
       if (auto it = set.patches.find(assignment.parameter); it != set.patches.end()) assignment.patch = it->second;
-  } else if (applied(config) == Applied::Unfused) {
+  } else if (how == Applied::Unfused) {
     for (const auto& layer : model.layers())
       if (auto it = set.patches.find(weight_of(*layer)); it != set.patches.end())
         layer->set_lora(it->second);  // on the CPU until place_loras
@@ -467,19 +468,20 @@ std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, con
                                                const std::vector<config::LoraConfig>& loras, const UpdateSpace& space,
                                                UpdateReport& report) {
   auto& assignments = loaded.source->assignments;
+  const Applied how = applied(config);
   LoraSet set;
   try {
-    set = read_loras(loras, *loaded.model, assignments, applied(config),
+    set = read_loras(loras, *loaded.model, assignments, how,
                      [](size_t index) { return "loras[" + std::to_string(index) + "]"; });
   } catch (const BadAdapter& e) {
     throw BadUpdate(std::string(e.what()) + "; the adapters in force are kept");
   }
-  if (applied(config) == Applied::ByClients) {  // the clients take the new set with the next version
+  if (how == Applied::ByClients) {  // the clients take the new set with the next version
     report.tensors = set.patches.size();
     loaded.report.adapters = set.adapters;
     return std::move(set.adapters);
   }
-  if (!config.fuse_lora) {  // unfused: each layer's terms replaced, no weight written
+  if (how == Applied::Unfused) {  // each layer's terms replaced, no weight written
     std::vector<std::pair<model::Layer*, std::shared_ptr<const model::LoraTerms>>> changes;
     for (const auto& layer : loaded.model->layers()) {
       const auto it = set.patches.find(weight_of(*layer));
