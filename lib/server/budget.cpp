@@ -63,6 +63,20 @@ uint64_t viewed_by_others(const model::FileSpans& views, const std::vector<const
   return views.overlap(others);
 }
 
+DeviceBytes freed_by_release(DeviceBytes replaced, const Entry& e, const model::FileSpans& after,
+                             const std::vector<const Entry*>& entries) {
+  // Pages of checkpoints only: a copy other configs share is not counted as replaced at all.
+  const auto pages = [&](const model::FileSpans& views) {
+    return viewed_by_others(views.named(weights::kCopySpan, false), entries, &e);
+  };
+  const uint64_t before = pages(e.views), now = pages(after);
+  if (const auto cpu = replaced.find("cpu"); cpu != replaced.end() && before > now) {
+    cpu->second -= std::min(cpu->second, before - now);
+    if (cpu->second == 0) replaced.erase(cpu);
+  }
+  return replaced;
+}
+
 uint64_t shared_copies(const Entry& e, const std::vector<const Entry*>& entries) {
   return viewed_by_others(e.views.named(weights::kCopySpan), entries, &e);
 }

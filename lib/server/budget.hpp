@@ -43,6 +43,12 @@ DeviceBytes lease_room(const Entry& entry);
 uint64_t shared_views(const std::vector<const Entry*>& entries);
 // The bytes of `views` that loaded models other than `self` view now.
 uint64_t viewed_by_others(const model::FileSpans& views, const std::vector<const Entry*>& entries, const Entry* self);
+// What freeing the values an update of the entry replaced gives back (`replaced`, by device:
+// weights::Weights::take_replaced's): on "cpu", less the checkpoint pages they viewed that other
+// loaded models view too. Those stay counted in the others' charges, and no longer as shared,
+// once the entry's views are `after` the update's.
+DeviceBytes freed_by_release(DeviceBytes replaced, const Entry& entry, const model::FileSpans& after,
+                             const std::vector<const Entry*>& entries);
 // The bytes of the copies on the host that the entry's weights share with other loaded models
 // (weights/copy_key.hpp): what a lease on "cpu" packs into memory of its own that it can hand
 // over, while the others keep theirs (weights/lease_memory.cpp).

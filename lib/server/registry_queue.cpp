@@ -231,7 +231,7 @@ void Registry::start_job(Entry& entry, Job job) {
     };
     auto outcome = std::make_shared<Outcome>(run_job(*shared_job, std::move(runtime), config, progress));
     mailbox_.post([this, e, shared_job, outcome] {
-      release(std::move(outcome->replaced), outcome->replaced_bytes);
+      release(std::move(outcome->replaced), freed_by_release(outcome->replaced_bytes, *e, outcome->views, entries()));
       finish_job(*e, std::move(*shared_job), *outcome);
     });
   });

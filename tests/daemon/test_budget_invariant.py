@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from daemon_support import ROOT, Daemon, get_json, request, wait_for
+from daemon_support import ROOT, Daemon, get_json, request, thread_held, wait_for
 import hf_models
 
 sys.path.insert(0, str(ROOT / "python"))
@@ -204,11 +204,11 @@ def test_an_onload_tier_on_the_computation_device_counts_beside_the_limit(checkp
 SLEEPS_IN_BFLOAT16 = '[vram]\noffload = { device = "cpu", dtype = "bfloat16" }\n'
 
 
-def llamas_on_a_tight_budget(checkpoints, tmp_path, configs):
-    """A daemon with room on the host for 1.3 of the float32 LLaMA, and configs of it: by name,
-    the lines after its checkpoint."""
+def llamas_on_a_tight_budget(checkpoints, tmp_path, configs, budget=None):
+    """A daemon with room on the host for 1.3 of the float32 LLaMA (or `budget` bytes), and
+    configs of it: by name, the lines after its checkpoint."""
     llama, size = checkpoints[0]["llama"], checkpoints[1]["llama"]
-    d = Daemon(tmp_path, budgets=f"cpu = {size * 13 // 10}", log_level="info")
+    d = Daemon(tmp_path, budgets=f"cpu = {budget or size * 13 // 10}", log_level="info")
     for name, text in configs.items():
         (d.models / f"{name}.toml").write_text(f'checkpoint = "{llama}"\n{text}')
     return d
@@ -247,6 +247,30 @@ def test_a_lease_makes_room_for_the_copies_its_model_shares(checkpoints, tmp_pat
             cpu = check_invariant(d.sock, "lease w")["devices"]["cpu"]
             assert len(weights) > 0 and sorted(cpu["models"]) == ["c", "w"] and cpu["shared"] == 0, cpu
             assert "making room for w on cpu: unload b" in d.log.read_text()
+        assert d.stop() == 0
+
+
+def test_values_an_update_replaced_count_as_freed_only_where_no_other_model_views_them(checkpoints, tmp_path):
+    # Found by a drawn seed: a's replaced values were views of checkpoint pages b views too. They
+    # were counted as being freed while b's view kept counting those pages, and the pages no
+    # longer counted as shared: `used` passed the budget by the replaced bytes until they were
+    # freed, though freeing them gives nothing back.
+    size = 857344  # the float32 LLaMA's weights, its file less its header
+    changed = Sequence.values(1)
+    replaced = sum(v.nbytes for v in changed.values())
+    d = llamas_on_a_tight_budget(checkpoints, tmp_path, {"a": "", "b": ""}, budget=size + replaced)
+    with d.start(), vramd.connect(d.sock) as client:
+        for name in "ab":
+            client.load(name)
+        cpu = check_invariant(d.sock, "load a and b")["devices"]["cpu"]
+        assert cpu["used"] == size and cpu["shared"] == size, cpu
+        # The thread that frees what updates replaced is held still: the values are still held.
+        with thread_held(d.process.pid, "vramd-release"):
+            client.update("a", changed, via="body")
+            cpu = check_invariant(d.sock, "update a")["devices"]["cpu"]
+            assert cpu["releasing"] == 0 and cpu["used"] == size + replaced, cpu
+        wait_for(lambda: get_json(d.sock, "/v1/status")["devices"]["cpu"]["releasing"] == 0, what="nothing released")
+        assert check_invariant(d.sock, "freed")["devices"]["cpu"]["used"] == size + replaced
         assert d.stop() == 0
 
 

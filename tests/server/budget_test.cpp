@@ -1,6 +1,7 @@
 #include <catch2/catch.hpp>
 
 #include "server/budget.hpp"
+#include "weights/copy_key.hpp"
 
 using namespace vramd;
 using namespace vramd::server;
@@ -87,4 +88,25 @@ TEST_CASE("the room a job reserves is what it will hold beyond what it counts no
       {{{"cpu", 10}}, {}, {{"cpu", 5}}, {{"cpu", 15}}},                    // both on one device
   };
   for (const auto& c : cases) CHECK(room_to_reserve(c.expected, c.have, c.extra) == c.room);
+}
+
+TEST_CASE("freeing replaced values gives back none of the checkpoint pages other models view") {
+  Entry a, b;
+  a.name = "a";
+  b.name = "b";
+  a.views.add("1:2", 0, 100);  // a views the whole file, b its first 60 bytes
+  a.views.add(std::string(weights::kCopySpan) + "k", 0, 50);  // and a copy shared with b
+  b.views.add("1:2", 0, 60);
+  b.views.add(std::string(weights::kCopySpan) + "k", 0, 50);
+  const std::vector<const Entry*> entries{&a, &b};
+  // An update replaced a's views of [40, 100) and the shared copy (not counted as replaced: b
+  // holds it), and 7 bytes on a GPU.
+  model::FileSpans after;
+  after.add("1:2", 0, 40);
+  const DeviceBytes replaced{{"cpu", 60}, {"cuda:0", 7}};
+  CHECK(freed_by_release(replaced, a, after, entries) == DeviceBytes{{"cpu", 40}, {"cuda:0", 7}});  // [60, 100)
+  // Alone, every replaced view is freed; with b viewing all of them, none.
+  CHECK(freed_by_release(replaced, a, after, {&a}) == replaced);
+  b.views.add("1:2", 0, 100);
+  CHECK(freed_by_release(replaced, a, after, entries) == DeviceBytes{{"cuda:0", 7}});
 }
