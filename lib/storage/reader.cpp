@@ -355,7 +355,12 @@ class StagedWork final : public Work {
   uint64_t taken_ = 0;
 };
 
-unsigned cores() { return std::max(1u, std::thread::hardware_concurrency()); }
+// Asked once: each call reads /sys/devices/system/cpu/online, which cost a small read (a LoRA
+// file's alpha scalars, one each) more than the read itself.
+unsigned cores() {
+  static const unsigned count = std::max(1u, std::thread::hardware_concurrency());
+  return count;
+}
 
 // Reads the work with the engine the options ask for, at most `depth` reads in flight; reads
 // through the page cache on `buffered_threads` threads (at most `depth`).
