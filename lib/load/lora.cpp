@@ -354,8 +354,14 @@ LoraSet read_loras(const std::vector<config::LoraConfig>& loras, model::Model& m
         if (peft && !targeted(peft->target_modules, module))
           throw BadAdapter(quote(key) + ": module " + quote(module) + " is not among adapter_config.json's target_modules");
         const storage::ReadOptions as_float{.dtype = c10::kFloat, .mode = storage::ReadMode::Copy};
-        at::Tensor down = storage::load_tensor(map, pair.down_key, as_float);
-        at::Tensor up = storage::load_tensor(map, pair.up_key, as_float);
+        // Adapters its clients apply are checked here, never kept: their shapes will do (the
+        // header's ranges were checked against the file's size when it was opened).
+        const auto factor = [&](const std::string& name) {
+          return applied == Applied::ByClients
+                     ? at::empty(map.find(name)->shape, at::TensorOptions().device(c10::kMeta).dtype(c10::kFloat))
+                     : storage::load_tensor(map, name, as_float);
+        };
+        at::Tensor down = factor(pair.down_key), up = factor(pair.up_key);
         const auto& shape = parameter ? parameter->shape : readers->shape;
         const model::Layer* layer = parameter && layer_of.count(parameter) ? layer_of.at(parameter) : nullptr;
         // GPT-2's Conv1D holds its weight as [in, out]: the update is transposed (peft's fan_in_fan_out).

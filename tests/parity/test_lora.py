@@ -712,6 +712,26 @@ def test_a_weights_model_served_unfused_leaves_its_adapters_to_the_clients_that_
             assert managed.wait_update(timeout=60) == 2 and managed.served_loras == [(str(files[1]), 0.5)]
             assert managed.lease.state_dict is leased  # the same weights: nothing mapped again
             assert close(module(*unet["input"]).sample, expected[1])
+            # Checked from the files' headers, their factors never read here: each bad file is
+            # refused naming it, and the set in force stays.
+            kohya = load_file(files[0])
+            conv = next(k for k in kohya if k.endswith("conv1.lora_down.weight"))
+            up = next(k for k in kohya if k.endswith("to_q.lora_up.weight"))
+            bad = {conv: {**kohya, conv: kohya[conv].flatten(1).contiguous()},
+                   up.removesuffix(".lora_up.weight"): {**kohya, up: torch.zeros(kohya[up].shape[0], kohya[up].shape[1] + 1)}}
+            truncated = tmp_path / "truncated.safetensors"
+            truncated.write_bytes(files[0].read_bytes()[:-64])
+            for i, (named, tensors) in enumerate(bad.items()):
+                path = tmp_path / f"bad{i}.safetensors"
+                save_file(tensors, path)
+                bad[named] = path
+            bad["is the file truncated?"] = truncated
+            for named, path in bad.items():
+                with pytest.raises(vramd.DaemonError) as refused:
+                    client.set_loras("first", [(path, 0.5)])
+                assert refused.value.status == 400 and named in str(refused.value), (named, str(refused.value))
+            served = model(d.sock, "first")
+            assert served["version"] == 2 and [a["path"] for a in served["loras"]] == [str(files[1])], served
             client.set_loras("first", [])
             managed.wait_update(timeout=60)
             assert torch.equal(module(*unet["input"]).sample, base)
