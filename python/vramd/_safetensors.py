@@ -26,6 +26,7 @@ DTYPES = {name: dtype for name, dtype in _PAIRS if dtype is not None}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # The same dtypes by torch's own names ("bfloat16"), as lease manifests spell them.
 TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in NAMES}
+_SHIFT = {1: 0, 2: 1, 4: 2, 8: 3}  # an element's size as a power of two
 
 
 def dumps(tensors: Mapping[str, torch.Tensor], allocate=bytearray):
@@ -69,9 +70,11 @@ def dumps(tensors: Mapping[str, torch.Tensor], allocate=bytearray):
     return out
 
 
-def loads(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+def loads(data: bytes | bytearray | memoryview, copy: bool = True) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file in the order of their data (as the reference's
-    load_file gives them), each a writable copy. Raises ValueError saying what is malformed."""
+    load_file gives them), each a writable copy; with copy=False, views of `data` (a bytearray)
+    where their bytes are aligned for their dtype, which keep it alive. Raises ValueError saying
+    what is malformed."""
     size = len(data)
     if size < 8:
         raise ValueError(f"{size} bytes, fewer than the 8 of the header length")
@@ -92,6 +95,10 @@ def loads(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
         if end - begin != math.prod(shape) * dtype.itemsize or base + end > size:
             raise ValueError(f"tensor {name!r}: data_offsets [{begin}, {end}] do not hold {dtype} "
                              f"{shape} within the {size - base} bytes of data")
+        if not copy and end > begin and (base + begin) % dtype.itemsize == 0:
+            tensors[name] = torch.frombuffer(data, dtype=dtype, count=end - begin >> _SHIFT[dtype.itemsize],
+                                             offset=base + begin).view(shape)
+            continue
         tensor = torch.empty(shape, dtype=dtype)
         if end > begin:
             with warnings.catch_warnings():  # `data` may be read-only bytes; it is only read

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -289,7 +290,8 @@ def test_safetensors_round_trips_every_dtype_as_the_reference_does(name):
         entry = read_by_reference[key]
         assert entry["dtype"] == name and entry["shape"] == list(tensor.shape)
         assert bytes(entry["data"]) == raw(tensor)
-    for read in (_safetensors.loads(written), _safetensors.loads(save(tensors))):
+    for read in (_safetensors.loads(written), _safetensors.loads(save(tensors)),
+                 _safetensors.loads(bytearray(written), copy=False)):
         assert read.keys() == tensors.keys() and all(same_bits(read[k], tensors[k]) for k in tensors)
     if name in safetensors.torch._TYPES:  # the reference cannot read F8_E8M0 back
         assert all(same_bits(v, tensors[k]) for k, v in load(bytes(written)).items())
@@ -310,6 +312,19 @@ def test_safetensors_writes_any_strides_and_skips_metadata():
     assert list(read) == ["a"] and torch.equal(read["a"], base)
     with pytest.raises(ValueError, match=r"tensor 'w' is on the meta device: it has no values to write"):
         _safetensors.dumps({"w": torch.empty(2, device="meta")})
+
+
+def test_safetensors_read_as_views_where_aligned_and_copied_where_not():
+    # Three bytes, then a float32 at data offset 3: no view of it can be aligned.
+    header = json.dumps({"b": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                         "f": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = bytearray(struct.pack("<Q", len(header)) + header + bytes([1, 2, 3]) + struct.pack("<2f", 1.5, -2.0))
+    read = _safetensors.loads(data, copy=False)
+    assert read["b"].tolist() == [1, 2, 3] and read["f"].tolist() == [1.5, -2.0]
+    data[8 + len(header)] = 9
+    data[-1] = 0
+    assert read["b"].tolist() == [9, 2, 3] and read["f"].tolist() == [1.5, -2.0]  # a view; a copy
 
 
 @pytest.mark.parametrize("data, why", [

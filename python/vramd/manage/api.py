@@ -18,7 +18,7 @@ from ..lease import Lease
 from .conversion import converter_for
 from .errors import ManageError, _listed, _name
 from .hooks import _forward_methods, _Hooks
-from .lora import merged, read_loras, served_loras
+from .lora import merged, module_index, read_loras, served_loras
 from .plan import _Plan
 from .streams import _Streams
 from .unit import _Residency, _Room, _Unit
@@ -67,9 +67,10 @@ class Managed(_Plan, _Hooks, _Residency, _Streams, _Versions):
         self._next: dict[_Unit, _Unit] = {}
         self._thread_local = threading.local()  # .previous: the unit this thread ran last
         self._loras = [_lora_item(lora) for lora in loras]
-        self._own = read_loras(self._loras, module)  # weight name -> the terms of this process's own adapters
+        self._index = module_index(module)
+        self._own = read_loras(self._loras, module, index=self._index)  # weight name -> this process's own adapters' terms
         # The adapters the daemon's model leaves to its clients, applied before those.
-        self._served, self._served_items = served_loras(lease, module), lease.loras
+        self._served, self._served_items = served_loras(lease, module, self._index), lease.loras
         self._lora = merged(self._served, self._own)
         self._units = self._plan(units, strict)
         unmanaged = sorted(set(self._lora) - {slot.name for unit in self._units for slot in unit.slots})

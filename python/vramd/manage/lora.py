@@ -11,9 +11,9 @@ import os
 import re
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
+from .. import _safetensors
 from .errors import ManageError
 
 # A key's suffix, and which factor it holds.
@@ -44,9 +44,19 @@ def _open(path: str):
         raise ManageError(f"{path}: no such file or folder")
     else:
         config = None
+    # One read, the factors views of it: a file of hundreds of small tensors is read in a
+    # fraction of the time safetensors' load_file takes for it.
     try:
-        return load_file(path), config
-    except Exception as e:  # safetensors' own errors: a truncated or foreign file
+        with open(path, "rb", buffering=0) as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            got = f.readinto(data)
+    except OSError as e:
+        raise ManageError(f"{path}: {e.strerror}") from None
+    try:
+        if got != len(data):
+            raise ValueError(f"{got} bytes read of {len(data)}")
+        return _safetensors.loads(data, copy=False), config
+    except ValueError as e:  # a truncated or foreign file
         raise ManageError(f"{path}: not a safetensors file: {e}") from None
 
 
@@ -66,19 +76,25 @@ def _component(name: str) -> str | None:
     return name.split("_", 2)[1] if name.startswith("lora_") and name.count("_") >= 2 else None
 
 
-def read_loras(loras, module: nn.Module, label: str = "loras") -> dict[str, list[tuple]]:
+def module_index(module: nn.Module) -> tuple[dict, dict]:
+    """The module's submodules by name, and their names by the underscored spelling kohya's keys
+    use: what read_loras looks adapters' modules up in (made once for a managed module)."""
+    modules = dict(module.named_modules())
+    return modules, {name.replace(".", "_"): name for name in modules}
+
+
+def read_loras(loras, module: nn.Module, label: str = "loras", index: tuple | None = None) -> dict[str, list[tuple]]:
     """Each (path, scale) of `loras` (or a path alone: scale 1.0) read and checked whole against
     `module`: the weights it changes by name, each with its terms (down, up, factor, transposed),
     float32 on the CPU. The keys of a kohya file's component none of whose modules are the
     module's (a text encoder's, lora_te_, beside a UNet's) are skipped, as the daemon skips them.
-    Raises ManageError naming the adapter (`label`[N]) and key."""
-    modules = dict(module.named_modules())
-    underscored = {name.replace(".", "_"): name for name in modules}
+    Raises ManageError naming the adapter (`label`[N]) and key. `index`: module_index(module)."""
+    modules, underscored = index or module_index(module)
     terms: dict[str, list[tuple]] = {}
-    for index, lora in enumerate(loras):
+    for n, lora in enumerate(loras):
         path, scale = (lora, 1.0) if isinstance(lora, (str, os.PathLike)) else lora
         path = os.fspath(path)
-        where = f"{label}[{index}], {path}"
+        where = f"{label}[{n}], {path}"
         try:
             tensors, peft = _open(path)
             pairs: dict[str, dict] = {}
@@ -91,11 +107,12 @@ def read_loras(loras, module: nn.Module, label: str = "loras") -> dict[str, list
                     raise ManageError(f"{key!r} is no LoRA key (lora_A/lora_B, lora_down/lora_up or alpha)")
                 name = key[: -len(suffix[0])].removeprefix("base_model.model.")
                 pairs.setdefault(name, {})[suffix[1]] = value
-            targets = {name: (underscored.get(name.split("_", 2)[2]) if _component(name)
+            components = {name: _component(name) for name in pairs}
+            targets = {name: (underscored.get(name.split("_", 2)[2]) if component
                               else name if name in modules else name.split(".", 1)[1] if "." in name else None)
-                       for name in pairs}
-            found = {_component(name) for name, target in targets.items() if target and _component(name)}
-            skipped = {name for name in pairs if _component(name) and _component(name) not in found}
+                       for name, component in components.items()}
+            found = {component for name, component in components.items() if targets[name] and component}
+            skipped = {name for name, component in components.items() if component and component not in found}
             if pairs and len(skipped) == len(pairs):
                 raise ManageError(f"module {next(iter(pairs))!r} is not the module's, nor any other of the file's")
             for name, pair in pairs.items():
@@ -165,11 +182,11 @@ def merged(*term_sets: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
     return out
 
 
-def served_loras(lease, module: nn.Module) -> dict[str, list[tuple]]:
+def served_loras(lease, module: nn.Module, index: tuple | None = None) -> dict[str, list[tuple]]:
     """The terms of the adapters the leased model leaves to its clients (Lease.loras: a "weights"
     model served with fuse_lora = false), read here as the daemon read them. ManageError naming
     the model and the adapter."""
     try:
-        return read_loras(lease.loras, module, label="its loras")
+        return read_loras(lease.loras, module, label="its loras", index=index)
     except ManageError as e:
         raise ManageError(f"model {lease.manifest.get('model')!r}'s adapters, which its clients apply: {e}") from None

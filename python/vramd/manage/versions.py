@@ -72,7 +72,7 @@ class _Versions:
         if self._calls.get(me) or self._running.get(me):
             raise ManageError(f"set_loras() of {self!r} from inside its forward: call it between forwards")
         items = [_lora_item(lora) for lora in loras]
-        own = read_loras(items, self.module)
+        own = read_loras(items, self.module, index=self._index)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._between_forwards(deadline, timeout, "set_loras:", "the adapters in force are kept")
@@ -132,7 +132,7 @@ class _Versions:
         what = f"version {self.lease.version} of {self.lease.manifest['model']!r}"
         # A switch of the adapters the model leaves to its clients: read whole first.
         served_items = self.lease.loras
-        served = self._served if served_items == self._served_items else served_loras(self.lease, self.module)
+        served = self._served if served_items == self._served_items else served_loras(self.lease, self.module, self._index)
         with self._lock:
             self._between_forwards(deadline, timeout, f"{what} came, but", "the next wait_update() takes it")
             self._drop_copies(self._units)
