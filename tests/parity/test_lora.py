@@ -732,6 +732,18 @@ def test_a_weights_model_served_unfused_leaves_its_adapters_to_the_clients_that_
                 assert refused.value.status == 400 and named in str(refused.value), (named, str(refused.value))
             served = model(d.sock, "first")
             assert served["version"] == 2 and [a["path"] for a in served["loras"]] == [str(files[1])], served
+            # A module holding copies of every weight (float64, no limit) brings again only the
+            # units whose weights the old set or the new one changes.
+            whole = managed_unet()
+            double = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in unet["input"])
+            with vramd.manage(whole, "first", client=client, follow=True, dtype=torch.float64, limit="1GiB") as copies:
+                whole(*double)
+                everything = copies.stats()["bytes_moved"]
+                client.set_loras("first", [(files[0], 0.5)])
+                assert managed.wait_update(timeout=60) == copies.wait_update(timeout=60) == 3
+                whole(*double)
+                moved = copies.stats()["bytes_moved"] - everything
+                assert 0 < moved < everything // 2, (moved, everything)
             client.set_loras("first", [])
             managed.wait_update(timeout=60)
             assert torch.equal(module(*unet["input"]).sample, base)

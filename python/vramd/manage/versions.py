@@ -133,22 +133,27 @@ class _Versions:
         # A switch of the adapters the model leaves to its clients: read whole first.
         served_items = self.lease.loras
         served = self._served if served_items == self._served_items else served_loras(self.lease, self.module, self._index)
+        # The tensors held already (a switch of the served adapters writes no weight): only the
+        # units the adapters change drop their copies, and the memory stays page-locked.
+        same = not self.lease.in_place and all(state_dict[slot.name] is slot.rest for slot in self._slots)
         with self._lock:
             self._between_forwards(deadline, timeout, f"{what} came, but", "the next wait_update() takes it")
-            self._drop_copies(self._units)
-            changed = [f"{slot.name!r} is {list(new.shape)} {_name(new.dtype)}, {list(slot.rest.shape)} "
-                       f"{_name(slot.rest.dtype)} before" for slot in self._slots
-                       if ((new := state_dict[slot.name]).shape, new.dtype) != (slot.rest.shape, slot.rest.dtype)]
-            if changed:  # never from an update, which keeps shapes and dtypes
-                raise ManageError(f"{what}: {', '.join(changed)}")
+            if not same:
+                self._drop_copies(self._units)
+                changed = [f"{slot.name!r} is {list(new.shape)} {_name(new.dtype)}, {list(slot.rest.shape)} "
+                           f"{_name(slot.rest.dtype)} before" for slot in self._slots
+                           if ((new := state_dict[slot.name]).shape, new.dtype) != (slot.rest.shape, slot.rest.dtype)]
+                if changed:  # never from an update, which keeps shapes and dtypes
+                    raise ManageError(f"{what}: {', '.join(changed)}")
             if served is not self._served:
                 self._adapt(merged(served, self._own), f"{what}:", "the version before is kept")
                 self._served, self._served_items = served, served_items
-            self._unpin()  # before the version before is unmapped
-            for slot in self._slots:
-                slot.rest = state_dict[slot.name]
-            if self.device.type == "cuda":
-                self._registered = self._pin()
+            if not same:
+                self._unpin()  # before the version before is unmapped
+                for slot in self._slots:
+                    slot.rest = state_dict[slot.name]
+                if self.device.type == "cuda":
+                    self._registered = self._pin()
             self._arrived = None
             self._version = self.lease.version
         return self._version
