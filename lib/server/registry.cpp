@@ -238,7 +238,7 @@ void Registry::submit(Entry& entry, Job job) {
 }
 
 void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manifest) {
-  if (!job.hold) return respond_json(*job.exchange, 200, manifest_json(manifest, entry.name, std::nullopt));
+  if (!job.hold) return job.exchange->respond(200, "application/json", manifest_line(manifest, entry.name, std::nullopt));
   const uint64_t id = ++leases_made_;
   const auto& request = job.exchange->request();
   entry.leases[id] = {.id = id, .pid = request.peer_pid, .uid = request.peer_uid, .device = job.device,
@@ -248,7 +248,7 @@ void Registry::hand_over(Entry& entry, Job& job, const weights::Manifest& manife
   std::vector<int> fds;
   for (const auto& region : manifest.regions) fds.push_back(region.fd.get());
   const std::string bytes = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: vramd-lease/1\r\nConnection: Upgrade\r\n\r\n" +
-                            json_line(manifest_json(manifest, entry.name, id));
+                            manifest_line(manifest, entry.name, id);
   const std::weak_ptr<int> alive = alive_;
   auto channel = job.exchange->upgrade(
       bytes, fds, [this, alive, name = entry.name, id] { if (alive.lock()) end_lease(name, id); },
@@ -302,7 +302,7 @@ void Registry::send_refresh(Entry& entry, const Job& job, const Outcome& outcome
   }
   std::vector<int> fds;
   for (const auto& region : outcome.manifest->regions) fds.push_back(region.fd.get());
-  send_version(lease, outcome.manifest->version, json_line(manifest_json(*outcome.manifest, entry.name, lease.id)), fds,
+  send_version(lease, outcome.manifest->version, manifest_line(*outcome.manifest, entry.name, lease.id), fds,
                what);
 }
 

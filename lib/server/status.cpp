@@ -52,33 +52,68 @@ json progress_json(const LoadProgress& p) {
           {"tensors_total", p.tensors_total}};
 }
 
-json manifest_json(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease) {
-  json regions = json::array(), tensors = json::array();
+namespace {
+
+template <class Sink>
+void write_ints(Sink& out, std::string_view name, const std::vector<int64_t>& values) {
+  out.key(name).array();
+  for (const int64_t n : values) out.value(n);
+  out.end();
+}
+
+template <class Sink>
+void write_plan(Sink& out, const weights::ManagedPlan& plan) {
+  out.object().field("device", plan.device).field("dtype", plan.dtype).field("limit", plan.limit).key("units").array();
+  for (const auto& u : plan.units) {
+    out.object().field("name", u.name).key("tensors").array();
+    for (const auto& tensor : u.tensors) out.value(tensor);
+    out.end().field("resting", u.resting).field("computed", u.computed).end();
+  }
+  out.end().end();
+}
+
+}  // namespace
+
+std::string manifest_line(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease) {
+  std::string text;
+  text.reserve(512 + 192 * manifest.tensors.size());
+  JsonOut out(text);
+  out.object().field("model", model).field("lease", lease).field("device", manifest.device).field("bytes", manifest.bytes)
+      .field("version", manifest.version).key("regions").array();
   for (const auto& region : manifest.regions) {
-    regions.push_back({{"kind", region.kind}, {"size", region.size}});
-    if (!region.path.empty()) regions.back()["path"] = region.path;
+    out.object().field("kind", region.kind).field("size", region.size);
+    if (!region.path.empty()) out.field("path", region.path);
+    out.end();
   }
+  out.end().key("tensors").array();
   for (const auto& t : manifest.tensors) {
-    tensors.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"strides", t.strides},
-                       {"region", t.region ? json(*t.region) : json(nullptr)}, {"offset", t.offset}});
-    if (!t.packed.empty()) tensors.back()["packed"] = {{"type", t.packed}, {"shape", t.unpacked_shape}};
+    out.object().field("name", t.name).field("dtype", t.dtype);
+    write_ints(out, "shape", t.shape);
+    write_ints(out, "strides", t.strides);
+    out.field("region", t.region).field("offset", t.offset);
+    if (!t.packed.empty()) {
+      out.key("packed").object().field("type", t.packed);
+      write_ints(out, "shape", t.unpacked_shape);
+      out.end();
+    }
+    out.end();
   }
-  json out = {{"model", model}, {"lease", lease ? json(*lease) : json(nullptr)}, {"device", manifest.device},
-              {"bytes", manifest.bytes}, {"version", manifest.version}, {"regions", regions}, {"tensors", tensors}};
-  if (manifest.plan) out["plan"] = plan_json(*manifest.plan);
+  out.end();
+  if (manifest.plan) write_plan(out.key("plan"), *manifest.plan);
   if (manifest.loras) {
-    out["loras"] = json::array();
-    for (const auto& lora : *manifest.loras) out["loras"].push_back({{"path", lora.path}, {"scale", lora.scale}});
+    out.key("loras").array();
+    for (const auto& lora : *manifest.loras) out.object().field("path", lora.path).field("scale", lora.scale).end();
+    out.end();
   }
-  return out;
+  out.end();
+  text += '\n';
+  return text;
 }
 
 json plan_json(const weights::ManagedPlan& plan) {
-  json units = json::array();
-  for (const auto& u : plan.units)
-    units.push_back({{"name", u.name}, {"tensors", u.tensors}, {"resting", u.resting}, {"computed", u.computed}});
-  return {{"device", plan.device}, {"dtype", plan.dtype}, {"limit", plan.limit ? json(*plan.limit) : json(nullptr)},
-          {"units", units}};
+  JsonTree tree;
+  write_plan(tree, plan);
+  return tree.take();
 }
 
 json dry_plan_json(const Entry& entry) {

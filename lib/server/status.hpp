@@ -24,8 +24,10 @@ void write_devices(JsonOut& out, const std::map<std::string, DeviceUse>& devices
 // "pid 42 (uid 1000, cpu, since 2026-12-01T12:00:01Z), ...": who holds the model's leases.
 std::string holders(const Entry& entry);
 nlohmann::json progress_json(const LoadProgress& progress);
-// What a client maps: regions in the order their descriptors travel, and every tensor's place.
-nlohmann::json manifest_json(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease);
+// What a client maps: regions in the order their descriptors travel, and every tensor's place;
+// one line of JSON (written straight into the text: a manifest of hundreds of tensors is sent at
+// every version a following lease takes).
+std::string manifest_line(const weights::Manifest& manifest, const std::string& model, std::optional<uint64_t> lease);
 // A managed model's plan (docs/api.md, lease): {"device", "dtype", "limit", "units"}.
 nlohmann::json plan_json(const weights::ManagedPlan& plan);
 // GET /v1/models/NAME/plan: what a lease would hand over, from the config's dry run (nothing

@@ -5,6 +5,7 @@
 
 #include "server/json_out.hpp"
 #include "server/reply.hpp"
+#include "server/status.hpp"
 
 using namespace vramd::server;
 
@@ -69,4 +70,36 @@ TEST_CASE("JsonOut writes a double as text that reads back as the same float") {
     CHECK(std::signbit(back.get<double>()) == std::signbit(d));
     CHECK(back.get<double>() == d);
   }
+}
+
+TEST_CASE("a lease's manifest line holds every field of its regions, tensors, plan and adapters") {
+  vramd::weights::Manifest manifest;
+  manifest.device = "cpu";
+  manifest.bytes = 96;
+  manifest.version = 3;
+  manifest.regions.push_back({.kind = "memfd", .path = "", .size = 64, .fd = {}});
+  manifest.regions.push_back({.kind = "file", .path = "/m/a \"b\".safetensors", .size = 4096, .fd = {}});
+  manifest.tensors.push_back({.name = "w", .dtype = "float32", .shape = {2, 4}, .strides = {4, 1}, .region = 1,
+                              .offset = 8, .packed = "", .unpacked_shape = {}});
+  manifest.tensors.push_back({.name = "e", .dtype = "float32", .shape = {0}, .strides = {1}, .region = std::nullopt,
+                              .offset = 0, .packed = "", .unpacked_shape = {}});
+  manifest.tensors.push_back({.name = "q", .dtype = "uint8", .shape = {34}, .strides = {1}, .region = 0, .offset = 0,
+                              .packed = "Q8_0", .unpacked_shape = {32}});
+  manifest.plan = vramd::weights::ManagedPlan{
+      .device = "cpu", .dtype = "float32", .limit = std::nullopt, .units = {{.name = "l", .tensors = {"w", "q"}, .resting = 66, .computed = 160}}};
+  manifest.loras = std::vector<vramd::config::LoraConfig>{{.path = "/a.safetensors", .scale = 0.75}};
+  const std::string line = manifest_line(manifest, "m", 7);
+  REQUIRE(line.back() == '\n');
+  CHECK(nlohmann::json::parse(line) == nlohmann::json::parse(R"({
+    "model": "m", "lease": 7, "device": "cpu", "bytes": 96, "version": 3,
+    "regions": [{"kind": "memfd", "size": 64}, {"kind": "file", "size": 4096, "path": "/m/a \"b\".safetensors"}],
+    "tensors": [
+      {"name": "w", "dtype": "float32", "shape": [2, 4], "strides": [4, 1], "region": 1, "offset": 8},
+      {"name": "e", "dtype": "float32", "shape": [0], "strides": [1], "region": null, "offset": 0},
+      {"name": "q", "dtype": "uint8", "shape": [34], "strides": [1], "region": 0, "offset": 0,
+       "packed": {"type": "Q8_0", "shape": [32]}}],
+    "plan": {"device": "cpu", "dtype": "float32", "limit": null,
+             "units": [{"name": "l", "tensors": ["w", "q"], "resting": 66, "computed": 160}]},
+    "loras": [{"path": "/a.safetensors", "scale": 0.75}]})"));
+  CHECK(nlohmann::json::parse(manifest_line({}, "m", std::nullopt))["lease"].is_null());
 }
