@@ -98,6 +98,27 @@ void Connection::write_raw(std::string data, std::string head) {
   if (!request->head.empty()) bufs[n++] = uv_buf_init(request->head.data(), static_cast<unsigned>(request->head.size()));
   for (size_t at = 0; at < request->data.size(); at += kPiece)
     bufs[n++] = uv_buf_init(request->data.data() + at, static_cast<unsigned>(std::min(request->data.size() - at, kPiece)));
+  // Written now where the socket takes it all (an answer of a few kilobytes nearly always):
+  // uv_write would finish it on the loop's next turn, and stop watching for room to write then,
+  // an epoll change each answer. What it does not take is queued after it. A failure is left
+  // to uv_write to report, on the loop's next turn: callers go on with the connection as it is.
+  if (unsent() == 0) {
+    int written = std::max(0, uv_try_write(stream(), bufs, static_cast<unsigned>(n)));
+    for (size_t i = 0; written > 0; ++i) {
+      const auto taken = std::min<size_t>(bufs[i].len, static_cast<size_t>(written));
+      bufs[i].base += taken;
+      bufs[i].len -= static_cast<unsigned>(taken);
+      written -= static_cast<int>(taken);
+    }
+    while (n > 0 && bufs[0].len == 0) {
+      ++bufs;
+      --n;
+    }
+    if (n == 0) {
+      delete request;
+      return;
+    }
+  }
   request->req.data = this;
   if (uv_write(&request->req, stream(), bufs, static_cast<unsigned>(n), on_written) != 0) {
     delete request;
@@ -322,8 +343,8 @@ void Exchange::respond(int status, std::string_view content_type, std::string bo
   state_ = State::Done;
   if (!connection_) return;
   connection_->write_response(status, content_type, std::move(body));
-  auto* connection = std::exchange(connection_, nullptr);
-  connection->finish_exchange();
+  // A write that failed at once closed the connection, which disconnected this exchange.
+  if (auto* connection = std::exchange(connection_, nullptr)) connection->finish_exchange();
 }
 
 void Exchange::begin_stream(int status, std::string_view content_type) {
@@ -344,8 +365,7 @@ void Exchange::end() {
   state_ = State::Done;
   if (!connection_) return;
   connection_->write_raw("0\r\n\r\n");
-  auto* connection = std::exchange(connection_, nullptr);
-  connection->finish_exchange();
+  if (auto* connection = std::exchange(connection_, nullptr)) connection->finish_exchange();  // as respond()
 }
 
 std::shared_ptr<Channel> Exchange::upgrade(const std::string& bytes, const std::vector<int>& fds,
