@@ -26,7 +26,6 @@ DTYPES = {name: dtype for name, dtype in _PAIRS if dtype is not None}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # The same dtypes by torch's own names ("bfloat16"), as lease manifests spell them.
 TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in NAMES}
-_SHIFT = {1: 0, 2: 1, 4: 2, 8: 3}  # an element's size as a power of two
 
 
 def dumps(tensors: Mapping[str, torch.Tensor], allocate=bytearray):
@@ -96,7 +95,7 @@ def loads(data: bytes | bytearray | memoryview, copy: bool = True) -> dict[str, 
             raise ValueError(f"tensor {name!r}: data_offsets [{begin}, {end}] do not hold {dtype} "
                              f"{shape} within the {size - base} bytes of data")
         if not copy and end > begin and (base + begin) % dtype.itemsize == 0:
-            tensors[name] = torch.frombuffer(data, dtype=dtype, count=end - begin >> _SHIFT[dtype.itemsize],
+            tensors[name] = torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize,
                                              offset=base + begin).view(shape)
             continue
         tensor = torch.empty(shape, dtype=dtype)
