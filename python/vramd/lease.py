@@ -207,14 +207,15 @@ def _receive_manifest(reader: Reader, fds: list[int], held: tuple | None = None)
             manifest = json.loads(line)
         except ValueError as e:
             raise ProtocolError(f"sent a lease manifest that is not JSON: {e}") from None
-        regions, tensors, ordinal = _check_manifest(manifest, held[0]["tensors"] if held is not None else None)
+        # The tensors of the version held, checked then: compared once, here.
+        known = held is not None and isinstance(manifest, dict) and manifest.get("tensors") == held[0]["tensors"]
+        regions, tensors, ordinal = _check_manifest(manifest, tensors_checked=known)
         if len(fds) != len(regions):
             raise ProtocolError(f"sent {len(fds)} file descriptors for a manifest of {len(regions)} regions")
         lengths = [_length(region, fd, i) for i, (region, fd) in enumerate(zip(regions, fds))]
         identities = None if ordinal is not None else \
             [(info.st_dev, info.st_ino, length) for info, length in zip(map(os.fstat, fds), lengths)]
-        if held is not None and identities is not None and identities == held[2] and \
-                (manifest["device"], manifest["tensors"]) == (held[0]["device"], held[0]["tensors"]):
+        if known and identities is not None and identities == held[2] and manifest["device"] == held[0]["device"]:
             return manifest, held[1], None, identities
         for t in tensors:  # every check before the first mapping
             _check_bounds(t, lengths)
@@ -249,10 +250,10 @@ def _receive_in_place(reader: Reader, fds: list[int], version: int) -> int:
         fds.clear()
 
 
-def _check_manifest(manifest, checked: list | None = None) -> tuple[list[dict], list[dict], int | None]:
+def _check_manifest(manifest, tensors_checked: bool = False) -> tuple[list[dict], list[dict], int | None]:
     """The manifest's regions and tensors, each field checked (dtype names made torch dtypes), and
-    the CUDA device's ordinal (None for host memory). `checked`: the tensors of a manifest checked
-    before, not checked again where these equal them."""
+    the CUDA device's ordinal (None for host memory). `tensors_checked`: its tensors equal those of
+    a manifest checked before, and are not checked again."""
     if not isinstance(manifest, dict):
         raise _shape.NotAsDocumented("sent a lease manifest that is not a JSON object")
     where = "sent a lease manifest whose "
@@ -277,7 +278,7 @@ def _check_manifest(manifest, checked: list | None = None) -> tuple[list[dict], 
             _shape.field(region, "path", str, at)
     tensors = _shape.objects(manifest, "tensors", where)
     names = set()
-    for t in tensors if tensors != checked else ():
+    for t in () if tensors_checked else tensors:
         name = _shape.field(t, "name", str, f"{where}tensor ")
         at = f"{where}tensor {name!r}'s "
         if name in names:
