@@ -46,6 +46,7 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
     assert "- skipped: `storage.test_gguf.test_every_block_type_kept_packed_unpacks_on_cuda" in report
     assert report.count("- skipped: `storage.test_gguf.test_a_gguf_model_streamed_packed_on_cuda") == 2, report
     assert report.count("- skipped: `client.test_lease_cuda.") == 9, report
+    assert report.count("- skipped: `parity.test_lora_cuda.") == 3, report
     assert ("- skipped: `vramd_tests: DeviceStaging reads and copies onto a GPU through registered huge pages or pinned memory`: "
             "no CUDA device here") in report, report
     assert "- passed: `vramd_tests: LibTorch's CUDA half is opened only where a CUDA driver is`" in report, report
