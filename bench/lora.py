@@ -33,15 +33,23 @@ pays nothing) and unfused, against peft's unfused forward (x*W + s*(x*A)*B at ea
 LLaMA contender's first output is compared with peft's merge_and_unload() of the same adapter.
 
     .venv/bin/python bench/lora.py [--workdir /tmp/vramd-bench-lora] [--layers 8] [--rank 16]
-                                   [--repeat 5] [--only llama|unet|memory] [--json FILE]
+                                   [--vocab 32000] [--tokens 32] [--repeat 5] [--device cpu]
+                                   [--only llama,unet,memory] [--json FILE]
 
-The model: a LLaMA of hidden size 1024 and LAYERS layers, random weights saved in bfloat16 (so
-that a load reads and casts them) and computed in float32 by every contender; the
-adapters: rank RANK on q, k, v and o of every layer, random factors. Figures are medians of
-REPEAT runs (one process, page cache warm). Last (or alone with --only memory), the daemon's
-host memory with several configs of the LLaMA loaded at once, each with an adapter of its own:
-in bfloat16 (views of the checkpoint's pages) and in float32 (copies the configs share). See
-docs/benchmarks.md.
+The model: a LLaMA of hidden size 1024, LAYERS layers and a vocabulary of VOCAB, random weights
+saved in bfloat16 (so that a load reads and casts them) and computed in float32 by every
+contender on one sequence of TOKENS; the adapters: rank RANK on q, k, v and o of every layer,
+random factors. Figures are medians of REPEAT runs (one process, page cache warm). Last (or alone
+with --only memory), the daemon's host memory with several configs of the LLaMA loaded at once,
+each with an adapter of its own: in bfloat16 (views of the checkpoint's pages) and in float32
+(copies the configs share). --only takes a comma-separated list of the parts.
+
+--device cuda:0 (scripts/gpu-check's lora step) computes every contender there: the daemon's
+models with [vram] computation on it, the managed UNets on it, peft's and diffusers' models moved
+to it, each forward waited for; the witnesses are computed there too. The vramd LLaMA's forwards
+are also timed as the daemon counts them (its stats' forward_seconds: the inputs read, the
+forward and its outputs written, not the socket), since over the socket a small forward on a GPU
+is mostly transport. The host memory rows are the CPU's alone. See docs/benchmarks.md.
 """
 import argparse
 import json
@@ -81,12 +89,14 @@ def record(out, name, timed, file):
     out.update({f"{name} alone": alone, name: first, f"{name} output": output, f"{name} file": file})
 
 
-def make(work, layers, rank):
-    """The checkpoint folder, and two adapter folders saved by peft."""
+def make(work, layers, rank, vocab):
+    """The checkpoint folder, and two adapter folders saved by peft (under a folder of WORK named
+    by the shape, so that runs of other shapes make their own)."""
     import peft
     import transformers
+    work = work / f"llama-{layers}-layers-vocab-{vocab}-rank-{rank}"
     base = work / "model"
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=1024, intermediate_size=2816,
                                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                                       max_position_embeddings=512, tie_word_embeddings=False)
     if not (base / "model.safetensors").exists():
@@ -113,19 +123,39 @@ def make(work, layers, rank):
     return base, adapters
 
 
-def inputs():
+def stored_bytes(base):
+    """The bytes of the checkpoint's tensors."""
+    return sum(t.numel() * t.element_size() for t in load((base / "model.safetensors").read_bytes()).values())
+
+
+def inputs(tokens, vocab):
     generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 32000, (1, 32), generator=generator)
+    ids = torch.randint(0, vocab, (1, tokens), generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def peft_contenders(base, adapters, batch, repeat):
+def waited(device, forward):
+    """`forward`, which on a GPU returns once its kernels have run."""
+    if torch.device(device).type != "cuda":
+        return forward
+
+    def run():
+        out = forward()
+        torch.cuda.synchronize(device)
+        return out
+    return run
+
+
+def peft_contenders(base, adapters, batch, repeat, device):
     import peft
     import transformers
-    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).to(device).eval()
+    batch = {k: v.to(device) for k, v in batch.items()}
+    call = waited(device, lambda: model(**batch))
     with torch.no_grad():
-        base_forward = median_seconds(repeat, lambda: None, lambda: model(**batch))
+        base_forward = median_seconds(repeat, lambda: None, call)
     model = peft.PeftModel.from_pretrained(model, adapters[0], adapter_name="a0").eval()
+    call = waited(device, lambda: model(**batch))
     names = ["a0"]
     switch, switch_alone = [], []
     with torch.no_grad():
@@ -135,11 +165,11 @@ def peft_contenders(base, adapters, batch, repeat):
             model.load_adapter(adapters[(i + 1) % 2], adapter_name=name)
             model.set_adapter(name)
             switch_alone.append(time.perf_counter() - start)
-            logits = model(**batch).logits
+            logits = call().logits
             switch.append(time.perf_counter() - start)
             model.delete_adapter(names.pop())
             names.append(name)
-        unfused_forward = median_seconds(repeat, lambda: None, lambda: model(**batch))
+        unfused_forward = median_seconds(repeat, lambda: None, call)
         unfused_logits = logits
         fused, fused_alone = [], []
         model.merge_adapter()
@@ -151,38 +181,56 @@ def peft_contenders(base, adapters, batch, repeat):
             model.set_adapter(name)
             model.merge_adapter()
             fused_alone.append(time.perf_counter() - start)
-            logits = model(**batch).logits
+            logits = call().logits
             fused.append(time.perf_counter() - start)
             model.delete_adapter(names.pop())
             names.append(name)
     last = adapters[(repeat - 1) % 2]
     return {"base forward": base_forward, "unfused forward": unfused_forward, "switch": statistics.median(switch),
             "fused switch": statistics.median(fused), "switch alone": statistics.median(switch_alone),
-            "fused switch alone": statistics.median(fused_alone), "unfused logits": unfused_logits,
-            "unfused adapter": adapters[repeat % 2], "fused logits": logits, "fused adapter": last}
+            "fused switch alone": statistics.median(fused_alone), "unfused logits": unfused_logits.cpu(),
+            "unfused adapter": adapters[repeat % 2], "fused logits": logits.cpu(), "fused adapter": last}
 
 
-def merged_logits(base, adapter, batch):
+def merged_logits(base, adapter, batch, device):
     import peft
     import transformers
-    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).to(device).eval()
     model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
     with torch.no_grad():
-        return model(**batch).logits
+        return model(**{k: v.to(device) for k, v in batch.items()}).logits.cpu()
 
 
-def vramd_contenders(work, base, adapters, batch, repeat):
+def budgets(device):
+    """The daemon's [budgets] for models computed on `device`."""
+    return 'cpu = "8GiB"' + (f'\n"{device}" = "64GiB"' if torch.device(device).type == "cuda" else "")
+
+
+def daemon_forward(client, name, batch, repeat):
+    """The median of REPEAT forwards of model NAME on `batch`, and their mean as the daemon counts them (its
+    stats' forward_seconds: the inputs read, the forward and its outputs written)."""
+    stats = lambda: client.status(name)["stats"]  # noqa: E731
+    before = stats()
+    wall = median_seconds(repeat, lambda: None, lambda: client.forward(name, batch))
+    after = stats()
+    return wall, (after["forward_seconds"] - before["forward_seconds"]) / (after["forwards"] - before["forwards"])
+
+
+def vramd_contenders(work, base, adapters, batch, repeat, device):
     models = work / "models"
     models.mkdir(exist_ok=True)
+    for old in models.glob("*.toml"):
+        old.unlink()
     config = models / "m.toml"
-    text = f'checkpoint = "{base}"\ndtype = "float32"\n[residency]\nkeep_alive = "-1"\n'
+    on = f'[vram]\ncomputation = {{ device = "{device}" }}\n' if device != "cpu" else ""
+    text = f'checkpoint = "{base}"\ndtype = "float32"\n[residency]\nkeep_alive = "-1"\n{on}'
     config.write_text(text)
-    with serving(work, 'cpu = "8GiB"') as client:
+    with serving(work, budgets(device)) as client:
         forward = lambda: client.forward("m", batch)
         forward()
-        base_forward = median_seconds(repeat, lambda: None, forward)
+        base_forward, base_daemon = daemon_forward(client, "m", batch, repeat)
         client.set_loras("m", [adapters[0]])
-        adapted_forward = median_seconds(repeat, lambda: None, forward)
+        adapted_forward, adapted_daemon = daemon_forward(client, "m", batch, repeat)
         switch, switch_alone, daemon_part, written = [], [], [], 0
         for i in range(repeat):
             start = time.perf_counter()
@@ -210,10 +258,12 @@ def vramd_contenders(work, base, adapters, batch, repeat):
         unfused = lambda: client.forward("u", batch)
         unfused()
         client.set_loras("u", [adapters[0]])
-        unfused_forward = median_seconds(repeat, lambda: None, unfused)
+        unfused()
+        unfused_forward, unfused_daemon = daemon_forward(client, "u", batch, repeat)
         unfused_alone, unfused_switch, out_u = timed_switches(
             repeat, lambda i: client.set_loras("u", [adapters[(i + 1) % 2]]), unfused)
-        return {"unfused forward": unfused_forward, "unfused switch": unfused_switch,
+        return {"unfused forward": unfused_forward, "unfused switch": unfused_switch, "base daemon": base_daemon,
+                "adapted daemon": adapted_daemon, "unfused daemon": unfused_daemon,
                 "unfused switch alone": unfused_alone, "unfused logits": out_u["logits"],
                 "unfused adapter": adapters[repeat % 2],"base forward": base_forward, "adapted forward": adapted_forward, "switch": statistics.median(switch),
                 "daemon switch": statistics.median(daemon_part), "weights written": written,
@@ -309,9 +359,9 @@ def make_unet_files(work, rank):
     return folder, files
 
 
-def unet_inputs():
+def unet_inputs(device):
     g = torch.Generator().manual_seed(3)
-    return torch.randn(1, 4, 32, 32, generator=g), 10, torch.randn(1, 16, 256, generator=g)
+    return torch.randn(1, 4, 32, 32, generator=g).to(device), 10, torch.randn(1, 16, 256, generator=g).to(device)
 
 
 def diffusers_adapter(unet, path, name):
@@ -321,18 +371,19 @@ def diffusers_adapter(unet, path, name):
     unet.load_lora_adapter(state, network_alphas=alphas, prefix="unet", adapter_name=name)
 
 
-def diffusers_contenders(folder, files, scale, x, repeat):
+def diffusers_contenders(folder, files, scale, x, repeat, device):
     """diffusers on the UNet in this process: a switch unfused (load_lora_adapter + set_adapters),
     fused (unfuse_lora, delete_adapters, load_lora_adapter, fuse_lora) and a reload (from_pretrained
     + the adapter fused), each to the first output; forwards of the base, fused and unfused."""
     import diffusers
-    unet = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
+    unet = diffusers.UNet2DConditionModel.from_pretrained(folder).to(device).eval()
     out = {}
+    forward = waited(device, lambda: unet(*x).sample)
     with torch.no_grad():
-        out["base forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
+        out["base forward"] = median_seconds(repeat, lambda: None, forward)
         diffusers_adapter(unet, files[0], "a0")
         unet.set_adapters(["a0"], weights=[scale])
-        out["unfused forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
+        out["unfused forward"] = median_seconds(repeat, lambda: None, forward)
         names = ["a0"]  # the adapters loaded
 
         def switch(i):
@@ -343,10 +394,9 @@ def diffusers_contenders(folder, files, scale, x, repeat):
             unet.delete_adapters(names.pop())
             names.append(f"s{i}")
 
-        forward = lambda: unet(*x).sample  # noqa: E731
         record(out, "switch", timed_switches(repeat, switch, forward, drop_old), files[repeat % 2])
         unet.fuse_lora(lora_scale=scale, adapter_names=names)
-        out["fused forward"] = median_seconds(repeat, lambda: None, lambda: unet(*x))
+        out["fused forward"] = median_seconds(repeat, lambda: None, forward)
 
         def fused_switch(i):
             unet.unfuse_lora()
@@ -360,26 +410,26 @@ def diffusers_contenders(folder, files, scale, x, repeat):
         reloaded = {}
 
         def reload(i):
-            reloaded["unet"] = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
+            reloaded["unet"] = diffusers.UNet2DConditionModel.from_pretrained(folder).to(device).eval()
             diffusers_adapter(reloaded["unet"], files[i % 2], "r")
             reloaded["unet"].fuse_lora(lora_scale=scale, adapter_names=["r"])
 
-        record(out, "reload", timed_switches(repeat, reload, lambda: reloaded["unet"](*x).sample),
+        record(out, "reload", timed_switches(repeat, reload, waited(device, lambda: reloaded["unet"](*x).sample)),
                files[(repeat - 1) % 2])
     return out
 
 
-def fused_witness(folder, path, scale, x):
+def fused_witness(folder, path, scale, x, device):
     """diffusers' output with the file fused at `scale`: what every contender's must equal."""
     import diffusers
-    unet = diffusers.UNet2DConditionModel.from_pretrained(folder).eval()
+    unet = diffusers.UNet2DConditionModel.from_pretrained(folder).to(device).eval()
     diffusers_adapter(unet, path, "w")
     unet.fuse_lora(lora_scale=scale, adapter_names=["w"])
     with torch.no_grad():
         return unet(*x).sample
 
 
-def vramd_unet_contenders(work, folder, files, scale, x, repeat):
+def vramd_unet_contenders(work, folder, files, scale, x, repeat, device):
     """The UNet served as architecture "weights" (no family: it runs in the client) and managed
     there by vramd.manage: its own adapters switched by Managed.set_loras, and the daemon's
     switched by Client.set_loras while the module follows the model's versions."""
@@ -396,42 +446,45 @@ def vramd_unet_contenders(work, folder, files, scale, x, repeat):
     with init_empty_weights():
         module, following = make_unet(), make_unet()
     out = {}
-    with serving(work, 'cpu = "8GiB"') as client, torch.no_grad():
-        with vramd.manage(module, "unet", client=client) as managed:
-            module(*x)
-            out["base forward"] = median_seconds(repeat, lambda: None, lambda: module(*x))
+    with serving(work, budgets(device)) as client, torch.no_grad():
+        with vramd.manage(module, "unet", client=client, device=device) as managed:
+            forward = waited(device, lambda: module(*x).sample)
+            forward()
+            out["base forward"] = median_seconds(repeat, lambda: None, forward)
             managed.set_loras([(files[0], scale)])
-            module(*x)
-            out["adapted forward"] = median_seconds(repeat, lambda: None, lambda: module(*x))
+            forward()
+            out["adapted forward"] = median_seconds(repeat, lambda: None, forward)
             record(out, "own switch", timed_switches(repeat, lambda i: managed.set_loras([(files[(i + 1) % 2], scale)]),
-                                                     lambda: module(*x).sample), files[repeat % 2])
+                                                     forward), files[repeat % 2])
         for name, model in (("daemon switch", "unet-daemon"), ("clients switch", "unet-clients")):
-            with vramd.manage(following, model, client=client, follow=True) as managed:
+            with vramd.manage(following, model, client=client, follow=True, device=device) as managed:
                 following(*x)
 
                 def daemon_switch(i):
                     client.set_loras(model, [(files[(i + 1) % 2], scale)])
                     managed.wait_update()
 
-                record(out, name, timed_switches(repeat, daemon_switch, lambda: following(*x).sample), files[repeat % 2])
+                record(out, name, timed_switches(repeat, daemon_switch, waited(device, lambda: following(*x).sample)),
+                       files[repeat % 2])
     return out
 
 
-def unet_rows(work, rank, repeat):
+def unet_rows(work, rank, repeat, device):
     """The UNet against diffusers, printed."""
     scale = 0.75
     folder, files = make_unet_files(work, rank)
-    x = unet_inputs()
-    v = vramd_unet_contenders(work, folder, files, scale, x, repeat)
-    d = diffusers_contenders(folder, files, scale, x, repeat)
-    witnesses = {f: fused_witness(folder, f, scale, x) for f in files}
+    x = unet_inputs(device)
+    v = vramd_unet_contenders(work, folder, files, scale, x, repeat, device)
+    d = diffusers_contenders(folder, files, scale, x, repeat, device)
+    witnesses = {f: fused_witness(folder, f, scale, x, device) for f in files}
 
     def against(got, path):
         return ((got - witnesses[path]).abs().max() / witnesses[path].abs().max()).item()
 
     size = (folder / "diffusion_pytorch_model.safetensors").stat().st_size
     print(f"UNet2DConditionModel, {size / 2**20:.0f} MiB in float32; kohya LoRA files of rank {rank} on every attention "
-          f"projection and resnet conv1 ({files[0].stat().st_size / 2**20:.1f} MiB), scale {scale}; median of {repeat}")
+          f"projection and resnet conv1 ({files[0].stat().st_size / 2**20:.1f} MiB), scale {scale}; median of {repeat}; "
+          f"computed on {device}")
     rows = [("vramd.manage, Managed.set_loras", v["own switch alone"], v["own switch"], v["own switch output"], v["own switch file"]),
             ("vramd Client.set_loras, followed", v["daemon switch alone"], v["daemon switch"], v["daemon switch output"],
              v["daemon switch file"]),
@@ -441,8 +494,10 @@ def unet_rows(work, rank, repeat):
             ("diffusers fused switch", d["fused switch alone"], d["fused switch"], d["fused switch output"], d["fused switch file"]),
             ("diffusers reload, fused", d["reload alone"], d["reload"], d["reload output"], d["reload file"])]
     print(f"  {'':38} {'the switch':>10} {'+ forward':>10}   first output against diffusers' fuse_lora")
+    errors = {}
     for name, alone, first, got, path in rows:
-        print(f"  {name:38} {alone:8.3f} s {first:8.3f} s   {against(got, path):.1e} relative")
+        errors[f"unet error {name}"] = against(got, path)
+        print(f"  {name:38} {alone:8.3f} s {first:8.3f} s   {errors[f'unet error {name}']:.1e} relative")
     fastest = min(d["switch alone"], d["fused switch alone"], d["reload alone"])
     print(f"vramd's switches against diffusers' fastest way ({fastest:.3f} s): Managed.set_loras "
           f"{fastest / v['own switch alone']:.1f}x, Client.set_loras {fastest / v['daemon switch alone']:.1f}x, "
@@ -450,47 +505,26 @@ def unet_rows(work, rank, repeat):
     print(f"forward: diffusers base {d['base forward']:.3f} s, fused {d['fused forward'] / d['base forward']:.2f}x, unfused "
           f"{d['unfused forward'] / d['base forward']:.2f}x; vramd.manage base {v['base forward']:.3f} s, with its own "
           f"adapter {v['adapted forward'] / v['base forward']:.2f}x")
-    return {f"unet vramd {k}": x for k, x in v.items() if isinstance(x, float)} | \
+    return errors | {f"unet vramd {k}": x for k, x in v.items() if isinstance(x, float)} | \
         {f"unet diffusers {k}": x for k, x in d.items() if isinstance(x, float)}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="/tmp/vramd-bench-lora")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--configs", type=int, default=3, help="configs with adapters of their own over one base")
-    parser.add_argument("--only", choices=["llama", "unet", "memory"],
-                        help="one model's rows, or the LLaMA's host memory rows alone (default: all)")
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    figures = unet_rows(work, args.rank, args.repeat) if args.only in (None, "unet") else {}
-    if args.only == "unet":
-        if args.json:
-            Path(args.json).write_text(json.dumps(figures, indent=2))
-        return
-    base, adapters = make(work, args.layers, args.rank)
-    batch = inputs()
-    size = sum(t.numel() * t.element_size() for t in load((base / "model.safetensors").read_bytes()).values())
-    if args.only == "memory":
-        figures |= memory_rows(work, base, adapters, args.configs, batch, size)
-        if args.json:
-            Path(args.json).write_text(json.dumps(figures, indent=2))
-        return
-    v = vramd_contenders(work, base, adapters, batch, args.repeat)
-    p = peft_contenders(base, adapters, batch, args.repeat)
-    witnesses = {a: merged_logits(base, a, batch) for a in adapters}
+def llama_rows(work, args):
+    """The LLaMA against peft, printed; returns its figures."""
+    base, adapters = make(work, args.layers, args.rank, args.vocab)
+    batch = inputs(args.tokens, args.vocab)
+    size = stored_bytes(base)
+    v = vramd_contenders(work, base, adapters, batch, args.repeat, args.device)
+    p = peft_contenders(base, adapters, batch, args.repeat, args.device)
+    witnesses = {a: merged_logits(base, a, batch, args.device) for a in adapters}
 
     def against(logits, adapter):
         expected = witnesses[adapter]
         return (logits - expected).abs().max().item() / expected.abs().max().item()
 
-    print(f"LLaMA, hidden 1024, {args.layers} layers, a bfloat16 checkpoint ({size / 2**20:.0f} MiB) computed in float32; adapters rank {args.rank} on "
-          f"{', '.join(TARGETS)}; median of {args.repeat}; {torch.get_num_threads()} threads")
+    print(f"LLaMA, hidden 1024, {args.layers} layers, vocabulary {args.vocab}, a bfloat16 checkpoint ({size / 2**20:.0f} MiB) "
+          f"computed in float32 on {args.device}, {args.tokens} tokens; adapters rank {args.rank} on {', '.join(TARGETS)}; "
+          f"median of {args.repeat}; {torch.get_num_threads()} threads")
     rows = [("vramd switch", v["switch alone"], v["switch"], against(v["switched logits"], v["switched adapter"])),
             ("vramd unfused switch", v["unfused switch alone"], v["unfused switch"],
              against(v["unfused logits"], v["unfused adapter"])),
@@ -500,20 +534,57 @@ def main():
     print(f"  {'':24} {'the switch':>10} {'+ forward':>10}   first output against peft's merge_and_unload")
     for name, alone, seconds, error in rows:
         print(f"  {name:24} {alone:8.3f} s {seconds:8.3f} s   {error:.1e} relative")
+    errors = {f"llama error {name}": error for name, _, _, error in rows}
     print(f"  vramd's part of its switch: {v['daemon switch']:.3f} s ({v['weights written']} weights written)")
     others = {"a reload": v["reload alone"], "peft's switch": p["switch alone"], "peft's fused switch": p["fused switch alone"]}
     fastest = min(others, key=others.get)
     for kind, alone, first in [("fused", v["switch alone"], v["switch"]), ("unfused", v["unfused switch alone"], v["unfused switch"])]:
         print(f"vramd's {kind} switch against the fastest other way ({fastest}): {others[fastest] / alone:.1f}x faster; "
               f"to the first output: {min(v['reload'], p['switch'], p['fused switch']) / first:.2f}x")
-    print(f"forward: vramd base {v['base forward']:.3f} s, with an adapter fused {v['adapted forward']:.3f} s "
-          f"({v['adapted forward'] / v['base forward']:.2f}x), unfused {v['unfused forward']:.3f} s "
-          f"({v['unfused forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.3f} s, unfused "
-          f"{p['unfused forward']:.3f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
-    figures |= memory_rows(work, base, adapters, args.configs, batch, size)
+    print(f"forward: vramd base {v['base forward']:.4f} s, with an adapter fused {v['adapted forward']:.4f} s "
+          f"({v['adapted forward'] / v['base forward']:.2f}x), unfused {v['unfused forward']:.4f} s "
+          f"({v['unfused forward'] / v['base forward']:.2f}x); peft base {p['base forward']:.4f} s, unfused "
+          f"{p['unfused forward']:.4f} s ({p['unfused forward'] / p['base forward']:.2f}x)")
+    print(f"forward as the daemon counts it: base {v['base daemon']:.4f} s, fused {v['adapted daemon']:.4f} s "
+          f"({v['adapted daemon'] / v['base daemon']:.2f}x), unfused {v['unfused daemon']:.4f} s "
+          f"({v['unfused daemon'] / v['base daemon']:.2f}x)")
+    return errors | {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
+                     if isinstance(val, (int, float))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="/tmp/vramd-bench-lora")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--tokens", type=int, default=32, help="the LLaMA's sequence")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--configs", type=int, default=3, help="configs with adapters of their own over one base")
+    parser.add_argument("--device", default="cpu", help="where every contender computes (cpu, cuda:0)")
+    parser.add_argument("--only", default="unet,llama,memory",
+                        help="the parts, comma-separated: the UNet's rows, the LLaMA's, its host memory rows")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    parts = set(args.only.split(","))
+    if not parts or parts - {"unet", "llama", "memory"}:
+        parser.error(f"--only takes unet, llama and memory, comma-separated, not {args.only!r}")
+    if "memory" in parts and args.device != "cpu":
+        parser.error("--only memory: the host memory rows are measured with the models on the cpu alone")
+    torch.set_num_threads(torch.get_num_threads())
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    figures = {"device": args.device}
+    if torch.device(args.device).type == "cuda":
+        figures["gpu"] = torch.cuda.get_device_name(args.device)
+    if "unet" in parts:
+        figures |= unet_rows(work, args.rank, args.repeat, args.device)
+    if "llama" in parts:
+        figures |= llama_rows(work, args)
+    if "memory" in parts:
+        base, adapters = make(work, args.layers, args.rank, args.vocab)
+        figures |= memory_rows(work, base, adapters, args.configs, inputs(args.tokens, args.vocab), stored_bytes(base))
     if args.json:
-        figures |= {k: val for k, val in {**{f"vramd {k}": x for k, x in v.items()}, **{f"peft {k}": x for k, x in p.items()}}.items()
-                    if isinstance(val, (int, float))}
         Path(args.json).write_text(json.dumps(figures, indent=2))
 
 

@@ -125,8 +125,18 @@ def test_gpu_check_on_the_cpu_runs_what_it_can_and_names_every_skip(tmp_path):
             f"On cpu, LLaMA-shaped {loaders['checkpoint_bytes'] / 2**30:.2f} GiB bfloat16; the disk's read bound {bound:.2f} GB/s.\n\n"
             "- skipped copy_bound: no CUDA device: the pinned host-to-GPU copy bound\n"
             "- skipped fast_loaders: no CUDA device: instanttensor, runai-model-streamer and fastsafetensors to a GPU\n") in report, report
+    # The lora step on the CPU: its wiring (a LLaMA of one layer, the small UNet), every output
+    # its witness's (peft's merge_and_unload, diffusers' fuse_lora) to float32 rounding.
+    lora = json.loads((out / "lora.json").read_text())
+    assert lora["device"] == "cpu" and lora["vramd unfused daemon"] > 0 and lora["unet vramd clients switch alone"] > 0, lora
+    errors = {name: error for name, error in lora.items() if " error " in name}
+    assert len(errors) == 11 and max(errors.values()) < 1e-5, errors
+    section = report.split("## Switching LoRA adapters (bench/lora.py)\n")[1].split("\n## ")[0]
+    for line in ("- vramd Client.set_loras, clients apply ", "- vramd's unfused switch against the fastest other way ",
+                 "- forward as the daemon counts it: base "):
+        assert line in section, section
     for log in ("catch2.log", "catch2.xml", "tests.log", "tests.xml", "bench.log", "environment.txt", "moe.log",
-                "update.log", "manage.log", "hooks.log", "sd15.log", "loaders.log"):
+                "update.log", "manage.log", "hooks.log", "lora.log", "sd15.log", "loaders.log"):
         assert (out / log).exists(), log
     assert not list(temporary.glob("vramd-*")), list(temporary.iterdir())  # the daemon's socket folder, say
 
@@ -213,7 +223,7 @@ def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
     refused = subprocess.run(check + ["--steps", "update,bench", tmp_path / "refused"], capture_output=True, text=True,
                              timeout=60)
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert "--steps names no step: bench (steps: tests,manage,update,sd15,moe,loaders,gpu)" in refused.stderr
+    assert "--steps names no step: bench (steps: tests,manage,update,lora,loaders,sd15,moe,gpu)" in refused.stderr
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "out"
     out.mkdir()
@@ -224,6 +234,7 @@ def test_gpu_check_runs_the_steps_named_and_says_which_it_did_not(tmp_path):
     assert report.startswith("# vramd GPU check: passed"), report
     assert "- the updated model's logits equal a fresh load of the new checkpoint" in report, report
     for title in ("CUDA tests", "A managed module (bench/manage.py, bench/hooks.py)", "Mixture of experts (bench/moe.py)",
+                  "Switching LoRA adapters (bench/lora.py)",
                   "A new process's first output, Stable Diffusion 1.5's UNet (bench/manage.py)",
                   "The fastest loaders onto the device (bench/gpu.py's fast_loaders)", "Benchmarks (bench/gpu.py)"):
         assert f"## {title}\n\n- not run (--steps update)\n" in report, report
