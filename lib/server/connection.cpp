@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 
 #include "server/boundary.hpp"
 #include "server/reply.hpp"
@@ -65,60 +67,63 @@ void Connection::close() {
   uv_close(reinterpret_cast<uv_handle_t*>(&timer_), on_closed);
 }
 
-std::string Connection::head(int status, std::string_view content_type, size_t length, bool chunked) const {
-  std::string head;
-  head.reserve(128);
-  head.append("HTTP/1.1 ").append(std::to_string(status)).append(" ").append(status_text(status));
-  head.append("\r\nContent-Type: ").append(content_type).append("\r\n");
-  if (chunked) head.append("Transfer-Encoding: chunked\r\n");
-  else head.append("Content-Length: ").append(std::to_string(length)).append("\r\n");
-  if (!keep_alive_) head.append("Connection: close\r\n");
-  return head.append("\r\n");
+Connection::Head& Connection::Head::operator<<(std::string_view text) {
+  if (text.size() > text_.size() - size_) throw std::logic_error("a response's head over " + std::to_string(text_.size()) + " bytes");
+  std::memcpy(text_.data() + size_, text.data(), text.size());
+  size_ += text.size();
+  return *this;
+}
+
+Connection::Head Connection::head(int status, std::string_view content_type, size_t length, bool chunked) const {
+  char number[24];
+  const auto text = [&](auto n) { return std::string_view(number, std::to_chars(number, number + sizeof number, n).ptr); };
+  Head head;
+  head << "HTTP/1.1 " << text(status) << " " << status_text(status) << "\r\nContent-Type: " << content_type << "\r\n";
+  if (chunked) head << "Transfer-Encoding: chunked\r\n";
+  else head << "Content-Length: " << text(length) << "\r\n";
+  if (!keep_alive_) head << "Connection: close\r\n";
+  head << "\r\n";
+  return head;
 }
 
 void Connection::write_head(int status, std::string_view content_type, size_t length, bool chunked) {
-  write_raw(head(status, content_type, length, chunked));
+  write_raw({}, head(status, content_type, length, chunked).text());
 }
 
 void Connection::write_response(int status, std::string_view content_type, std::string body) {
-  std::string line = head(status, content_type, body.size(), false);
-  write_raw(std::move(body), std::move(line));
+  const Head line = head(status, content_type, body.size(), false);
+  write_raw(std::move(body), line.text());
 }
 
-void Connection::write_raw(std::string data, std::string head) {
+void Connection::write_raw(std::string data, std::string_view head) {
   if (closing_ || (data.empty() && head.empty())) return;
-  auto* request = new WriteRequest{{}, std::move(head), std::move(data)};
-  // uv_buf_t holds an unsigned length: 1 GiB pieces. An answer under 3 GiB needs no vector.
-  constexpr size_t kPiece = size_t{1} << 30;
-  const size_t pieces = !request->head.empty() + (request->data.size() + kPiece - 1) / kPiece;
+  // Written now where the socket takes it all (an answer of a few kilobytes nearly always):
+  // uv_write would finish it on the loop's next turn, and stop watching for room to write then,
+  // an epoll change each answer. What it does not take is queued after it. A failure is left
+  // to uv_write to report, on the loop's next turn: callers go on with the connection as it is.
+  constexpr size_t kPiece = size_t{1} << 30;  // uv_buf_t holds an unsigned length: 1 GiB pieces
+  size_t written = 0;
+  if (unsent() == 0 && data.size() < kPiece) {
+    std::array<uv_buf_t, 2> now;
+    unsigned n = 0;
+    if (!head.empty()) now[n++] = uv_buf_init(const_cast<char*>(head.data()), static_cast<unsigned>(head.size()));
+    if (!data.empty()) now[n++] = uv_buf_init(data.data(), static_cast<unsigned>(data.size()));
+    written = static_cast<size_t>(std::max(0, uv_try_write(stream(), now.data(), n)));
+    if (written == head.size() + data.size()) return;
+  }
+  const size_t from_head = std::min(written, head.size());
+  auto* request = new WriteRequest{{}, std::string(head.substr(from_head)), std::move(data)};
+  const size_t from_data = written - from_head;
+  // An answer under 3 GiB needs no vector.
+  const size_t left = request->data.size() - from_data;
+  const size_t pieces = !request->head.empty() + (left + kPiece - 1) / kPiece;
   std::array<uv_buf_t, 4> few;
   std::vector<uv_buf_t> many(pieces > few.size() ? pieces : 0);
   uv_buf_t* bufs = many.empty() ? few.data() : many.data();
   size_t n = 0;
   if (!request->head.empty()) bufs[n++] = uv_buf_init(request->head.data(), static_cast<unsigned>(request->head.size()));
-  for (size_t at = 0; at < request->data.size(); at += kPiece)
+  for (size_t at = from_data; at < request->data.size(); at += kPiece)
     bufs[n++] = uv_buf_init(request->data.data() + at, static_cast<unsigned>(std::min(request->data.size() - at, kPiece)));
-  // Written now where the socket takes it all (an answer of a few kilobytes nearly always):
-  // uv_write would finish it on the loop's next turn, and stop watching for room to write then,
-  // an epoll change each answer. What it does not take is queued after it. A failure is left
-  // to uv_write to report, on the loop's next turn: callers go on with the connection as it is.
-  if (unsent() == 0) {
-    int written = std::max(0, uv_try_write(stream(), bufs, static_cast<unsigned>(n)));
-    for (size_t i = 0; written > 0; ++i) {
-      const auto taken = std::min<size_t>(bufs[i].len, static_cast<size_t>(written));
-      bufs[i].base += taken;
-      bufs[i].len -= static_cast<unsigned>(taken);
-      written -= static_cast<int>(taken);
-    }
-    while (n > 0 && bufs[0].len == 0) {
-      ++bufs;
-      --n;
-    }
-    if (n == 0) {
-      delete request;
-      return;
-    }
-  }
   request->req.data = this;
   if (uv_write(&request->req, stream(), bufs, static_cast<unsigned>(n), on_written) != 0) {
     delete request;

@@ -4,6 +4,7 @@
 
 #include <uv.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,8 +51,9 @@ class Connection {
   // The Exchange's side.
   void write_head(int status, std::string_view content_type, size_t length, bool chunked);
   // `data`, after `head` where there is one, in one write (one writev: a response's head and body
-  // in one system call, the client woken once).
-  void write_raw(std::string data, std::string head = {});
+  // in one system call, the client woken once). What the socket takes at once costs no
+  // allocation; what it does not is copied (`head`) or moved (`data`) into the queued write.
+  void write_raw(std::string data, std::string_view head = {});
   // A whole response: its head and `body` in one write.
   void write_response(int status, std::string_view content_type, std::string body);
   std::shared_ptr<Channel> upgrade(const std::string& bytes, const std::vector<int>& fds, std::function<void()> on_end,
@@ -69,7 +71,17 @@ class Connection {
     uv_write_t req;
     std::string head, data;
   };
-  std::string head(int status, std::string_view content_type, size_t length, bool chunked) const;
+  // A response's status line and headers, written in place (every answer makes one).
+  class Head {
+   public:
+    Head& operator<<(std::string_view text);
+    std::string_view text() const { return {text_.data(), size_}; }
+
+   private:
+    std::array<char, 256> text_;
+    size_t size_ = 0;
+  };
+  Head head(int status, std::string_view content_type, size_t length, bool chunked) const;
 
   // The connection's one deadline (idle, or a request's), `timeout` from the loop's now. A
   // request moves it several times; the timer is restarted only to fire sooner, and one that

@@ -338,18 +338,16 @@ class Daemon {
     job.reserve = {{device->str(), value["bytes"].get<uint64_t>()}};
   }
 
-  // The memfds connections keep for their clients' updates, with what each holds mapped.
-  json kept_memfds() const {
-    json list = json::array();
+  // Calls `each(memfd, held)` for each memfd connections keep for their clients' updates that
+  // holds bytes mapped (`held`: what, and the GPUs it is page-locked for).
+  template <class Each>
+  void each_kept_memfd(Each each) const {
     for (const auto& weak : kept_) {
       const auto kept = weak.lock();
       if (!kept) continue;
       const auto held = kept->held();
-      if (held.bytes)
-        list.push_back({{"model", kept->model}, {"pid", kept->pid}, {"bytes", held.bytes},
-                        {"page_locked", held.page_locked}});
+      if (held.bytes) each(*kept, held);
     }
-    return list;
   }
 
   json models() const {
@@ -370,7 +368,13 @@ class Daemon {
     write_devices(out, registry_.devices(charges));
     out.key("models").array();
     for (const Entry* e : registry_.entries()) write_summary(out, *e, charges.at(e->name));
-    out.end().field("connections", server_.connections()).field("kept_memfds", kept_memfds()).end();
+    out.end().field("connections", server_.connections()).key("kept_memfds").array();
+    each_kept_memfd([&](const auto& kept, const auto& held) {
+      out.object().field("model", kept.model).field("pid", kept.pid).field("bytes", held.bytes).key("page_locked").array();
+      for (const auto& device : held.page_locked) out.value(device);
+      out.end().end();
+    });
+    out.end().end();
     text += '\n';
     return text;
   }
@@ -433,9 +437,9 @@ class Daemon {
           out << "vramd_lease_peak_bytes{model=\"" << label(e->name) << "\",pid=\"" << lease.pid << "\"} " << *lease.peak << '\n';
     out << "# HELP vramd_kept_memfd_bytes Bytes of memfds the daemon keeps mapped for clients' updates, by model and "
            "pid.\n# TYPE vramd_kept_memfd_bytes gauge\n";
-    for (const auto& kept : kept_memfds())
-      out << "vramd_kept_memfd_bytes{model=\"" << label(kept["model"].get<std::string>()) << "\",pid=\"" << kept["pid"]
-          << "\"} " << kept["bytes"] << '\n';
+    each_kept_memfd([&](const auto& kept, const auto& held) {
+      out << "vramd_kept_memfd_bytes{model=\"" << label(kept.model) << "\",pid=\"" << kept.pid << "\"} " << held.bytes << '\n';
+    });
     return out.str();
   }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 #include "server/reply.hpp"
 
@@ -13,21 +15,22 @@ void JsonOut::separate() {
     keyed_ = false;
     return;
   }
-  if (open_.empty()) return;
-  if (!open_.back().empty) out_ += ',';
-  open_.back().empty = false;
+  if (depth_ == 0) return;
+  Open& in = open_[depth_ - 1];
+  if (!in.empty) out_ += ',';
+  in.empty = false;
 }
 
 JsonOut& JsonOut::open(char bracket) {
+  if (depth_ == open_.size()) throw std::logic_error("JsonOut: more than " + std::to_string(open_.size()) + " levels open");
   separate();
   out_ += bracket;
-  open_.push_back({bracket == '{' ? '}' : ']', true});
+  open_[depth_++] = {bracket == '{' ? '}' : ']', true};
   return *this;
 }
 
 JsonOut& JsonOut::end() {
-  out_ += open_.back().close;
-  open_.pop_back();
+  out_ += open_[--depth_].close;
   return *this;
 }
 

@@ -7,6 +7,7 @@
 //   out.object().field("name", "m").key("leases").array().value(1).end().end();
 #pragma once
 
+#include <array>
 #include <charconv>
 #include <concepts>
 #include <cstdint>
@@ -20,7 +21,7 @@ namespace vramd::server {
 
 class JsonOut {
  public:
-  explicit JsonOut(std::string& out) : out_(out) { open_.reserve(16); }
+  explicit JsonOut(std::string& out) : out_(out) {}
 
   JsonOut& object() { return open('{'); }
   JsonOut& array() { return open('['); }
@@ -55,7 +56,10 @@ class JsonOut {
     char close;  // '}' or ']'
     bool empty;  // nothing in it yet
   };
-  std::vector<Open> open_;
+  // The objects and arrays open, innermost last: held in place (a status request makes one
+  // JsonOut), as deep as any shape the daemon writes and more.
+  std::array<Open, 32> open_;
+  size_t depth_ = 0;
   bool keyed_ = false;       // a key was written; its value comes next
 };
 

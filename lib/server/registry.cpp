@@ -75,11 +75,9 @@ Entry* Registry::find(const std::string& name) {
   return it == entries_.end() ? nullptr : it->second.get();
 }
 
-std::vector<const Entry*> Registry::entries() const {
-  std::vector<const Entry*> out;
-  out.reserve(entries_.size());
-  for (const auto& [name, entry] : entries_) out.push_back(entry.get());
-  return out;
+void Registry::relist() {
+  listed_.clear();
+  for (const auto& [name, entry] : entries_) listed_.push_back(entry.get());
 }
 
 Entry& Registry::add_entry(const std::string& name) {
@@ -89,7 +87,9 @@ Entry& Registry::add_entry(const std::string& name) {
   entry->keep_alive_timer = new uv_timer_t;
   uv_timer_init(loop_, entry->keep_alive_timer);
   entry->keep_alive_timer->data = entry.get();
-  return *(entries_[name] = std::move(entry));
+  Entry& added = *(entries_[name] = std::move(entry));
+  relist();
+  return added;
 }
 
 void Registry::drop_entry(Entry& entry) {
@@ -104,6 +104,7 @@ void Registry::drop_entry(Entry& entry) {
   const json removed = {{"name", entry.name}, {"state", "removed"}};
   const auto watchers = std::move(entry.removal_watchers);
   entries_.erase(entry.name);
+  relist();
   for (const auto& watcher : watchers) {  // once it is gone, its converter's file too
     Job asked(Job::Kind::Unload, watcher);
     answer(asked, 200, removed);
@@ -377,6 +378,7 @@ void Registry::close() {
     uv_close(reinterpret_cast<uv_handle_t*>(e->keep_alive_timer), [](uv_handle_t* h) { delete reinterpret_cast<uv_timer_t*>(h); });
   }
   entries_.clear();
+  listed_.clear();
   const auto close_and_delete = [](auto*& handle) {
     if (!handle) return;
     uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) { delete reinterpret_cast<std::remove_reference_t<decltype(*handle)>*>(h); });

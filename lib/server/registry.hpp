@@ -59,7 +59,9 @@ class Registry {
   void scan(bool force, std::function<void()> done = {});
 
   Entry* find(const std::string& name);
-  std::vector<const Entry*> entries() const;
+  // Every entry, in name order: kept beside them, so that asking allocates nothing (a status
+  // request asks three times). Adding or dropping an entry changes it.
+  const std::vector<const Entry*>& entries() const { return listed_; }
 
   // Requests; each answers its exchange.
   void submit(Entry& entry, Job job);
@@ -90,6 +92,7 @@ class Registry {
   void apply(ConfigFile file);
   Entry& add_entry(const std::string& name);
   void drop_entry(Entry& entry);
+  void relist();  // listed_ from entries_, after either changes
   // `base`'s config changes or goes: the models derived from it go too, once their work and
   // leases end (as a model whose file is gone does).
   void retire_derived(const Entry& base);
@@ -148,6 +151,7 @@ class Registry {
   uv_fs_event_t* watcher_ = nullptr;
   uv_timer_t* debounce_ = nullptr;
   std::map<std::string, std::unique_ptr<Entry>> entries_;  // by name
+  std::vector<const Entry*> listed_;                       // entries_' values, in its order (relist)
   bool shutting_down_ = false;
   size_t validations_in_flight_ = 0;
   bool rescan_after_drop_ = false;

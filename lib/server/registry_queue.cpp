@@ -36,7 +36,7 @@ bool Registry::make_room(Entry& entry, const std::string& device, uint64_t need,
   // Values being freed still hold their pages (counted in `use`): wait for them rather than evict for them.
   if (on(releasing_, device) && on(use, device) + need > budget->second) return false;
   std::vector<Holder> holders;
-  const std::vector<const Entry*> all = entries();
+  const std::vector<const Entry*>& all = entries();
   const uint64_t shared = device == "cpu" ? shared_views(all) : 0;
   // What evicting another frees, once the entry holds the views `after` its job.
   model::FileSpans now = std::exchange(entry.views, after);

@@ -83,6 +83,7 @@ const http_parser_settings& RequestParser::settings() {
     s.on_message_begin = [](http_parser* parser) {
       auto* self = of(parser);
       self->request_ = Request{};
+      self->request_.headers.reserve(8);  // one allocation for a request's few headers
       self->url_.clear();
       self->header_bytes_ = 0;
       self->last_was_value_ = false;

@@ -1,19 +1,29 @@
 #include "server/routes.hpp"
 
 #include <array>
-#include <vector>
+#include <string_view>
 
 #include "util/format.hpp"
 
 namespace vramd::server {
 namespace {
 
-std::vector<std::string> split_path(const std::string& path) {
-  std::vector<std::string> parts;
+// A path's parts between its slashes (empty ones skipped), as views of it: the first five (no
+// route has more), and how many there are. Made for every request: it allocates nothing.
+struct Parts {
+  std::array<std::string_view, 5> at;
+  size_t count = 0;
+  size_t size() const { return count; }
+  bool empty() const { return count == 0; }
+  std::string_view operator[](size_t i) const { return at[i]; }
+};
+
+Parts split_path(std::string_view path) {
+  Parts parts;
   for (size_t start = 0; start <= path.size();) {
     size_t end = path.find('/', start);
-    if (end == std::string::npos) end = path.size();
-    if (end > start) parts.push_back(path.substr(start, end - start));
+    if (end == std::string_view::npos) end = path.size();
+    if (end > start && parts.count++ < parts.at.size()) parts.at[parts.count - 1] = path.substr(start, end - start);
     start = end + 1;
   }
   return parts;
@@ -62,7 +72,7 @@ Route route(const Request& request) {
     if (request.method != "GET" && request.method != "DELETE")
       return refused(405, "model", what() + ": use GET (or DELETE, to remove a derived model)");
     Route model = to(request.method == "GET" ? Route::Kind::Model : Route::Kind::Remove, request.method == "GET" ? "model" : "remove");
-    model.model = parts[2];
+    model.model = std::string(parts[2]);
     return model;
   }
   for (const char* action : kActions) {
@@ -72,7 +82,7 @@ Route route(const Request& request) {
     Route route = parts[3] == "plan" ? only("GET", to(Route::Kind::Action, action))
                   : get_too          ? to(Route::Kind::Action, action)
                                      : only("POST", to(Route::Kind::Action, action));
-    route.model = parts[2];
+    route.model = std::string(parts[2]);
     route.action = action;
     return route;
   }

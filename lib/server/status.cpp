@@ -169,7 +169,7 @@ void write_views(Out& out, const Entry& e) {
   out.object().field("bytes", e.views.bytes()).field("copies", e.views.named(weights::kCopySpan).bytes());
   out.key("with").array();
   if (e.registry) {
-    const std::vector<const Entry*> all = e.registry->entries();
+    const std::vector<const Entry*>& all = e.registry->entries();
     for (const Entry* other : all)
       if (other != &e && e.views.overlap(other->views)) out.value(other->name);
     shared = viewed_by_others(e.views, all, &e);

@@ -59,6 +59,16 @@ TEST_CASE("JsonOut and JsonTree write a lone value and nested empties") {
   CHECK(tree.take() == nlohmann::json::parse("[[],{}]"));
 }
 
+TEST_CASE("JsonOut holds 32 levels open in place and refuses a 33rd") {
+  std::string written;
+  JsonOut out(written);
+  for (int i = 0; i < 32; ++i) out.array();
+  CHECK_THROWS_WITH(out.array(), "JsonOut: more than 32 levels open");
+  for (int i = 0; i < 32; ++i) out.end();
+  CHECK(written == std::string(32, '[') + std::string(32, ']'));
+  CHECK(nlohmann::json::parse(written).is_array());
+}
+
 TEST_CASE("JsonOut writes a double as text that reads back as the same float") {
   for (const double d : {0.0, -0.0, 1.0, 1e15, 1e16, 123456.789, 0.025618684, 5e-324, 1.7976931348623157e308,
                          -3.0, 2.5e-7, 4503599627370497.0}) {
