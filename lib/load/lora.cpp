@@ -505,6 +505,7 @@ std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, con
   update.in_place = true;  // values of this update's own, which nothing else changes
   update.room = space.room;
   update.shared_in_place = space.shared_in_place;
+  update.shared = space.shared;
   std::vector<std::pair<weights::Assignment*, std::shared_ptr<const weights::Patch>>> changes;
   for (auto& assignment : assignments) {
     const auto it = set.patches.find(assignment.parameter);

@@ -137,6 +137,7 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
   update.adopt = shared != nullptr;
   update.room = space.room;
   update.shared_in_place = space.shared_in_place;
+  update.shared = space.shared;
   update.check = std::move(before_write);
   return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only), std::move(update));
 }
@@ -199,6 +200,7 @@ UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConf
   weights::WeightUpdate update;
   update.room = space.room;
   update.shared_in_place = space.shared_in_place;
+  update.shared = space.shared;
   update.check = [&map, &where] {
     try {
       map.check_mappings();

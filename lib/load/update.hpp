@@ -34,6 +34,7 @@ struct UpdateReport {
 struct UpdateSpace {
   std::map<std::string, uint64_t> room;
   bool shared_in_place = false;
+  std::function<void(std::shared_ptr<weights::SharedRegion>)> shared;  // weights::WeightUpdate::shared
 };
 
 // New values for some of a loaded, awake model's weights, checked whole (every name a

@@ -272,13 +272,22 @@ std::vector<std::string> page_lock(KeptMemfd::State& kept, const std::map<std::s
   return locked;
 }
 
+// Where an update's values may go: `room` by device, the GPU regions in place (`shared_in_place`),
+// and, once the model has been leased on the host, a region of their own that the next lease
+// hands on as it is (weights::WeightUpdate::shared).
+load::UpdateSpace update_space(weights::LeaseMemory& memory, const std::map<std::string, uint64_t>& room, bool shared_in_place) {
+  load::UpdateSpace space{room, shared_in_place, {}};
+  if (memory.leased_on_host()) space.shared = [&memory](std::shared_ptr<weights::SharedRegion> region) { memory.adopt(region); };
+  return space;
+}
+
 }  // namespace
 
 Runtime::Updated Runtime::update(std::string_view safetensors, const std::string& path, const std::string& memfd,
                                  const std::map<std::string, uint64_t>& room, bool shared_in_place,
                                  KeptMemfd* kept) {
   const auto start = std::chrono::steady_clock::now();
-  const load::UpdateSpace space{room, shared_in_place};
+  const load::UpdateSpace space = update_space(impl_->lease_memory, room, shared_in_place);
   if (impl_->offloaded) onload();
   load::UpdateReport report;
   Updated updated;
@@ -361,7 +370,8 @@ Runtime::Updated Runtime::set_loras(const std::vector<config::LoraConfig>& loras
   load::UpdateReport report;
   Updated updated;
   try {
-    updated.adapters = load::switch_loras(impl_->loaded, impl_->config, loras, {room, shared_in_place}, report);
+    updated.adapters = load::switch_loras(impl_->loaded, impl_->config, loras,
+                                                 update_space(impl_->lease_memory, room, shared_in_place), report);
   } catch (const load::BadUpdate& e) {
     throw BadInput(e.what());
   } catch (const weights::NotUpdatable& e) {

@@ -74,6 +74,10 @@ struct Manifest {
 ManagedPlan managed_plan(const model::Model& model, const Source& source, const config::ModelConfig& config);
 
 // The shared memory of one loaded model, kept beside it for as long as it is loaded.
+// Of each weight packed into a region (LeaseMemory::share, an update's values: WeightUpdate::shared).
+inline constexpr uint64_t kRegionAlignment = 64;
+inline uint64_t region_aligned(uint64_t n) { return (n + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment; }
+
 class LeaseMemory {
  public:
   // Moves every weight that is neither in a region made before nor a view of a checkpoint into
@@ -85,10 +89,14 @@ class LeaseMemory {
   // A region whose pages the model's weights may now lie in (a client's memfd, SharedRegion::adopt),
   // shared as it is while any of them does.
   void adopt(const std::shared_ptr<SharedRegion>& region);
+  // Whether a lease on the host has been made of the model: its updates then write their host
+  // values into regions of their own (WeightUpdate::shared), which the next lease hands on.
+  bool leased_on_host() const { return leased_on_host_; }
 
  private:
   Manifest share_cuda(weights::LoadedModel& loaded, const std::string& name, const config::Device& device);
   std::vector<std::weak_ptr<SharedRegion>> regions_;
+  bool leased_on_host_ = false;
   std::vector<std::weak_ptr<cuda::VmmRegion>> cuda_regions_;
 };
 

@@ -15,10 +15,6 @@
 namespace vramd::weights {
 namespace {
 
-constexpr uint64_t kAlignment = 64;  // of each weight packed into a region
-
-uint64_t align_up(uint64_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
-
 // The bytes a strided tensor spans from its first element.
 uint64_t extent(const at::Tensor& t) {
   if (t.numel() == 0) return 0;
@@ -34,7 +30,7 @@ const at::Tensor& value_of(const model::Parameter& p) { return p.tied ? p.tied->
 using Placement = std::pair<size_t, uint64_t>;
 
 // The weights `placed` finds no place for (tied ones and those without elements aside), and
-// their bytes packed at kAlignment.
+// their bytes packed at kRegionAlignment.
 template <typename Placed>
 std::pair<std::vector<model::Parameter*>, uint64_t> unplaced(const weights::LoadedModel& loaded, const Placed& placed) {
   std::vector<model::Parameter*> params;
@@ -42,7 +38,7 @@ std::pair<std::vector<model::Parameter*>, uint64_t> unplaced(const weights::Load
   for (auto* p : loaded.model->parameters()) {
     if (p->tied || !p->value.defined() || p->value.is_meta() || p->value.numel() == 0 || placed(p->value)) continue;
     params.push_back(p);
-    bytes += align_up(p->value.nbytes());
+    bytes += region_aligned(p->value.nbytes());
   }
   return {std::move(params), bytes};
 }
@@ -82,6 +78,7 @@ void describe(const weights::LoadedModel& loaded, const std::string& name, Manif
 Manifest LeaseMemory::share(weights::LoadedModel& loaded, const std::string& name, const config::Device& device) {
   loaded.weights->check_leasable(name, device.str());
   if (!device.is_cpu()) return share_cuda(loaded, name, device);
+  leased_on_host_ = true;
   const auto& map = loaded.source->map;
   std::vector<std::shared_ptr<SharedRegion>> regions;
   for (const auto& weak : regions_)
@@ -112,7 +109,7 @@ Manifest LeaseMemory::share(weights::LoadedModel& loaded, const std::string& nam
       const at::Tensor source = p->value.contiguous();
       std::memcpy(region->writable() + at, source.const_data_ptr(), source.nbytes());
       offsets.push_back(at);
-      at += align_up(source.nbytes());
+      at += region_aligned(source.nbytes());
     }
     region->seal();
     for (size_t i = 0; i < to_pack.size(); ++i) {
@@ -205,7 +202,7 @@ Manifest LeaseMemory::share_cuda(weights::LoadedModel& loaded, const std::string
                               .target_device(p->value.device())
                               .make_tensor();
       placed.copy_(p->value);
-      at += align_up(p->value.nbytes());
+      at += region_aligned(p->value.nbytes());
       p->value = std::move(placed);
     }
     at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(device.index));  // in place before a client reads

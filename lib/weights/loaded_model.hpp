@@ -10,6 +10,7 @@
 
 namespace vramd::weights {
 
+class SharedRegion;
 struct Source;
 class Weights;
 

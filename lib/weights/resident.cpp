@@ -1,6 +1,7 @@
 #include "weights/resident.hpp"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <map>
@@ -18,6 +19,7 @@
 #include "util/format.hpp"
 #include "weights/copy_key.hpp"
 #include "weights/lease.hpp"
+#include "weights/shared_region.hpp"
 #include "weights/source.hpp"
 
 namespace vramd::weights {
@@ -391,15 +393,35 @@ void ResidentWeights::update(const std::string& model, const WeightUpdate& updat
     const auto held = update.room.find(device);
     if (held == update.room.end() || held->second < bytes) throw UpdateNeedsRoom(room);
   }
+  // Host values beside the old ones in one new region, where the model is leased on the host
+  // (WeightUpdate::shared): written through its writable mapping, computed with through the
+  // read-only one once it is sealed.
+  std::vector<uint64_t> offsets(values.size());
+  uint64_t packed = 0;
+  for (size_t i = 0; i < values.size(); ++i)
+    if (update.shared && beside[i] && values[i].first->value.is_cpu())
+      offsets[i] = std::exchange(packed, packed + region_aligned(values[i].first->value.nbytes()));
+  const auto region = packed ? SharedRegion::create(packed, "vramd:" + model) : nullptr;
+  const auto in_region = [&](size_t i) { return region && beside[i] && values[i].first->value.is_cpu(); };
   std::vector<at::Tensor> fresh(values.size());
   std::vector<std::pair<at::Tensor, at::Tensor>> writes;
   for (size_t i = 0; i < values.size(); ++i) {
     const at::Tensor& now = values[i].first->value;
-    if (beside[i]) writes.emplace_back(fresh[i] = at::empty(now.sizes(), now.options()), sources[i]);
+    if (in_region(i))
+      writes.emplace_back(fresh[i] = at::from_blob(region->writable() + offsets[i], now.sizes(), now.options()), sources[i]);
+    else if (beside[i])
+      writes.emplace_back(fresh[i] = at::empty(now.sizes(), now.options()), sources[i]);
   }
   write_values(writes);
   if (update.check) update.check();
   writes.clear();
+  if (region) {
+    region->seal();
+    for (size_t i = 0; i < values.size(); ++i)
+      if (in_region(i))
+        fresh[i] = at::from_blob(const_cast<std::byte*>(region->data() + offsets[i]), fresh[i].sizes(), [region](void*) {},
+                                 fresh[i].options());
+  }
   for (size_t i = 0; i < values.size(); ++i) {
     at::Tensor& now = values[i].first->value;
     if (fresh[i].defined()) {
@@ -411,6 +433,7 @@ void ResidentWeights::update(const std::string& model, const WeightUpdate& updat
     updated_.insert(values[i].first);
   }
   write_values(writes);
+  if (region) update.shared(region);
 }
 
 std::shared_ptr<void> ResidentWeights::take_replaced(std::map<std::string, uint64_t>& bytes) {

@@ -30,6 +30,7 @@ struct LoadOptions;
 
 namespace vramd::weights {
 
+class SharedRegion;
 struct Source;
 
 // One change of the bytes on the computation device, for plotting a forward.
@@ -72,6 +73,11 @@ struct WeightUpdate {
   // Bytes by device ("cpu", "cuda:0") the budget holds for fresh memory. Where the values need
   // more, the update throws UpdateNeedsRoom saying how much, before it allocates any.
   std::map<std::string, uint64_t> room;
+  // Where set (the model has been leased on the host: server::Runtime), host values written
+  // beside the old ones go into one new sealed region in place of fresh memory of the daemon's
+  // own, given to `shared` once the weights hold them, so that the next lease hands that region
+  // on where it would copy them into one of its own (LeaseMemory::adopt). ResidentWeights does so.
+  std::function<void(std::shared_ptr<SharedRegion>)> shared;
   // Called once every value has been read, before any weight takes one; throws to leave them
   // as they were (a checkpoint cut short under its mapping: storage::MappingLost).
   std::function<void()> check;

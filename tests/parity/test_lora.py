@@ -764,6 +764,38 @@ def test_a_weights_model_served_unfused_leaves_its_adapters_to_the_clients_that_
         assert cpu["used"] < cpu["models"]["first"] + cpu["models"]["second"], cpu
 
 
+def memfd_inodes(pid, name):
+    """The inodes of the memfds named `name` that process `pid` maps."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {int(line.split()[4]) for line in lines if f"/memfd:{name} " in line + " "}
+
+
+def test_a_leased_models_switch_writes_its_adapted_weights_into_a_region_the_next_lease_hands_on(unet, tmp_path):
+    """A "weights" model fused in the daemon, followed by a managed module: the switch writes the
+    weights it adapts into one new sealed region, and the new version's lease hands that region
+    on as it is, where it would pack them into a region of its own (a copy of each)."""
+    import vramd
+    d = Daemon(tmp_path / "daemon")
+    files, expected = unet["files"], unet["expected"]
+    (d.models / "fused.toml").write_text(unet["served"] + f'[[lora]]\npath = "{files[0]}"\nscale = 0.5\n')
+    module = managed_unet()
+    with d.start(), vramd.connect(d.sock) as client, torch.no_grad(), \
+            vramd.manage(module, "fused", client=client, follow=True) as managed:
+        assert hf_models.relative_error(module(*unet["input"]).sample, expected[0]) <= 1e-5
+        daemon, name = d.process.pid, "vramd:fused"
+        leased = memfd_inodes(daemon, name)
+        assert len(leased) == 1, leased
+        answer = client.set_loras("fused", [(files[1], 0.5)])
+        written = memfd_inodes(daemon, name) - leased
+        assert len(written) == 1 and answer["updated"]["tensors"] > 0, (written, answer)
+        assert managed.wait_update(timeout=60) == 2
+        # Handed on as it is, not packed again (the region leased first goes once the module lets it go:
+        # every weight in it was one of the first set's, which the switch replaced).
+        assert memfd_inodes(daemon, name) - leased == written
+        assert written <= memfd_inodes(os.getpid(), name)
+        assert hf_models.relative_error(module(*unet["input"]).sample, expected[1]) <= 1e-5
+
+
 def test_weights_prepared_in_float8_take_the_adapter_before_their_rounding(lora):
     """[vram] preparing in float8, computed in float32: each weight, adapted in float32, is held in
     float8 and cast for its op. Equal, within float32's bound, to peft's merge with every weight
