@@ -503,9 +503,7 @@ std::vector<model::AdapterReport> switch_loras(weights::LoadedModel& loaded, con
   // the new set's terms where it has any (exactly the checkpoint's where it has none).
   weights::WeightUpdate update;
   update.in_place = true;  // values of this update's own, which nothing else changes
-  update.room = space.room;
-  update.shared_in_place = space.shared_in_place;
-  update.shared = space.shared;
+  place(update, space);
   std::vector<std::pair<weights::Assignment*, std::shared_ptr<const weights::Patch>>> changes;
   for (auto& assignment : assignments) {
     const auto it = set.patches.find(assignment.parameter);

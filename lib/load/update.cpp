@@ -20,6 +20,12 @@
 
 namespace vramd::load {
 
+void place(weights::WeightUpdate& update, const UpdateSpace& space) {
+  update.room = space.room;
+  update.shared_in_place = space.shared_in_place;
+  update.shared = space.shared;
+}
+
 using model::Model;
 using model::Parameter;
 using weights::LoadedModel;
@@ -135,9 +141,7 @@ UpdateReport update_from_bytes(LoadedModel& loaded, const config::ModelConfig& c
   weights::WeightUpdate update;
   update.in_place = true;  // bytes that cannot change while they are read
   update.adopt = shared != nullptr;
-  update.room = space.room;
-  update.shared_in_place = space.shared_in_place;
-  update.shared = space.shared;
+  place(update, space);
   update.check = std::move(before_write);
   return apply_update(loaded, config, where, incoming, NameMatcher(*loaded.model, names_only), std::move(update));
 }
@@ -198,9 +202,7 @@ UpdateReport update_from_checkpoint(LoadedModel& loaded, const config::ModelConf
   // The file may be cut short while it is read: the new values go beside the old, and are taken
   // only once every read is whole.
   weights::WeightUpdate update;
-  update.room = space.room;
-  update.shared_in_place = space.shared_in_place;
-  update.shared = space.shared;
+  place(update, space);
   update.check = [&map, &where] {
     try {
       map.check_mappings();

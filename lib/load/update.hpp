@@ -36,6 +36,8 @@ struct UpdateSpace {
   bool shared_in_place = false;
   std::function<void(std::shared_ptr<weights::SharedRegion>)> shared;  // weights::WeightUpdate::shared
 };
+// `update` given where `space` lets its values go (its room, shared_in_place and shared).
+void place(weights::WeightUpdate& update, const UpdateSpace& space);
 
 // New values for some of a loaded, awake model's weights, checked whole (every name a
 // parameter's, every shape its shape, every dtype floating, none twice) before any weight

@@ -12,6 +12,7 @@ namespace vramd::weights {
 
 class SharedRegion;
 struct Source;
+struct WeightUpdate;
 class Weights;
 
 struct LoadedModel {
